@@ -1,0 +1,5 @@
+import sys
+
+from megatron_lol.cli import main
+
+sys.exit(main())
