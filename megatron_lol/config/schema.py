@@ -1,0 +1,391 @@
+"""Typed configuration for every run: model, parallel layout, data, training.
+
+One YAML file maps onto :class:`ExperimentConfig` section by section. Every
+field is validated up front (:meth:`ExperimentConfig.validate`) so that a bad
+value stops the run with a one-line error naming the key *before* any process
+group, dataset or model is built.
+
+Names follow Megatron-LM's arguments where one exists (``hidden_size``,
+``num_attention_heads``, ``ffn_hidden_size``, ``micro_batch_size``,
+``tensor_model_parallel_size``, ...); LoL-specific knobs use the symbols of the
+paper in their docstrings (L, D, W, S).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields, is_dataclass
+from fractions import Fraction
+from typing import Any, Optional
+
+from megatron_lol.cli import CliError
+
+
+class ConfigError(CliError):
+    """A configuration value is invalid; the message names the key."""
+
+
+PLANS = ("lol", "dense", "looped")
+BALANCING = ("loss_free", "aux_loss", "none")
+FILM_MODES = ("off", "depth", "depth_block")
+DENSE_ATTENTION = ("full", "sliding", "strided")
+
+
+@dataclass
+class ModelConfig:
+    """What the network computes (SPEC section 1).
+
+    ``plan`` picks how the stored blocks are executed: ``lol`` routes each
+    window to one of ``num_blocks`` blocks at each of ``routed_depth`` depths;
+    ``dense`` runs ``num_blocks`` distinct blocks in order (``routed_depth`` is
+    ignored, the core depth is ``num_blocks``); ``looped`` cycles through the
+    ``num_blocks`` blocks ``routed_depth / num_blocks`` times (Huginn-style).
+    """
+
+    plan: str = "lol"
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None  # default: SwiGLU 8/3 * h rounded up to 64
+    kv_channels: Optional[int] = None
+    n_prelude: int = 1
+    n_coda: int = 1
+    num_blocks: int = 4  # L: blocks stored in the library
+    routed_depth: int = 4  # D: blocks executed per token in the core
+    window_size: int = 32  # W
+    window_shift: int = 16  # S: depth l is shifted by ((l-1)*S) mod W
+    # dense-plan attention inside the core: full causal, sliding window W, or
+    # LoL's shifted windows with a fixed block per depth ("strided")
+    dense_attention: str = "full"
+    vocab_size: Optional[int] = None  # default: the tokenizer's, padded
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = True
+    rotary_base: float = 10000.0
+    rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    # router (SPEC 1.2)
+    router_tied: bool = True
+    router_noise: bool = True
+    router_noise_clamp: float = 10.0
+    # balancing (SPEC 1.3)
+    balancing: str = "loss_free"
+    bias_update_speed: float = 1e-3
+    bias_clamp: float = 16.0
+    bias_update_stop_fraction: float = 0.966
+    per_depth_bias: bool = False
+    seq_aux_loss_coeff: float = 1e-4
+    aux_loss_coeff: float = 0.02
+    # options (SPEC 1.4)
+    film: str = "off"
+    input_injection: bool = False
+    params_dtype: str = "fp32"  # fp32 | bf16
+    use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    @property
+    def core_depth(self) -> int:
+        """Number of block executions in the core for the full model."""
+        return self.num_blocks if self.plan == "dense" else self.routed_depth
+
+    def validate(self, prefix: str = "model") -> None:
+        _choice(f"{prefix}.plan", self.plan, PLANS)
+        _choice(f"{prefix}.balancing", self.balancing, BALANCING)
+        _choice(f"{prefix}.film", self.film, FILM_MODES)
+        _choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
+        _choice(f"{prefix}.params_dtype", self.params_dtype, ("fp32", "bf16"))
+        _positive(f"{prefix}.hidden_size", self.hidden_size)
+        _positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise ConfigError(
+                f"{prefix}.num_attention_heads: {self.num_attention_heads} does not divide "
+                f"{prefix}.hidden_size={self.hidden_size}"
+            )
+        if self.num_query_groups is not None:
+            _positive(f"{prefix}.num_query_groups", self.num_query_groups)
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError(
+                    f"{prefix}.num_query_groups: {self.num_query_groups} does not divide "
+                    f"num_attention_heads={self.num_attention_heads}"
+                )
+        if self.ffn_hidden_size is not None:
+            _positive(f"{prefix}.ffn_hidden_size", self.ffn_hidden_size)
+        _nonnegative(f"{prefix}.n_prelude", self.n_prelude)
+        _nonnegative(f"{prefix}.n_coda", self.n_coda)
+        _positive(f"{prefix}.num_blocks", self.num_blocks)
+        _positive(f"{prefix}.routed_depth", self.routed_depth)
+        _positive(f"{prefix}.window_size", self.window_size)
+        if not 0 <= self.window_shift < self.window_size:
+            raise ConfigError(
+                f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) "
+                f"(got {self.window_shift})"
+            )
+        if self.plan == "looped" and self.routed_depth % self.num_blocks:
+            raise ConfigError(
+                f"{prefix}.routed_depth: a looped plan needs routed_depth ({self.routed_depth}) "
+                f"to be a multiple of num_blocks ({self.num_blocks})"
+            )
+        if self.vocab_size is not None:
+            _positive(f"{prefix}.vocab_size", self.vocab_size)
+        _positive(f"{prefix}.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        _positive(f"{prefix}.rotary_base", self.rotary_base)
+        _positive(f"{prefix}.rotary_scaling_factor", self.rotary_scaling_factor)
+        _positive(f"{prefix}.init_method_std", self.init_method_std)
+        _nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
+        _positive(f"{prefix}.bias_clamp", self.bias_clamp)
+        if not 0 <= self.bias_update_stop_fraction <= 1:
+            raise ConfigError(
+                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] "
+                f"(got {self.bias_update_stop_fraction})"
+            )
+        _nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
+        _nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
+        _positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
+
+
+@dataclass
+class CurriculumConfig:
+    """Growing depth and truncated backprop through depth (SPEC 1.4)."""
+
+    initial_depth: Optional[int] = None  # D0; None = no growing, full depth from step 0
+    growth_fraction: float = 0.75  # growth period T = growth_fraction * train_iters
+    backprop_depth: Optional[int] = None  # k: only the last k routed depths get gradients
+    first_window_full_backprop: bool = True
+
+    def validate(self, model: ModelConfig, prefix: str = "curriculum") -> None:
+        if self.initial_depth is not None:
+            if not 1 <= self.initial_depth <= model.core_depth:
+                raise ConfigError(
+                    f"{prefix}.initial_depth: must be in [1, {model.core_depth}] "
+                    f"(got {self.initial_depth})"
+                )
+        if not 0 < self.growth_fraction <= 1:
+            raise ConfigError(f"{prefix}.growth_fraction: must be in (0, 1] (got {self.growth_fraction})")
+        if self.backprop_depth is not None:
+            _positive(f"{prefix}.backprop_depth", self.backprop_depth)
+
+
+@dataclass
+class ParallelConfig:
+    """Parallel layout; data parallel size is the rest of the world size."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    expert_model_parallel_size: int = 1
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    recompute_granularity: Optional[str] = None  # None | full | selective
+
+    def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
+                     "expert_model_parallel_size"):
+            _positive(f"{prefix}.{name}", getattr(self, name))
+        tp = self.tensor_model_parallel_size
+        if model.num_attention_heads % tp:
+            raise ConfigError(
+                f"{prefix}.tensor_model_parallel_size: {tp} does not divide "
+                f"model.num_attention_heads={model.num_attention_heads}"
+            )
+        if model.num_blocks % self.expert_model_parallel_size:
+            raise ConfigError(
+                f"{prefix}.expert_model_parallel_size: {self.expert_model_parallel_size} does not "
+                f"divide model.num_blocks={model.num_blocks}"
+            )
+        if self.sequence_parallel and tp == 1:
+            raise ConfigError(f"{prefix}.sequence_parallel: needs tensor_model_parallel_size > 1")
+        if self.recompute_granularity not in (None, "full", "selective"):
+            raise ConfigError(
+                f"{prefix}.recompute_granularity: must be full or selective "
+                f"(got {self.recompute_granularity!r})"
+            )
+
+    def data_parallel_size(self, world_size: int) -> int:
+        model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
+        if world_size % model_parallel:
+            raise ConfigError(
+                f"parallel: world size {world_size} is not divisible by "
+                f"tensor_model_parallel_size x pipeline_model_parallel_size = {model_parallel}"
+            )
+        dp = world_size // model_parallel
+        if (dp * self.tensor_model_parallel_size) % self.expert_model_parallel_size:
+            raise ConfigError(
+                f"parallel.expert_model_parallel_size: {self.expert_model_parallel_size} does not "
+                f"divide data_parallel x tensor_parallel = {dp * self.tensor_model_parallel_size}"
+            )
+        return dp
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from (Megatron indexed datasets) and how to read them."""
+
+    paths: list = field(default_factory=list)  # [prefix] or [w1, prefix1, w2, prefix2, ...]
+    split: str = "98,1,1"
+    tokenizer_type: str = "SentencePieceTokenizer"
+    tokenizer_model: Optional[str] = None
+    vocab_file: Optional[str] = None
+    merge_file: Optional[str] = None
+    cache_dir: Optional[str] = None
+    num_workers: int = 0
+
+    def validate(self, prefix: str = "data", check_files: bool = True) -> None:
+        import os
+
+        if not self.paths:
+            raise ConfigError(f"{prefix}.paths: no data path given (set data.paths or --data-path)")
+        prefixes = self.paths[1::2] if len(self.paths) > 1 else self.paths
+        if len(self.paths) > 1:
+            if len(self.paths) % 2:
+                raise ConfigError(f"{prefix}.paths: a blend needs weight/prefix pairs (got {len(self.paths)} items)")
+            for w in self.paths[0::2]:
+                try:
+                    float(w)
+                except (TypeError, ValueError):
+                    raise ConfigError(f"{prefix}.paths: weight {w!r} is not a number") from None
+        if check_files:
+            for p in prefixes:
+                for ext in (".bin", ".idx"):
+                    if not os.path.exists(f"{p}{ext}"):
+                        raise ConfigError(f"{prefix}.paths: {p}{ext} does not exist")
+            if self.tokenizer_model and not os.path.exists(self.tokenizer_model):
+                raise ConfigError(f"{prefix}.tokenizer_model: {self.tokenizer_model} does not exist")
+        parts = self.split.replace("/", ",").split(",")
+        try:
+            vals = [float(x) for x in parts]
+        except ValueError:
+            raise ConfigError(f"{prefix}.split: {self.split!r} is not like '98,1,1'") from None
+        if len(vals) != 3 or any(v < 0 for v in vals) or sum(vals) <= 0:
+            raise ConfigError(f"{prefix}.split: {self.split!r} is not like '98,1,1'")
+
+
+@dataclass
+class OptimizerConfig:
+    """AdamW and the learning-rate schedule (megatron-core's names)."""
+
+    lr: float = 3e-3
+    min_lr: float = 3e-4
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    lr_decay_style: str = "cosine"  # cosine | WSD | linear | constant
+    lr_warmup_iters: int = 0
+    lr_wsd_decay_iters: Optional[int] = None
+    lr_wsd_decay_style: str = "linear"
+
+    def validate(self, prefix: str = "optimizer") -> None:
+        _positive(f"{prefix}.lr", self.lr)
+        _nonnegative(f"{prefix}.min_lr", self.min_lr)
+        _nonnegative(f"{prefix}.weight_decay", self.weight_decay)
+        _nonnegative(f"{prefix}.clip_grad", self.clip_grad)
+        _nonnegative(f"{prefix}.lr_warmup_iters", self.lr_warmup_iters)
+        _choice(f"{prefix}.lr_decay_style", self.lr_decay_style, ("cosine", "WSD", "linear", "constant"))
+        _choice(f"{prefix}.lr_wsd_decay_style", self.lr_wsd_decay_style,
+                ("linear", "cosine", "exponential", "minus_sqrt"))
+        if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
+            raise ConfigError(f"{prefix}.adam_beta1/adam_beta2: must be in [0, 1)")
+
+
+@dataclass
+class TrainingConfig:
+    """Loop, batch sizes, checkpoints and logging (Megatron-LM names)."""
+
+    train_iters: int = 100
+    micro_batch_size: int = 4
+    global_batch_size: Optional[int] = None  # default: micro_batch_size x data parallel size
+    seq_length: int = 256
+    seed: int = 1234
+    log_interval: int = 10
+    eval_interval: int = 50
+    eval_iters: int = 10
+    save: Optional[str] = None
+    load: Optional[str] = None
+    save_interval: Optional[int] = None
+    keep_last: Optional[int] = None
+    async_save: bool = False
+    resume: bool = True
+    exit_duration_in_mins: Optional[float] = None
+    skip_nonfinite_steps: int = 0  # how many NaN/Inf steps may be skipped before stopping
+    metrics_file: Optional[str] = None  # default: <save>/metrics.jsonl
+
+    def validate(self, prefix: str = "training") -> None:
+        _positive(f"{prefix}.train_iters", self.train_iters)
+        _positive(f"{prefix}.micro_batch_size", self.micro_batch_size)
+        if self.global_batch_size is not None:
+            _positive(f"{prefix}.global_batch_size", self.global_batch_size)
+            if self.global_batch_size % self.micro_batch_size:
+                raise ConfigError(
+                    f"{prefix}.global_batch_size: {self.global_batch_size} is not a multiple of "
+                    f"micro_batch_size={self.micro_batch_size}"
+                )
+        _positive(f"{prefix}.seq_length", self.seq_length)
+        _positive(f"{prefix}.log_interval", self.log_interval)
+        _positive(f"{prefix}.eval_interval", self.eval_interval)
+        _nonnegative(f"{prefix}.eval_iters", self.eval_iters)
+        if self.save_interval is not None:
+            _positive(f"{prefix}.save_interval", self.save_interval)
+        if self.keep_last is not None:
+            _positive(f"{prefix}.keep_last", self.keep_last)
+        _nonnegative(f"{prefix}.skip_nonfinite_steps", self.skip_nonfinite_steps)
+
+
+@dataclass
+class ExperimentConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    curriculum: CurriculumConfig = field(default_factory=CurriculumConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+
+    def validate(self, check_data: bool = True) -> "ExperimentConfig":
+        self.model.validate()
+        self.curriculum.validate(self.model)
+        self.parallel.validate(self.model)
+        self.optimizer.validate()
+        self.training.validate()
+        if check_data:
+            self.data.validate()
+        return self
+
+    def to_dict(self) -> dict:
+        return _asdict(self)
+
+
+def bias_updates_allowed(step: int, train_iters: int, stop_fraction: float) -> bool:
+    """SPEC 1.3: the update after 0-based step ``t`` happens iff ``t < f * train_iters``.
+
+    Compared in exact rational arithmetic so that e.g. ``f = 0.966`` is the
+    decimal the user wrote, not its binary approximation.
+    """
+    return Fraction(step) < Fraction(str(stop_fraction)) * train_iters
+
+
+def _asdict(obj: Any) -> Any:
+    if is_dataclass(obj):
+        return {f.name: _asdict(getattr(obj, f.name)) for f in fields(obj)}
+    if isinstance(obj, list):
+        return [_asdict(x) for x in obj]
+    return obj
+
+
+def _positive(key: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"{key}: must be > 0 (got {value!r})")
+
+
+def _nonnegative(key: str, value) -> None:
+    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+        raise ConfigError(f"{key}: must be >= 0 (got {value!r})")
+
+
+def _choice(key: str, value, choices) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))} (got {value!r})")
