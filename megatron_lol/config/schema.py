@@ -79,6 +79,11 @@ class ModelConfig:
     # options (SPEC 1.4)
     film: str = "off"
     input_injection: bool = False
+    # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_layers: str = "none"  # none | fixed (prelude+coda) | all
     params_dtype: str = "fp32"  # fp32 | bf16
     use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
 
@@ -146,6 +151,15 @@ class ModelConfig:
         _nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
         _nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
         _positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
+        _choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
+        if self.moe_layers != "none":
+            if self.num_experts is None or self.num_experts < 1:
+                raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ConfigError(
+                    f"{prefix}.moe_router_topk: must be in [1, num_experts={self.num_experts}] "
+                    f"(got {self.moe_router_topk})"
+                )
 
 
 @dataclass

@@ -1,0 +1,116 @@
+"""Load balancing of the block library (SPEC 1.3).
+
+* loss-free bias (default): after each optimizer step
+  ``b_m -= u * sign(load_m - mean(load))``, clamped to ``[-16, 16]``; ``load_m``
+  counts windows (each window once) that chose ``m``, summed over routed depths
+  (global) or per depth (``per_depth_bias``), summed over every rank that saw
+  different windows so all ranks hold the same bias. Updates stop after
+  ``bias_update_stop_fraction`` of training.
+* sequence auxiliary loss: per document ``L * sum_m f_m * abar_m`` summed over
+  depths, averaged over the documents of the batch.
+* ``aux_loss``: the same product over all windows of the batch (per depth,
+  summed over depths), coefficient 0.02.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_lol.config.schema import bias_updates_allowed
+from megatron_lol.model.router import RoutingDecision
+from megatron_lol.model.windows import WindowLayout
+
+
+class BalancingBias(nn.Module):
+    """The balancing bias ``b`` and the window loads counted since the last update.
+
+    Buffers, not parameters: they are saved in checkpoints but never touched by
+    the optimizer.
+    """
+
+    def __init__(self, num_blocks: int, routed_depth: int, per_depth: bool, speed: float, clamp: float,
+                 stop_fraction: float):
+        super().__init__()
+        rows = routed_depth if per_depth else 1
+        self.per_depth = per_depth
+        self.speed = speed
+        self.clamp = clamp
+        self.stop_fraction = stop_fraction
+        self.register_buffer("bias", torch.zeros(rows, num_blocks, dtype=torch.float32))
+        self.register_buffer("loads", torch.zeros(rows, num_blocks, dtype=torch.float64), persistent=False)
+
+    def for_depth(self, depth: int) -> torch.Tensor:
+        return self.bias[depth - 1] if self.per_depth else self.bias[0]
+
+    @torch.no_grad()
+    def record(self, depth: int, choice: torch.Tensor) -> None:
+        row = depth - 1 if self.per_depth else 0
+        self.loads[row] += torch.bincount(choice, minlength=self.bias.shape[1]).to(self.loads.dtype)
+
+    @torch.no_grad()
+    def update(self, step: int, train_iters: int, group=None) -> bool:
+        """Apply the sign rule after 0-based optimizer step ``step``; returns whether it did.
+
+        ``group``: the process group over which windows differ (data parallel,
+        and expert parallel where windows are split); loads are summed over it.
+        """
+        loads = self.loads
+        if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(loads, group=group)
+        applied = False
+        if self.speed > 0 and bias_updates_allowed(step, train_iters, self.stop_fraction):
+            mean = loads.mean(dim=1, keepdim=True)
+            self.bias -= self.speed * torch.sign(loads - mean).to(self.bias.dtype)
+            self.bias.clamp_(-self.clamp, self.clamp)
+            applied = True
+        self.loads.zero_()
+        return applied
+
+
+def sequence_aux_loss(windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
+    """Per-document ``L * sum_m f_m * abar_m``, summed over documents (caller averages).
+
+    ``f_m`` (share of the document's windows choosing m) carries no gradient;
+    ``abar_m`` is the mean of the probabilities used in the forward pass.
+    """
+    n, num_blocks = decision.probs.shape
+    docs = windows.num_docs
+    counts = torch.zeros(docs, dtype=torch.float32, device=decision.probs.device)
+    counts.index_add_(0, windows.window_doc, torch.ones(n, device=counts.device))
+    chosen = torch.zeros(docs, num_blocks, dtype=torch.float32, device=counts.device)
+    chosen.index_put_((windows.window_doc, decision.choice),
+                      torch.ones(n, device=counts.device), accumulate=True)
+    prob_sum = torch.zeros(docs, num_blocks, dtype=torch.float32, device=counts.device)
+    prob_sum = prob_sum.index_add(0, windows.window_doc, decision.probs.float())
+    f = chosen / counts.unsqueeze(1)
+    abar = prob_sum / counts.unsqueeze(1)
+    return num_blocks * (f * abar).sum()
+
+
+def global_aux_loss(decision: RoutingDecision) -> torch.Tensor:
+    """``L * sum_m f_m * abar_m`` over all windows of the batch at one depth."""
+    n, num_blocks = decision.probs.shape
+    f = torch.bincount(decision.choice, minlength=num_blocks).float() / n
+    abar = decision.probs.float().mean(dim=0)
+    return num_blocks * (f * abar).sum()
+
+
+def loads_from_choice(choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    return torch.bincount(choice, minlength=num_blocks)
+
+
+def balancing_group(data_parallel_group: Optional[object] = None):
+    """The group over which windows differ: data parallel (with context parallel)."""
+    if data_parallel_group is not None:
+        return data_parallel_group
+    try:
+        from megatron.core import parallel_state
+
+        if parallel_state.model_parallel_is_initialized():
+            return parallel_state.get_data_parallel_group(with_context_parallel=True)
+    except Exception:  # pragma: no cover - megatron not initialised
+        return None
+    return None

@@ -1,0 +1,245 @@
+"""The routed core: a library of blocks and the plan that executes it.
+
+This is the paper's Algorithm 1. For routed depth ``l = 1..d`` (``d`` the
+current depth, which grows during training):
+
+1. (optional) diagonal input injection ``s <- sig(theta) s + (1 - sig(theta)) s0``;
+2. the windows of depth ``l`` (shifted by ``((l-1) S) mod W``, restarting per document);
+3. the router reads the prefix summaries of the depth's *input* and picks one
+   block ``rho`` and a gate ``alpha`` per window (or a forced path supplies them);
+4. every block runs all windows routed to it as one packed batch;
+5. ``s_I <- s_I + alpha * (E_rho(s_I) - s_I)``.
+
+Other plans are the same loop with another choice of block per depth: ``dense``
+runs block ``l`` on every token, ``looped`` runs block ``(l-1) mod L``; their
+gate is 1 (so the update is ``E(s)``) and their attention is full, sliding or
+strided (LoL's windows with a fixed block).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_lol.config.schema import ModelConfig
+from megatron_lol.model.attention import SegmentMask
+from megatron_lol.model.balancing import BalancingBias, global_aux_loss, sequence_aux_loss
+from megatron_lol.model.dispatch import plan_dispatch, run_grouped, scatter_updates
+from megatron_lol.model.library import build_layer, layer_norms
+from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries
+from megatron_lol.model.windows import DocumentLayout, WindowLayout
+
+
+@dataclass
+class ForcedPath:
+    """Block ids and gates supplied by the caller (SPEC 1.4, path forcing).
+
+    ``ids``/``gates``: ``[D, K]`` per (depth, window ordinal), applied to every
+    document, or ``[D, num_docs, K]`` per document. An id of ``-1`` (or an
+    ordinal beyond ``K``) means "no entry": that window is routed normally.
+    """
+
+    ids: torch.Tensor
+    gates: torch.Tensor
+
+    def lookup(self, depth: int, windows: WindowLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        ids = self.ids[depth - 1].to(windows.window_ordinal.device)
+        gates = self.gates[depth - 1].to(windows.window_ordinal.device)
+        k_max = ids.shape[-1]
+        ordinal = windows.window_ordinal.clamp(max=k_max - 1)
+        if ids.dim() == 1:
+            wid, wgate = ids[ordinal], gates[ordinal]
+        else:
+            wid, wgate = ids[windows.window_doc, ordinal], gates[windows.window_doc, ordinal]
+        forced = (wid >= 0) & (windows.window_ordinal < k_max)
+        return forced, wid.clamp(min=0), wgate.float()
+
+
+@dataclass
+class DepthRecord:
+    """Routing record of one depth: what every window chose and with what probabilities."""
+
+    depth: int
+    choice: torch.Tensor  # [N]
+    gate: torch.Tensor  # [N]
+    probs: Optional[torch.Tensor]  # [N, L] (None for fixed plans)
+    window_doc: torch.Tensor  # [N]
+    window_ordinal: torch.Tensor  # [N]
+
+
+@dataclass
+class CoreOutput:
+    states: torch.Tensor
+    aux_loss: Optional[torch.Tensor] = None  # already multiplied by its coefficient
+    records: list = field(default_factory=list)
+    block_loads: Optional[torch.Tensor] = None  # [depth, L] windows per block this forward
+
+
+class RoutedCore(nn.Module):
+    def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int):
+        super().__init__()
+        self.cfg = model
+        L, D, h = model.num_blocks, model.core_depth, model.hidden_size
+        self.blocks = nn.ModuleList(build_layer(spec, tconfig, first_layer_number + i) for i in range(L))
+        self.routed = model.plan == "lol"
+        if self.routed:
+            n_routers = 1 if model.router_tied else D
+            self.routers = nn.ModuleList(
+                WindowRouter(h, L, noise=model.router_noise, noise_clamp=model.router_noise_clamp)
+                for _ in range(n_routers))
+            # e^(l): exists whether or not the router is tied (SPEC 1.2)
+            self.depth_vectors = nn.Parameter(torch.empty(D, h, dtype=torch.float32))
+            nn.init.normal_(self.depth_vectors, std=model.init_method_std)
+            if model.balancing == "loss_free":
+                self.balancer = BalancingBias(L, D, model.per_depth_bias, model.bias_update_speed,
+                                              model.bias_clamp, model.bias_update_stop_fraction)
+            else:
+                self.balancer = None
+        if model.film != "off":
+            shape = (D, 2, h) if model.film == "depth" else (D, L, 2, h)
+            self.film_gamma = nn.Parameter(torch.ones(shape, dtype=tconfig.params_dtype))
+            self.film_beta = nn.Parameter(torch.zeros(shape, dtype=tconfig.params_dtype))
+        if model.input_injection:
+            self.injection_logit = nn.Parameter(torch.zeros(h, dtype=tconfig.params_dtype))
+
+    # ------------------------------------------------------------------ helpers
+    def router_for(self, depth: int) -> WindowRouter:
+        return self.routers[0 if len(self.routers) == 1 else depth - 1]
+
+    def _set_film(self, block: int, depth: int, on: bool) -> None:
+        if self.cfg.film == "off":
+            return
+        for i, norm in enumerate(layer_norms(self.blocks[block])):
+            if not on:
+                norm.film = None
+            elif self.cfg.film == "depth":
+                norm.film = (self.film_gamma[depth - 1, i], self.film_beta[depth - 1, i])
+            else:
+                norm.film = (self.film_gamma[depth - 1, block, i], self.film_beta[depth - 1, block, i])
+
+    def _call_block(self, block: int, depth: int, x: torch.Tensor, mask: SegmentMask, rope) -> torch.Tensor:
+        """Run one library block on ``x`` ([s, b, h] or packed [T, 1, h])."""
+        self._set_film(block, depth, True)
+        try:
+            out, _ = self.blocks[block](hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+        finally:
+            self._set_film(block, depth, False)
+        return out
+
+    def decide(self, depth: int, windows: WindowLayout, flat: torch.Tensor,
+               forced: Optional[ForcedPath]) -> RoutingDecision:
+        """Router (or forced path) for the windows of one depth."""
+        summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
+        probs = self.router_for(depth).probabilities(summaries)
+        bias = self.balancer.for_depth(depth) if self.balancer is not None else None
+        choice, gate = choose_blocks(probs, bias)
+        if forced is not None:
+            is_forced, ids, gates = forced.lookup(depth, windows)
+            choice = torch.where(is_forced, ids, choice)
+            gate = torch.where(is_forced, gates.to(gate.dtype), gate)
+        return RoutingDecision(probs=probs, choice=choice, gate=gate)
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: torch.Tensor, depth: Optional[int] = None,
+                forced: Optional[ForcedPath] = None, record: bool = False, backprop_depth: Optional[int] = None,
+                first_window_full_backprop: bool = True) -> CoreOutput:
+        """``states``: [s, b, h] output of the prelude. ``rope``: [s, 1, 1, d] row-position freqs."""
+        cfg = self.cfg
+        depth = cfg.core_depth if depth is None else depth
+        s_len, b, h = states.shape
+        flat = states.transpose(0, 1).reshape(b * s_len, h)
+        injected_from = flat
+        token_rope = rope.repeat(b, 1, 1, 1) if rope is not None else None  # [T, 1, 1, d], row-major
+        out = CoreOutput(states=states)
+        aux_terms = []
+        loads = []
+        for l in range(1, depth + 1):
+            if cfg.input_injection:
+                mix = torch.sigmoid(self.injection_logit)
+                flat = mix * flat + (1 - mix) * injected_from
+            truncated = (backprop_depth is not None and self.training and torch.is_grad_enabled()
+                         and l <= depth - backprop_depth)
+            if self.routed or cfg.dense_attention == "strided":
+                windows = WindowLayout.build(docs, l, cfg.window_size, cfg.window_shift)
+            else:
+                windows = None
+            if self.routed:
+                decision = self.decide(l, windows, flat, forced)
+                if self.training:
+                    if self.balancer is not None:
+                        self.balancer.record(l, decision.choice)
+                    if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
+                        aux_terms.append(cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision)
+                                         / max(1, windows.num_docs))
+                    elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
+                        aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
+                loads.append(torch.bincount(decision.choice.detach(), minlength=cfg.num_blocks))
+                if record:
+                    out.records.append(DepthRecord(l, decision.choice.detach(), decision.gate.detach(),
+                                                   decision.probs.detach(), windows.window_doc,
+                                                   windows.window_ordinal))
+                flat = self._routed_update(l, flat, windows, decision, token_rope, truncated,
+                                           first_window_full_backprop)
+            else:
+                flat = self._fixed_update(l, flat, docs, windows, token_rope, b, s_len, truncated)
+        out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
+        if aux_terms:
+            out.aux_loss = torch.stack(aux_terms).sum()
+        if loads:
+            out.block_loads = torch.stack(loads)
+        return out
+
+    def _routed_update(self, depth, flat, windows, decision, token_rope, truncated, first_window_full):
+        token_choice = decision.choice[windows.token_window]
+        token_gate = decision.gate[windows.token_window]
+        T = flat.shape[0]
+        W = self.cfg.window_size
+
+        def call(block, packed, segments, token_idx):
+            rope = token_rope[token_idx] if token_rope is not None else None
+            mask = SegmentMask(segments=segments.view(1, -1), chunk=W)
+            return self._call_block(block, depth, packed.unsqueeze(1), mask, rope).squeeze(1)
+
+        if not truncated:
+            plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks)
+            updates = scatter_updates(plan, run_grouped(plan, flat, call), T)
+        else:
+            # Truncated backprop through depth (SPEC 1.4): this depth's block updates are
+            # constants for autograd, except for first-window tokens when enabled. The
+            # state itself keeps its identity path, so earlier layers still get gradients.
+            keep = windows.window_ordinal[windows.token_window] == 0
+            if not first_window_full:
+                keep = torch.zeros_like(keep)
+            updates = flat.new_zeros(flat.shape)
+            grad_idx = torch.nonzero(keep).squeeze(1)
+            if grad_idx.numel():
+                plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=grad_idx)
+                updates = updates + scatter_updates(plan, run_grouped(plan, flat, call), T)
+            rest = torch.nonzero(~keep).squeeze(1)
+            if rest.numel():
+                with torch.no_grad():
+                    plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=rest)
+                    updates = updates + scatter_updates(plan, run_grouped(plan, flat, call), T)
+            token_gate = torch.where(keep, token_gate, token_gate.detach())
+        return flat + token_gate.unsqueeze(1).to(flat.dtype) * updates
+
+    def _fixed_update(self, depth, flat, docs, windows, token_rope, b, s_len, truncated):
+        cfg = self.cfg
+        block = (depth - 1) % cfg.num_blocks
+        grad_ctx = torch.no_grad() if truncated else torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad()
+        with grad_ctx:
+            if cfg.dense_attention == "strided":
+                mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
+                new = self._call_block(block, depth, flat.unsqueeze(1), mask, token_rope).squeeze(1)
+            else:
+                x = flat.view(b, s_len, -1).transpose(0, 1)
+                sliding = cfg.window_size if cfg.dense_attention == "sliding" else None
+                mask = SegmentMask(segments=docs.doc_index, sliding=sliding)
+                rope = token_rope[:s_len] if token_rope is not None else None
+                new = self._call_block(block, depth, x, mask, rope).transpose(0, 1).reshape(b * s_len, -1)
+        if truncated:
+            return flat + (new - flat).detach()
+        return new

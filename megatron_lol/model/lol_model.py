@@ -1,0 +1,146 @@
+"""``LoLGPTModel``: embedding, prelude, routed core, coda, LM head.
+
+Built from megatron-core parts (``LanguageModule`` for the loss and the tied /
+pipeline-shared embedding, ``LanguageModelEmbedding``, ``RotaryEmbedding``,
+``ColumnParallelLinear`` for the head, ``TransformerLayer`` from a
+``ModuleSpec`` for every layer and block). Document boundaries are derived from
+the EOD token, so attention never crosses a document anywhere and windows,
+window ordinals and router prefixes restart per document (SPEC 1.1).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from megatron_lol.config.schema import ModelConfig
+from megatron_lol.model.attention import SegmentMask
+from megatron_lol.model.core import CoreOutput, ForcedPath, RoutedCore
+from megatron_lol.model.library import FiLMRMSNorm, block_spec, build_layer, transformer_config, use_te_for
+from megatron_lol.model.windows import DocumentLayout
+
+
+class AuxLossAttach(torch.autograd.Function):
+    """Identity on the hidden states whose backward also back-propagates ``aux_loss``.
+
+    This puts the balancing loss into the graph of whatever pipeline stage
+    computed it (as megatron-core does for MoE auxiliary losses), scaled like
+    the LM loss: ``scale`` is set by the trainer to ``1 / num_microbatches``.
+    """
+
+    scale: float = 1.0
+
+    @staticmethod
+    def forward(ctx, hidden, aux_loss):
+        ctx.save_for_backward(aux_loss)
+        return hidden
+
+    @staticmethod
+    def backward(ctx, grad):
+        (aux_loss,) = ctx.saved_tensors
+        return grad, torch.full_like(aux_loss, AuxLossAttach.scale)
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
+    """Megatron-LM's padding of the vocabulary to a multiple of ``divisible_by * TP``."""
+    multiple = divisible_by * tensor_parallel
+    return ((vocab_size + multiple - 1) // multiple) * multiple
+
+
+def _language_module():
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+
+    return LanguageModule
+
+
+class LoLGPTModel(_language_module()):
+    """A Library-of-Layers decoder (also dense and looped plans, see :mod:`.core`).
+
+    Subclasses megatron-core's ``LanguageModule`` for the vocab-parallel loss and
+    the tied / pipeline-shared embedding plumbing.
+    """
+
+    def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], parallel=None,
+                 max_sequence_length: int = 4096, tconfig=None, pre_process: bool = True,
+                 post_process: bool = True):
+        from megatron.core import tensor_parallel
+        from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
+        from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
+
+        n_layers = model.n_prelude + model.n_coda + model.num_blocks
+        super().__init__(config=tconfig or transformer_config(model, parallel, num_layers=n_layers))
+        self.cfg = model
+        self.eod_id = eod_id
+        self.vocab_size = vocab_size
+        self.use_te = use_te_for(model)
+        spec = block_spec(self.use_te)
+        self.pre_process, self.post_process = pre_process, post_process
+        self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
+
+        if pre_process:
+            self.embedding = LanguageModelEmbedding(self.config, vocab_size, max_sequence_length,
+                                                    position_embedding_type="none")
+        self.rotary = RotaryEmbedding(
+            kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=int(model.rotary_base),
+            seq_len_interpolation_factor=(model.rotary_scaling_factor if model.rotary_scaling_factor != 1 else None),
+            use_cpu_initialization=True)
+        self.prelude = nn.ModuleList(build_layer(spec, self.config, i + 1) for i in range(model.n_prelude))
+        self.core = RoutedCore(model, self.config, spec, first_layer_number=model.n_prelude + 1)
+        first_coda = model.n_prelude + model.num_blocks + 1
+        self.coda = nn.ModuleList(build_layer(spec, self.config, first_coda + i) for i in range(model.n_coda))
+        if post_process:
+            self.final_norm = FiLMRMSNorm(self.config, model.hidden_size, eps=model.norm_epsilon)
+            self.output_layer = tensor_parallel.ColumnParallelLinear(
+                model.hidden_size, vocab_size, config=self.config, init_method=self.config.init_method,
+                bias=False, skip_bias_add=False, gather_output=False,
+                skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights)
+        if self.share_embeddings_and_output_weights and pre_process and post_process:
+            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+        self.last_core: Optional[CoreOutput] = None
+
+    # ---------------------------------------------------------------- forward
+    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
+                docs: Optional[DocumentLayout] = None, depth: Optional[int] = None,
+                forced_path: Optional[ForcedPath] = None, record: bool = False,
+                backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
+                return_hidden: bool = False):
+        """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
+        else the logits [b, s, vocab] (this rank's vocab shard under TP).
+        """
+        b, s = input_ids.shape
+        if docs is None:
+            docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
+        hidden = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+        rope = self.rotary(s)  # [s, 1, 1, d]
+        doc_mask = SegmentMask(segments=docs.doc_index)
+        for layer in self.prelude:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
+        core = self.core(hidden, docs, rope, depth=depth, forced=forced_path, record=record,
+                         backprop_depth=backprop_depth, first_window_full_backprop=first_window_full_backprop)
+        hidden = core.states
+        if core.aux_loss is not None and torch.is_grad_enabled():
+            hidden = AuxLossAttach.apply(hidden, core.aux_loss)
+        self.last_core = core
+        for layer in self.coda:
+            hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
+        hidden = self.final_norm(hidden)
+        if return_hidden:
+            return hidden
+        weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v/tp]
+        if labels is None:
+            return logits.transpose(0, 1).contiguous()
+        return self.compute_language_model_loss(labels, logits)
+
+    # ------------------------------------------------------------ utilities
+    @property
+    def balancer(self):
+        return getattr(self.core, "balancer", None)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits from this rank's shard (identity without TP)."""
+        from megatron.core import tensor_parallel
+
+        return tensor_parallel.gather_from_tensor_model_parallel_region(logits)

@@ -1,0 +1,90 @@
+"""The causal window router (SPEC 1.2).
+
+For window ``k`` of a document at routed depth ``l`` the router reads only the
+past of the window:
+
+    r_0 = 0.5 * (e^(l) + s_first_token_of_window_0)       e^(l): learned per-depth vector
+    r_k = (1/k) * sum_{j<k} mu_j                          mu_j: mean of window j's input states
+    z   = W_r r + b_r                                     fp32 logits over the L blocks
+    z~  = z + eps * min(softplus(W_n z + b_n), 10)        training only, eps ~ N(0, I)
+    a   = softmax(z~)
+    rho = argmax_m (a_m + b_m)                            b: balancing bias, only to choose
+    alpha = a_rho                                         the unbiased probability is the gate
+
+No gradient flows through ``rho``; the LM loss reaches the router through
+``alpha`` only. Ties in the argmax go to the lowest block index.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megatron_lol.model.windows import WindowLayout
+
+
+@dataclass
+class RoutingDecision:
+    """What the router decided for the windows of one depth."""
+
+    probs: torch.Tensor  # [N, L] a (noise included in training), fp32
+    choice: torch.Tensor  # [N] rho
+    gate: torch.Tensor  # [N] alpha = a_rho (carries the router's gradient)
+
+
+def choose_blocks(probs: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-1 by ``a + b``; gate is the unbiased ``a`` of the chosen block.
+
+    ``torch.argmax`` returns the first maximal index, which is the SPEC's tie rule.
+    """
+    biased = probs if bias is None else probs + bias.to(probs.dtype)
+    choice = torch.argmax(biased.detach(), dim=-1)
+    gate = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    return choice, gate
+
+
+class WindowRouter(nn.Module):
+    """One linear router ``(W_r, b_r, W_n, b_n)``: ``d*L + L^2 + 2L`` parameters.
+
+    Kept in fp32 whatever the model precision: window means, prefix sums and
+    logits are computed in fp32 (SPEC 1.2).
+    """
+
+    def __init__(self, hidden_size: int, num_blocks: int, noise: bool = True, noise_clamp: float = 10.0):
+        super().__init__()
+        self.num_blocks = num_blocks
+        self.noise = noise
+        self.noise_clamp = noise_clamp
+        self.logits = nn.Linear(hidden_size, num_blocks, dtype=torch.float32)
+        # W_n, b_n start at zero: the initial noise std is softplus(0) = 0.69
+        self.noise_scale = nn.Linear(num_blocks, num_blocks, dtype=torch.float32)
+        with torch.no_grad():
+            nn.init.zeros_(self.logits.weight)
+            nn.init.zeros_(self.logits.bias)
+            nn.init.zeros_(self.noise_scale.weight)
+            nn.init.zeros_(self.noise_scale.bias)
+        # W_r, b_r start at zero too: every window is a tie at the start (SPEC 1.2),
+        # broken towards block 0 and then by the balancing bias.
+
+    def probabilities(self, summaries: torch.Tensor) -> torch.Tensor:
+        z = self.logits(summaries.float())
+        if self.training and self.noise:
+            std = torch.clamp(F.softplus(self.noise_scale(z)), max=self.noise_clamp)
+            z = z + torch.randn_like(z) * std
+        return torch.softmax(z, dim=-1)
+
+
+def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: torch.Tensor) -> torch.Tensor:
+    """``r_k`` for every window of a depth, fp32 ``[N, h]``.
+
+    ``states`` is the *input* of the depth, flattened ``[T, h]``.
+    """
+    means = windows.window_means(states)
+    summaries = windows.prefix_means(means)
+    first = states[windows.window_first_token].float()
+    r0 = 0.5 * (depth_vector.float().unsqueeze(0) + first)
+    return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
