@@ -70,7 +70,10 @@ class LoLGPTModel(_language_module()):
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
         n_layers = model.n_prelude + model.n_coda + model.num_blocks
+        from megatron.core.enums import ModelType
+
         super().__init__(config=tconfig or transformer_config(model, parallel, num_layers=n_layers))
+        self.model_type = ModelType.encoder_or_decoder
         self.cfg = model
         self.eod_id = eod_id
         self.vocab_size = vocab_size
@@ -135,6 +138,12 @@ class LoLGPTModel(_language_module()):
         return self.compute_language_model_loss(labels, logits)
 
     # ------------------------------------------------------------ utilities
+    def set_input_tensor(self, input_tensor) -> None:
+        """Pipeline schedules hand a non-first stage its input activations here."""
+        if isinstance(input_tensor, (list, tuple)):
+            input_tensor = input_tensor[0]
+        self.input_tensor = input_tensor
+
     @property
     def balancer(self):
         return getattr(self.core, "balancer", None)

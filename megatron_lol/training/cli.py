@@ -1,0 +1,36 @@
+"""``megatron-lol train``: pretrain from a YAML config (and Megatron-LM-style flags).
+
+Launch with ``torchrun --nproc-per-node N -m megatron_lol train --config ...``
+(or the console script); the backend (gloo on CPU, NCCL on GPU) follows the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_lol.config import add_config_arguments, config_from_args
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg = config_from_args(args)  # validates everything before any process group work
+    from megatron_lol.training.trainer import Trainer, log_rank0
+
+    trainer = Trainer(cfg).setup()
+    try:
+        trainer.train()
+    except FloatingPointError as err:
+        log_rank0(f"megatron-lol train: error: {err}")
+        return 3
+    exit_code = getattr(trainer, "exit_code", 0)
+    return exit_code
+
+
+if __name__ == "__main__":  # pragma: no cover
+    from megatron_lol.cli import main
+
+    sys.exit(main(["train", *sys.argv[1:]]))
