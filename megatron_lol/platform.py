@@ -468,6 +468,50 @@ def _to_cpu_device(d: Any) -> Any:
     return d
 
 
+def _run_backward_in_mode(
+    mode: "_CudaToCpuMode",
+    tensors: Any,
+    grad_tensors: Any = None,
+    retain_graph: bool | None = None,
+    create_graph: bool = False,
+    grad_variables: Any = None,
+    inputs: Any = None,
+) -> None:
+    """``torch.autograd.backward`` with the CUDA->CPU mode active in the engine.
+
+    A TorchFunctionMode is popped while its handler runs, and
+    ``torch.autograd.backward`` is itself overridable: intercepted, the whole
+    backward pass (megatron's custom autograd Functions, e.g. the tensor
+    parallel linear's ``torch.empty(..., device=current_device())``) would run
+    without the mode. So re-enter the mode and run the body of
+    ``torch.autograd.backward`` after its torch-function check.
+    """
+    from torch.autograd import _make_grads, _tensor_or_tensors_to_tuple
+    from torch.autograd.graph import _engine_run_backward
+
+    if grad_tensors is None:
+        grad_tensors = grad_variables
+    if isinstance(tensors, torch.Tensor) or not isinstance(tensors, (list, tuple)):
+        tensors = (tensors,)
+    tensors = tuple(tensors)
+    if inputs is None:
+        inputs_tuple: tuple = ()
+    elif isinstance(inputs, torch.Tensor):
+        inputs_tuple = (inputs,)
+    elif isinstance(inputs, dict):
+        inputs_tuple = tuple(inputs.values())
+    else:
+        inputs_tuple = tuple(inputs)
+    with mode:
+        grads = _tensor_or_tensors_to_tuple(grad_tensors, len(tensors))
+        grads = _make_grads(tensors, grads, is_grads_batched=False)
+        if retain_graph is None:
+            retain_graph = create_graph
+        _engine_run_backward(
+            tensors, grads, retain_graph, create_graph, inputs_tuple, allow_unreachable=True, accumulate_grad=True
+        )
+
+
 _TO_FUNCS = {torch.Tensor.to, torch._C.TensorBase.to}
 _TYPE_FUNCS = {torch.Tensor.type, torch._C.TensorBase.type}
 _PIN_FUNCS = {torch.Tensor.pin_memory, torch._C.TensorBase.pin_memory}
@@ -484,6 +528,10 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
       ``param.type() == 'torch.cuda.FloatTensor'`` (clip_grads, FP32/Float16/
       Distributed optimizers) pass.
     * ``Tensor.pin_memory()`` is the identity.
+    * ``Tensor.backward`` / ``torch.autograd.backward`` run the autograd engine
+      with the mode active (see :func:`_run_backward_in_mode`), so Python
+      backward code of custom autograd Functions is covered too.
+      (``torch.autograd.grad`` is not re-entered: backward code it runs sees no mode.)
 
     Thread-local, like every TorchFunctionMode.
     """
@@ -509,6 +557,21 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
             return name
         elif func in _PIN_FUNCS:
             return args[0]
+        elif func is torch.autograd.backward:
+            return _run_backward_in_mode(self, *args, **kwargs)
+        elif func is torch.Tensor.backward:
+            self_t, *rest = args
+            names = ("gradient", "retain_graph", "create_graph", "inputs")
+            kw = dict(zip(names, rest))
+            kw.update(kwargs)
+            return _run_backward_in_mode(
+                self,
+                self_t,
+                kw.get("gradient"),
+                kw.get("retain_graph"),
+                kw.get("create_graph", False),
+                inputs=kw.get("inputs"),
+            )
         return func(*args, **kwargs)
 
 
@@ -551,6 +614,18 @@ def _patch_cuda_tensors() -> None:
     :func:`cpu_device_mode`).
     """
     if _mark("cuda_tensors"):
+        import torch.autograd.graph
+
+        for mod, name in (
+            (torch.autograd, "_make_grads"),
+            (torch.autograd, "_tensor_or_tensors_to_tuple"),
+            (torch.autograd.graph, "_engine_run_backward"),
+        ):
+            if not hasattr(mod, name):
+                raise PlatformPatchError(
+                    f"platform patch 'cuda_tensors' needs torch private {mod.__name__}.{name} "
+                    f"(torch {torch.__version__}); update megatron_lol/platform.py"
+                )
 
         def tensor_cuda(self: torch.Tensor, device: Any = None, non_blocking: bool = False, memory_format: Any = None):
             return self

@@ -6,11 +6,13 @@ from __future__ import annotations
 import subprocess
 import sys
 import threading
+import time
 import types
 
 import pytest
 import torch
 
+from distributed import model_parallel, run_distributed
 from megatron_lol import platform as plat
 
 
@@ -152,3 +154,153 @@ def test_gpt_forward_backward(single_process):
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert grads and all(g is not None and torch.isfinite(g).all() for g in grads)
     assert sum(float(g.norm()) for g in grads) > 0
+
+
+# ---------------------------------------------------------------------------
+# Parallel layouts vs one process, in one 2-process gloo launch.
+#
+# TP=2, TP=2+SP, PP=2 (1F1B) and PP=2+VPP=2 (interleaved) run the same tiny
+# GPTModel as the reference without model parallelism. Weights are identical in
+# every layout (tiny_gpt.deterministic_init), so losses must agree to float32
+# round-off; PP=2+VPP=2 also catches the silent gloo batched-p2p cross-matching
+# (platform patch 4): without it the grad norm^2 is 226 instead of 1.57.
+# ---------------------------------------------------------------------------
+
+NUM_MICROBATCHES = 4
+MICRO_BATCH = 2
+
+LAYOUTS = {
+    "tp2": dict(tp=2),
+    "tp2_sp": dict(tp=2, sp=True),
+    "pp2": dict(pp=2),
+    "pp2_vpp2": dict(pp=2, vpp=2),
+}
+
+
+def _microbatches():
+    from tiny_gpt import gpt_batch
+
+    return [gpt_batch(batch=MICRO_BATCH, seed=100 + i) for i in range(NUM_MICROBATCHES)]
+
+
+def _run_layout(tp=1, pp=1, vpp=None, sp=False):
+    """One forward/backward step of the tiny GPT in the current layout.
+
+    Returns (mean microbatch loss or None if this rank is not a last stage,
+    squared grad norm of this rank's share of the model)."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_lol.platform import device
+    from tiny_gpt import SEQ, build_gpt, deterministic_init, gpt_config
+
+    extra = {}
+    if vpp:
+        extra["virtual_pipeline_model_parallel_size"] = vpp
+    cfg = gpt_config(
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        sequence_parallel=sp,
+        **extra,
+    )
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        m = build_gpt(
+            cfg,
+            pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        )
+        deterministic_init(m, seed=0)
+        m.to(device())
+        chunks.append(m)
+
+    def forward_step(data_iterator, model):
+        tokens, position_ids, labels = (t.to(device()) for t in next(data_iterator))
+        out = model(tokens, position_ids, None, labels=labels)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}
+
+        return out, loss_func
+
+    mbs = _microbatches()
+    data = [iter(mbs) for _ in chunks] if vpp else iter(mbs)
+    fwd_bwd = get_forward_backward_func()
+    losses = fwd_bwd(
+        forward_step_func=forward_step,
+        data_iterator=data,
+        model=chunks if vpp else chunks[0],
+        num_microbatches=NUM_MICROBATCHES,
+        seq_length=SEQ,
+        micro_batch_size=MICRO_BATCH,
+        forward_only=False,
+    )
+    loss = None
+    if ps.is_pipeline_last_stage(ignore_virtual=True):
+        loss = float(torch.stack([d["lm loss"] for d in losses]).mean())
+
+    # Squared grad norm of the whole model, counting each parameter once.
+    tp_group = ps.get_tensor_model_parallel_group()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    sq = torch.zeros((), dtype=torch.float64)
+    for m in chunks:
+        for p in m.parameters():
+            g = p.grad
+            assert g is not None
+            g = g.double()
+            if getattr(p, "sequence_parallel", False) and tp > 1:
+                g = g.clone()
+                torch.distributed.all_reduce(g, group=tp_group)
+            if getattr(p, "tensor_model_parallel", False) or tp_rank == 0:
+                sq += (g * g).sum()
+    return loss, float(sq)
+
+
+def _layouts_check():
+    """Runs on every rank: the reference (no model parallelism) then each layout."""
+    import torch
+
+    results = {}
+    timings = {}
+    with model_parallel(tp=1, pp=1, seed=1):
+        t = time.perf_counter()
+        results["ref"] = _run_layout()
+        timings["ref"] = time.perf_counter() - t
+    for name, layout in LAYOUTS.items():
+        kw = dict(layout)
+        sp = kw.pop("sp", False)
+        with model_parallel(seed=1, **kw):
+            t = time.perf_counter()
+            loss, sq = _run_layout(sp=sp, **kw)
+            # Model-parallel group == world here (DP=1): sum the grad shares.
+            sq_t = torch.tensor(sq, dtype=torch.float64)
+            torch.distributed.all_reduce(sq_t)
+            results[name] = (loss, float(sq_t))
+            timings[name] = time.perf_counter() - t
+    return results, timings
+
+
+@pytest.mark.slow
+def test_layouts_match_single_process():
+    t0 = time.perf_counter()
+    per_rank = run_distributed(_layouts_check, 2, timeout=150)
+    elapsed = time.perf_counter() - t0
+    ref_loss, ref_sq = per_rank[0][0]["ref"]
+    assert per_rank[1][0]["ref"][0] == pytest.approx(ref_loss, rel=1e-6)
+    failures = []
+    for name in LAYOUTS:
+        losses = [r[0][name][0] for r in per_rank if r[0][name][0] is not None]
+        assert losses, f"{name}: no rank reported a loss"
+        sq = per_rank[0][0][name][1]
+        for loss in losses:
+            if abs(loss - ref_loss) > 1e-5 * abs(ref_loss):
+                failures.append(f"{name}: loss {loss!r} vs single process {ref_loss!r}")
+        if abs(sq - ref_sq) > 1e-4 * abs(ref_sq):
+            failures.append(f"{name}: grad norm^2 {sq!r} vs single process {ref_sq!r}")
+    timings = per_rank[0][1]
+    print(f"2-process launch: {elapsed:.1f}s; per layout: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
+    assert not failures, "\n".join(failures)

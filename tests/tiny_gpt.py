@@ -97,3 +97,50 @@ def gpt_batch(batch: int = 2, seq: int = SEQ, vocab: int = VOCAB, seed: int = 0)
     tokens = torch.randint(0, vocab, (batch, seq + 1), generator=g)
     position_ids = torch.arange(seq).unsqueeze(0).expand(batch, -1).contiguous()
     return tokens[:, :-1].contiguous(), position_ids, tokens[:, 1:].contiguous()
+
+
+def _global_param_name(model, name: str) -> str:
+    """Name a parameter by its *global* layer number, so the same parameter
+    has the same name in every pipeline stage / virtual chunk."""
+    prefix = "decoder.layers."
+    if name.startswith(prefix):
+        local, rest = name[len(prefix):].split(".", 1)
+        layer = model.decoder.layers[int(local)]
+        return f"{prefix}{layer.layer_number - 1}.{rest}"
+    return name
+
+
+def deterministic_init(model, seed: int = 0) -> None:
+    """Give every parameter values that depend only on its global name, seed
+    and full (unpartitioned) shape, then take this tensor-parallel rank's slice
+    the way megatron's CPU initialisation does (``partition_dim``,
+    ``partition_stride``: SwiGLU's fc1 is interleaved with stride 2).
+
+    Makes a model built under any TP/PP/VPP layout hold exactly the weights
+    of the same model built in one process.
+    """
+    import zlib
+
+    from megatron.core import parallel_state as ps
+
+    tp_size = ps.get_tensor_model_parallel_world_size()
+    tp_rank = ps.get_tensor_model_parallel_rank()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            gname = _global_param_name(model, name)
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(gname.encode()))
+            is_tp = getattr(p, "tensor_model_parallel", False) and tp_size > 1
+            shape = list(p.shape)
+            dim = getattr(p, "partition_dim", 0)
+            stride = getattr(p, "partition_stride", 1)
+            if is_tp:
+                shape[dim] *= tp_size
+            if "layernorm" in gname or "norm" in gname.split(".")[-2:][0]:
+                full = 1.0 + 0.1 * torch.randn(shape, generator=g)
+            else:
+                full = 0.05 * torch.randn(shape, generator=g)
+            if is_tp:
+                per = shape[dim] // tp_size // stride
+                chunks = torch.split(full, per, dim=dim)
+                full = torch.cat(chunks[tp_rank::tp_size], dim=dim)
+            p.copy_(full.to(p.dtype))
