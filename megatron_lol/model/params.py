@@ -1,0 +1,255 @@
+"""Analytic parameter counts of a model config (no torch, no megatron-core import).
+
+``count_parameters(model_cfg, vocab_size)`` returns a :class:`ParamCounts` whose
+``total`` equals ``sum(p.numel() for p in LoLGPTModel(...).parameters())`` at
+tensor-parallel size 1 (tests check this for every plan and option the model
+implements). FFN mixture-of-experts layers are counted analytically as
+megatron-core builds them (router ``E*d``, no bias; ``E`` SwiGLU experts of
+hidden ``moe_ffn_hidden_size``), whether or not the model builds them yet.
+
+What is counted, per layer (prelude, coda, every library block; all bias-free):
+
+* attention: ``d*(nq*c) + 2*d*(nkv*c)`` (fused QKV) ``+ (nq*c)*d`` (output), ``c`` =
+  ``kv_channels`` (default ``d / heads``), ``nkv`` = ``num_query_groups`` (GQA);
+* MLP: SwiGLU ``3*d*f``; or, for an MoE layer, experts ``E*3*d*f_e`` plus router ``E*d``;
+* norms: two RMSNorm gains of ``d`` (plus the final norm);
+
+and once per model: input embedding ``V*d``, output layer ``V*d`` when untied;
+LoL router ``d*L + L^2 + 2L`` per router (one if tied, ``D`` if untied), the
+per-depth vectors ``D*d`` (always, for ``plan: lol``), FiLM ``gamma, beta`` of
+shape ``(D, 2, d)`` (``film: depth``) or ``(D, L, 2, d)`` (``film: depth_block``),
+and the injection logit ``d``. ``D`` is the core depth: ``routed_depth`` for
+``lol``/``looped``, ``num_blocks`` for ``dense``.
+
+Active parameters: the convention
+----------------------------------
+SPEC 1.5's "active" figure counts the parameters *stored once* that a token
+touches, all embeddings excluded: every fixed layer (with ``top-k`` of its
+experts), and in the core the *distinct* blocks it can execute, at most
+``min(L, D)``. Each stored tensor counts once however often it is applied
+(as Accordion's tables put it: "active shared weights are not multiplied by
+recurrence count"). It reproduces both 308.3M figures of SPEC 1.5:
+
+* MoE baseline (24 layers, 3 experts of hidden 1408, top-2): per layer
+  attention 4,194,304 + 2 experts 8,650,752 = 12,845,056; x 24 = 308.28M
+  (stored: 24 x (4,194,304 + 3 x 4,325,376) = 412.09M);
+* LoL vs MoE (4+4 such MoE layers, 24 blocks, D = 16): 8 x 12,845,056 +
+  min(24, 16) x 12,845,056 = 308.28M (stored 8 x 17,170,432 + 24 x 12,845,056
+  = 445.64M).
+
+With ``L >= D`` this equals the per-execution count, since a token runs ``D``
+blocks which can all be distinct; the two conventions part only when blocks
+must repeat (``L < D``, looped plans), where ``active_per_token`` counts the
+``L`` stored blocks once and ``active_compute`` counts all ``D`` executions
+(proportional to matmul FLOPs per token). The expected number of *distinct*
+blocks under uniform routing, ``E[U] = L(1-(1-1/L)^D)``, is lower still; the
+stored-once count is its upper bound.
+
+Routing extras (routers, depth vectors, FiLM, injection) are counted fully in
+both active figures: a token reads every depth's router and vectors. MoE
+routers of the fixed layers are active. ``active_with_embedding`` adds the input
+embedding and the output layer (whole matrices, as usually reported).
+
+The paper's figures (``linear_*``) count linear weight matrices only: attention
+projections and MLP / expert projections, no norms, no routers (LoL or MoE),
+no embeddings. Everything else is in the breakdown.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from megatron_lol.config.schema import ModelConfig
+
+
+@dataclass
+class LayerCounts:
+    """One transformer layer (fixed layer or library block)."""
+
+    attention: int
+    mlp: int  # dense SwiGLU projections (0 for an MoE layer)
+    experts: int  # all expert projections (0 for a dense layer)
+    experts_active: int  # top-k experts' projections
+    moe_router: int  # E*d (0 for a dense layer)
+    norms: int
+
+    @property
+    def linear(self) -> int:
+        return self.attention + self.mlp + self.experts
+
+    @property
+    def linear_active(self) -> int:
+        return self.attention + self.mlp + self.experts_active
+
+    @property
+    def total(self) -> int:
+        return self.linear + self.moe_router + self.norms
+
+    @property
+    def active(self) -> int:
+        return self.linear_active + self.moe_router + self.norms
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d.update(linear=self.linear, linear_active=self.linear_active, total=self.total, active=self.active)
+        return d
+
+
+@dataclass
+class ParamCounts:
+    """Parameter counts of a model config (see the module docstring for conventions)."""
+
+    plan: str
+    vocab_size: int
+    # headline figures
+    total: int
+    non_embedding: int  # total - input embedding - untied output layer
+    active_per_token: int  # non-embedding, stored-once convention (SPEC 1.5)
+    active_compute: int  # non-embedding, every core execution counted (L < D: > active_per_token)
+    active_with_embedding: int  # active_per_token + input embedding + output layer
+    linear_total: int  # paper convention: attention + MLP / expert projections, stored
+    linear_active: int  # paper convention, active per token (stored once)
+    linear_active_compute: int  # paper convention, every execution counted
+    # breakdown of ``total``
+    embedding: int
+    output: int  # 0 when tied to the embedding
+    attention: int
+    mlp: int
+    experts: int
+    moe_router: int
+    norms: int  # block / layer norm gains + final norm
+    router: int  # LoL routers (W_r, b_r, W_n, b_n), all of them
+    depth_vectors: int
+    film: int
+    injection: int
+    # structure
+    num_layers_fixed: int  # n_prelude + n_coda
+    num_blocks: int  # L, blocks stored
+    core_depth: int  # D, block executions per token in the core
+    active_blocks: int  # distinct blocks a token can touch: min(L, D)
+    num_routers: int
+    router_each: int  # d*L + L^2 + 2L for plan lol, else 0
+    prelude_layer: LayerCounts = field(repr=False, default=None)
+    coda_layer: LayerCounts = field(repr=False, default=None)
+    block: LayerCounts = field(repr=False, default=None)  # one library block
+
+    @property
+    def breakdown(self) -> dict:
+        return {k: getattr(self, k) for k in BREAKDOWN_KEYS}
+
+    def to_dict(self) -> dict:
+        d = {f: getattr(self, f) for f in self.__dataclass_fields__
+             if f not in ("prelude_layer", "coda_layer", "block")}
+        d["fixed_layer"] = self.prelude_layer.to_dict()
+        d["block"] = self.block.to_dict()
+        return d
+
+
+BREAKDOWN_KEYS = ("embedding", "output", "attention", "mlp", "experts", "moe_router", "norms",
+                  "router", "depth_vectors", "film", "injection")
+
+
+def router_parameters(hidden_size: int, num_blocks: int) -> int:
+    """One LoL router ``(W_r, b_r, W_n, b_n)``: ``d*L + L^2 + 2L`` (SPEC 1.2)."""
+    d, L = hidden_size, num_blocks
+    return d * L + L * L + 2 * L
+
+
+def attention_parameters(model: ModelConfig) -> int:
+    d = model.hidden_size
+    heads = model.num_attention_heads
+    groups = model.num_query_groups or heads
+    c = model.kv_channels if model.kv_channels is not None else d // heads
+    q = heads * c
+    kv = groups * c
+    return d * (q + 2 * kv) + q * d
+
+
+def layer_counts(model: ModelConfig, moe: bool) -> LayerCounts:
+    """Parameters of one layer; ``moe``: its FFN is a mixture of experts."""
+    d = model.hidden_size
+    attn = attention_parameters(model)
+    norms = 2 * d
+    if not moe:
+        return LayerCounts(attention=attn, mlp=3 * d * model.ffn_hidden, experts=0, experts_active=0,
+                           moe_router=0, norms=norms)
+    E = model.num_experts
+    f = model.moe_ffn_hidden_size if model.moe_ffn_hidden_size is not None else model.ffn_hidden
+    expert = 3 * d * f
+    return LayerCounts(attention=attn, mlp=0, experts=E * expert,
+                       experts_active=min(model.moe_router_topk, E) * expert,
+                       moe_router=E * d, norms=norms)
+
+
+def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
+    """Analytic counts for ``model`` with a ``vocab_size``-row embedding (TP size 1).
+
+    ``vocab_size`` is the size the model is built with (already padded, as
+    ``LoLGPTModel`` takes it).
+    """
+    if vocab_size is None or vocab_size <= 0:
+        raise ValueError(f"vocab_size must be a positive integer (got {vocab_size!r})")
+    d = model.hidden_size
+    L = model.num_blocks
+    D = model.core_depth
+    n_fixed = model.n_prelude + model.n_coda
+    fixed = layer_counts(model, moe=model.moe_layers in ("fixed", "all"))
+    block = layer_counts(model, moe=model.moe_layers == "all")
+
+    embedding = vocab_size * d
+    output = vocab_size * d if model.untie_embeddings_and_output_weights else 0
+
+    routed = model.plan == "lol"
+    num_routers = (1 if model.router_tied else D) if routed else 0
+    router_each = router_parameters(d, L) if routed else 0
+    router = num_routers * router_each
+    depth_vectors = D * d if routed else 0
+    if model.film == "depth":
+        film = 2 * D * 2 * d
+        film_active = film
+    elif model.film == "depth_block":
+        film = 2 * D * L * 2 * d
+        film_active = 2 * D * 2 * d  # one (gamma, beta) set per executed (depth, block)
+    else:
+        film = film_active = 0
+    injection = d if model.input_injection else 0
+    extras = router + depth_vectors + injection
+    final_norm = d
+
+    attention = n_fixed * fixed.attention + L * block.attention
+    mlp = n_fixed * fixed.mlp + L * block.mlp
+    experts = n_fixed * fixed.experts + L * block.experts
+    moe_router = n_fixed * fixed.moe_router + L * block.moe_router
+    norms = n_fixed * fixed.norms + L * block.norms + final_norm
+    total = embedding + output + attention + mlp + experts + moe_router + norms + extras + film
+    non_embedding = total - embedding - output
+
+    active_blocks = min(L, D)
+    active = n_fixed * fixed.active + active_blocks * block.active + final_norm + extras + film_active
+    active_compute = n_fixed * fixed.active + D * block.active + final_norm + extras + film_active
+    return ParamCounts(
+        plan=model.plan, vocab_size=vocab_size,
+        total=total, non_embedding=non_embedding,
+        active_per_token=active, active_compute=active_compute,
+        active_with_embedding=active + embedding + output,
+        linear_total=n_fixed * fixed.linear + L * block.linear,
+        linear_active=n_fixed * fixed.linear_active + active_blocks * block.linear_active,
+        linear_active_compute=n_fixed * fixed.linear_active + D * block.linear_active,
+        embedding=embedding, output=output, attention=attention, mlp=mlp, experts=experts,
+        moe_router=moe_router, norms=norms, router=router, depth_vectors=depth_vectors,
+        film=film, injection=injection,
+        num_layers_fixed=n_fixed, num_blocks=L, core_depth=D, active_blocks=active_blocks,
+        num_routers=num_routers, router_each=router_each,
+        prelude_layer=fixed, coda_layer=fixed, block=block,
+    )
+
+
+def count_module_parameters(module) -> int:
+    """``sum(p.numel())`` over a module's parameters (shared tensors counted once)."""
+    seen = set()
+    n = 0
+    for p in module.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            n += p.numel()
+    return n

@@ -1,0 +1,101 @@
+"""``megatron-lol params``: total / non-embedding / active parameter counts of a config.
+
+Counts are analytic (:mod:`megatron_lol.model.params`): nothing is built and
+megatron-core is not imported, so it runs in well under a second. The
+vocabulary is ``--vocab-size``, else ``model.vocab_size``; it is padded to a
+multiple of ``model.make_vocab_size_divisible_by x tensor_model_parallel_size``
+as Megatron-LM pads it (``--no-pad-vocab`` to count it as given).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from megatron_lol.cli import CliError
+from megatron_lol.config import add_config_arguments, config_from_args
+from megatron_lol.model.params import count_parameters
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="vocabulary size (default: model.vocab_size of the config)")
+    parser.add_argument("--no-pad-vocab", action="store_true",
+                        help="count the vocabulary as given, without Megatron-LM's padding")
+    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+
+
+def _padded(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return ((vocab + multiple - 1) // multiple) * multiple
+
+
+def resolve_vocab(args, cfg) -> tuple[int, int]:
+    """(vocabulary as given, vocabulary the model is built with)."""
+    vocab = args.vocab_size if args.vocab_size is not None else cfg.model.vocab_size
+    if vocab is None:
+        raise CliError("model.vocab_size: not set in the config; set it or pass --vocab-size N")
+    if vocab <= 0:
+        raise CliError(f"--vocab-size: must be > 0 (got {vocab})")
+    if args.no_pad_vocab:
+        return vocab, vocab
+    return vocab, _padded(vocab, cfg.model.make_vocab_size_divisible_by,
+                          cfg.parallel.tensor_model_parallel_size)
+
+
+def _m(n: int) -> str:
+    return f"{n / 1e6:,.2f}M"
+
+
+def format_table(counts, cfg, config_path: str, vocab: int) -> str:
+    m = cfg.model
+    shape = f"plan {m.plan}, width {m.hidden_size}, {m.n_prelude}+{m.n_coda} fixed layers, "
+    if m.plan == "lol":
+        shape += f"L={m.num_blocks} blocks, D={m.routed_depth}"
+    elif m.plan == "looped":
+        shape += f"{m.num_blocks} x {m.routed_depth // m.num_blocks} looped"
+    else:
+        shape += f"{m.num_blocks} core layers ({m.dense_attention} attention)"
+    if m.moe_layers != "none":
+        shape += f", MoE ({m.moe_layers}: {m.num_experts} experts, top-{m.moe_router_topk})"
+    vocab_note = f"vocab {counts.vocab_size:,}" + (f" (padded from {vocab:,})" if vocab != counts.vocab_size else "")
+    rows = [
+        ("total", counts.total),
+        ("non-embedding", counts.non_embedding),
+        ("active per token (non-embedding, stored once)", counts.active_per_token),
+        ("active per token (non-embedding, per execution)", counts.active_compute),
+        ("active per token incl. embedding + head", counts.active_with_embedding),
+        ("linear weights, stored (paper convention)", counts.linear_total),
+        ("linear weights, active (paper convention)", counts.linear_active),
+        ("linear weights, active per execution", counts.linear_active_compute),
+    ]
+    breakdown = [(k.replace("_", " "), v) for k, v in counts.breakdown.items() if v]
+    block = counts.block
+    per_block = [
+        ("one block: attention", block.attention),
+        ("one block: MLP / experts", block.mlp + block.experts),
+        ("one block: linear", block.linear),
+    ]
+    if counts.num_routers:
+        per_block.append((f"one router (d*L + L^2 + 2L), x{counts.num_routers}", counts.router_each))
+    width = max(len(r[0]) for r in rows + breakdown + per_block) + 2
+    out = [f"{config_path}: {shape}; {vocab_note}", ""]
+    out += [f"  {name:<{width}}{n:>16,}  {_m(n):>10}" for name, n in rows]
+    out += ["", "  breakdown"]
+    out += [f"    {name:<{width - 2}}{n:>16,}  {_m(n):>10}" for name, n in breakdown]
+    out += ["", "  per block"]
+    out += [f"    {name:<{width - 2}}{n:>16,}  {_m(n):>10}" for name, n in per_block]
+    return "\n".join(out)
+
+
+def run(args) -> int:
+    cfg = config_from_args(args, check_data=False)
+    vocab, padded = resolve_vocab(args, cfg)
+    counts = count_parameters(cfg.model, padded)
+    if args.json:
+        payload = {"config": args.config, "vocab_size_given": vocab, **counts.to_dict()}
+        print(json.dumps(payload, indent=None, sort_keys=False))
+    else:
+        print(format_table(counts, cfg, args.config, vocab))
+    return 0
