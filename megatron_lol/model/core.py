@@ -29,7 +29,7 @@ from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.balancing import BalancingBias, global_aux_loss, sequence_aux_loss
 from megatron_lol.model.dispatch import plan_dispatch, run_grouped, scatter_updates
 from megatron_lol.model.library import build_layer, layer_norms
-from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries
+from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries, window_noise
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 
 
@@ -79,11 +79,16 @@ class CoreOutput:
 
 
 class RoutedCore(nn.Module):
-    def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int):
+    def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None):
         super().__init__()
+        from megatron_lol.model.lol_model import seeded
+
         self.cfg = model
         L, D, h = model.num_blocks, model.core_depth, model.hidden_size
-        self.blocks = nn.ModuleList(build_layer(spec, tconfig, first_layer_number + i) for i in range(L))
+        self.blocks = nn.ModuleList()
+        for i in range(L):
+            with seeded(init_seed, f"core.blocks.{i}"):
+                self.blocks.append(build_layer(spec, tconfig, first_layer_number + i))
         self.routed = model.plan == "lol"
         if self.routed:
             n_routers = 1 if model.router_tied else D
@@ -92,7 +97,8 @@ class RoutedCore(nn.Module):
                 for _ in range(n_routers))
             # e^(l): exists whether or not the router is tied (SPEC 1.2)
             self.depth_vectors = nn.Parameter(torch.empty(D, h, dtype=torch.float32))
-            nn.init.normal_(self.depth_vectors, std=model.init_method_std)
+            with seeded(init_seed, "core.depth_vectors"):
+                nn.init.normal_(self.depth_vectors, std=model.init_method_std)
             if model.balancing == "loss_free":
                 self.balancer = BalancingBias(L, D, model.per_depth_bias, model.bias_update_speed,
                                               model.bias_clamp, model.bias_update_stop_fraction)
@@ -130,10 +136,15 @@ class RoutedCore(nn.Module):
         return out
 
     def decide(self, depth: int, windows: WindowLayout, flat: torch.Tensor,
-               forced: Optional[ForcedPath]) -> RoutingDecision:
+               forced: Optional[ForcedPath], noise_seeds: Optional[torch.Tensor] = None,
+               row_length: int = 0) -> RoutingDecision:
         """Router (or forced path) for the windows of one depth."""
         summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
-        probs = self.router_for(depth).probabilities(summaries)
+        router = self.router_for(depth)
+        eps = None
+        if noise_seeds is not None and self.training and router.noise:
+            eps = window_noise(windows, noise_seeds, depth, self.cfg.num_blocks, row_length)
+        probs = router.probabilities(summaries, eps)
         bias = self.balancer.for_depth(depth) if self.balancer is not None else None
         choice, gate = choose_blocks(probs, bias)
         if forced is not None:
@@ -145,8 +156,12 @@ class RoutedCore(nn.Module):
     # ------------------------------------------------------------------ forward
     def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: torch.Tensor, depth: Optional[int] = None,
                 forced: Optional[ForcedPath] = None, record: bool = False, backprop_depth: Optional[int] = None,
-                first_window_full_backprop: bool = True) -> CoreOutput:
-        """``states``: [s, b, h] output of the prelude. ``rope``: [s, 1, 1, d] row-position freqs."""
+                first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None) -> CoreOutput:
+        """``states``: [s, b, h] output of the prelude. ``rope``: [s, 1, 1, d] row-position freqs.
+
+        ``noise_seeds`` [b]: one seed per row for the router noise (see ``window_noise``);
+        None draws it from the global RNG.
+        """
         cfg = self.cfg
         depth = cfg.core_depth if depth is None else depth
         s_len, b, h = states.shape
@@ -167,7 +182,7 @@ class RoutedCore(nn.Module):
             else:
                 windows = None
             if self.routed:
-                decision = self.decide(l, windows, flat, forced)
+                decision = self.decide(l, windows, flat, forced, noise_seeds, s_len)
                 if self.training:
                     if self.balancer is not None:
                         self.balancer.record(l, decision.choice)

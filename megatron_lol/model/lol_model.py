@@ -10,6 +10,8 @@ window ordinals and router prefixes restart per document (SPEC 1.1).
 
 from __future__ import annotations
 
+import contextlib
+import zlib
 from typing import Optional
 
 import torch
@@ -43,6 +45,24 @@ class AuxLossAttach(torch.autograd.Function):
         return grad, torch.full_like(aux_loss, AuxLossAttach.scale)
 
 
+@contextlib.contextmanager
+def seeded(seed: Optional[int], key: str):
+    """Initialise one component from its own RNG stream, derived from (seed, key).
+
+    Every rank draws the full master weight of each component it builds from
+    the same stream, whatever else it builds: so the same seed gives the same
+    initial weights whatever the parallel layout (TP splits the master weight;
+    a pipeline stage or expert-parallel rank that skips other components does
+    not shift this one's stream).
+    """
+    if seed is None:
+        yield
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
+        yield
+
+
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
     """Megatron-LM's padding of the vocabulary to a multiple of ``divisible_by * TP``."""
     multiple = divisible_by * tensor_parallel
@@ -64,7 +84,7 @@ class LoLGPTModel(_language_module()):
 
     def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], parallel=None,
                  max_sequence_length: int = 4096, tconfig=None, pre_process: bool = True,
-                 post_process: bool = True):
+                 post_process: bool = True, init_seed: Optional[int] = 1234):
         from megatron.core import tensor_parallel
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
@@ -83,22 +103,37 @@ class LoLGPTModel(_language_module()):
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if pre_process:
-            self.embedding = LanguageModelEmbedding(self.config, vocab_size, max_sequence_length,
-                                                    position_embedding_type="none")
+            with seeded(init_seed, "embedding"):
+                self.embedding = LanguageModelEmbedding(self.config, vocab_size, max_sequence_length,
+                                                        position_embedding_type="none")
         self.rotary = RotaryEmbedding(
             kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=int(model.rotary_base),
             seq_len_interpolation_factor=(model.rotary_scaling_factor if model.rotary_scaling_factor != 1 else None),
             use_cpu_initialization=True)
-        self.prelude = nn.ModuleList(build_layer(spec, self.config, i + 1) for i in range(model.n_prelude))
-        self.core = RoutedCore(model, self.config, spec, first_layer_number=model.n_prelude + 1)
+        self.prelude = nn.ModuleList()
+        for i in range(model.n_prelude):
+            with seeded(init_seed, f"prelude.{i}"):
+                self.prelude.append(build_layer(spec, self.config, i + 1))
+        # The core packs windows of the whole sequence, so it runs on the gathered
+        # (TP-replicated) sequence: its blocks are tensor parallel without SP.
+        import dataclasses
+
+        core_config = (dataclasses.replace(self.config, sequence_parallel=False)
+                       if self.config.sequence_parallel else self.config)
+        self.core = RoutedCore(model, core_config, spec, first_layer_number=model.n_prelude + 1,
+                               init_seed=init_seed)
         first_coda = model.n_prelude + model.num_blocks + 1
-        self.coda = nn.ModuleList(build_layer(spec, self.config, first_coda + i) for i in range(model.n_coda))
+        self.coda = nn.ModuleList()
+        for i in range(model.n_coda):
+            with seeded(init_seed, f"coda.{i}"):
+                self.coda.append(build_layer(spec, self.config, first_coda + i))
         if post_process:
             self.final_norm = FiLMRMSNorm(self.config, model.hidden_size, eps=model.norm_epsilon)
-            self.output_layer = tensor_parallel.ColumnParallelLinear(
-                model.hidden_size, vocab_size, config=self.config, init_method=self.config.init_method,
-                bias=False, skip_bias_add=False, gather_output=False,
-                skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights)
+            with seeded(init_seed, "output_layer"):
+                self.output_layer = tensor_parallel.ColumnParallelLinear(
+                    model.hidden_size, vocab_size, config=self.config, init_method=self.config.init_method,
+                    bias=False, skip_bias_add=False, gather_output=False,
+                    skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights)
         if self.share_embeddings_and_output_weights and pre_process and post_process:
             self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
         self.last_core: Optional[CoreOutput] = None
@@ -108,10 +143,12 @@ class LoLGPTModel(_language_module()):
                 docs: Optional[DocumentLayout] = None, depth: Optional[int] = None,
                 forced_path: Optional[ForcedPath] = None, record: bool = False,
                 backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
-                return_hidden: bool = False):
+                noise_seeds: Optional[torch.Tensor] = None, return_hidden: bool = False):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
         else the logits [b, s, vocab] (this rank's vocab shard under TP).
         """
+        from megatron.core import tensor_parallel
+
         b, s = input_ids.shape
         if docs is None:
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
@@ -120,9 +157,16 @@ class LoLGPTModel(_language_module()):
         doc_mask = SegmentMask(segments=docs.doc_index)
         for layer in self.prelude:
             hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
+        sequence_parallel = self.config.sequence_parallel
+        if sequence_parallel:
+            # router inputs (window means) need every token of the sequence
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
         core = self.core(hidden, docs, rope, depth=depth, forced=forced_path, record=record,
-                         backprop_depth=backprop_depth, first_window_full_backprop=first_window_full_backprop)
+                         backprop_depth=backprop_depth, first_window_full_backprop=first_window_full_backprop,
+                         noise_seeds=noise_seeds)
         hidden = core.states
+        if sequence_parallel:
+            hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
         if core.aux_loss is not None and torch.is_grad_enabled():
             hidden = AuxLossAttach.apply(hidden, core.aux_loss)
         self.last_core = core

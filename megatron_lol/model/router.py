@@ -70,12 +70,33 @@ class WindowRouter(nn.Module):
         # W_r, b_r start at zero too: every window is a tie at the start (SPEC 1.2),
         # broken towards block 0 and then by the balancing bias.
 
-    def probabilities(self, summaries: torch.Tensor) -> torch.Tensor:
+    def probabilities(self, summaries: torch.Tensor, eps: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``softmax(z~)``; ``eps`` [N, L] is the standard normal noise (drawn here if None)."""
         z = self.logits(summaries.float())
         if self.training and self.noise:
             std = torch.clamp(F.softplus(self.noise_scale(z)), max=self.noise_clamp)
-            z = z + torch.randn_like(z) * std
+            if eps is None:
+                eps = torch.randn_like(z)
+            z = z + eps.to(z) * std
         return torch.softmax(z, dim=-1)
+
+
+def window_noise(windows: WindowLayout, row_seeds: torch.Tensor, depth: int, num_blocks: int,
+                 row_length: int) -> torch.Tensor:
+    """Router noise ``eps`` [N, L] drawn per (sample, depth) from its own seed.
+
+    Each row of the micro-batch carries a seed derived from (run seed, step,
+    global sample index), so a window's noise does not depend on which rank or
+    micro-batch the sample lands in: runs on different parallel layouts route
+    identically, and a resumed run draws the noise the uninterrupted run drew.
+    """
+    rows = torch.div(windows.window_first_token, row_length, rounding_mode="floor")
+    per_row = torch.bincount(rows, minlength=len(row_seeds)).tolist()
+    parts = []
+    for seed, n in zip(row_seeds.tolist(), per_row):
+        gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + depth) % (2**63 - 1))
+        parts.append(torch.randn(n, num_blocks, generator=gen))
+    return torch.cat(parts).to(windows.window_first_token.device)
 
 
 def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: torch.Tensor) -> torch.Tensor:

@@ -51,8 +51,12 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: ExperimentConfig):
+    def __init__(self, cfg: ExperimentConfig, tokenizer=None, datasets: Optional[tuple] = None):
+        """``tokenizer`` / ``datasets`` (train, valid, test) override what the
+        config would build (tests, notebooks, benchmarks)."""
         self.cfg = cfg
+        self._given_tokenizer = tokenizer
+        self._given_datasets = datasets
         self.iteration = 0  # optimizer steps completed
         self.consumed_train_samples = 0
         self.nonfinite_skipped = 0
@@ -98,9 +102,12 @@ class Trainer:
         return self
 
     def _build_tokenizer(self) -> None:
+        d = self.cfg.data
+        if self._given_tokenizer is not None:
+            self.tokenizer, self.eod_id = self._given_tokenizer, self._given_tokenizer.eod
+            return
         from megatron_lol.data.tokenizers import build_tokenizer
 
-        d = self.cfg.data
         self.tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
                                          vocab_file=d.vocab_file, merge_file=d.merge_file)
         self.eod_id = self.tokenizer.eod
@@ -118,13 +125,17 @@ class Trainer:
             raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's {self.tokenizer.vocab_size}")
         self.vocab_size = vocab
         model = LoLGPTModel(cfg.model, vocab_size=vocab, eod_id=self.eod_id, parallel=cfg.parallel,
-                            max_sequence_length=cfg.training.seq_length)
+                            max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed)
         self.model = model
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
         self.ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
         self.model_chunks = [self.ddp]
+        # the schedules call this after the last backward: DP (and SP norm) gradient reduction
+        from megatron.core.distributed import finalize_model_grads
+
+        model.config.finalize_model_grads_func = finalize_model_grads
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig as MOptConfig
@@ -150,9 +161,12 @@ class Trainer:
             lr_wsd_decay_style=o.lr_wsd_decay_style)
 
     def _build_data(self) -> None:
+        tr, d = self.cfg.training, self.cfg.data
+        if self._given_datasets is not None:
+            self.train_ds, self.valid_ds, self.test_ds = self._given_datasets
+            return
         from megatron_lol.data.datasets import build_train_valid_test_datasets
 
-        tr, d = self.cfg.training, self.cfg.data
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.global_batch_size
         num_samples = (tr.train_iters * self.global_batch_size, evals, tr.eval_iters * self.global_batch_size)
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
@@ -178,7 +192,10 @@ class Trainer:
             for m in range(self.num_microbatches):
                 idx = [(base + m * mbs + j) % n for j in range(mbs)]
                 items = [dataset[i] for i in idx]
-                yield {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in ("tokens", "labels", "loss_mask")}
+                batch = {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in ("tokens", "labels", "loss_mask")}
+                # global sample numbers: router noise is drawn per sample from them
+                batch["sample_ids"] = torch.tensor([base + m * mbs + j for j in range(mbs)], dtype=torch.long)
+                yield batch
             sample += self.global_batch_size
 
     # ---------------------------------------------------------------- steps
@@ -195,8 +212,9 @@ class Trainer:
         batch = next(data_iterator)
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
         cur = self.cfg.curriculum
+        seeds = batch["sample_ids"] + self.cfg.training.seed * 1_000_000_007 if "sample_ids" in batch else None
         output = model(tokens, labels=labels, depth=depth, backprop_depth=cur.backprop_depth,
-                       first_window_full_backprop=cur.first_window_full_backprop)
+                       first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds)
         core = self.model.last_core
         if core is not None and model.training:
             if core.block_loads is not None:
