@@ -237,7 +237,9 @@ class RoutedCore(nn.Module):
             if rest.numel():
                 with torch.no_grad():
                     plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=rest)
-                    updates = updates + scatter_updates(plan, run_grouped(plan, flat, call), T)
+                    frozen = scatter_updates(plan, run_grouped(plan, flat, call), T)
+                # add outside no_grad: inside it, the sum would drop the first-window graph
+                updates = updates + frozen
             token_gate = torch.where(keep, token_gate, token_gate.detach())
         return flat + token_gate.unsqueeze(1).to(flat.dtype) * updates
 
