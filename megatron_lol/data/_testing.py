@@ -137,3 +137,99 @@ def build_all(cache_dir: str, docs: list | None = None) -> dict:
     out.update(bpe)
     out.update(write_tiktoken_files(bpe["merges"], os.path.join(cache_dir, "tiktoken_bpe")))
     return out
+
+
+# -- helpers for tests and benchmarks -------------------------------------------------
+
+FORMATS = ("jsonl", "jsonl.gz", "jsonl.zst", "parquet", "txt")
+
+
+def special_documents() -> list:
+    """Edge cases every format must carry: empty, whitespace-only, non-ASCII, literal specials."""
+    return [
+        "",
+        "   \n  ",
+        "naïve café — Grüße, ¿qué? 日本語のテキスト 😀 ∑∫",
+        "literal specials: </s> <s> <unk> <|endoftext|> <pad> end",
+        "line one\r\nline two\ttabbed\u2028sep",
+    ]
+
+
+def sample_documents(n: int = 40, max_doc: int = 4000) -> list:
+    docs = stdlib_documents(max_bytes=n * max_doc, max_doc=max_doc)[:n]
+    out = docs[:10] + special_documents() + docs[10:]
+    return out
+
+
+def write_inputs(docs: list, fmt: str, out_dir: str, files: int = 1, key: str = "text",
+                 row_group_size: int = 7) -> str:
+    """Write docs in ``fmt`` under out_dir; returns the --input value (file or directory)."""
+    import json as _json
+
+    os.makedirs(out_dir, exist_ok=True)
+    if fmt == "txt":
+        for i, d in enumerate(docs):
+            with open(os.path.join(out_dir, f"doc{i:05d}.txt"), "w", encoding="utf-8", newline="") as f:
+                f.write(d)
+        return out_dir
+    per = -(-len(docs) // files)
+    chunks = [docs[i:i + per] for i in range(0, len(docs), per)]
+    paths = []
+    for j, chunk in enumerate(chunks):
+        path = os.path.join(out_dir, f"part{j:03d}.{fmt}")
+        if fmt == "parquet":
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+
+            table = pa.table({key: chunk, "id": list(range(len(chunk)))})
+            pq.write_table(table, path, row_group_size=row_group_size)
+        else:
+            payload = "".join(_json.dumps({key: d, "id": i}) + "\n" for i, d in enumerate(chunk)).encode()
+            if fmt == "jsonl.gz":
+                import gzip
+
+                payload = gzip.compress(payload)
+            elif fmt == "jsonl.zst":
+                import zstandard
+
+                payload = zstandard.ZstdCompressor().compress(payload)
+            with open(path, "wb") as f:
+                f.write(payload)
+        paths.append(path)
+    return paths[0] if len(paths) == 1 else out_dir
+
+
+def preprocess_args(argv: list):
+    import argparse
+
+    from megatron_lol.data import preprocess as pp
+
+    parser = argparse.ArgumentParser()
+    pp.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def run_preprocess(argv: list) -> dict:
+    from megatron_lol.data import preprocess as pp
+
+    return pp.preprocess(preprocess_args(list(argv) + ["--no-progress"]))
+
+
+def tokenizer_argv(kind: str, files: dict) -> list:
+    if kind == "sentencepiece":
+        return ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", files["sentencepiece"]]
+    if kind == "huggingface":
+        return ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", files["tokenizer_json"]]
+    if kind == "tiktoken":
+        return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", files["tiktoken"]]
+    if kind == "gpt2bpe":
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"],
+                "--merge-file", files["merges"]]
+    raise KeyError(kind)
+
+
+def tokenizer_kwargs(kind: str, files: dict) -> dict:
+    argv = tokenizer_argv(kind, files)
+    names = {"--tokenizer-type": "tokenizer_type", "--tokenizer-model": "tokenizer_model",
+             "--vocab-file": "vocab_file", "--merge-file": "merge_file"}
+    return {names[a]: v for a, v in zip(argv[0::2], argv[1::2])}

@@ -112,7 +112,8 @@ def plan_pieces(paths: list) -> tuple:
             except Exception as err:  # noqa: BLE001
                 raise InputError(f"{p}: not a readable parquet file ({err})") from None
             for rg in range(meta.num_row_groups):
-                w = max(1, meta.row_group(rg).total_compressed_size or 0)
+                rgm = meta.row_group(rg)
+                w = max(1, sum(rgm.column(c).total_compressed_size for c in range(rgm.num_columns)))
                 pieces.append(Piece(i, p, kind, pos, w, row_group=rg))
                 pos += w
         else:
