@@ -18,15 +18,16 @@ from megatron_lol import platform as plat
 
 @pytest.fixture(scope="module")
 def single_process():
-    """setup_platform + a world-size-1 process group + TP=PP=1 parallel state."""
+    """setup_platform + a world-size-1 process group + TP=PP=1 parallel state (left in place)."""
     kind = plat.setup_platform()
     plat.init_distributed()
     from megatron.core import parallel_state as ps
 
-    ps.destroy_model_parallel()
-    ps.initialize_model_parallel(1, 1)
-    yield kind
-    ps.destroy_model_parallel()
+    # Shared with other test modules in the same session: initialise once, never tear down.
+    if not ps.model_parallel_is_initialized():
+        ps.initialize_model_parallel(1, 1)
+    assert ps.get_tensor_model_parallel_world_size() == 1
+    return kind
 
 
 def test_import_is_cheap():
@@ -304,3 +305,71 @@ def test_layouts_match_single_process():
     timings = per_rank[0][1]
     print(f"2-process launch: {elapsed:.1f}s; per layout: " + ", ".join(f"{k} {v:.2f}s" for k, v in timings.items()))
     assert not failures, "\n".join(failures)
+
+
+# ---------------------------------------------------------------------------
+# Item 6b: distributed-optimizer checkpoint with the torch Adam fallback.
+# ---------------------------------------------------------------------------
+
+
+def _dist_opt_model():
+    from megatron.core import tensor_parallel
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+    from tiny_gpt import build_gpt, deterministic_init, gpt_config
+
+    tensor_parallel.model_parallel_cuda_manual_seed(1)
+    cfg = gpt_config(num_layers=2)
+    model = build_gpt(cfg)
+    deterministic_init(model)
+    ddp = DistributedDataParallel(
+        cfg, DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True), model
+    )
+    opt = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=1e-2, weight_decay=0.1, use_distributed_optimizer=True), [ddp]
+    )
+    return model, ddp, opt
+
+
+def _train_step(ddp, opt, i):
+    from tiny_gpt import gpt_batch
+
+    ddp.zero_grad_buffer()
+    opt.zero_grad()
+    tokens, position_ids, labels = gpt_batch(seed=i)
+    loss = ddp(tokens, position_ids, None, labels=labels).float().mean()
+    loss.backward()
+    ddp.finish_grad_sync()
+    opt.step()
+    return float(loss)
+
+
+@pytest.mark.skipif(plat.has_apex(), reason="torch Adam fallback only")
+@pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_reshardable"])
+def test_distrib_optimizer_checkpoint_resumes_adam_step(single_process, tmp_path, sharding):
+    from megatron.core import dist_checkpointing
+
+    _, ddp, opt = _dist_opt_model()
+    uninterrupted = [_train_step(ddp, opt, i) for i in range(4)]
+
+    model, ddp, opt = _dist_opt_model()
+    for i in range(2):
+        _train_step(ddp, opt, i)
+    md = {"distrib_optim_sharding_type": sharding}
+    sd = {"model": model.sharded_state_dict()}
+    sd["optimizer"] = opt.sharded_state_dict(sd["model"], metadata=md)
+    dist_checkpointing.save(sd, str(tmp_path))
+
+    model, ddp, opt = _dist_opt_model()
+    sd = {"model": model.sharded_state_dict()}
+    sd["optimizer"] = opt.sharded_state_dict(sd["model"], is_loading=True, metadata=md)
+    loaded = dist_checkpointing.load(sd, str(tmp_path))
+    model.load_state_dict(loaded["model"])
+    opt.load_state_dict(loaded["optimizer"])
+    inner = [o.optimizer for o in getattr(opt, "chained_optimizers", [opt])]
+    steps = [s["step"] for o in inner for s in o.state.values()]
+    assert steps and all(float(s) == 2.0 for s in steps)
+    assert len({id(s) for s in steps}) == len(steps), "parameters share one step tensor"
+    resumed = [_train_step(ddp, opt, i) for i in range(2, 4)]
+    assert resumed == uninterrupted[2:]
