@@ -373,3 +373,21 @@ def test_distrib_optimizer_checkpoint_resumes_adam_step(single_process, tmp_path
     assert len({id(s) for s in steps}) == len(steps), "parameters share one step tensor"
     resumed = [_train_step(ddp, opt, i) for i in range(2, 4)]
     assert resumed == uninterrupted[2:]
+
+
+def _fail_on_rank_one():
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:
+        raise ValueError("boom on rank one")
+    return dist.get_rank()
+
+
+@pytest.mark.slow
+def test_run_distributed_reports_failing_rank():
+    from distributed import DistributedTestError
+
+    with pytest.raises(DistributedTestError, match="boom on rank one") as info:
+        run_distributed(_fail_on_rank_one, 2, timeout=120)
+    assert info.value.rank == 1
+    assert "ValueError" in info.value.remote_traceback
