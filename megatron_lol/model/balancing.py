@@ -51,13 +51,15 @@ class BalancingBias(nn.Module):
         self.loads[row] += torch.bincount(choice, minlength=self.bias.shape[1]).to(self.loads.dtype)
 
     @torch.no_grad()
-    def update(self, step: int, train_iters: int, group=None) -> bool:
+    def update(self, step: int, train_iters: int, group=None, loads: Optional[torch.Tensor] = None) -> bool:
         """Apply the sign rule after 0-based optimizer step ``step``; returns whether it did.
 
         ``group``: the process group over which windows differ (data parallel,
         and expert parallel where windows are split); loads are summed over it.
+        ``loads``: already-reduced loads to use instead of this module's own
+        (pipeline stages sharing the library sum theirs first).
         """
-        loads = self.loads
+        loads = self.loads if loads is None else loads
         if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(loads, group=group)
         applied = False
@@ -96,10 +98,6 @@ def global_aux_loss(decision: RoutingDecision) -> torch.Tensor:
     f = torch.bincount(decision.choice, minlength=num_blocks).float() / n
     abar = decision.probs.float().mean(dim=0)
     return num_blocks * (f * abar).sum()
-
-
-def loads_from_choice(choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    return torch.bincount(choice, minlength=num_blocks)
 
 
 def balancing_group(data_parallel_group: Optional[object] = None):

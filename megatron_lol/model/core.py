@@ -78,17 +78,28 @@ class CoreOutput:
     block_loads: Optional[torch.Tensor] = None  # [depth, L] windows per block this forward
 
 
+def _expert_parallel() -> tuple:
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized():
+        return 1, 0
+    return (parallel_state.get_expert_model_parallel_world_size(),
+            parallel_state.get_expert_model_parallel_rank())
+
+
 class RoutedCore(nn.Module):
-    def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None):
+    def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None,
+                 vp_stage: Optional[int] = None):
         super().__init__()
         from megatron_lol.model.lol_model import seeded
 
         self.cfg = model
         L, D, h = model.num_blocks, model.core_depth, model.hidden_size
-        self.blocks = nn.ModuleList()
-        for i in range(L):
+        # blocks keyed by their global index: an expert-parallel rank holds a subset
+        self.blocks = nn.ModuleDict()
+        for i in self.local_block_ids():
             with seeded(init_seed, f"core.blocks.{i}"):
-                self.blocks.append(build_layer(spec, tconfig, first_layer_number + i))
+                self.blocks[str(i)] = build_layer(spec, tconfig, first_layer_number + i, vp_stage)
         self.routed = model.plan == "lol"
         if self.routed:
             n_routers = 1 if model.router_tied else D
@@ -112,13 +123,22 @@ class RoutedCore(nn.Module):
             self.injection_logit = nn.Parameter(torch.zeros(h, dtype=tconfig.params_dtype))
 
     # ------------------------------------------------------------------ helpers
+    def local_block_ids(self) -> list:
+        from megatron_lol.parallel.layout import local_blocks
+
+        ep, ep_rank = _expert_parallel()
+        return local_blocks(self.cfg.num_blocks, ep, ep_rank)
+
+    def block(self, index: int):
+        return self.blocks[str(index)]
+
     def router_for(self, depth: int) -> WindowRouter:
         return self.routers[0 if len(self.routers) == 1 else depth - 1]
 
     def _set_film(self, block: int, depth: int, on: bool) -> None:
         if self.cfg.film == "off":
             return
-        for i, norm in enumerate(layer_norms(self.blocks[block])):
+        for i, norm in enumerate(layer_norms(self.block(block))):
             if not on:
                 norm.film = None
             elif self.cfg.film == "depth":
@@ -130,7 +150,7 @@ class RoutedCore(nn.Module):
         """Run one library block on ``x`` ([s, b, h] or packed [T, 1, h])."""
         self._set_film(block, depth, True)
         try:
-            out, _ = self.blocks[block](hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
+            out, _ = self.block(block)(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
         finally:
             self._set_film(block, depth, False)
         return out
@@ -155,12 +175,14 @@ class RoutedCore(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: torch.Tensor, depth: Optional[int] = None,
-                forced: Optional[ForcedPath] = None, record: bool = False, backprop_depth: Optional[int] = None,
+                depth_range: Optional[tuple] = None, forced: Optional[ForcedPath] = None, record: bool = False, backprop_depth: Optional[int] = None,
                 first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None) -> CoreOutput:
         """``states``: [s, b, h] output of the prelude. ``rope``: [s, 1, 1, d] row-position freqs.
 
         ``noise_seeds`` [b]: one seed per row for the router noise (see ``window_noise``);
-        None draws it from the global RNG.
+        None draws it from the global RNG. ``depth_range``: the (first, last)
+        routed depths this pipeline stage hosts; depths beyond ``depth`` (the
+        current, possibly grown, depth) are skipped.
         """
         cfg = self.cfg
         depth = cfg.core_depth if depth is None else depth
@@ -171,7 +193,8 @@ class RoutedCore(nn.Module):
         out = CoreOutput(states=states)
         aux_terms = []
         loads = []
-        for l in range(1, depth + 1):
+        first, last = depth_range or (1, cfg.core_depth)
+        for l in range(first, min(last, depth) + 1):
             if cfg.input_injection:
                 mix = torch.sigmoid(self.injection_logit)
                 flat = mix * flat + (1 - mix) * injected_from
@@ -191,7 +214,7 @@ class RoutedCore(nn.Module):
                                          / max(1, windows.num_docs))
                     elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
                         aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
-                loads.append(torch.bincount(decision.choice.detach(), minlength=cfg.num_blocks))
+                loads.append((l, torch.bincount(decision.choice.detach(), minlength=cfg.num_blocks)))
                 if record:
                     out.records.append(DepthRecord(l, decision.choice.detach(), decision.gate.detach(),
                                                    decision.probs.detach(), windows.window_doc,
@@ -203,8 +226,11 @@ class RoutedCore(nn.Module):
         out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
         if aux_terms:
             out.aux_loss = torch.stack(aux_terms).sum()
-        if loads:
-            out.block_loads = torch.stack(loads)
+        if self.routed:
+            # rows for every depth of the model; zero for depths not run here (other stages, not grown yet)
+            out.block_loads = torch.zeros(cfg.core_depth, cfg.num_blocks, dtype=torch.long)
+            for l, row in loads:
+                out.block_loads[l - 1] = row
         return out
 
     def _routed_update(self, depth, flat, windows, decision, token_rope, truncated, first_window_full):

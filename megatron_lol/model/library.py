@@ -143,10 +143,19 @@ def block_spec(use_te: bool = False):
     return dataclasses.replace(spec, submodules=sub)
 
 
-def build_layer(spec, config, layer_number: int):
+def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None):
+    """Build one layer / block; ``layer_number`` is its global 1-based number.
+
+    megatron-core adds a pipeline-stage offset to ``layer_number`` assuming its
+    own even split of ``num_layers``; our plan places layers itself, so the
+    global number is set back afterwards.
+    """
     from megatron.core.transformer.spec_utils import build_module
 
-    return build_module(spec, config=config, layer_number=layer_number)
+    layer = build_module(spec, config=config, layer_number=layer_number,
+                         vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None)
+    layer.layer_number = layer_number
+    return layer
 
 
 def layer_norms(layer) -> list[FiLMRMSNorm]:

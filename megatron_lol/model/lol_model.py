@@ -83,26 +83,41 @@ class LoLGPTModel(_language_module()):
     """
 
     def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], parallel=None,
-                 max_sequence_length: int = 4096, tconfig=None, pre_process: bool = True,
-                 post_process: bool = True, init_seed: Optional[int] = 1234):
-        from megatron.core import tensor_parallel
+                 max_sequence_length: int = 4096, tconfig=None, init_seed: Optional[int] = 1234,
+                 vp_stage: Optional[int] = None):
+        """Build this rank's share of the model.
+
+        Under pipeline parallelism the stage (and virtual stage ``vp_stage``) is
+        read from megatron's ``parallel_state``; see :mod:`megatron_lol.parallel.layout`.
+        Layers are keyed by their global index, so checkpoint keys do not
+        depend on the layout.
+        """
+        import dataclasses
+
+        from megatron.core import parallel_state, tensor_parallel
+        from megatron.core.enums import ModelType
         from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
         from megatron.core.models.common.embeddings.rotary_pos_embedding import RotaryEmbedding
 
-        n_layers = model.n_prelude + model.n_coda + model.num_blocks
-        from megatron.core.enums import ModelType
+        from megatron_lol.parallel.layout import check_pipeline_layout, stage_plan
 
+        n_layers = model.n_prelude + model.n_coda + model.num_blocks
         super().__init__(config=tconfig or transformer_config(model, parallel, num_layers=n_layers))
         self.model_type = ModelType.encoder_or_decoder
         self.cfg = model
         self.eod_id = eod_id
         self.vocab_size = vocab_size
+        self.vp_stage = vp_stage
+        pp = parallel_state.get_pipeline_model_parallel_world_size()
+        vpp = self.config.virtual_pipeline_model_parallel_size if pp > 1 else None
+        check_pipeline_layout(model, pp, vpp)
+        self.stage = stage_plan(model, pp, vpp, parallel_state.get_pipeline_model_parallel_rank(), vp_stage)
+        self.pre_process, self.post_process = self.stage.first, self.stage.last
         self.use_te = use_te_for(model)
         spec = block_spec(self.use_te)
-        self.pre_process, self.post_process = pre_process, post_process
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
-        if pre_process:
+        if self.pre_process:
             with seeded(init_seed, "embedding"):
                 self.embedding = LanguageModelEmbedding(self.config, vocab_size, max_sequence_length,
                                                         position_embedding_type="none")
@@ -110,32 +125,34 @@ class LoLGPTModel(_language_module()):
             kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=int(model.rotary_base),
             seq_len_interpolation_factor=(model.rotary_scaling_factor if model.rotary_scaling_factor != 1 else None),
             use_cpu_initialization=True)
-        self.prelude = nn.ModuleList()
-        for i in range(model.n_prelude):
+        self.prelude = nn.ModuleDict()
+        for i in self.stage.prelude:
             with seeded(init_seed, f"prelude.{i}"):
-                self.prelude.append(build_layer(spec, self.config, i + 1))
-        # The core packs windows of the whole sequence, so it runs on the gathered
-        # (TP-replicated) sequence: its blocks are tensor parallel without SP.
-        import dataclasses
-
-        core_config = (dataclasses.replace(self.config, sequence_parallel=False)
-                       if self.config.sequence_parallel else self.config)
-        self.core = RoutedCore(model, core_config, spec, first_layer_number=model.n_prelude + 1,
-                               init_seed=init_seed)
+                self.prelude[str(i)] = build_layer(spec, self.config, i + 1, vp_stage)
+        self.core = None
+        if self.stage.depths is not None:
+            # The core packs windows of the whole sequence, so it runs on the gathered
+            # (TP-replicated) sequence: its blocks are tensor parallel without SP.
+            core_config = (dataclasses.replace(self.config, sequence_parallel=False)
+                           if self.config.sequence_parallel else self.config)
+            self.core = RoutedCore(model, core_config, spec, first_layer_number=model.n_prelude + 1,
+                                   init_seed=init_seed, vp_stage=vp_stage)
         first_coda = model.n_prelude + model.num_blocks + 1
-        self.coda = nn.ModuleList()
-        for i in range(model.n_coda):
+        self.coda = nn.ModuleDict()
+        for i in self.stage.coda:
             with seeded(init_seed, f"coda.{i}"):
-                self.coda.append(build_layer(spec, self.config, first_coda + i))
-        if post_process:
+                self.coda[str(i)] = build_layer(spec, self.config, first_coda + i, vp_stage)
+        if self.post_process:
             self.final_norm = FiLMRMSNorm(self.config, model.hidden_size, eps=model.norm_epsilon)
             with seeded(init_seed, "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
                     model.hidden_size, vocab_size, config=self.config, init_method=self.config.init_method,
                     bias=False, skip_bias_add=False, gather_output=False,
-                    skip_weight_param_allocation=pre_process and self.share_embeddings_and_output_weights)
-        if self.share_embeddings_and_output_weights and pre_process and post_process:
-            self.embedding.word_embeddings.weight.is_embedding_or_output_parameter = True
+                    skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights)
+        if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
+            # megatron-core's tied-embedding plumbing (copies and all-reduces across stages)
+            self.setup_embeddings_and_output_layer()
+        self.input_tensor = None
         self.last_core: Optional[CoreOutput] = None
 
     # ---------------------------------------------------------------- forward
@@ -145,37 +162,47 @@ class LoLGPTModel(_language_module()):
                 backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
                 noise_seeds: Optional[torch.Tensor] = None, return_hidden: bool = False):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
-        else the logits [b, s, vocab] (this rank's vocab shard under TP).
+        else the logits [b, s, vocab] (this rank's vocab shard under TP). A
+        pipeline stage without the head returns its output hidden states.
         """
         from megatron.core import tensor_parallel
 
         b, s = input_ids.shape
         if docs is None:
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
-        hidden = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+        if self.pre_process:
+            hidden = self.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+        else:
+            hidden = self.input_tensor
         rope = self.rotary(s)  # [s, 1, 1, d]
         doc_mask = SegmentMask(segments=docs.doc_index)
-        for layer in self.prelude:
+        for layer in self.prelude.values():
             hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
-        sequence_parallel = self.config.sequence_parallel
-        if sequence_parallel:
-            # router inputs (window means) need every token of the sequence
-            hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-        core = self.core(hidden, docs, rope, depth=depth, forced=forced_path, record=record,
-                         backprop_depth=backprop_depth, first_window_full_backprop=first_window_full_backprop,
-                         noise_seeds=noise_seeds)
-        hidden = core.states
-        if sequence_parallel:
-            hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
-        if core.aux_loss is not None and torch.is_grad_enabled():
-            hidden = AuxLossAttach.apply(hidden, core.aux_loss)
-        self.last_core = core
-        for layer in self.coda:
+        self.last_core = None
+        if self.core is not None:
+            depth = self.cfg.core_depth if depth is None else depth
+            sequence_parallel = self.config.sequence_parallel
+            if sequence_parallel:
+                # router inputs (window means) need every token of the sequence
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(
+                    hidden, tensor_parallel_output_grad=False)
+            core = self.core(hidden, docs, rope, depth=depth, depth_range=self.stage.depths, forced=forced_path,
+                             record=record, backprop_depth=backprop_depth,
+                             first_window_full_backprop=first_window_full_backprop, noise_seeds=noise_seeds)
+            hidden = core.states
+            if sequence_parallel:
+                hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
+            if core.aux_loss is not None and torch.is_grad_enabled():
+                hidden = AuxLossAttach.apply(hidden, core.aux_loss)
+            self.last_core = core
+        for layer in self.coda.values():
             hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
+        if not self.post_process:
+            return hidden
         hidden = self.final_norm(hidden)
         if return_hidden:
             return hidden
-        weight = self.embedding.word_embeddings.weight if self.share_embeddings_and_output_weights else None
+        weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
         logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v/tp]
         if labels is None:
             return logits.transpose(0, 1).contiguous()

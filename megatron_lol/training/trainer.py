@@ -124,18 +124,27 @@ class Trainer:
         if vocab < self.tokenizer.vocab_size:
             raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's {self.tokenizer.vocab_size}")
         self.vocab_size = vocab
-        model = LoLGPTModel(cfg.model, vocab_size=vocab, eod_id=self.eod_id, parallel=cfg.parallel,
-                            max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed)
-        self.model = model
-        ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-            use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
-        self.ddp = DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model)
-        self.model_chunks = [self.ddp]
-        # the schedules call this after the last backward: DP (and SP norm) gradient reduction
-        from megatron.core.distributed import finalize_model_grads
+        vpp = cfg.parallel.virtual_pipeline_model_parallel_size
+        chunks = []
+        for vp_stage in range(vpp or 1):
+            model = LoLGPTModel(cfg.model, vocab_size=vocab, eod_id=self.eod_id, parallel=cfg.parallel,
+                                max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed,
+                                vp_stage=vp_stage if vpp else None)
+            ddp_config = DistributedDataParallelConfig(
+                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+            chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
+                                                  disable_bucketing=vp_stage > 0))
+        self.model_chunks = chunks
+        self.ddp = chunks[0]
+        self.model = chunks[0].module  # the first (virtual) stage's model
+        # the schedules call this after the last backward: library sum over the pipeline
+        # stages that share it, then megatron's DP / SP-norm / tied-embedding reductions
+        from megatron_lol.parallel.library_sync import LibrarySync
 
-        model.config.finalize_model_grads_func = finalize_model_grads
+        self.library_sync = LibrarySync(chunks, cfg.model)
+        for chunk in chunks:
+            chunk.module.config.finalize_model_grads_func = self.library_sync.finalize_model_grads
 
     def _build_optimizer(self) -> None:
         from megatron.core.optimizer import OptimizerConfig as MOptConfig
@@ -198,6 +207,13 @@ class Trainer:
                 yield batch
             sample += self.global_batch_size
 
+    def data_iterator(self, dataset, start_sample: int):
+        """What the schedule consumes: one iterator, or one per virtual pipeline chunk
+        (the interleaved schedule pulls each chunk's micro-batches separately)."""
+        if len(self.model_chunks) == 1:
+            return self._batches(dataset, start_sample)
+        return [self._batches(dataset, start_sample) for _ in self.model_chunks]
+
     # ---------------------------------------------------------------- steps
     def depth_at(self, step: int) -> int:
         cur, full = self.cfg.curriculum, self.cfg.model.core_depth
@@ -215,7 +231,7 @@ class Trainer:
         seeds = batch["sample_ids"] + self.cfg.training.seed * 1_000_000_007 if "sample_ids" in batch else None
         output = model(tokens, labels=labels, depth=depth, backprop_depth=cur.backprop_depth,
                        first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds)
-        core = self.model.last_core
+        core = getattr(model, "module", model).last_core
         if core is not None and model.training:
             if core.block_loads is not None:
                 loads = core.block_loads.double()
@@ -293,9 +309,13 @@ class Trainer:
             self._update_balancing_bias(self.iteration)
         lr = self.optimizer.param_groups[0]["lr"]
         utilisation = []
-        if self._step_loads is not None:
-            loads = self._step_loads.clone()
+        if self.cfg.model.plan == "lol":
+            loads = (self._step_loads.clone() if self._step_loads is not None
+                     else torch.zeros(self.cfg.model.core_depth, self.cfg.model.num_blocks, dtype=torch.float64))
             torch.distributed.all_reduce(loads, group=parallel_state.get_data_parallel_group())
+            if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # depths live on several stages
+                torch.distributed.all_reduce(loads, group=parallel_state.get_pipeline_model_parallel_group())
+            loads = loads[:depth]
             utilisation = (loads / loads.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
         aux = sum(self._step_aux) / max(1, len(self._step_aux))
         self.iteration += 1
@@ -306,19 +326,28 @@ class Trainer:
                           utilisation=utilisation)
 
     def _balancers(self):
-        return [b for b in (getattr(c.module, "balancer", None) for c in self.model_chunks) if b is not None]
+        return [c.module.core.balancer for c in self.model_chunks
+                if c.module.core is not None and c.module.core.balancer is not None]
 
     def _discard_balancing_loads(self) -> None:
         for b in self._balancers():
             b.loads.zero_()
 
     def _update_balancing_bias(self, step: int) -> None:
+        """Loads summed over local chunks, pipeline stages sharing the library and the
+        data-parallel ranks (whose windows differ), so every copy of the bias moves alike."""
         from megatron.core import parallel_state
 
-        # windows differ across data-parallel ranks (and context-parallel); sum loads over them
+        balancers = self._balancers()
+        if not balancers:
+            return
+        loads = sum(b.loads for b in balancers)
+        loads = self.library_sync.reduce_loads(loads.clone())
         group = parallel_state.get_data_parallel_group(with_context_parallel=True)
-        for b in self._balancers():
-            b.update(step, self.cfg.training.train_iters, group=group)
+        if torch.distributed.get_world_size(group) > 1:
+            torch.distributed.all_reduce(loads, group=group)
+        for b in balancers:
+            b.update(step, self.cfg.training.train_iters, loads=loads.clone())
 
     @torch.no_grad()
     def evaluate(self, dataset=None, iters: Optional[int] = None) -> float:
@@ -328,7 +357,7 @@ class Trainer:
             return float("nan")
         for chunk in self.model_chunks:
             chunk.eval()
-        it = self._batches(dataset, 0)
+        it = self.data_iterator(dataset, 0)
         stat = []
         depth = self.depth_at(self.iteration)
         for _ in range(iters):
@@ -344,7 +373,7 @@ class Trainer:
         hooks = self._hooks()
         for hook in hooks:
             hook.on_start(self)
-        data = self._batches(self.train_ds, self.consumed_train_samples)
+        data = self.data_iterator(self.train_ds, self.consumed_train_samples)
         results = []
         log_rank0(f"training: {tr.train_iters} iterations, global batch {self.global_batch_size} "
                   f"({self.num_microbatches} micro-batches of {tr.micro_batch_size} x {tr.seq_length} tokens, "

@@ -1,0 +1,51 @@
+"""Growing-depth schedule (SPEC 1.4, "Growing").
+
+The core starts shallow: at 0-based step ``t`` of a growth period of ``T``
+steps it runs
+
+    depth(t) = ceil(D0 + (D - D0) * (1 - sqrt(1 - t / T)))    for t < T
+    depth(t) = D                                             for t >= T
+
+routed depths ``1..depth(t)`` (with the full core's window offsets). The value
+is computed exactly, in integer / rational arithmetic: with ``c = D - D0``,
+
+    ceil(D0 + c - sqrt(c^2 (T - t) / T)) = D - floor(sqrt(c^2 (T - t) / T))
+                                         = D - isqrt(floor(c^2 (T - t) / T))
+
+(``floor(sqrt(q)) == isqrt(floor(q))`` for rational ``q >= 0``). A float
+``ceil`` gives 7 instead of 6 at ``t=5, T=9, D0=1, D=16``. ``T`` may be a
+non-integer number of steps (e.g. ``0.75 * train_iters``); floats are read as
+the decimal they print as, so every rank computes the same depth.
+"""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Union
+
+Number = Union[int, float, Fraction]
+
+
+def _exact(x: Number) -> Fraction:
+    if isinstance(x, float):
+        return Fraction(repr(x))
+    return Fraction(x)
+
+
+def depth_at_step(step: Number, growth_iters: Number, initial_depth: int, full_depth: int) -> int:
+    """Routed depth at 0-based ``step`` with growth period ``growth_iters`` (exact).
+
+    ``initial_depth`` is ``D0`` (depth at step 0), ``full_depth`` is ``D``.
+    ``growth_iters <= 0`` means no growing (always ``D``).
+    """
+    if not 1 <= initial_depth <= full_depth:
+        raise ValueError(f"initial_depth must be in [1, full_depth={full_depth}] (got {initial_depth})")
+    t, T = _exact(step), _exact(growth_iters)
+    if t < 0:
+        raise ValueError(f"step must be >= 0 (got {step})")
+    if T <= 0 or t >= T:
+        return full_depth
+    c = full_depth - initial_depth
+    q = c * c * (T - t) / T  # (c * sqrt(1 - t/T))^2, a non-negative rational
+    return full_depth - math.isqrt(q.numerator // q.denominator)
