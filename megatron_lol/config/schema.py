@@ -327,6 +327,10 @@ class TrainingConfig:
     resume: bool = True
     exit_duration_in_mins: Optional[float] = None
     skip_nonfinite_steps: int = 0  # how many NaN/Inf steps may be skipped before stopping
+    # stage changes (e.g. context extension) loading ``load`` when ``save`` has no checkpoint yet:
+    load_iteration: Optional[int] = None  # which iteration of ``load`` (default: its tracker's)
+    reset_optimizer: bool = False  # fresh optimizer state (Adam moments) instead of the loaded one
+    reset_schedule: bool = False  # iteration, LR schedule and data position restart at 0
     metrics_file: Optional[str] = None  # default: <save>/metrics.jsonl
 
     def validate(self, prefix: str = "training") -> None:
@@ -348,6 +352,8 @@ class TrainingConfig:
         if self.keep_last is not None:
             _positive(f"{prefix}.keep_last", self.keep_last)
         _nonnegative(f"{prefix}.skip_nonfinite_steps", self.skip_nonfinite_steps)
+        if self.load_iteration is not None:
+            _nonnegative(f"{prefix}.load_iteration", self.load_iteration)
 
 
 @dataclass

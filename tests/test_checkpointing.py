@@ -1,0 +1,345 @@
+"""Checkpoints, resume, preemption and numerical faults of ``megatron-lol train``.
+
+The end-to-end tests launch ``python -m megatron_lol train`` as subprocesses on a
+tiny LoL model (hidden 32, seq 64, 12 iterations, a 512-piece SentencePiece
+trained here on stdlib text) and compare per-step losses *bit for bit* (the
+floats in metrics.jsonl round-trip exactly) against one uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TRAIN_ITERS = 12
+SAVE_INTERVAL = 4
+LAUNCH_TIMEOUT = 240
+
+TINY_CONFIG = """\
+model:
+  plan: lol
+  hidden_size: 32
+  num_attention_heads: 4
+  ffn_hidden_size: 64
+  n_prelude: 1
+  n_coda: 1
+  num_blocks: 4
+  routed_depth: 3
+  window_size: 16
+  window_shift: 8
+  make_vocab_size_divisible_by: 64
+curriculum:
+  initial_depth: 1
+  growth_fraction: 0.5
+data:
+  paths: [{prefix}]
+  split: "90,10,0"
+  tokenizer_type: SentencePieceTokenizer
+  tokenizer_model: {tokenizer}
+  cache_dir: {cache}
+optimizer:
+  lr: 3.0e-3
+  min_lr: 3.0e-4
+  lr_warmup_iters: 2
+training:
+  train_iters: {train_iters}
+  micro_batch_size: 2
+  global_batch_size: 4
+  seq_length: 64
+  log_interval: 1
+  eval_interval: 5
+  eval_iters: 1
+  save_interval: {save_interval}
+"""
+
+
+# ------------------------------------------------------------------ helpers (also used by test_slurm)
+def make_corpus(out_dir: Path, max_bytes: int = 300_000) -> tuple:
+    """A SentencePiece model and one Megatron indexed dataset: (prefix, tokenizer_model)."""
+    import numpy as np
+    import sentencepiece as spm
+
+    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
+    from megatron_lol.data.indexed import StreamingIndexWriter
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    docs = stdlib_documents(max_bytes=max_bytes, max_doc=8000)
+    model = train_sentencepiece(docs, str(out_dir / "sp"), vocab_size=512)
+    prefix = str(out_dir / "corpus_text_document")
+    if not os.path.exists(prefix + ".idx"):
+        sp = spm.SentencePieceProcessor(model_file=model)
+        writer = StreamingIndexWriter(prefix, np.uint16)
+        for d in docs:
+            writer.add_document(sp.encode(d) + [sp.eos_id()])
+        writer.finalize()
+    return prefix, model
+
+
+def write_config(path: Path, prefix: str, tokenizer: str, cache: str, train_iters: int = TRAIN_ITERS,
+                 save_interval: int = SAVE_INTERVAL, extra: str = "") -> Path:
+    path.write_text(TINY_CONFIG.format(prefix=prefix, tokenizer=tokenizer, cache=cache,
+                                       train_iters=train_iters, save_interval=save_interval) + extra)
+    return path
+
+
+def subprocess_env(**extra) -> dict:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
+
+
+def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1) -> subprocess.Popen:
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "megatron_lol", "train"]
+    else:
+        from distributed import free_port
+
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_lol", "train"]
+    cmd += ["--config", str(config), "--save", str(save), *map(str, args)]
+    out = open(log, "ab") if log else subprocess.DEVNULL
+    return subprocess.Popen(cmd, cwd=str(REPO), env=subprocess_env(**(env or {})), stdout=out,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def run(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1) -> int:
+    proc = launch(config, save, *args, env=env, log=log, nproc=nproc)
+    try:
+        return proc.wait(timeout=LAUNCH_TIMEOUT)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def metrics(save: Path) -> dict:
+    """step -> the *last* record logged for it (a resumed run re-logs the steps it redid)."""
+    out = {}
+    path = save / "metrics.jsonl"
+    if not path.exists():
+        return out
+    for line in path.read_text().splitlines():
+        if line.strip():
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by kill -9
+                continue
+            out[rec["step"]] = rec
+    return out
+
+
+def wait_for(predicate, proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT, what: str = ""):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        value = predicate()
+        if value:
+            return value
+        if proc.poll() is not None:
+            raise AssertionError(f"process exited ({proc.returncode}) while waiting for {what}")
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def kill9(proc: subprocess.Popen) -> None:
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+
+
+def tracker(save: Path):
+    p = save / "latest_checkpointed_iteration.txt"
+    return int(p.read_text()) if p.exists() else None
+
+
+def assert_same_losses(got: dict, ref: dict, steps) -> None:
+    for s in steps:
+        assert s in got, f"step {s} missing"
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == \
+            (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["lr"]), f"step {s}: {got[s]} != {ref[s]}"
+
+
+# ------------------------------------------------------------------ fixtures
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ckpt")
+    prefix, tok = make_corpus(root / "data")
+    config = write_config(root / "tiny.yaml", prefix, tok, str(root / "cache"))
+    return root, config
+
+
+@pytest.fixture(scope="module")
+def reference(setup):
+    """One uninterrupted run: per-step metrics."""
+    root, config = setup
+    save = root / "ref"
+    rc = run(config, save, log=root / "ref.log")
+    assert rc == 0, (root / "ref.log").read_text()[-3000:]
+    ref = metrics(save)
+    assert sorted(ref) == list(range(1, TRAIN_ITERS + 1))
+    assert tracker(save) == TRAIN_ITERS
+    return ref
+
+
+# ------------------------------------------------------------------ tests
+@pytest.mark.slow
+def test_kill9_at_arbitrary_step_then_resume_is_bit_exact(setup, reference):
+    root, config = setup
+    save, log = root / "kill", root / "kill.log"
+    proc = launch(config, save, log=log)
+    wait_for(lambda: max(metrics(save), default=0) >= 6, proc, what="step 6")
+    kill9(proc)  # somewhere in step 7 (after the checkpoint of step 4)
+    killed_at = max(metrics(save))
+    assert tracker(save) == 4
+    assert run(config, save, log=log) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert "loaded" in text and "iter_0000004" in text
+    got = metrics(save)
+    assert_same_losses(got, reference, range(1, TRAIN_ITERS + 1))
+    assert got[TRAIN_ITERS]["consumed_samples"] == reference[TRAIN_ITERS]["consumed_samples"]
+    assert killed_at >= 6 and tracker(save) == TRAIN_ITERS
+
+
+@pytest.mark.slow
+def test_kill9_during_save_keeps_previous_checkpoint(setup, reference):
+    root, config = setup
+    save, log = root / "killsave", root / "killsave.log"
+    proc = launch(config, save, log=log, env={"MEGATRON_LOL_CKPT_PAUSE": "8:60"})
+    wait_for(lambda: "pausing" in log.read_text(), proc, what="the save of iteration 8")
+    assert (save / ".tmp_iter_0000008").is_dir() and any((save / ".tmp_iter_0000008").iterdir())
+    kill9(proc)
+    assert tracker(save) == 4
+    assert not (save / "iter_0000008").exists()
+    # relaunch: loads iteration 4 (not the half-written 8), removes the leftover, finishes
+    assert run(config, save, log=log) == 0, log.read_text()[-3000:]
+    assert "loaded" in log.read_text().split("pausing")[-1]
+    assert f"iter_0000004" in log.read_text().split("pausing")[-1]
+    assert_same_losses(metrics(save), reference, range(1, TRAIN_ITERS + 1))
+    assert tracker(save) == TRAIN_ITERS
+    assert not (save / ".tmp_iter_0000008").exists()
+    assert (save / "iter_0000008").is_dir()
+
+
+@pytest.mark.slow
+def test_sigusr1_and_exit_duration_save_exit_85_and_resume_bit_exact(setup, reference):
+    from megatron_lol.training.signals import EXIT_REQUEUE, REQUEUE_MARKER
+
+    root, config = setup
+    save, log = root / "preempt", root / "preempt.log"
+    proc = launch(config, save, log=log)
+    wait_for(lambda: max(metrics(save), default=0) >= 2, proc, what="step 2")
+    os.kill(proc.pid, signal.SIGUSR1)
+    rc = proc.wait(timeout=LAUNCH_TIMEOUT)
+    assert rc == EXIT_REQUEUE, log.read_text()[-3000:]
+    first = tracker(save)
+    assert first is not None and 3 <= first < TRAIN_ITERS
+    assert max(metrics(save)) == first  # saved at the very step boundary it stopped at
+    assert (save / REQUEUE_MARKER).read_text().startswith(str(first))
+    assert "received SIGUSR1" in log.read_text()
+    # a wall-clock limit already passed: one step, save, exit 85 again
+    rc = run(config, save, "--exit-duration-in-mins", "0.0001", log=log)
+    assert rc == EXIT_REQUEUE, log.read_text()[-3000:]
+    assert tracker(save) == first + 1
+    assert "exit_duration_in_mins" in log.read_text()
+    # and the rest; async saves this time
+    assert run(config, save, "--async-save", "--set", "training.keep_last=2", log=log) == 0, \
+        log.read_text()[-3000:]
+    assert not (save / REQUEUE_MARKER).exists()
+    assert_same_losses(metrics(save), reference, range(1, TRAIN_ITERS + 1))
+    assert tracker(save) == TRAIN_ITERS and (save / f"iter_{TRAIN_ITERS:07d}" / "metadata.json").exists()
+    assert sorted(p.name for p in save.iterdir() if "iter_" in p.name) == ["iter_0000008", "iter_0000012"]
+
+
+@pytest.mark.slow
+def test_nan_loss_skipped_or_stops_without_checkpoint(setup, reference):
+    root, config = setup
+    save, log = root / "nan_skip", root / "nan_skip.log"
+    rc = run(config, save, "--set", "training.skip_nonfinite_steps=1", log=log,
+             env={"MEGATRON_LOL_INJECT_NAN_STEPS": "6"})
+    text = log.read_text()
+    assert rc == 0, text[-3000:]
+    assert "non-finite" in text and "iteration 6: step skipped" in text
+    got = metrics(save)
+    assert got[6]["skipped"] and got[6]["loss"] != got[6]["loss"]  # NaN
+    assert_same_losses(got, reference, range(1, 6))  # untouched before the fault
+    assert all(not got[s]["skipped"] for s in range(7, TRAIN_ITERS + 1))
+    assert tracker(save) == TRAIN_ITERS
+
+    save, log = root / "nan_stop", root / "nan_stop.log"
+    rc = run(config, save, log=log, env={"MEGATRON_LOL_INJECT_NAN_STEPS": "6"})
+    text = log.read_text()
+    assert rc == 3, text[-3000:]
+    assert "non-finite loss" in text and "iteration 6" in text
+    assert tracker(save) == 4
+    assert sorted(p.name for p in save.iterdir() if "iter_" in p.name) == ["iter_0000004"]
+
+
+@pytest.mark.slow
+def test_checkpoint_layout_and_run_config(setup, reference):
+    """The contract a converter relies on: tracker, iter dir, run_config.yaml, model.* keys."""
+    from megatron_lol.training.checkpointing import read_run_config
+
+    root, _ = setup
+    save = root / "ref"
+    it = tracker(save)
+    ckpt = save / f"iter_{it:07d}"
+    cfg, info = read_run_config(str(ckpt))
+    assert info["iteration"] == it and info["key_prefix"] == "model."
+    assert cfg.model.vocab_size == info["padded_vocab_size"] == 512
+    assert info["tokenizer"]["eod_id"] == 2 and (ckpt / info["tokenizer"]["copied_files"]["tokenizer_model"]).exists()
+    assert cfg.training.train_iters == TRAIN_ITERS
+    assert not [p for p in save.iterdir() if p.name.startswith(".tmp")]
+    code = (
+        "import sys, torch; from megatron.core.dist_checkpointing import load_tensors_metadata;"
+        "keys = sorted(load_tensors_metadata(sys.argv[1])); print('\\n'.join(keys))")
+    out = subprocess.run([sys.executable, "-c", code, str(ckpt)], env=subprocess_env(), capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()
+    model_keys = [k for k in out if k.startswith("model.")]
+    assert "model.core.balancer.bias" in model_keys
+    assert "model.embedding.word_embeddings.weight" in model_keys
+    assert any(k.startswith("optimizer.") for k in out)
+
+
+def test_tracker_helpers(tmp_path):
+    from megatron_lol.training import checkpointing as ck
+
+    assert ck.read_tracker(str(tmp_path)) is None
+    ck.write_tracker(str(tmp_path), 123)
+    assert ck.read_tracker(str(tmp_path)) == 123
+    assert ck.checkpoint_dir("/x", 123) == "/x/iter_0000123"
+    with pytest.raises(ck.CheckpointNotFoundError):
+        ck.latest_checkpoint(str(tmp_path))  # tracker names a directory that is not there
+    (tmp_path / "iter_0000123").mkdir()
+    (tmp_path / "iter_0000123" / "metadata.json").write_text("{}")
+    (tmp_path / "iter_0000007").mkdir()
+    (tmp_path / ".tmp_iter_0000200").mkdir()
+    assert ck.latest_checkpoint(str(tmp_path)) == 123
+    assert ck.list_checkpoints(str(tmp_path)) == [7, 123]
+
+
+def test_nonfinite_weights_are_never_saved(tmp_path):
+    import types
+
+    import torch
+
+    from megatron_lol.training import checkpointing as ck
+
+    model = torch.nn.Linear(2, 2)
+    with torch.no_grad():
+        model.weight[0, 0] = float("inf")
+    trainer = types.SimpleNamespace(
+        model=model, iteration=5,
+        cfg=types.SimpleNamespace(training=types.SimpleNamespace(save=str(tmp_path), keep_last=None,
+                                                                  async_save=False)))
+    with pytest.raises(ck.NonFiniteWeightsError, match="non-finite|NaN/Inf"):
+        ck.Checkpointer(trainer).save()
+    assert list(tmp_path.iterdir()) == []
