@@ -51,7 +51,7 @@ def _config(parallel: dict, **model):
     return config_from_dict({
         "model": m,
         "parallel": parallel,
-        "training": {"train_iters": 3, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": SEQ,
+        "training": {"train_iters": 3, "micro_batch_size": 1, "global_batch_size": 4, "seq_length": SEQ,
                      "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7},
         "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0, "clip_grad": 1.0},
     })
@@ -68,13 +68,16 @@ def _train(parallel: dict, **model) -> dict:
     steps = [trainer.train_step(data) for _ in range(3)]
     # every rank that holds the library (all of them here) must hold the same bias
     balancers = trainer._balancers()
+    cores = [c.module.core for c in trainer.model_chunks if c.module.core is not None]
     bias = balancers[0].bias.clone() if balancers else torch.full((1, 4), float("nan"))
     gathered = [torch.zeros_like(bias) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, bias)
     held = [g for g in gathered if not torch.isnan(g).any()]
     return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
             "bias_equal": all(torch.equal(g, held[0]) for g in held), "bias": held[0].tolist(),
-            "bias_holders": len(held)}
+            "bias_holders": len(held),
+            "local_blocks": sorted({int(k) for c in cores for k in c.blocks.keys()}),
+            "library_params": sum(p.numel() for p in cores[0].blocks.parameters()) if cores else 0}
 
 
 LAYOUTS_2 = {
@@ -82,13 +85,24 @@ LAYOUTS_2 = {
     "pp2_vpp2": {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
     "tp2": {"tensor_model_parallel_size": 2},
     "tp2_sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "ep2": {"expert_model_parallel_size": 2},
     "dp2": {},
     "dp2_distopt": {"use_distributed_optimizer": True},
 }
 
 
+LAYOUTS_4 = {
+    "tp2_pp2": {"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
+    "ep2_dp2": {"expert_model_parallel_size": 2},
+}
+
+
 def _all_layouts_2() -> dict:
     return {name: _train(par) for name, par in LAYOUTS_2.items()}
+
+
+def _all_layouts_4() -> dict:
+    return {name: _train(par) for name, par in LAYOUTS_4.items()}
 
 
 def _reference() -> dict:
@@ -98,8 +112,13 @@ def _reference() -> dict:
 @pytest.mark.slow
 def test_layouts_match_single_process():
     ref = run_distributed(_reference, 1, timeout=300)[0]
-    results = run_distributed(_all_layouts_2, 2, timeout=600)
+    results = run_distributed(_all_layouts_2, 2, timeout=900) + run_distributed(_all_layouts_4, 4, timeout=900)
     assert all(l > 0 for l in ref["loss"]) and ref["loss"][0] != ref["loss"][-1]
+    assert ref["local_blocks"] == [0, 1, 2, 3]
+    for rank, rank_result in enumerate(results[:2]):
+        # EP=2: each rank holds exactly its half of the library
+        assert rank_result["ep2"]["local_blocks"] == [2 * rank, 2 * rank + 1]
+        assert rank_result["ep2"]["library_params"] * 2 == ref["library_params"]
     for rank_result in results:
         for name, got in rank_result.items():
             for key in ("loss", "grad_norm"):

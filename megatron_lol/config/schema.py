@@ -369,6 +369,11 @@ class ExperimentConfig:
         self.model.validate()
         self.curriculum.validate(self.model)
         self.parallel.validate(self.model)
+        from megatron_lol.parallel.layout import check_pipeline_layout
+
+        par = self.parallel
+        check_pipeline_layout(self.model, par.pipeline_model_parallel_size,
+                              par.virtual_pipeline_model_parallel_size)
         self.optimizer.validate()
         self.training.validate()
         if check_data:

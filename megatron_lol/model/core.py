@@ -100,6 +100,11 @@ class RoutedCore(nn.Module):
         for i in self.local_block_ids():
             with seeded(init_seed, f"core.blocks.{i}"):
                 self.blocks[str(i)] = build_layer(spec, tconfig, first_layer_number + i, vp_stage)
+        if _expert_parallel()[0] > 1:
+            # sharded like MoE experts: megatron's DDP reduces these over the expert-data-parallel
+            # group only (each EP rank holds different blocks)
+            for p in self.blocks.parameters():
+                p.allreduce = False
         self.routed = model.plan == "lol"
         if self.routed:
             n_routers = 1 if model.router_tied else D
@@ -128,6 +133,14 @@ class RoutedCore(nn.Module):
 
         ep, ep_rank = _expert_parallel()
         return local_blocks(self.cfg.num_blocks, ep, ep_rank)
+
+    def _expert_group(self):
+        ep, _ = _expert_parallel()
+        if ep == 1:
+            return None
+        from megatron.core import parallel_state
+
+        return parallel_state.get_expert_model_parallel_group()
 
     def block(self, index: int):
         return self.blocks[str(index)]
@@ -187,6 +200,7 @@ class RoutedCore(nn.Module):
         cfg = self.cfg
         depth = cfg.core_depth if depth is None else depth
         s_len, b, h = states.shape
+        self._row_length = s_len
         flat = states.transpose(0, 1).reshape(b * s_len, h)
         injected_from = flat
         token_rope = rope.repeat(b, 1, 1, 1) if rope is not None else None  # [T, 1, 1, d], row-major
@@ -238,15 +252,28 @@ class RoutedCore(nn.Module):
         token_gate = decision.gate[windows.token_window]
         T = flat.shape[0]
         W = self.cfg.window_size
+        s_len = self._row_length
+        rope_rows = token_rope[:s_len] if token_rope is not None else None
 
-        def call(block, packed, segments, token_idx):
-            rope = token_rope[token_idx] if token_rope is not None else None
+        def call(block, packed, segments, rope_index):
+            # rope_index: flat token index or row position; RoPE only needs the row position
+            rope = rope_rows[rope_index % s_len] if rope_rows is not None else None
             mask = SegmentMask(segments=segments.view(1, -1), chunk=W)
             return self._call_block(block, depth, packed.unsqueeze(1), mask, rope).squeeze(1)
 
+        ep_group = self._expert_group()
+
+        def run(plan):
+            if ep_group is None:
+                return run_grouped(plan, flat, call)
+            from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
+
+            rope_index = torch.arange(T, device=flat.device) % s_len
+            return run_grouped_expert_parallel(plan, flat, call, rope_index, ep_group)
+
         if not truncated:
             plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks)
-            updates = scatter_updates(plan, run_grouped(plan, flat, call), T)
+            updates = scatter_updates(plan, run(plan), T)
         else:
             # Truncated backprop through depth (SPEC 1.4): this depth's block updates are
             # constants for autograd, except for first-window tokens when enabled. The
@@ -256,11 +283,12 @@ class RoutedCore(nn.Module):
                 keep = torch.zeros_like(keep)
             updates = flat.new_zeros(flat.shape)
             grad_idx = torch.nonzero(keep).squeeze(1)
-            if grad_idx.numel():
+            collective = ep_group is not None  # EP ranks must all take part, even with nothing to send
+            if grad_idx.numel() or collective:
                 plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=grad_idx)
-                updates = updates + scatter_updates(plan, run_grouped(plan, flat, call), T)
+                updates = updates + scatter_updates(plan, run(plan), T)
             rest = torch.nonzero(~keep).squeeze(1)
-            if rest.numel():
+            if rest.numel() or collective:
                 with torch.no_grad():
                     plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=rest)
                     frozen = scatter_updates(plan, run_grouped(plan, flat, call), T)

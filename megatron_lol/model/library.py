@@ -97,7 +97,9 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         tensor_model_parallel_size=parallel.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
-        expert_model_parallel_size=parallel.expert_model_parallel_size,
+        # the block library's expert parallelism lives in parallel_state and the
+        # core; megatron's TransformerConfig reserves this field for FFN MoE
+        expert_model_parallel_size=parallel.expert_model_parallel_size if model.num_experts else 1,
         sequence_parallel=parallel.sequence_parallel,
         # the same seed gives the same weights whatever the layout: initialise the
         # full master weights on CPU and split them (megatron-core's own option)

@@ -17,7 +17,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     cfg = config_from_args(args)  # validates everything before any process group work
+    cfg.parallel.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))  # layout vs world size
     from megatron_lol.training.trainer import Trainer, log_rank0
 
     trainer = Trainer(cfg).setup()

@@ -1,0 +1,72 @@
+"""Expert-parallel grouped dispatch: whole windows travel to their block's rank.
+
+Like MoE token dispatch, but the unit is a window (attention runs inside it),
+so a window is never split across ranks. With ``L`` blocks over ``EP`` ranks,
+rank ``e`` holds blocks ``[e*L/EP, (e+1)*L/EP)``. One depth:
+
+1. the local plan (tokens grouped by block, windows contiguous) already groups
+   tokens by destination rank, because blocks of a rank are contiguous;
+2. per-block token counts are all-gathered over the EP group (one small
+   collective), giving every rank the split sizes of both directions;
+3. hidden states go out with an autograd all-to-all (megatron-core's), window
+   ids (made unique per source rank) and RoPE positions with a plain one;
+4. the receiver sorts what it got by block (stable: windows stay contiguous)
+   and runs each local block once on all of its windows, from every rank;
+5. the updates return by the reverse all-to-all, in the sender's plan order.
+
+The router stays replicated: every rank routes its own windows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from megatron_lol.model.dispatch import BlockCall, DispatchPlan
+
+
+def run_grouped_expert_parallel(plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall,
+                                rope_index: torch.Tensor, group) -> torch.Tensor:
+    """Block updates ``E(s) - s`` of the planned tokens, in ``plan.order`` order.
+
+    ``rope_index``: [T] per flat token, what ``call_block`` uses to look up RoPE
+    (the token's row position). Collective over ``group``: every EP rank calls
+    it at every depth, even with no tokens.
+    """
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.mappings import all_to_all
+
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    num_blocks = len(plan.counts)
+    per_rank = num_blocks // ep
+    counts = torch.tensor(plan.counts, dtype=torch.long)
+    everyone = [torch.zeros_like(counts) for _ in range(ep)]
+    dist.all_gather(everyone, counts, group=group)
+    table = torch.stack(everyone).view(ep, ep, per_rank)  # [source, destination rank, local block]
+    send_splits = table[rank].sum(dim=1).tolist()
+    recv_splits = table[:, rank].sum(dim=1).tolist()
+
+    packed = states[plan.order]
+    meta = torch.stack([plan.segments, rope_index[plan.order]], dim=1)
+    received = all_to_all(group, packed, recv_splits, send_splits)
+    meta_in = torch.empty(sum(recv_splits), 2, dtype=torch.long)
+    dist.all_to_all_single(meta_in, meta.contiguous(), recv_splits, send_splits, group=group)
+    source = torch.repeat_interleave(torch.arange(ep), torch.tensor(recv_splits, dtype=torch.long))
+
+    # group what arrived by local block; (source, window) pairs stay contiguous and ordered
+    local_counts = table[:, rank]  # [source, local block]
+    block_of = torch.cat([torch.repeat_interleave(torch.arange(per_rank), local_counts[s]) for s in range(ep)])
+    by_block, perm = torch.sort(block_of, stable=True)
+    x = received[perm]
+    window = meta_in[perm, 0] * ep + source[perm]  # unique window key across sources
+    positions = meta_in[perm, 1]
+    outputs = []
+    start = 0
+    for local, count in enumerate(local_counts.sum(dim=0).tolist()):
+        if count:
+            chunk = x[start:start + count]
+            seg = window[start:start + count]
+            outputs.append(call_block(rank * per_rank + local, chunk, seg, positions[start:start + count]) - chunk)
+        start += count
+    updates = torch.cat(outputs, dim=0) if outputs else x.new_zeros(x.shape)
+    unpermuted = updates.new_zeros(updates.shape).index_copy(0, perm, updates)
+    return all_to_all(group, unpermuted, send_splits, recv_splits)
