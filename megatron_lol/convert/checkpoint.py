@@ -1,0 +1,166 @@
+"""Read megatron-lol training checkpoints on CPU, without process groups.
+
+A checkpoint directory (``--save`` of ``megatron-lol train``) holds
+``latest_checkpointed_iteration.txt`` (written only after a complete save) and
+one ``iter_%07d/`` directory per save: a megatron-core ``torch_dist``
+distributed checkpoint whose tensors have their *global* (unsharded) shapes,
+whatever the parallel layout (TP, PP, EP, DP, distributed optimizer) that
+wrote it, plus ``run_config.yaml`` (the ``ExperimentConfig``).
+
+:class:`DistCheckpointReader` reads one tensor at a time through
+``torch.distributed.checkpoint`` with ``no_dist=True``: the chunks written by
+every rank are assembled into the global tensor and nothing else is held in
+memory. Tensor payloads are read with ``torch.load(weights_only=True)`` (torch's
+own reader) and the ``.metadata`` index with an unpickler that only admits the
+checkpoint-metadata classes of ``torch.distributed.checkpoint``: reading a
+checkpoint never runs arbitrary pickled code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import re
+from typing import Optional
+
+import torch
+
+from megatron_lol.cli import CliError
+
+TRACKER = "latest_checkpointed_iteration.txt"
+RUN_CONFIG = "run_config.yaml"
+
+_ALLOWED_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed.checkpoint.filesystem",
+    "torch.distributed.checkpoint.planner",
+)
+_ALLOWED_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"),
+    ("builtins", "frozenset"),
+    ("builtins", "slice"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP ``.metadata`` file, refusing any class outside the checkpoint-metadata allowlist."""
+
+    def find_class(self, module, name):
+        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+def iteration_dir(load: str, iteration: Optional[int] = None) -> tuple[str, int]:
+    """The ``iter_%07d`` directory to read: ``iteration`` if given, else the tracker's."""
+    if not os.path.isdir(load):
+        raise CliError(f"checkpoint directory {load} does not exist")
+    if os.path.isfile(os.path.join(load, ".metadata")):
+        return load, -1  # a bare iter_XXXXXXX directory was given
+    if iteration is None:
+        tracker = os.path.join(load, TRACKER)
+        if not os.path.isfile(tracker):
+            found = sorted(d for d in os.listdir(load) if re.fullmatch(r"iter_\d{7}", d))
+            hint = f" (found {', '.join(found[-3:])}: pass --iteration N to choose one)" if found else ""
+            raise CliError(f"{load} has no {TRACKER}: not a complete megatron-lol checkpoint{hint}")
+        text = open(tracker).read().strip()
+        if not re.fullmatch(r"\d+", text):
+            raise CliError(f"{tracker} does not hold an iteration number (got {text[:40]!r})")
+        iteration = int(text)
+    path = os.path.join(load, f"iter_{iteration:07d}")
+    if not os.path.isdir(path):
+        raise CliError(f"{load}: iteration {iteration} has no directory {os.path.basename(path)}")
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise CliError(f"{path} is not a torch_dist checkpoint (no .metadata): incomplete save?")
+    return path, iteration
+
+
+def read_run_config(path: str, load: str):
+    """``(ExperimentConfig, checkpoint_info, yaml_path)`` saved with the checkpoint.
+
+    ``run_config.yaml`` (in ``path``, else in ``load``) is the run's config plus a
+    top-level ``checkpoint:`` section (iteration, tokenizer with ``eod_id`` and
+    copied files, layout) that is not a config key.
+    """
+    import yaml
+
+    from megatron_lol.config import config_from_dict
+
+    for directory in (path, load, os.path.dirname(os.path.abspath(path))):
+        candidate = os.path.join(directory, RUN_CONFIG)
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                raw = yaml.safe_load(f) or {}
+            if not isinstance(raw, dict):
+                raise CliError(f"{candidate} is not a YAML mapping")
+            info = raw.pop("checkpoint", None) or {}
+            try:
+                cfg = config_from_dict(raw)
+                cfg.model.validate()
+            except CliError as err:
+                raise CliError(f"{candidate}: {err}") from None
+            return cfg, info, candidate
+    raise CliError(f"{path} has no {RUN_CONFIG}; pass --config with the training YAML")
+
+
+class DistCheckpointReader:
+    """Global tensors of a ``torch_dist`` checkpoint directory, one key at a time."""
+
+    def __init__(self, path: str):
+        from torch.distributed.checkpoint import FileSystemReader
+
+        self.path = path
+        meta_json = os.path.join(path, "metadata.json")
+        if os.path.isfile(meta_json):
+            try:
+                backend = json.load(open(meta_json)).get("sharded_backend")
+            except (OSError, ValueError) as err:
+                raise CliError(f"{meta_json} is unreadable: {err}") from None
+            if backend not in (None, "torch_dist"):
+                raise CliError(f"{path}: sharded backend {backend!r} is not supported (only torch_dist)")
+        try:
+            with open(os.path.join(path, ".metadata"), "rb") as f:
+                self.metadata = _MetadataUnpickler(f).load()
+        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
+            raise CliError(f"{path}/.metadata is corrupted or truncated: {err}") from None
+        reader = FileSystemReader(path)
+        metadata = self.metadata
+        reader.read_metadata = lambda *a, **k: metadata  # parsed once, by the restricted unpickler
+        self.reader = reader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.tensors = {k: v for k, v in metadata.state_dict_metadata.items()
+                        if isinstance(v, TensorStorageMetadata)}
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def shape(self, key: str) -> tuple:
+        return tuple(self.tensors[key].size)
+
+    def read(self, key: str) -> torch.Tensor:
+        """The global tensor ``key`` assembled from every rank's chunks."""
+        from torch.distributed.checkpoint import load
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+
+        md = self.tensors[key]
+        out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
+        covered = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
+        if covered < out.numel():
+            raise CliError(f"{self.path}: tensor {key} is incomplete in the checkpoint "
+                           f"({covered} of {out.numel()} elements saved)")
+        try:
+            load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                 no_dist=True)
+        except Exception as err:  # noqa: BLE001 - torch wraps reader errors in CheckpointException
+            msg = str(err).strip().splitlines()
+            detail = next((line for line in reversed(msg) if line.strip()), type(err).__name__)
+            raise CliError(f"{self.path}: cannot read tensor {key} (corrupted or truncated .distcp file?): "
+                           f"{detail[:200]}") from None
+        return out

@@ -1,0 +1,77 @@
+"""Configuration of a Library-of-Layers (LoL) causal language model for HuggingFace transformers.
+
+Written by ``megatron-lol convert-hf``; loaded with ``trust_remote_code=True``.
+Field names follow HuggingFace conventions where one exists (``hidden_size``,
+``intermediate_size``, ``num_key_value_heads``, ``rope_theta``); the LoL knobs
+keep the names of megatron-lol's ``model:`` section (``num_blocks`` = L,
+``routed_depth`` = D, ``window_size`` = W, ``window_shift`` = S).
+"""
+
+from transformers import PretrainedConfig
+
+
+class LoLConfig(PretrainedConfig):
+    model_type = "lol"
+    keys_to_ignore_at_inference = ["past_key_values"]
+
+    def __init__(
+        self,
+        vocab_size=32000,
+        hidden_size=128,
+        intermediate_size=384,
+        num_attention_heads=4,
+        num_key_value_heads=None,
+        head_dim=None,
+        n_prelude=1,
+        n_coda=1,
+        plan="lol",
+        num_blocks=4,
+        routed_depth=4,
+        window_size=32,
+        window_shift=16,
+        dense_attention="full",
+        router_tied=True,
+        per_depth_bias=False,
+        film="off",
+        input_injection=False,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        rope_scaling_factor=1.0,
+        max_position_embeddings=4096,
+        eod_token_id=None,
+        tie_word_embeddings=False,
+        initializer_range=0.02,
+        **kwargs,
+    ):
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads or num_attention_heads
+        self.head_dim = head_dim or hidden_size // num_attention_heads
+        self.n_prelude = n_prelude
+        self.n_coda = n_coda
+        self.plan = plan
+        self.num_blocks = num_blocks
+        self.routed_depth = routed_depth
+        self.window_size = window_size
+        self.window_shift = window_shift
+        self.dense_attention = dense_attention
+        self.router_tied = router_tied
+        self.per_depth_bias = per_depth_bias
+        self.film = film
+        self.input_injection = input_injection
+        self.rms_norm_eps = rms_norm_eps
+        self.rope_theta = rope_theta
+        self.rope_scaling_factor = rope_scaling_factor
+        self.max_position_embeddings = max_position_embeddings
+        self.eod_token_id = eod_token_id
+        self.initializer_range = initializer_range
+        # generic name some tools read for the number of layer executions per token
+        self.num_hidden_layers = n_prelude + n_coda + self.core_depth
+        super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
+
+    @property
+    def core_depth(self):
+        """Block executions in the routed core: ``num_blocks`` for the dense plan, else ``routed_depth``."""
+        return self.num_blocks if self.plan == "dense" else self.routed_depth

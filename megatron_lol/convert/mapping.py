@@ -1,0 +1,186 @@
+"""Tensor names and layouts: megatron-lol (megatron-core) <-> HuggingFace.
+
+Native names are ``LoLGPTModel.state_dict()`` keys (checkpoint keys without the
+``model.`` prefix). Two megatron-core layouts need care:
+
+* ``self_attention.linear_qkv.weight`` packs, for every query group ``g`` in
+  turn, the rows of the ``heads / groups`` query heads of the group, then its
+  key head, then its value head (``SelfAttention.get_query_key_value_tensors``);
+* ``mlp.linear_fc1.weight`` of SwiGLU is ``[gate; up]`` (the checkpoint holds the
+  global tensor in this order whatever the tensor-parallel size).
+
+Both are split into HuggingFace's ``q_proj / k_proj / v_proj`` and
+``gate_proj / up_proj`` and merged back exactly (pure row permutations).
+megatron-core's local spec may store the two norms of a layer as
+``self_attention.linear_qkv.layer_norm_weight`` and
+``mlp.linear_fc1.layer_norm_weight`` (as Transformer Engine's fused layers do);
+both spellings are accepted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_lol.config.schema import ModelConfig
+
+NORM_ALIASES = {
+    "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight",
+}
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    ffn: int
+
+    @classmethod
+    def of(cls, m: ModelConfig) -> "Dims":
+        heads = m.num_attention_heads
+        return cls(hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
+                   head_dim=m.kv_channels or m.hidden_size // heads, ffn=m.ffn_hidden)
+
+
+def layer_shapes(d: Dims) -> dict[str, tuple]:
+    """Native suffix -> global shape of one transformer layer / block."""
+    return {
+        "input_layernorm.weight": (d.hidden,),
+        "self_attention.linear_qkv.weight": ((d.heads + 2 * d.groups) * d.head_dim, d.hidden),
+        "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
+        "pre_mlp_layernorm.weight": (d.hidden,),
+        "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden),
+        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
+    }
+
+
+def layer_prefixes(m: ModelConfig) -> list[str]:
+    return ([f"prelude.{i}." for i in range(m.n_prelude)] + [f"core.blocks.{i}." for i in range(m.num_blocks)]
+            + [f"coda.{i}." for i in range(m.n_coda)])
+
+
+def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
+    """Every tensor a ``LoLGPTModel`` with this config saves, with its global shape, in export order."""
+    d = Dims.of(m)
+    h, L, D = m.hidden_size, m.num_blocks, m.core_depth
+    out: dict[str, tuple] = {"embedding.word_embeddings.weight": (vocab, h)}
+    for prefix in layer_prefixes(m):
+        out.update({prefix + k: v for k, v in layer_shapes(d).items()})
+    if m.plan == "lol":
+        out["core.depth_vectors"] = (D, h)
+        for r in range(1 if m.router_tied else D):
+            out[f"core.routers.{r}.logits.weight"] = (L, h)
+            out[f"core.routers.{r}.logits.bias"] = (L,)
+            out[f"core.routers.{r}.noise_scale.weight"] = (L, L)
+            out[f"core.routers.{r}.noise_scale.bias"] = (L,)
+        if m.balancing == "loss_free":
+            out["core.balancer.bias"] = (D if m.per_depth_bias else 1, L)
+    if m.film != "off":
+        shape = (D, 2, h) if m.film == "depth" else (D, L, 2, h)
+        out["core.film_gamma"] = shape
+        out["core.film_beta"] = shape
+    if m.input_injection:
+        out["core.injection_logit"] = (h,)
+    out["final_norm.weight"] = (h,)
+    if m.untie_embeddings_and_output_weights:
+        out["output_layer.weight"] = (vocab, h)
+    return out
+
+
+def checkpoint_key(name: str, available) -> str | None:
+    """The checkpoint key holding native tensor ``name`` (norm aliases resolved), or None."""
+    key = "model." + name
+    if key in available:
+        return key
+    for plain, fused in NORM_ALIASES.items():
+        if name.endswith(plain):
+            alias = "model." + name[: -len(plain)] + fused
+            if alias in available:
+                return alias
+    return None
+
+
+# ----------------------------------------------------------------- layouts
+def split_qkv(w: torch.Tensor, d: Dims) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    per = d.heads // d.groups
+    g = w.view(d.groups, per + 2, d.head_dim, w.shape[-1])
+    q = g[:, :per].reshape(d.heads * d.head_dim, -1)
+    k = g[:, per].reshape(d.groups * d.head_dim, -1)
+    v = g[:, per + 1].reshape(d.groups * d.head_dim, -1)
+    return q.contiguous(), k.contiguous(), v.contiguous()
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims) -> torch.Tensor:
+    per = d.heads // d.groups
+    h = q.shape[-1]
+    g = torch.cat([q.view(d.groups, per, d.head_dim, h), k.view(d.groups, 1, d.head_dim, h),
+                   v.view(d.groups, 1, d.head_dim, h)], dim=1)
+    return g.reshape(-1, h).contiguous()
+
+
+# native layer suffix -> HF layer suffix (qkv and fc1 are split)
+HF_LAYER = {
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def layer_to_hf(suffix: str, t: torch.Tensor, d: Dims) -> list[tuple[str, torch.Tensor]]:
+    if suffix == "self_attention.linear_qkv.weight":
+        q, k, v = split_qkv(t, d)
+        return [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", k), ("self_attn.v_proj.weight", v)]
+    if suffix == "mlp.linear_fc1.weight":
+        gate, up = t.chunk(2, dim=0)
+        return [("mlp.gate_proj.weight", gate.contiguous()), ("mlp.up_proj.weight", up.contiguous())]
+    return [(HF_LAYER[suffix], t)]
+
+
+def split_layer_name(name: str) -> tuple[str, str]:
+    """``core.blocks.3.mlp.linear_fc1.weight`` -> (``core.blocks.3.``, ``mlp.linear_fc1.weight``)."""
+    parts = name.split(".")
+    n = 3 if name.startswith("core.blocks.") else 2
+    return ".".join(parts[:n]) + ".", ".".join(parts[n:])
+
+
+def lol_hf_names(name: str, m: ModelConfig) -> str | None:
+    """HF (remote-code LoL) prefix for a native tensor / layer prefix, or None when not exported."""
+    fixed = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "final_norm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight",
+        "core.depth_vectors": "model.routing.depth_embeddings",
+        "core.balancer.bias": "model.routing.balancing_bias",
+        "core.film_gamma": "model.film_gamma",
+        "core.film_beta": "model.film_beta",
+        "core.injection_logit": "model.injection_logit",
+    }
+    if name in fixed:
+        return fixed[name]
+    if name.startswith("core.routers."):
+        r, kind, param = name.split(".")[2:5]
+        if kind == "noise_scale":
+            return None  # training-time noise only
+        return f"model.routing.routers.{r}.{param}"
+    if name.startswith("prelude."):
+        return "model.prelude." + name.split(".")[1] + "."
+    if name.startswith("core.blocks."):
+        return "model.blocks." + name.split(".")[2] + "."
+    if name.startswith("coda."):
+        return "model.coda." + name.split(".")[1] + "."
+    raise KeyError(name)
+
+
+def llama_layer_index(prefix: str, m: ModelConfig) -> int:
+    """Position of a native layer in the flat Llama stack (prelude, core blocks in order, coda)."""
+    parts = prefix.strip(".").split(".")
+    if parts[0] == "prelude":
+        return int(parts[1])
+    if parts[0] == "core":
+        return m.n_prelude + int(parts[2])
+    return m.n_prelude + m.num_blocks + int(parts[1])

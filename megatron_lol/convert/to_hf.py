@@ -1,0 +1,352 @@
+"""``megatron-lol convert-hf``: a training checkpoint -> a HuggingFace model directory.
+
+Reads a ``torch_dist`` checkpoint of any parallel layout on CPU, without GPUs or
+process groups, one tensor at a time (see :mod:`.checkpoint`), and writes:
+
+* ``config.json`` and ``generation_config.json``;
+* ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``;
+* for LoL / looped / non-standard dense models, ``configuration_lol.py`` and
+  ``modeling_lol.py`` registered through ``auto_map`` (load with
+  ``trust_remote_code=True``); a dense model with full attention and no FiLM /
+  input injection is written as a stock ``LlamaForCausalLM`` (no remote code);
+* tokenizer files ``AutoTokenizer`` loads (:mod:`.tokenizer_export`).
+
+Only safetensors, JSON and the two Python files are written. Peak memory is one
+safetensors shard (``--max-shard-size``) plus one tensor. The directory is built
+next to ``--save`` and renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import warnings
+from typing import Optional
+
+import torch
+
+from megatron_lol.cli import CliError
+from megatron_lol.config.schema import ExperimentConfig, ModelConfig
+from megatron_lol.convert import mapping
+from megatron_lol.convert.checkpoint import DistCheckpointReader, iteration_dir, read_run_config
+
+TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
+# kept in fp32 whatever --dtype (the native model computes routing in fp32)
+FP32_NAMES = ("model.routing.",)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
+    parser.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the tracker's)")
+    parser.add_argument("--save", required=True, help="output HuggingFace model directory")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                        help="weight dtype (default: the run's model.params_dtype)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer model file / directory (default: the run's data.tokenizer_model)")
+    parser.add_argument("--tokenizer-type", default=None, help="default: the run's data.tokenizer_type")
+    parser.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
+    parser.add_argument("--eod-id", type=int, default=None,
+                        help="end-of-document token id (default: the tokenizer's eos)")
+    parser.add_argument("--config", default=None, help="training YAML, when the checkpoint has no run_config.yaml")
+    parser.add_argument("--format", choices=("auto", "lol", "llama"), default="auto",
+                        help="auto: stock Llama for plain dense stacks, else LoL remote code")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 2GB, 500MB)")
+    parser.add_argument("--force", action="store_true", help="replace an existing non-empty --save directory")
+
+
+def run(args: argparse.Namespace) -> int:
+    summary = convert_checkpoint(
+        args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
+        tokenizer_type=args.tokenizer_type, export_tokenizer=not args.no_tokenizer, eod_id=args.eod_id,
+        config=args.config, fmt=args.format, max_shard_size=args.max_shard_size, force=args.force)
+    print(f"wrote {summary['format']} model ({summary['num_tensors']} tensors, {summary['num_shards']} shard(s), "
+          f"{summary['dtype']}) from {summary['source']} to {args.save}")
+    return 0
+
+
+# ------------------------------------------------------------------ helpers
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise CliError(f"--max-shard-size: {text!r} is not a size like 2GB or 500MB")
+    unit = (m.group(2) or "B").upper().replace("I", "")
+    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
+
+
+def is_plain_stack(m: ModelConfig) -> bool:
+    """An ordinary decoder stack that Llama computes exactly (within one document)."""
+    every_block_once = m.plan == "dense" or (m.plan == "looped" and m.routed_depth == m.num_blocks)
+    return (every_block_once and m.dense_attention == "full" and m.film == "off" and not m.input_injection
+            and m.rotary_scaling_factor >= 1.0)
+
+
+class ShardWriter:
+    """Writes tensors into safetensors shards of at most ``max_bytes`` (a tensor larger than that gets its own)."""
+
+    def __init__(self, out_dir: str, max_bytes: int):
+        self.out_dir, self.max_bytes = out_dir, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.shards: list[list[str]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        size = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + size > self.max_bytes:
+            self.flush()
+        self.pending[name] = tensor.contiguous()
+        self.pending_bytes += size
+        self.total_bytes += size
+
+    def flush(self) -> None:
+        from safetensors.torch import save_file
+
+        if not self.pending:
+            return
+        save_file(self.pending, os.path.join(self.out_dir, f"shard-{len(self.shards):05d}.tmp"),
+                  metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.pending_bytes = {}, 0
+
+    def finish(self) -> int:
+        self.flush()
+        n = len(self.shards)
+        weight_map = {}
+        for i, names in enumerate(self.shards):
+            final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(os.path.join(self.out_dir, f"shard-{i:05d}.tmp"), os.path.join(self.out_dir, final))
+            weight_map.update(dict.fromkeys(names, final))
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        _write_json(os.path.join(self.out_dir, "model.safetensors.index.json"), index)
+        return n
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+
+
+def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, source: str) -> tuple[dict, int]:
+    """``{native name: checkpoint key}`` and the vocabulary size; stops on any mismatch with the config."""
+    m = cfg.model
+    if m.moe_layers != "none":
+        raise CliError(f"{source}: model.moe_layers={m.moe_layers}: MoE layers cannot be exported to HF yet")
+    available = set(reader.keys())
+    emb = mapping.checkpoint_key("embedding.word_embeddings.weight", available)
+    if emb is None:
+        model_keys = [k for k in available if k.startswith("model.")]
+        raise CliError(f"{source}: no model.embedding.word_embeddings.weight in the checkpoint "
+                       f"({len(model_keys)} model tensors): not a megatron-lol model checkpoint")
+    vocab, hidden = reader.shape(emb)
+    if hidden != m.hidden_size:
+        raise CliError(f"{source}: the checkpoint's hidden size is {hidden} but the config says "
+                       f"model.hidden_size={m.hidden_size}: checkpoint and config do not match")
+    keys = {}
+    for name, shape in mapping.native_shapes(m, vocab).items():
+        key = mapping.checkpoint_key(name, available)
+        if key is None:
+            raise CliError(f"{source}: tensor model.{name} is missing: the checkpoint was not saved from a "
+                           f"model with this config (plan={m.plan}, num_blocks={m.num_blocks}, "
+                           f"n_prelude={m.n_prelude}, n_coda={m.n_coda})")
+        if reader.shape(key) != tuple(shape):
+            raise CliError(f"{source}: tensor {key} has shape {list(reader.shape(key))} but the config implies "
+                           f"{list(shape)}: checkpoint and config do not match")
+        keys[name] = key
+    used = set(keys.values())
+    extra = sorted(k for k in available if k.startswith("model.") and k not in used and "_extra_state" not in k)
+    if extra:
+        raise CliError(f"{source}: {len(extra)} checkpoint tensor(s) are not part of a model with this config, "
+                       f"e.g. {extra[0]}: checkpoint and config do not match")
+    return keys, vocab
+
+
+# ------------------------------------------------------------------ configs
+def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict) -> dict:
+    m, d = cfg.model, mapping.Dims.of(cfg.model)
+    return {
+        "architectures": ["LoLForCausalLM"],
+        "model_type": "lol",
+        "auto_map": {"AutoConfig": "configuration_lol.LoLConfig",
+                     "AutoModelForCausalLM": "modeling_lol.LoLForCausalLM"},
+        "vocab_size": vocab,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": d.ffn,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.groups,
+        "head_dim": d.head_dim,
+        "n_prelude": m.n_prelude,
+        "n_coda": m.n_coda,
+        "plan": m.plan,
+        "num_blocks": m.num_blocks,
+        "routed_depth": m.routed_depth,
+        "window_size": m.window_size,
+        "window_shift": m.window_shift,
+        "dense_attention": m.dense_attention,
+        "router_tied": m.router_tied,
+        "per_depth_bias": m.per_depth_bias,
+        "film": m.film,
+        "input_injection": m.input_injection,
+        "rms_norm_eps": m.norm_epsilon,
+        "rope_theta": float(int(m.rotary_base)),  # megatron's RotaryEmbedding takes an int base
+        "rope_scaling_factor": m.rotary_scaling_factor,
+        "max_position_embeddings": cfg.training.seq_length,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "initializer_range": m.init_method_std,
+        "eod_token_id": tokens.get("eod_id"),
+        "bos_token_id": tokens.get("bos_id"),
+        "eos_token_id": tokens.get("eod_id"),
+        "pad_token_id": tokens.get("pad_id"),
+        "use_cache": False,
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+
+
+def llama_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict) -> dict:
+    m, d = cfg.model, mapping.Dims.of(cfg.model)
+    out = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab,
+        "hidden_size": m.hidden_size,
+        "intermediate_size": d.ffn,
+        "num_hidden_layers": m.n_prelude + m.num_blocks + m.n_coda,
+        "num_attention_heads": d.heads,
+        "num_key_value_heads": d.groups,
+        "head_dim": d.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.training.seq_length,
+        "rms_norm_eps": m.norm_epsilon,
+        "rope_theta": float(int(m.rotary_base)),
+        "attention_bias": False,
+        "mlp_bias": False,
+        "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
+        "initializer_range": m.init_method_std,
+        "bos_token_id": tokens.get("bos_id"),
+        "eos_token_id": tokens.get("eod_id"),
+        "pad_token_id": tokens.get("pad_id"),
+        "torch_dtype": DTYPE_NAMES[dtype],
+    }
+    if m.rotary_scaling_factor != 1.0:
+        out["rope_scaling"] = {"rope_type": "linear", "factor": m.rotary_scaling_factor}
+    return out
+
+
+# ------------------------------------------------------------------ conversion
+def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
+                       tokenizer: Optional[str] = None, tokenizer_type: Optional[str] = None,
+                       export_tokenizer: bool = True, eod_id: Optional[int] = None, config: Optional[str] = None,
+                       fmt: str = "auto", max_shard_size="5GB", force: bool = False) -> dict:
+    path, it = iteration_dir(load, iteration)
+    if config is not None:
+        from megatron_lol.config import load_config
+
+        cfg, info = load_config(config, check_data=False), {}
+    else:
+        cfg, info, _ = read_run_config(path, load)
+    reader = DistCheckpointReader(path)
+    keys, vocab = validate_checkpoint(reader, cfg, path)
+    m = cfg.model
+    if fmt == "llama" and not is_plain_stack(m):
+        raise CliError(f"--format llama: plan={m.plan}, dense_attention={m.dense_attention}, film={m.film}, "
+                       f"input_injection={m.input_injection} is not an ordinary Llama stack")
+    llama = fmt == "llama" or (fmt == "auto" and is_plain_stack(m))
+    torch_dtype = DTYPES[dtype or m.params_dtype]
+    max_bytes = parse_size(max_shard_size)
+
+    if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)) and not force:
+        raise CliError(f"--save {save} exists and is not empty (pass --force to replace it)")
+    tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        tokens = {"eod_id": None, "bos_id": None, "pad_id": None}
+        if export_tokenizer:
+            from megatron_lol.convert.tokenizer_export import export_tokenizer as write_tokenizer
+
+            d = cfg.data
+            files = _tokenizer_files(path, cfg, info)
+            tokens = write_tokenizer(tokenizer_type or d.tokenizer_type, tokenizer or files["tokenizer_model"], tmp,
+                                     vocab_file=files["vocab_file"], merge_file=files["merge_file"],
+                                     max_length=cfg.training.seq_length)
+        saved_eod = (info.get("tokenizer") or {}).get("eod_id")
+        if eod_id is None and saved_eod is not None:
+            if tokens["eod_id"] is not None and tokens["eod_id"] != saved_eod:
+                raise CliError(f"the tokenizer's eos id is {tokens['eod_id']} but the run trained with "
+                               f"eod_id={saved_eod}: wrong --tokenizer? (pass --eod-id to override)")
+            eod_id = saved_eod
+        if eod_id is not None:
+            tokens["eod_id"] = eod_id
+        if tokens["eod_id"] is None:
+            raise CliError("the end-of-document token id is unknown: export the tokenizer or pass --eod-id")
+
+        writer = ShardWriter(tmp, max_bytes)
+        d = mapping.Dims.of(m)
+        for name in mapping.native_shapes(m, vocab):
+            tensor = reader.read(keys[name])
+            for hf_name, t in _hf_tensors(name, tensor, m, d, llama):
+                keep32 = not llama and hf_name.startswith(FP32_NAMES)
+                writer.add(hf_name, t.to(torch.float32 if keep32 else torch_dtype))
+            del tensor
+        num_shards = writer.finish()
+
+        conf = (llama_config_json if llama else lol_config_json)(cfg, vocab, torch_dtype, tokens)
+        conf["megatron_lol"] = {"model": _model_dict(m), "iteration": it, "source": os.path.abspath(path)}
+        _write_json(os.path.join(tmp, "config.json"), conf)
+        gen = {"bos_token_id": tokens.get("bos_id"), "eos_token_id": tokens["eod_id"],
+               "pad_token_id": tokens.get("pad_id"), "do_sample": False}
+        if not llama:
+            gen["use_cache"] = False
+        _write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
+        if not llama:
+            for f in ("configuration_lol.py", "modeling_lol.py"):
+                shutil.copyfile(os.path.join(TEMPLATES, f), os.path.join(tmp, f))
+        if os.path.exists(save):
+            shutil.rmtree(save) if os.path.isdir(save) else os.remove(save)
+        os.replace(tmp, save)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {"format": "llama" if llama else "lol", "num_tensors": sum(len(s) for s in writer.shards),
+            "num_shards": num_shards, "dtype": DTYPE_NAMES[torch_dtype], "source": path, "iteration": it}
+
+
+def _tokenizer_files(path: str, cfg: ExperimentConfig, info: dict) -> dict:
+    """Tokenizer files of the run: the copies saved in the checkpoint when present, else the config's paths."""
+    saved = (info.get("tokenizer") or {}).get("copied_files") or {}
+    out = {}
+    for key in ("tokenizer_model", "vocab_file", "merge_file"):
+        rel = saved.get(key)
+        copy = os.path.join(path, rel) if rel else None
+        out[key] = copy if copy and os.path.exists(copy) else getattr(cfg.data, key)
+    return out
+
+
+def _model_dict(m: ModelConfig) -> dict:
+    from dataclasses import asdict
+
+    return asdict(m)
+
+
+def _hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims, llama: bool):
+    if name.startswith(("prelude.", "core.blocks.", "coda.")):
+        prefix, suffix = mapping.split_layer_name(name)
+        if llama:
+            hf_prefix = f"model.layers.{mapping.llama_layer_index(prefix, m)}."
+        else:
+            hf_prefix = mapping.lol_hf_names(prefix, m)
+        return [(hf_prefix + s, t) for s, t in mapping.layer_to_hf(suffix, tensor, d)]
+    if llama:
+        names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
+                 "final_norm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+        return [(names[name], tensor)]
+    hf = mapping.lol_hf_names(name, m)
+    return [] if hf is None else [(hf, tensor)]
+
+
+warnings.filterwarnings("ignore", message="torch.distributed is disabled")
