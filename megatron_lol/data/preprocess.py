@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="skip malformed JSON, missing keys and invalid UTF-8 (counted) instead of stopping")
     r.add_argument("--no-progress", action="store_true", help="no progress bar / log lines")
     r.add_argument("--max-inflight", type=int, default=0, help="tasks in flight (default 4 per worker)")
+    r.add_argument("--summary-json", default=None, help="also write the final summary as JSON here")
 
 
 def tokenizer_kwargs(args) -> dict:
@@ -487,4 +488,7 @@ def run(args) -> int:
     except (ValueError, TokenizerError, readers.InputError, OSError) as err:
         raise CliError(str(err)) from None
     print(format_summary(summary))
+    if args.summary_json:
+        with open(args.summary_json, "w") as f:
+            json.dump(summary, f, indent=1)
     return 0
