@@ -583,6 +583,9 @@ class CheckpointHook(Hook):
                 self.ckpt.save(blocking=True)
                 if _rank() == 0:
                     signals.write_requeue_marker(tr.save, trainer.iteration, reason)
+                # launchers kill the other ranks as soon as one exits non-zero: nobody leaves
+                # before the checkpoint *and* the marker are on disk
+                _barrier()
             else:
                 log_rank0(" preemption: no training.save directory: nothing saved")
             trainer.exit_code = signals.EXIT_REQUEUE
