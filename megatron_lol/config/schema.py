@@ -86,6 +86,8 @@ class ModelConfig:
     moe_layers: str = "none"  # none | fixed (prelude+coda) | all
     params_dtype: str = "fp32"  # fp32 | bf16
     use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
+    fp8: Optional[str] = None  # e4m3 | hybrid (Transformer Engine only)
+    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise
 
     @property
     def ffn_hidden(self) -> int:
@@ -152,6 +154,26 @@ class ModelConfig:
         _nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
         _positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
         _choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
+        if self.fp8 is not None:
+            _choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
+            _choice(f"{prefix}.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
+            from megatron_lol.platform import has_transformer_engine
+
+            if self.use_transformer_engine is False or not has_transformer_engine():
+                raise ConfigError(
+                    f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA "
+                    f"({'disabled by use_transformer_engine: false' if self.use_transformer_engine is False else 'not available on this machine'})")
+            if self.params_dtype != "bf16":
+                raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
+        if self.use_transformer_engine:
+            from megatron_lol.platform import has_transformer_engine
+
+            if not has_transformer_engine():
+                raise ConfigError(f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
+                                  f"is not available on this machine")
+        if self.use_transformer_engine and self.film != "off":
+            raise ConfigError(f"{prefix}.film: per-depth FiLM needs separate norm modules; not available with "
+                              f"the Transformer Engine spec (fused norm+linear): set use_transformer_engine: false")
         if self.moe_layers != "none":
             if self.num_experts is None or self.num_experts < 1:
                 raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")

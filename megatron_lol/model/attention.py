@@ -60,10 +60,24 @@ class SegmentCausalAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
         p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.dropout = torch.nn.Dropout(p)
+        self.selective_recompute = config.recompute_granularity == "selective"
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
         mask = attention_mask if isinstance(attention_mask, SegmentMask) else SegmentMask()
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            # megatron's own selective recompute cannot carry a SegmentMask (it saves
+            # its arguments as tensors), so this module checkpoints itself
+            from megatron.core import tensor_parallel
+
+            def run(q, k, v, segments):
+                m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
+                return self._attend(q, k, v, m)
+
+            return tensor_parallel.checkpoint(run, False, query, key, value, mask.segments)
+        return self._attend(query, key, value, mask)
+
+    def _attend(self, query, key, value, mask: SegmentMask):
         if self.heads != self.groups:  # grouped-query attention: share each K/V head
             rep = self.heads // self.groups
             key = key.repeat_interleave(rep, dim=2)
@@ -79,7 +93,9 @@ class SegmentCausalAttention(MegatronModule):
         scores = scores.float() * self.softmax_scale
         scores = scores.masked_fill(~allowed, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        return torch.matmul(self.dropout(probs), v)
+        if self.dropout.p > 0:
+            probs = self.dropout(probs)
+        return torch.matmul(probs, v)
 
     def _dense(self, q, k, v, mask: SegmentMask):
         s, b = q.shape[0], q.shape[1]
@@ -97,32 +113,83 @@ class SegmentCausalAttention(MegatronModule):
         return out.permute(2, 0, 1, 3)  # [s, b, h, d]
 
     def _chunked(self, q, k, v, mask: SegmentMask):
+        """Packed windows: queries of chunk ``j`` against the keys of chunks ``j-1, j``.
+
+        The two-chunk key blocks are overlapping ``unfold`` views of the key
+        stream padded by one chunk in front (no per-chunk copies, one strided
+        backward); the mask is an additive ``0 / -inf`` bias. When the call comes
+        from :func:`~megatron_lol.model.dispatch.run_grouped`, the bias of every
+        block of the depth was built once, for the whole depth
+        (:meth:`DispatchPlan.chunk_bias`); otherwise it is built here. Adding a
+        ``0 / -inf`` bias is the same as ``masked_fill`` bit for bit, and the
+        scores are the same dot products, so outputs and gradients are identical
+        to the plain pad-and-concatenate formulation.
+        """
         t_len, b, h, d = q.shape
         assert b == 1, "chunked segment attention expects a packed stream [T, 1, heads, dim]"
         c = mask.chunk
         n = -(-t_len // c)
         pad = n * c - t_len
-        seg = mask.segments.reshape(-1)
-
-        def chunks(x):
-            x = x.reshape(t_len, h, d)
-            if pad:
-                x = torch.cat([x, x.new_zeros(pad, h, d)], dim=0)
-            return x.view(n, c, h, d)
-
-        qc, kc, vc = chunks(q), chunks(k), chunks(v)
-        # keys of chunk c: chunks c-1 and c (a segment of <= c tokens spans at most two)
-        prev = lambda x: torch.cat([x.new_zeros(1, *x.shape[1:]), x[:-1]], dim=0)  # noqa: E731
-        k2 = torch.cat([prev(kc), kc], dim=1)  # [n, 2c, h, d]
-        v2 = torch.cat([prev(vc), vc], dim=1)
-        seg_p = torch.cat([seg, seg.new_full((pad,), -1)]).view(n, c)
-        seg_k = torch.cat([prev(seg_p.unsqueeze(-1)).squeeze(-1).masked_fill(
-            torch.arange(n, device=seg.device).view(n, 1) == 0, -2), seg_p], dim=1)
-        pos_q = torch.arange(n * c, device=seg.device).view(n, c)
-        pos_k = torch.cat([pos_q - c, pos_q], dim=1)
-        allowed = (seg_p.unsqueeze(2) == seg_k.unsqueeze(1)) & (pos_k.unsqueeze(1) <= pos_q.unsqueeze(2))
-        # [n, h, c, d] x [n, h, d, 2c]
-        scores = torch.matmul(qc.transpose(1, 2), k2.permute(0, 2, 3, 1))
-        out = self._softmax_av(scores, allowed.unsqueeze(1), v2.transpose(1, 2))  # [n, h, c, d]
+        bias = _planned_bias(mask.segments, c, t_len)
+        if bias is None:
+            seg = mask.segments.reshape(-1)
+            bias = chunk_bias(seg, c, [0], [t_len])
+        q = q.reshape(t_len, h, d)
+        if pad:
+            q = torch.cat([q, q.new_zeros(pad, h, d)], dim=0)
+        front, back = q.new_zeros(c, h, d), q.new_zeros(pad, h, d)
+        # [(n + 1) c, h, d] -> overlapping [n, h, d, 2c] views: keys of chunks j-1 and j
+        k2 = torch.cat([front, k.reshape(t_len, h, d), back], dim=0).unfold(0, 2 * c, c)
+        v2 = torch.cat([front, v.reshape(t_len, h, d), back], dim=0).unfold(0, 2 * c, c)
+        scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2)  # [n, h, c, 2c]
+        scores = scores.float() * self.softmax_scale + bias
+        probs = torch.softmax(scores, dim=-1).to(v.dtype)
+        if self.dropout.p > 0:
+            probs = self.dropout(probs)
+        out = torch.matmul(probs, v2.transpose(-1, -2))  # [n, h, c, d]
         out = out.transpose(1, 2).reshape(n * c, h, d)[:t_len]
         return out.unsqueeze(1)  # [T, 1, h, d]
+
+
+def chunk_bias(segments: torch.Tensor, c: int, starts, lengths) -> torch.Tensor:
+    """Additive masks of the chunked algorithm for several packed streams at once.
+
+    ``segments``: flat segment ids; stream ``m`` is ``segments[starts[m]:starts[m]+lengths[m]]``.
+    Returns ``[sum_m ceil(len_m / c), 1, c, 2c]`` fp32 (``0`` allowed, ``-inf`` not):
+    query ``r`` of chunk ``j`` may see key ``s`` of the (chunk ``j-1``, chunk ``j``) pair iff
+    same segment and ``s <= r + c``. Padding positions are segment ``-1`` (they see
+    each other, so no row is empty); the missing chunk before a stream's first is ``-2``.
+    """
+    device = segments.device
+    grids = []
+    for start, length in zip(starts, lengths):
+        if length <= 0:
+            continue
+        n = -(-length // c)
+        grid = segments.new_full((n * c,), -1)
+        grid[:length] = segments[start:start + length]
+        grid = grid.view(n, c)
+        prev = torch.cat([grid.new_full((1, c), -2), grid[:-1]], dim=0)
+        grids.append(torch.cat([prev, grid], dim=1))  # [n, 2c]: keys
+    keys = torch.cat(grids, dim=0)
+    queries = keys[:, c:]
+    pos = torch.arange(2 * c, device=device)
+    causal = pos.view(1, 2 * c) <= (torch.arange(c, device=device) + c).view(c, 1)
+    allowed = (queries.unsqueeze(2) == keys.unsqueeze(1)) & causal
+    bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
+    return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
+
+
+def _planned_bias(segments: torch.Tensor, c: int, t_len: int) -> Optional[torch.Tensor]:
+    """This call's slice of the depth-wide bias, when run inside ``run_grouped`` on its slice."""
+    from megatron_lol.model.dispatch import current_slice
+
+    active = current_slice()
+    if active is None:
+        return None
+    plan, block, lo, hi = active
+    seg = plan.segments
+    if (hi - lo != t_len or segments.numel() != t_len or seg.device != segments.device
+            or segments.data_ptr() != seg.data_ptr() + lo * seg.element_size()):
+        return None  # not the planned slice (e.g. recomputation, another caller)
+    return plan.chunk_bias(c, block)

@@ -28,7 +28,7 @@ from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.balancing import BalancingBias, global_aux_loss, sequence_aux_loss
 from megatron_lol.model.dispatch import plan_dispatch, run_grouped, scatter_updates
-from megatron_lol.model.library import build_layer, layer_norms
+from megatron_lol.model.library import build_layer, layer_norms, run_layer
 from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries, window_noise
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 
@@ -89,11 +89,13 @@ def _expert_parallel() -> tuple:
 
 class RoutedCore(nn.Module):
     def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None,
-                 vp_stage: Optional[int] = None):
+                 vp_stage: Optional[int] = None, use_te: bool = False):
         super().__init__()
         from megatron_lol.model.lol_model import seeded
 
         self.cfg = model
+        self.use_te = use_te
+        self.recompute_full = tconfig.recompute_granularity == "full"
         L, D, h = model.num_blocks, model.core_depth, model.hidden_size
         # blocks keyed by their global index: an expert-parallel rank holds a subset
         self.blocks = nn.ModuleDict()
@@ -160,13 +162,27 @@ class RoutedCore(nn.Module):
                 norm.film = (self.film_gamma[depth - 1, block, i], self.film_beta[depth - 1, block, i])
 
     def _call_block(self, block: int, depth: int, x: torch.Tensor, mask: SegmentMask, rope) -> torch.Tensor:
-        """Run one library block on ``x`` ([s, b, h] or packed [T, 1, h])."""
-        self._set_film(block, depth, True)
-        try:
-            out, _ = self.block(block)(hidden_states=x, attention_mask=mask, rotary_pos_emb=rope)
-        finally:
-            self._set_film(block, depth, False)
-        return out
+        """Run one library block on ``x`` ([s, b, h] or packed [T, 1, h]).
+
+        With full activation recomputation the whole block call (FiLM included)
+        is re-run in the backward pass through megatron-core's checkpoint.
+        """
+        if self.use_te and rope is not None and mask.chunk is not None:
+            rope = self._rope_table  # TE (THD) restarts positions per window itself
+
+        def run(hidden, segments, rope_):
+            self._set_film(block, depth, True)
+            try:
+                m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
+                return run_layer(self.block(block), hidden, m, rope_, self.use_te)
+            finally:
+                self._set_film(block, depth, False)
+
+        if self.recompute_full and self.training and torch.is_grad_enabled():
+            from megatron.core import tensor_parallel
+
+            return tensor_parallel.checkpoint(run, False, x, mask.segments, rope)
+        return run(x, mask.segments, rope)
 
     def decide(self, depth: int, windows: WindowLayout, flat: torch.Tensor,
                forced: Optional[ForcedPath], noise_seeds: Optional[torch.Tensor] = None,
@@ -201,6 +217,7 @@ class RoutedCore(nn.Module):
         depth = cfg.core_depth if depth is None else depth
         s_len, b, h = states.shape
         self._row_length = s_len
+        self._rope_table = rope
         flat = states.transpose(0, 1).reshape(b * s_len, h)
         injected_from = flat
         token_rope = rope.repeat(b, 1, 1, 1) if rope is not None else None  # [T, 1, 1, d], row-major

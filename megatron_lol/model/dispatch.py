@@ -5,7 +5,15 @@ by chosen block (tokens of a window stay contiguous and in order, because the
 flat token order is row-major), the number of tokens per block (one host sync
 per depth), and the segment ids of the packed stream. Each block is then called
 once on ``[T_m, 1, h]`` with a window mask; nothing loops over windows and no
-window is padded.
+window is padded (each block's stream is padded once, to a multiple of the
+attention chunk).
+
+The window mask is built once per depth too: while :func:`run_grouped` calls a
+block on its slice, :func:`current_slice` tells the chunked attention which
+slice of which plan it is running, and :meth:`DispatchPlan.chunk_bias` builds
+the additive masks of all blocks of the depth in one go on first use (cached on
+the plan). Calls from elsewhere (recomputation, the expert-parallel path)
+build their own mask; the result is the same.
 
 The expert-parallel variant (blocks sharded over ranks, windows sent whole to
 their block's rank) replaces :func:`run_grouped` and keeps :class:`DispatchPlan`.
@@ -13,7 +21,8 @@ their block's rank) replaces :func:`run_grouped` and keeps :class:`DispatchPlan`
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
@@ -24,6 +33,7 @@ class DispatchPlan:
     order: torch.Tensor  # [T'] flat token indices, grouped by block
     counts: list[int]  # tokens per block, len L
     segments: torch.Tensor  # [T'] window id of each packed token
+    _bias: dict = field(default_factory=dict, repr=False, compare=False)  # chunk -> (bias, chunk offsets)
 
     def slices(self):
         start = 0
@@ -31,6 +41,31 @@ class DispatchPlan:
             if count:
                 yield block, start, start + count
             start += count
+
+    def chunk_bias(self, chunk: int, block: int) -> torch.Tensor:
+        """Additive attention mask of ``block``'s packed stream (all blocks built at once)."""
+        if chunk not in self._bias:
+            from megatron_lol.model.attention import chunk_bias
+
+            spans = list(self.slices())
+            bias = chunk_bias(self.segments, chunk, [lo for _, lo, _ in spans], [hi - lo for _, lo, hi in spans])
+            offsets, at = {}, 0
+            for b, lo, hi in spans:
+                n = -(-(hi - lo) // chunk)
+                offsets[b] = (at, at + n)
+                at += n
+            self._bias[chunk] = (bias, offsets)
+        bias, offsets = self._bias[chunk]
+        lo, hi = offsets[block]
+        return bias[lo:hi]
+
+
+_ACTIVE = threading.local()
+
+
+def current_slice():
+    """``(plan, block, lo, hi)`` of the block call :func:`run_grouped` is making, else None."""
+    return getattr(_ACTIVE, "slice", None)
 
 
 def plan_dispatch(token_choice: torch.Tensor, token_window: torch.Tensor, num_blocks: int,
@@ -59,12 +94,18 @@ def run_grouped(plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall)
     """
     packed = states[plan.order]
     outputs = []
-    for block, lo, hi in plan.slices():
-        x = packed[lo:hi]
-        outputs.append(call_block(block, x, plan.segments[lo:hi], plan.order[lo:hi]) - x)
+    previous = current_slice()
+    try:
+        for block, lo, hi in plan.slices():
+            _ACTIVE.slice = (plan, block, lo, hi)
+            outputs.append(call_block(block, packed[lo:hi], plan.segments[lo:hi], plan.order[lo:hi]))
+    finally:
+        _ACTIVE.slice = previous
     if not outputs:
         return packed.new_zeros(packed.shape)
-    return torch.cat(outputs, dim=0)
+    # one subtraction for the whole depth (the slices tile ``packed``)
+    out = outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)
+    return out - packed
 
 
 def scatter_updates(plan: DispatchPlan, updates: torch.Tensor, num_tokens: int) -> torch.Tensor:

@@ -115,9 +115,30 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         recompute_method="uniform" if parallel.recompute_granularity == "full" else None,
         recompute_num_layers=1 if parallel.recompute_granularity == "full" else None,
     )
+    fp8 = fp8 or model.fp8
     if fp8 is not None:
-        kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe or "delayed")
+        kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe or model.fp8_recipe)
     return TransformerConfig(**kwargs)
+
+
+def packed_seq_params(segments: torch.Tensor):
+    """THD ``PackedSeqParams`` for Transformer Engine from contiguous segment ids ``[T]``.
+
+    Windows (or documents) are the packed sequences: ``cu_seqlens`` are the
+    offsets where the segment id changes. TE's fused attention then applies the
+    causal mask inside each segment and RoPE restarts per segment (relative
+    positions inside a window or document are all RoPE sees, SPEC 1.1).
+    """
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    seg = segments.reshape(-1)
+    starts = torch.ones_like(seg, dtype=torch.bool)
+    starts[1:] = seg[1:] != seg[:-1]
+    first = torch.nonzero(starts).squeeze(1)
+    cu = torch.cat([first, first.new_tensor([seg.numel()])]).to(torch.int32)
+    max_len = int((cu[1:] - cu[:-1]).max()) if seg.numel() else 0
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
 def block_spec(use_te: bool = False):
@@ -157,10 +178,55 @@ def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None)
     layer = build_module(spec, config=config, layer_number=layer_number,
                          vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None)
     layer.layer_number = layer_number
+    attention = getattr(layer, "self_attention", None)
+    if attention is not None and not isinstance(getattr(attention, "core_attention", None), _te_attention_types()):
+        # selective recompute is done inside SegmentCausalAttention (see there)
+        attention.checkpoint_core_attention = False
     return layer
+
+
+def _te_attention_types() -> tuple:
+    try:
+        from megatron.core.extensions.transformer_engine import TEDotProductAttention
+
+    except Exception:  # TE absent
+        return ()
+    return (TEDotProductAttention,) if isinstance(TEDotProductAttention, type) else ()
 
 
 def layer_norms(layer) -> list[FiLMRMSNorm]:
     """The two FiLM-able norms of a block, in order (attention, MLP)."""
     return [m for m in (getattr(layer, "input_layernorm", None), getattr(layer, "pre_mlp_layernorm", None))
             if isinstance(m, FiLMRMSNorm)]
+
+
+def run_layer(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], use_te: bool,
+              recompute: bool = False) -> torch.Tensor:
+    """Run a megatron layer with segment-causal attention, on either backend.
+
+    Local spec: ``mask`` (a :class:`SegmentMask`) goes to our core attention.
+    Transformer Engine: the segments become THD ``PackedSeqParams``; a
+    ``[s, b, h]`` batch is flattened row-major to the packed ``[b*s, 1, h]``
+    stream TE expects, and ``rope`` is the position table (TE restarts it per
+    segment). ``recompute``: full activation recomputation of this layer
+    (megatron-core's checkpoint) when training.
+    """
+    if recompute and layer.training and torch.is_grad_enabled():
+        from megatron.core import tensor_parallel
+
+        def run(h, segments, rope_):
+            m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
+            return run_layer(layer, h, m, rope_, use_te)
+
+        return tensor_parallel.checkpoint(run, False, hidden, mask.segments, rope)
+    if not use_te:
+        out, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
+        return out
+    if mask.sliding is not None:
+        raise NotImplementedError("sliding-window dense attention is not wired to Transformer Engine yet")
+    s, b, h = hidden.shape
+    packed = hidden if b == 1 else hidden.transpose(0, 1).reshape(b * s, 1, h)
+    segments = mask.segments.reshape(-1) if mask.segments is not None else torch.arange(b).repeat_interleave(s)
+    out, _ = layer(hidden_states=packed, attention_mask=None, rotary_pos_emb=rope,
+                   packed_seq_params=packed_seq_params(segments))
+    return out if b == 1 else out.view(b, s, h).transpose(0, 1)

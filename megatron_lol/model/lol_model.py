@@ -20,7 +20,7 @@ from torch import nn
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.core import CoreOutput, ForcedPath, RoutedCore
-from megatron_lol.model.library import FiLMRMSNorm, block_spec, build_layer, transformer_config, use_te_for
+from megatron_lol.model.library import FiLMRMSNorm, block_spec, build_layer, run_layer, transformer_config, use_te_for
 from megatron_lol.model.windows import DocumentLayout
 
 
@@ -114,6 +114,11 @@ class LoLGPTModel(_language_module()):
         self.stage = stage_plan(model, pp, vpp, parallel_state.get_pipeline_model_parallel_rank(), vp_stage)
         self.pre_process, self.post_process = self.stage.first, self.stage.last
         self.use_te = use_te_for(model)
+        if self.use_te and self.config.sequence_parallel:
+            from megatron_lol.config.schema import ConfigError
+
+            raise ConfigError("parallel.sequence_parallel: not yet supported with Transformer Engine THD packing "
+                              "of documents; set model.use_transformer_engine: false or sequence_parallel: false")
         spec = block_spec(self.use_te)
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
@@ -136,7 +141,7 @@ class LoLGPTModel(_language_module()):
             core_config = (dataclasses.replace(self.config, sequence_parallel=False)
                            if self.config.sequence_parallel else self.config)
             self.core = RoutedCore(model, core_config, spec, first_layer_number=model.n_prelude + 1,
-                                   init_seed=init_seed, vp_stage=vp_stage)
+                                   init_seed=init_seed, vp_stage=vp_stage, use_te=self.use_te)
         first_coda = model.n_prelude + model.num_blocks + 1
         self.coda = nn.ModuleDict()
         for i in self.stage.coda:
@@ -176,8 +181,9 @@ class LoLGPTModel(_language_module()):
             hidden = self.input_tensor
         rope = self.rotary(s)  # [s, 1, 1, d]
         doc_mask = SegmentMask(segments=docs.doc_index)
+        recompute = self.config.recompute_granularity == "full"
         for layer in self.prelude.values():
-            hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
+            hidden = run_layer(layer, hidden, doc_mask, rope, self.use_te, recompute)
         self.last_core = None
         if self.core is not None:
             depth = self.cfg.core_depth if depth is None else depth
@@ -196,7 +202,7 @@ class LoLGPTModel(_language_module()):
                 hidden = AuxLossAttach.apply(hidden, core.aux_loss)
             self.last_core = core
         for layer in self.coda.values():
-            hidden, _ = layer(hidden_states=hidden, attention_mask=doc_mask, rotary_pos_emb=rope)
+            hidden = run_layer(layer, hidden, doc_mask, rope, self.use_te, recompute)
         if not self.post_process:
             return hidden
         hidden = self.final_norm(hidden)
