@@ -22,6 +22,7 @@ import json
 import os
 import pickle
 import re
+import warnings
 from typing import Optional
 
 import torch
@@ -156,9 +157,13 @@ class DistCheckpointReader:
             raise CliError(f"{self.path}: tensor {key} is incomplete in the checkpoint "
                            f"({covered} of {out.numel()} elements saved)")
         try:
-            load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                 no_dist=True)
-        except Exception as err:  # noqa: BLE001 - torch wraps reader errors in CheckpointException
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+                load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                     no_dist=True)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
             msg = str(err).strip().splitlines()
             detail = next((line for line in reversed(msg) if line.strip()), type(err).__name__)
             raise CliError(f"{self.path}: cannot read tensor {key} (corrupted or truncated .distcp file?): "

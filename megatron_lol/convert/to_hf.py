@@ -23,7 +23,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from typing import Optional
 
 import torch
@@ -348,5 +347,3 @@ def _hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims
     hf = mapping.lol_hf_names(name, m)
     return [] if hf is None else [(hf, tensor)]
 
-
-warnings.filterwarnings("ignore", message="torch.distributed is disabled")
