@@ -99,7 +99,8 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         # the block library's expert parallelism lives in parallel_state and the
         # core; megatron's TransformerConfig reserves this field for FFN MoE
-        expert_model_parallel_size=parallel.expert_model_parallel_size if model.num_experts else 1,
+        expert_model_parallel_size=(parallel.expert_model_parallel_size
+                                    if model.num_experts and model.moe_layers != "none" else 1),
         sequence_parallel=parallel.sequence_parallel,
         # the same seed gives the same weights whatever the layout: initialise the
         # full master weights on CPU and split them (megatron-core's own option)
@@ -115,6 +116,13 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         recompute_method="uniform" if parallel.recompute_granularity == "full" else None,
         recompute_num_layers=1 if parallel.recompute_granularity == "full" else None,
     )
+    if model.num_experts and model.moe_layers != "none":
+        # megatron-core MoE MLPs (used by the layers the spec gives an MoE MLP: see moe_layers)
+        kwargs.update(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
+                      moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden,
+                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
+                      moe_router_dtype="fp32")
     fp8 = fp8 or model.fp8
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe or model.fp8_recipe)
@@ -141,8 +149,8 @@ def packed_seq_params(segments: torch.Tensor):
                            max_seqlen_q=max_len, max_seqlen_kv=max_len)
 
 
-def block_spec(use_te: bool = False):
-    """The ``ModuleSpec`` of one block / fixed layer."""
+def block_spec(use_te: bool = False, num_experts: Optional[int] = None):
+    """The ``ModuleSpec`` of one block / fixed layer (``num_experts``: megatron-core MoE MLP)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -154,9 +162,9 @@ def block_spec(use_te: bool = False):
         # TE linears and fused attention (fed THD PackedSeqParams for windows);
         # FiLM and SP norms need the norms as separate modules, so we use the
         # unfused TENorm + TE linear layout of the spec.
-        spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=False)
+        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=False)
         return spec
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SegmentCausalAttention)

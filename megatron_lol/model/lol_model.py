@@ -119,7 +119,9 @@ class LoLGPTModel(_language_module()):
 
             raise ConfigError("parallel.sequence_parallel: not yet supported with Transformer Engine THD packing "
                               "of documents; set model.use_transformer_engine: false or sequence_parallel: false")
-        spec = block_spec(self.use_te)
+        moe = model.num_experts if model.moe_layers != "none" else None
+        fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
+        spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None)
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:
@@ -133,7 +135,7 @@ class LoLGPTModel(_language_module()):
         self.prelude = nn.ModuleDict()
         for i in self.stage.prelude:
             with seeded(init_seed, f"prelude.{i}"):
-                self.prelude[str(i)] = build_layer(spec, self.config, i + 1, vp_stage)
+                self.prelude[str(i)] = build_layer(fixed_spec, self.config, i + 1, vp_stage)
         self.core = None
         if self.stage.depths is not None:
             # The core packs windows of the whole sequence, so it runs on the gathered
@@ -146,7 +148,7 @@ class LoLGPTModel(_language_module()):
         self.coda = nn.ModuleDict()
         for i in self.stage.coda:
             with seeded(init_seed, f"coda.{i}"):
-                self.coda[str(i)] = build_layer(spec, self.config, first_coda + i, vp_stage)
+                self.coda[str(i)] = build_layer(fixed_spec, self.config, first_coda + i, vp_stage)
         if self.post_process:
             self.final_norm = FiLMRMSNorm(self.config, model.hidden_size, eps=model.norm_epsilon)
             with seeded(init_seed, "output_layer"):
