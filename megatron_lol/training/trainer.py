@@ -326,8 +326,8 @@ class Trainer:
                           utilisation=utilisation)
 
     def _balancers(self):
-        return [c.module.core.balancer for c in self.model_chunks
-                if c.module.core is not None and c.module.core.balancer is not None]
+        cores = [c.module.core for c in self.model_chunks if c.module.core is not None]
+        return [b for b in (getattr(core, "balancer", None) for core in cores) if b is not None]
 
     def _discard_balancing_loads(self) -> None:
         for b in self._balancers():
