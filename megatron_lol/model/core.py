@@ -18,6 +18,7 @@ strided (LoL's windows with a fixed block).
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -102,7 +103,7 @@ class RoutedCore(nn.Module):
         for i in self.local_block_ids():
             with seeded(init_seed, f"core.blocks.{i}"):
                 self.blocks[str(i)] = build_layer(spec, tconfig, first_layer_number + i, vp_stage)
-        if _expert_parallel()[0] > 1:
+        if _expert_parallel()[0] > 1 and model.plan == "lol":
             # sharded like MoE experts: megatron's DDP reduces these over the expert-data-parallel
             # group only (each EP rank holds different blocks)
             for p in self.blocks.parameters():
@@ -133,12 +134,14 @@ class RoutedCore(nn.Module):
     def local_block_ids(self) -> list:
         from megatron_lol.parallel.layout import local_blocks
 
+        if self.cfg.plan != "lol":  # fixed plans run every block on every token: not sharded
+            return list(range(self.cfg.num_blocks))
         ep, ep_rank = _expert_parallel()
         return local_blocks(self.cfg.num_blocks, ep, ep_rank)
 
     def _expert_group(self):
         ep, _ = _expert_parallel()
-        if ep == 1:
+        if ep == 1 or self.cfg.plan != "lol":
             return None
         from megatron.core import parallel_state
 
@@ -317,8 +320,7 @@ class RoutedCore(nn.Module):
     def _fixed_update(self, depth, flat, docs, windows, token_rope, b, s_len, truncated):
         cfg = self.cfg
         block = (depth - 1) % cfg.num_blocks
-        grad_ctx = torch.no_grad() if truncated else torch.enable_grad() if torch.is_grad_enabled() else torch.no_grad()
-        with grad_ctx:
+        with torch.no_grad() if truncated else contextlib.nullcontext():
             if cfg.dense_attention == "strided":
                 mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
                 new = self._call_block(block, depth, flat.unsqueeze(1), mask, token_rope).squeeze(1)
