@@ -1,0 +1,668 @@
+"""``megatron-lol profile``: throughput, TFLOP/s, MFU, step-time breakdown and routing statistics.
+
+    megatron-lol profile --config FILE [--steps N] [--warmup K] [--json OUT]
+    megatron-lol profile --config FILE --synthetic-data --set model.vocab_size=32000
+    megatron-lol profile --merge node0.json node1.json ... [--json OUT]
+
+Builds the trainer of the config (``Trainer(cfg).setup()``: the same model,
+optimizer, parallel layout and data), runs ``--warmup`` steps, then times
+``--steps`` training steps at the core depth ``--depth`` (default: the full
+depth, whatever the growing curriculum would use). It reports:
+
+* tokens/s per device and per node, model TFLOP/s per device (FLOP model of
+  :mod:`megatron_lol.perf.flops`, allowed attention pairs) and MFU against the
+  device's peak (:mod:`megatron_lol.perf.peaks`, ``--peak-tflops`` overrides;
+  omitted on CPU); the executed-FLOP rate (hardware FLOPs of the local
+  attention, masked scores included) as well;
+* a step-time breakdown: forward of the prelude, routed core (of which: the
+  library blocks, the dispatch bookkeeping = plan + gather/scatter, and the
+  rest = windows, router, balancing, gated update), coda (+ final norm and LM
+  head), then backward (the rest of the step), optimizer, data. Forward
+  sections are timed with module hooks (``torch.cuda.synchronize`` around
+  them on GPUs, unless ``--no-sync``), so they cost a little overlap;
+* peak memory (CUDA allocator peak, or the process's peak RSS on CPU) beside
+  the memory model's estimate;
+* routing statistics: block utilisation per depth (share of windows), the mean
+  number of distinct blocks on a token's path through the core (with the
+  uniform-routing expectation ``L (1 - (1 - 1/L)^D)`` beside it);
+* with GPUs, a background NVML sampler (:mod:`.gpu_monitor`): utilisation,
+  memory, power, SM clock (mean and minimum) and throttle reasons per GPU.
+
+Multi-process runs (torchrun / srun, several nodes) gather every rank's
+measurements on rank 0, which writes one report with a row per node
+(``nodes``); ``--merge`` combines reports written by separate runs (e.g. one
+per node) into one, with :func:`merge_reports`. The table goes to stdout, the
+report to ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import socket
+import statistics
+import time
+from typing import Optional
+
+from megatron_lol.cli import CliError
+
+SECTION_KEYS = ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head",
+                "forward_other", "backward", "optimizer", "data", "other")
+
+
+# ----------------------------------------------------------------------- arguments
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from megatron_lol.config import add_config_arguments
+
+    add_config_arguments(parser)
+    for action in parser._actions:  # --config is not needed with --merge
+        if "--config" in action.option_strings:
+            action.required = False
+    parser.add_argument("--steps", type=int, default=10, help="timed training steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
+    parser.add_argument("--depth", type=int, default=None, help="core depth to run (default: the full depth)")
+    parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report here")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="peak TFLOP/s per device for MFU (default: from the device table)")
+    parser.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp8", "tf32", "fp32"),
+                        help="which peak to use (default: bf16 for bf16 models, fp8 with FP8, else tf32)")
+    parser.add_argument("--synthetic-data", action="store_true",
+                        help="random tokens (with EOD-separated documents) instead of data.paths")
+    parser.add_argument("--no-sync", action="store_true", help="do not synchronise the GPU in section timers")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch.set_num_threads on CPU (one thread per process is fastest on a busy machine)")
+    parser.add_argument("--sample-interval", type=float, default=0.5, help="NVML sampling period in seconds")
+    parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
+                        help="merge these profile reports (JSON) into one; no training")
+
+
+# --------------------------------------------------------------------- data / setup
+class SyntheticDataset:
+    """Deterministic random tokens: documents of random length separated by EOD."""
+
+    def __init__(self, seq_length: int, vocab_size: int, eod: Optional[int], seed: int = 0, size: int = 1 << 20):
+        self.seq, self.vocab, self.eod, self.seed, self.size = seq_length, vocab_size, eod, seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> dict:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(idx))
+        low = 1 if self.eod == 0 else 0
+        tokens = torch.randint(low, self.vocab, (self.seq + 1,), generator=g)
+        if self.eod is not None:
+            pos = 0
+            while True:  # documents of mean length ~ seq / 2
+                pos += int(torch.randint(max(2, self.seq // 4), max(3, self.seq), (1,), generator=g))
+                if pos >= self.seq:
+                    break
+                tokens[pos] = self.eod
+        return {"tokens": tokens[:-1].clone(), "labels": tokens[1:].clone(),
+                "loss_mask": torch.ones(self.seq, dtype=torch.float32)}
+
+
+class _StubTokenizer:
+    def __init__(self, vocab_size: int, eod: int = 0):
+        self.vocab_size = vocab_size
+        self.eod = eod
+
+
+def build_trainer(cfg, synthetic: bool):
+    from megatron_lol.training.trainer import Trainer
+
+    if not synthetic:
+        return Trainer(cfg).setup()
+    tokenizer = None
+    if cfg.data.tokenizer_model or cfg.data.vocab_file:
+        from megatron_lol.data.tokenizers import build_tokenizer
+
+        d = cfg.data
+        tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
+                                    vocab_file=d.vocab_file, merge_file=d.merge_file)
+    elif cfg.model.vocab_size is None:
+        raise CliError("--synthetic-data needs model.vocab_size or data.tokenizer_model")
+    else:
+        tokenizer = _StubTokenizer(cfg.model.vocab_size, eod=0)
+    eod = tokenizer.eod
+    ds = SyntheticDataset(cfg.training.seq_length, tokenizer.vocab_size, eod, seed=cfg.training.seed)
+    return Trainer(cfg, tokenizer=tokenizer, datasets=(ds, None, None)).setup()
+
+
+# --------------------------------------------------------------------------- timers
+class SectionTimer:
+    """Accumulates seconds per section from module hooks (synchronising CUDA when asked)."""
+
+    def __init__(self, sync: bool):
+        self.sync = sync
+        self.totals: dict = {}
+        self.handles: list = []
+        self.enabled = True
+        self._open: dict = {}
+
+    def now(self) -> float:
+        if self.sync:
+            import torch
+
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def add(self, key: str, seconds: float) -> None:
+        if self.enabled:
+            self.totals[key] = self.totals.get(key, 0.0) + seconds
+
+    def hook_module(self, module, key: str) -> None:
+        def pre(mod, args):
+            self._open[id(mod)] = self.now()
+
+        def post(mod, args, out):
+            t0 = self._open.pop(id(mod), None)
+            if t0 is not None:
+                self.add(key, self.now() - t0)
+
+        self.handles.append(module.register_forward_pre_hook(pre))
+        self.handles.append(module.register_forward_hook(post))
+
+    def wrap(self, owner, name: str, key: str) -> None:
+        """Replace ``owner.name`` (a function attribute) by a timed version."""
+        original = getattr(owner, name)
+        timer = self
+
+        def timed(*args, **kwargs):
+            t0 = timer.now()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                timer.add(key, timer.now() - t0)
+
+        setattr(owner, name, timed)
+        self.handles.append(_Restore(owner, name, original))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+class _Restore:
+    def __init__(self, owner, name, original):
+        self.owner, self.name, self.original = owner, name, original
+
+    def remove(self):
+        setattr(self.owner, self.name, self.original)
+
+
+def _layers(container) -> list:
+    if container is None:
+        return []
+    if hasattr(container, "values") and callable(container.values):
+        return list(container.values())
+    return list(container)
+
+
+class RoutingStats:
+    """Records the core's routing on every forward (``record=True``) and summarises it."""
+
+    def __init__(self, core, window_size: int, window_shift: int, num_blocks: int):
+        self.core, self.W, self.S, self.L = core, window_size, window_shift, num_blocks
+        self.enabled = False
+        self.windows = None  # [depth, L] windows per block
+        self.distinct_sum = 0.0
+        self.tokens = 0
+        self.depth = 0
+        self.handles = [core.register_forward_pre_hook(self._pre, with_kwargs=True),
+                        core.register_forward_hook(self._post, with_kwargs=True)]
+        self._docs = None
+
+    def _pre(self, module, args, kwargs):
+        if not self.enabled:
+            return None
+        kwargs = dict(kwargs)
+        kwargs["record"] = True
+        self._docs = args[1] if len(args) > 1 else kwargs.get("docs")
+        return args, kwargs
+
+    def _post(self, module, args, kwargs, out):
+        if not self.enabled or not getattr(out, "records", None) or self._docs is None:
+            return None
+        import torch
+
+        from megatron_lol.model.windows import WindowLayout
+
+        choices = []
+        counts = []
+        for rec in out.records:
+            layout = WindowLayout.build(self._docs, rec.depth, self.W, self.S)
+            choice = rec.choice.to(layout.token_window.device)
+            counts.append(torch.bincount(choice, minlength=self.L).double().cpu())
+            choices.append(choice[layout.token_window])
+        per_depth = torch.stack(counts)
+        if self.windows is None:
+            self.windows = per_depth
+        elif self.windows.shape == per_depth.shape:
+            self.windows += per_depth
+        paths = torch.sort(torch.stack(choices), dim=0).values  # [D, T]
+        distinct = 1 + (paths[1:] != paths[:-1]).sum(0) if paths.shape[0] > 1 else torch.ones(paths.shape[1])
+        self.distinct_sum += float(distinct.double().sum())
+        self.tokens += int(paths.shape[1])
+        self.depth = max(self.depth, paths.shape[0])
+        return None
+
+    def summary(self) -> Optional[dict]:
+        if self.windows is None:
+            return None
+        util = self.windows / self.windows.sum(1, keepdim=True).clamp(min=1)
+        D, L = self.depth, self.L
+        return {
+            "block_utilisation": [[round(float(x), 4) for x in row] for row in util],
+            "windows_per_block": [[int(x) for x in row] for row in self.windows],
+            "distinct_blocks_per_path": self.distinct_sum / max(1, self.tokens),
+            "distinct_blocks_uniform_expectation": L * (1 - (1 - 1 / L) ** D) if D else 0.0,
+        }
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+class _TimedIterator:
+    def __init__(self, it, timer: SectionTimer):
+        self.it, self.timer = it, timer
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        t0 = time.perf_counter()
+        try:
+            return next(self.it)
+        finally:
+            self.timer.add("data", time.perf_counter() - t0)
+
+
+# ------------------------------------------------------------------------ running
+def _device_info() -> dict:
+    import torch
+
+    if torch.cuda.is_available():
+        return {"kind": "cuda", "name": torch.cuda.get_device_name(), "count": torch.cuda.device_count()}
+    return {"kind": "cpu", "name": "cpu", "count": 1, "threads": torch.get_num_threads()}
+
+
+def _peak_memory_bytes() -> dict:
+    import torch
+
+    if torch.cuda.is_available():
+        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated()),
+                "reserved_bytes": int(torch.cuda.max_memory_reserved())}
+    import resource
+
+    return {"kind": "cpu_peak_rss", "bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+
+
+def _precision(cfg, override: Optional[str]) -> str:
+    if override:
+        return override
+    if getattr(cfg.model, "fp8", None):
+        return "fp8"
+    return "bf16" if cfg.model.params_dtype == "bf16" else "tf32"
+
+
+def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = None, sync: bool = True,
+                    sample_interval: float = 0.5, peak_override: Optional[float] = None,
+                    precision: Optional[str] = None, sampler=None) -> dict:
+    """Run ``warmup`` + ``steps`` training steps of a set-up trainer; return this rank's report."""
+    import torch
+
+    import megatron_lol.model.core as core_mod
+    from megatron_lol.perf import flops as fl
+    from megatron_lol.perf.gpu_monitor import start_if_available
+    from megatron_lol.perf.peaks import mfu, peak_tflops
+
+    cfg = trainer.cfg
+    full = cfg.model.core_depth
+    depth = full if depth is None else depth
+    if not 1 <= depth <= full:
+        raise CliError(f"--depth: must be in [1, {full}] (got {depth})")
+    trainer.depth_at = lambda step: depth  # noqa: E731 - profile one depth
+    cuda = torch.cuda.is_available()
+    timer = SectionTimer(sync=cuda and sync)
+    model = trainer.model
+    for layer in _layers(getattr(model, "prelude", None)):
+        timer.hook_module(layer, "prelude")
+    core = getattr(model, "core", None)
+    routing = None
+    if core is not None:
+        timer.hook_module(core, "core")
+        for blk in _layers(getattr(core, "blocks", None)):
+            timer.hook_module(blk, "core.blocks")
+        for name in ("plan_dispatch", "scatter_updates"):
+            if hasattr(core_mod, name):
+                timer.wrap(core_mod, name, "core.dispatch_calls")
+        if hasattr(core_mod, "run_grouped"):
+            timer.wrap(core_mod, "run_grouped", "core.run_grouped")
+        if getattr(core, "routed", False):
+            routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, cfg.model.num_blocks)
+    for layer in _layers(getattr(model, "coda", None)):
+        timer.hook_module(layer, "coda_head")
+    for name in ("final_norm", "output_layer"):
+        if getattr(model, name, None) is not None:
+            timer.hook_module(getattr(model, name), "coda_head")
+    timer.hook_module(model, "forward")
+    timer.wrap(trainer.optimizer, "step", "optimizer")
+
+    own_sampler = sampler is None and int(os.environ.get("LOCAL_RANK", "0")) == 0
+    if own_sampler:
+        sampler = start_if_available(sample_interval)
+    data = trainer.data_iterator(trainer.train_ds, trainer.consumed_train_samples)
+    data = [_TimedIterator(d, timer) for d in data] if isinstance(data, list) else _TimedIterator(data, timer)
+    try:
+        timer.enabled = False
+        for _ in range(warmup):
+            trainer.train_step(data)
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        if sampler is not None:
+            sampler.reset()
+        timer.enabled = True
+        timer.totals = {}
+        if routing is not None:
+            routing.enabled = True
+        step_times, results = [], []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            res = trainer.train_step(data)
+            if cuda:
+                torch.cuda.synchronize()
+            step_times.append(time.perf_counter() - t0)
+            results.append(res)
+    finally:
+        timer.remove()
+        if routing is not None:
+            routing.remove()
+    gpu = sampler.stop() if (sampler is not None and own_sampler) else None
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    seq = cfg.training.seq_length
+    gbs = trainer.global_batch_size
+    tokens = gbs * seq
+    step_mean = sum(step_times) / len(step_times)
+    step_median = statistics.median(step_times)
+    model_flops = fl.training_flops_per_step(cfg, depth, gbs, seq, vocab_size=trainer.vocab_size)
+    exec_flops = fl.training_flops(cfg.model, trainer.vocab_size, seq, gbs, depth=depth, attention_pairs="executed",
+                                   backprop_depth=cfg.curriculum.backprop_depth,
+                                   first_window_full_backprop=cfg.curriculum.first_window_full_backprop,
+                                   streams_per_depth=cfg.model.num_blocks if cfg.model.plan == "lol" else 1).total
+    dev = _device_info()
+    prec = _precision(cfg, precision)
+    peak = peak_tflops(dev["name"] if dev["kind"] == "cuda" else None, prec, peak_override)
+    tflops = model_flops / step_median / world / 1e12
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+    tot = timer.totals
+    n = len(step_times)
+    per = {k: v / n for k, v in tot.items()}
+    blocks = per.get("core.blocks", 0.0)
+    run_grouped = per.get("core.run_grouped", 0.0)
+    dispatch = per.get("core.dispatch_calls", 0.0) + max(0.0, run_grouped - blocks)
+    core_t = per.get("core", 0.0)
+    forward = per.get("forward", 0.0)
+    fwd_known = per.get("prelude", 0.0) + core_t + per.get("coda_head", 0.0)
+    breakdown = {
+        "prelude": per.get("prelude", 0.0),
+        "core": core_t,
+        "core.blocks": blocks,
+        "core.dispatch": dispatch,
+        "core.routing": max(0.0, core_t - blocks - dispatch),
+        "coda_head": per.get("coda_head", 0.0),
+        "forward_other": max(0.0, forward - fwd_known),
+        "optimizer": per.get("optimizer", 0.0),
+        "data": per.get("data", 0.0),
+    }
+    breakdown["backward"] = max(0.0, step_mean - forward - breakdown["optimizer"] - breakdown["data"])
+    mem = _peak_memory_bytes()
+    mem_model = fl.memory_model(cfg.model, trainer.vocab_size, seq, cfg.training.micro_batch_size, depth=depth,
+                                data_parallel=trainer.dp_size,
+                                tensor_parallel=cfg.parallel.tensor_model_parallel_size,
+                                distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+                                recompute=cfg.parallel.recompute_granularity,
+                                backprop_depth=cfg.curriculum.backprop_depth)
+    util_steps = [r.utilisation for r in results if r.utilisation]
+    utilisation = None
+    if util_steps:
+        utilisation = [[sum(s[d][b] for s in util_steps) / len(util_steps) for b in range(len(util_steps[0][d]))]
+                       for d in range(len(util_steps[0]))]
+    report = {
+        "host": socket.gethostname(),
+        "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
+        "world_size": world,
+        "devices_per_node": local,
+        "device": dev,
+        "config": {"plan": cfg.model.plan, "hidden_size": cfg.model.hidden_size,
+                   "num_blocks": cfg.model.num_blocks, "core_depth": full, "depth": depth,
+                   "window_size": cfg.model.window_size, "window_shift": cfg.model.window_shift,
+                   "seq_length": seq, "global_batch_size": gbs, "micro_batch_size": cfg.training.micro_batch_size,
+                   "params_dtype": cfg.model.params_dtype, "vocab_size": trainer.vocab_size},
+        "steps": n, "warmup": 0 if warmup is None else warmup,
+        "step_time_s": {"mean": step_mean, "median": step_median, "min": min(step_times), "max": max(step_times),
+                        "all": step_times},
+        "tokens_per_step": tokens,
+        "tokens_per_s": tokens / step_median,
+        "tokens_per_s_per_device": tokens / step_median / world,
+        "tokens_per_s_per_node": tokens / step_median / world * local,
+        "flops_per_step": model_flops,
+        "flops_per_step_executed": exec_flops,
+        "tflops_per_device": tflops,
+        "tflops_per_device_executed": exec_flops / step_median / world / 1e12,
+        "precision": prec,
+        "peak_tflops": peak,
+        "mfu": mfu(tflops, peak),
+        "breakdown_s": breakdown,
+        "peak_memory": mem,
+        "memory_model_bytes": mem_model.to_dict(),
+        "routing": routing.summary() if routing is not None else None,
+        "block_utilisation_trainer": utilisation,
+        "loss": [r.loss for r in results],
+        "gpu": gpu,
+    }
+    return report
+
+
+def _node_rows(rank_reports: list) -> list:
+    """One row per host from per-rank reports (rank order)."""
+    by_host: dict = {}
+    for rep in rank_reports:
+        by_host.setdefault(rep["host"], []).append(rep)
+    rows = []
+    for host, reps in by_host.items():
+        first = min(reps, key=lambda r: r["rank"])
+        slowest = max(r["step_time_s"]["median"] for r in reps)
+        gpus = [g for r in reps if r.get("gpu") for g in r["gpu"]["gpus"]]
+        rows.append({
+            "host": host, "ranks": sorted(r["rank"] for r in reps), "devices": first["devices_per_node"],
+            "step_time_s": slowest,
+            "tokens_per_s_per_node": first["tokens_per_s_per_device"] * first["devices_per_node"]
+            * first["step_time_s"]["median"] / slowest,
+            "tflops_per_device": first["tflops_per_device"] * first["step_time_s"]["median"] / slowest,
+            "mfu": (first["mfu"] * first["step_time_s"]["median"] / slowest) if first["mfu"] is not None else None,
+            "peak_memory_bytes": max(r["peak_memory"]["bytes"] for r in reps),
+            "gpus": gpus,
+        })
+    return rows
+
+
+def merge_reports(reports: list) -> dict:
+    """Merge profile reports (each with a ``nodes`` list) into one per-node report.
+
+    The merged report keeps every node row (sorted by host) and adds
+    ``summary``: number of nodes, total tokens/s, mean / min TFLOP/s per device
+    and MFU, the slowest node, and the minimum SM clock and utilisation seen
+    on any GPU.
+    """
+    if not reports:
+        raise CliError("--merge: no reports given")
+    nodes = []
+    for rep in reports:
+        if "nodes" not in rep:
+            raise CliError("--merge: a report without 'nodes' (not written by megatron-lol profile)")
+        nodes.extend(rep["nodes"])
+    nodes.sort(key=lambda r: r["host"])
+    tfl = [n["tflops_per_device"] for n in nodes]
+    mfus = [n["mfu"] for n in nodes if n.get("mfu") is not None]
+    gpus = [g for n in nodes for g in n.get("gpus", []) if g.get("samples")]
+    slow = max(nodes, key=lambda n: n["step_time_s"])
+    summary = {
+        "nodes": len(nodes),
+        "tokens_per_s_total": sum(n["tokens_per_s_per_node"] for n in nodes),
+        "tflops_per_device_mean": sum(tfl) / len(tfl),
+        "tflops_per_device_min": min(tfl),
+        "mfu_mean": sum(mfus) / len(mfus) if mfus else None,
+        "mfu_min": min(mfus) if mfus else None,
+        "slowest_node": slow["host"],
+        "slowest_step_time_s": slow["step_time_s"],
+        "gpu_sm_clock_mhz_min": min((g["sm_clock_mhz"]["min"] for g in gpus), default=None),
+        "gpu_utilization_pct_min": min((g["utilization_pct"]["min"] for g in gpus), default=None),
+    }
+    return {"merged_from": len(reports), "nodes": nodes, "summary": summary}
+
+
+# --------------------------------------------------------------------------- output
+def _fmt_s(x: float) -> str:
+    return f"{x * 1e3:9.1f} ms"
+
+
+def format_report(rep: dict) -> str:
+    lines = []
+    c = rep["config"]
+    lines.append(f"profile: plan {c['plan']}, width {c['hidden_size']}, L={c['num_blocks']}, depth {c['depth']}"
+                 f"/{c['core_depth']}, W={c['window_size']}, S={c['window_shift']}, "
+                 f"{c['global_batch_size']} x {c['seq_length']} tokens per step, {rep['world_size']} device(s) "
+                 f"[{rep['device']['name']}], {rep['steps']} steps")
+    st = rep["step_time_s"]
+    lines.append(f"  step time        median {st['median'] * 1e3:.1f} ms  (mean {st['mean'] * 1e3:.1f}, "
+                 f"min {st['min'] * 1e3:.1f}, max {st['max'] * 1e3:.1f})")
+    lines.append(f"  tokens/s         {rep['tokens_per_s_per_device']:,.0f} per device, "
+                 f"{rep['tokens_per_s_per_node']:,.0f} per node")
+    lines.append(f"  TFLOP/s/device   {rep['tflops_per_device']:.4g} model (allowed pairs), "
+                 f"{rep['tflops_per_device_executed']:.4g} executed")
+    if rep["mfu"] is not None:
+        lines.append(f"  MFU              {100 * rep['mfu']:.1f}% of {rep['peak_tflops']:.0f} TFLOP/s "
+                     f"({rep['precision']})")
+    else:
+        lines.append("  MFU              - (no peak for this device; --peak-tflops sets one)")
+    lines.append("  breakdown per step:")
+    b = rep["breakdown_s"]
+    for key in ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head", "forward_other",
+                "backward", "optimizer", "data"):
+        label = ("    " + key.split(".", 1)[1]) if "." in key else key
+        lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
+    m = rep["peak_memory"]
+    lines.append(f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
+                 f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB")
+    r = rep.get("routing")
+    if r:
+        lines.append(f"  distinct blocks per path {r['distinct_blocks_per_path']:.2f} "
+                     f"(uniform routing: {r['distinct_blocks_uniform_expectation']:.2f})")
+        for d, row in enumerate(r["block_utilisation"], 1):
+            lines.append(f"    depth {d:2d} utilisation " + " ".join(f"{x:.2f}" for x in row))
+    g = rep.get("gpu")
+    if g:
+        for gpu in g["gpus"]:
+            if not gpu.get("samples"):
+                continue
+            lines.append(f"  GPU {gpu['index']} {gpu['name']}: util {gpu['utilization_pct']['mean']:.0f}% "
+                         f"(min {gpu['utilization_pct']['min']:.0f}), power {gpu['power_w']['mean']:.0f} W "
+                         f"(min {gpu['power_w']['min']:.0f}), SM clock {gpu['sm_clock_mhz']['mean']:.0f} MHz "
+                         f"(min {gpu['sm_clock_mhz']['min']:.0f}), memory "
+                         f"{gpu['memory_used_bytes']['max'] / 2**30:.1f} GiB, throttle "
+                         f"{gpu['throttle_reasons'] or 'none'}")
+    return "\n".join(lines)
+
+
+def format_nodes(merged: dict) -> str:
+    lines = [f"{'host':24s} {'step ms':>9s} {'tokens/s/node':>14s} {'TFLOP/s/dev':>12s} {'MFU':>6s} "
+             f"{'peak mem MiB':>13s} {'min SM MHz':>11s}"]
+    for n in merged["nodes"]:
+        mfu_txt = "-" if n["mfu"] is None else f"{100 * n['mfu']:.1f}%"
+        clock = min((g["sm_clock_mhz"]["min"] for g in n.get("gpus", []) if g.get("samples")), default=None)
+        lines.append(f"{n['host'][:24]:24s} {n['step_time_s'] * 1e3:9.1f} {n['tokens_per_s_per_node']:14,.0f} "
+                     f"{n['tflops_per_device']:12.3f} "
+                     f"{mfu_txt:>6s} {n['peak_memory_bytes'] / 2**20:13,.0f} "
+                     f"{'-' if clock is None else format(clock, '.0f'):>11s}")
+    s = merged["summary"]
+    lines.append(f"{s['nodes']} node(s): {s['tokens_per_s_total']:,.0f} tokens/s in all; TFLOP/s per device mean "
+                 f"{s['tflops_per_device_mean']:.3f}, min {s['tflops_per_device_min']:.3f}; slowest node "
+                 f"{s['slowest_node']} ({s['slowest_step_time_s'] * 1e3:.1f} ms per step)")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.merge:
+        reports = []
+        for path in args.merge:
+            try:
+                with open(path) as f:
+                    reports.append(json.load(f))
+            except (OSError, json.JSONDecodeError) as err:
+                raise CliError(f"--merge: cannot read {path}: {err}") from None
+        merged = merge_reports(reports)
+        print(format_nodes(merged))
+        if args.json_out:
+            _write_json(args.json_out, merged)
+        return 0
+    if not args.config:
+        raise CliError("--config is required (or --merge REPORT ...)")
+    if args.steps < 1:
+        raise CliError(f"--steps: must be >= 1 (got {args.steps})")
+    if args.warmup < 0:
+        raise CliError(f"--warmup: must be >= 0 (got {args.warmup})")
+    from megatron_lol.config import config_from_args
+
+    cfg = config_from_args(args, check_data=not args.synthetic_data)
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    # enough iterations for the LR schedule to cover the profiled steps
+    cfg.training.train_iters = max(cfg.training.train_iters, args.warmup + args.steps)
+    trainer = build_trainer(cfg, args.synthetic_data)
+    local = profile_trainer(trainer, args.steps, args.warmup, depth=args.depth, sync=not args.no_sync,
+                            sample_interval=args.sample_interval, peak_override=args.peak_tflops,
+                            precision=args.precision)
+    import torch
+
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        gathered = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(gathered, local)
+    else:
+        gathered = [local]
+    if local["rank"] != 0:
+        return 0
+    report = dict(local)
+    report["nodes"] = _node_rows(gathered)
+    report["ranks"] = [{k: r[k] for k in ("host", "rank", "step_time_s", "tokens_per_s_per_device",
+                                          "tflops_per_device", "peak_memory")} for r in gathered]
+    print(format_report(report))
+    if len(report["nodes"]) > 1:
+        print(format_nodes(merge_reports([report])))
+    if args.json_out:
+        _write_json(args.json_out, report)
+    return 0
+
+
+def _write_json(path: str, obj: dict) -> None:
+    d = os.path.dirname(os.path.abspath(path))
+    os.makedirs(d, exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=2, default=_json_default)
+    print(f"wrote {path}")
+
+
+def _json_default(x):
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    return str(x)

@@ -1,0 +1,139 @@
+"""FLOP model: hand-derived counts (clipped windows, truncation, growing depth) and torch's FLOP counter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lol.perf import flops as fl
+
+
+def _model(**over):
+    from megatron_lol.config import config_from_dict
+
+    base = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_blocks=3, routed_depth=3,
+                window_size=8, window_shift=4, n_prelude=1, n_coda=1, router_noise=False)
+    base.update(over)
+    return config_from_dict({"model": base}).model
+
+
+def test_pairs_golden_and_clipped():
+    assert fl.windowed_pairs(1024, 128, 0) == 66_048  # SPEC 1.1 golden facts
+    assert fl.windowed_pairs(1024, 128, 64) == 61_952
+    assert fl.causal_pairs(1024) == 524_800
+    # n = 21, W = 8: aligned windows 8, 8, 5; shifted by 4: 4, 8, 8, 1 (clipped at both ends)
+    assert fl.window_lengths(21, 8, 0) == [8, 8, 5]
+    assert fl.window_lengths(21, 8, 4) == [4, 8, 8, 1]
+    assert fl.windowed_pairs(21, 8, 0) == 36 + 36 + 15
+    assert fl.windowed_pairs(21, 8, 4) == 10 + 36 + 36 + 1
+    assert fl.sliding_pairs(10, 4) == 1 + 2 + 3 + 4 * 7
+    assert fl.chunked_pairs(21, 8) == 3 * 8 * 16
+    from megatron_lol.model.windows import allowed_pairs
+
+    for n, W, off in ((21, 8, 4), (100, 16, 8), (7, 8, 0), (64, 8, 3)):
+        assert fl.windowed_pairs(n, W, off) == allowed_pairs(n, W, off)
+
+
+def test_lol_forward_and_training_by_hand():
+    m = _model()
+    V, n = 97, 21
+    # per token and layer: QKV 2*32*96 + out 2*32*32 = 8192; SwiGLU 6*32*64 = 12288
+    layer = 21 * (8192 + 12288)
+    heads_dim = 4 * 8  # nq * c
+    prelude = layer + 4 * fl.causal_pairs(21) * heads_dim
+    depth_pairs = [87, 83, 87]  # depths 1, 2, 3: offsets 0, 4, 0
+    windows = [3, 4, 3]
+    core = sum(layer + 4 * p * heads_dim + 2 * w * 32 * 3 for p, w in zip(depth_pairs, windows))
+    head = 2 * 21 * 32 * V
+    f = fl.forward_flops(m, V, n)
+    assert f.forward.total == prelude + core + prelude + head
+    assert f.backward.total == 0
+    t = fl.training_flops(m, V, n)
+    assert t.forward.total == f.forward.total  # no router noise configured
+    assert t.total == 3 * f.forward.total
+    # growing depth: a depth-2 core runs depths 1 and 2 only
+    g = fl.training_flops(m, V, n, depth=2)
+    core2 = sum(layer + 4 * p * heads_dim + 2 * w * 32 * 3 for p, w in zip(depth_pairs[:2], windows[:2]))
+    assert g.forward.total == 2 * prelude + core2 + head
+    # truncated backprop, k = 1: depths 1 and 2 back-propagate their first windows only
+    # (8 tokens at depth 1, 4 tokens at depth 2: the shifted first window is clipped)
+    tr = fl.training_flops(m, V, n, backprop_depth=1)
+    first = [(8, 36, 1), (4, 10, 1)]
+    bwd_core = 2 * (layer + 4 * 87 * heads_dim + 2 * 3 * 32 * 3)  # depth 3, full
+    for tokens, pairs, w in first:
+        bwd_core += 2 * (tokens * (8192 + 12288) + 4 * pairs * heads_dim + 2 * w * 32 * 3)
+    assert tr.backward.total == 2 * (2 * prelude + head) + bwd_core
+    no_first = fl.training_flops(m, V, n, backprop_depth=1, first_window_full_backprop=False)
+    assert no_first.backward.total == 2 * (2 * prelude + head) + 2 * (layer + 4 * 87 * heads_dim + 2 * 3 * 32 * 3)
+    # batch scales linearly
+    assert fl.training_flops(m, V, n, batch=3).total == 3 * t.total
+    # the trainer's entry point
+    from megatron_lol.config import config_from_dict
+
+    cfg = config_from_dict({"model": dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_blocks=3,
+                                          routed_depth=3, window_size=8, window_shift=4, router_noise=False,
+                                          vocab_size=V)})
+    assert fl.training_flops_per_step(cfg, 3, 1, n) == t.total
+
+
+def test_other_plans_and_moe_by_hand():
+    V, n = 50, 16
+    layer = n * (8192 + 12288)
+    dense = _model(plan="dense", num_blocks=2, dense_attention="full")
+    f = fl.forward_flops(dense, V, n)
+    assert f.forward.total == 4 * (layer + 4 * fl.causal_pairs(n) * 32) + 2 * n * 32 * V
+    sliding = fl.forward_flops(_model(plan="dense", num_blocks=2, dense_attention="sliding"), V, n)
+    assert sliding.parts["core"]["forward"].attention_scores == 2 * 4 * fl.sliding_pairs(n, 8) * 32
+    looped = fl.forward_flops(_model(plan="looped", num_blocks=1, routed_depth=3, dense_attention="strided"), V, n)
+    # depths 1, 3: windows 8, 8 (72 pairs); depth 2 (offset 4): 4, 8, 4 (10 + 36 + 10)
+    assert looped.parts["core"]["forward"].attention_scores == 4 * 32 * (72 + 56 + 72)
+    # executed attention: dense rows compute s*s scores, the chunked core ceil(T/W) * W * 2W
+    ex = fl.forward_flops(dense, V, n, batch=2, attention_pairs="executed")
+    assert ex.parts["prelude"]["forward"].attention_scores == 4 * 2 * n * n * 32
+    exl = fl.forward_flops(_model(), V, 21, batch=2, attention_pairs="executed")
+    assert exl.parts["core"]["forward"].attention_scores == 3 * 4 * fl.chunked_pairs(42, 8) * 32
+    # MoE in the fixed layers: router 2*T*d*E, top-k experts of hidden f_e
+    moe = _model(plan="dense", num_blocks=1, moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16,
+                 moe_router_topk=2)
+    p = fl.forward_flops(moe, V, n).parts["prelude"]["forward"]
+    assert p.mlp == 2 * 6 * n * 32 * 16 and p.moe_router == 2 * n * 32 * 4
+
+
+def test_memory_model_is_positive_and_scales():
+    m = _model()
+    a = fl.memory_model(m, 97, 64, 2)
+    b = fl.memory_model(m, 97, 64, 4)
+    assert a.total > 0 and b.activations == pytest.approx(2 * a.activations)
+    assert b.weights == a.weights
+    d = fl.memory_model(m, 97, 64, 2, data_parallel=4, distributed_optimizer=True)
+    assert d.optimizer == pytest.approx(a.optimizer / 4)
+
+
+def _count(fn):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("plan", ["lol", "strided"])
+def test_flop_counter_agrees_within_2_percent(make_model, plan):
+    """torch.utils.flop_counter on a forward (and a training step) of a small model vs the executed mode."""
+    extra = {} if plan == "lol" else {"plan": "looped", "num_blocks": 2, "dense_attention": "strided"}
+    model = make_model(router_noise=False, **extra)  # zero router: every window ties -> block 0, one stream
+    cfg = model.cfg
+    b, s = 2, 40
+    x = torch.randint(1, 97, (b, s), generator=torch.Generator().manual_seed(0))  # no EOD: one document per row
+    with torch.no_grad():
+        measured = _count(lambda: model(x))
+    predicted = fl.forward_flops(cfg, 97, s, b, attention_pairs="executed").forward.total
+    assert measured == pytest.approx(predicted, rel=0.02)
+    allowed = fl.forward_flops(cfg, 97, s, b).forward.total
+    assert allowed < predicted  # the allowed-pairs model counts fewer score entries than are executed
+    # a training step: forward + backward
+    model.train()
+    labels = torch.randint(1, 97, (b, s), generator=torch.Generator().manual_seed(1))
+    measured = _count(lambda: model(x, labels=labels).sum().backward())
+    predicted = fl.training_flops(cfg, 97, s, b, attention_pairs="executed").total
+    assert measured == pytest.approx(predicted, rel=0.02)
