@@ -32,7 +32,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
 * ``rng_state`` -- a ShardedObject, one entry per global rank: python, numpy,
   torch CPU, CUDA (when present) and megatron's tensor-parallel RNG tracker
   states. Restored only when the parallel layout is unchanged.
-* common (``common.pt``, identical on all ranks): ``iteration``,
+* common (``common.pt``, identical on all ranks): ``rng_default`` (rank 0's
+  python/numpy/torch generators, restored on a resharded resume), ``iteration``,
   ``consumed_train_samples``, ``nonfinite_skipped``, ``scheduler`` (the LR
   schedule's state dict), ``curriculum`` (``{"depth": ...}``), ``layout``
   (tp/pp/ep/dp/world of the saving run), ``format_version``.
@@ -231,6 +232,29 @@ def _set_rng_state(state: dict) -> None:
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def _default_rng_state_rank0() -> dict:
+    """Rank 0's python/numpy/torch(/CUDA) generator states, the same object on every rank."""
+    state = _rng_state()
+    state.pop("tracker")
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        box = [state if _rank() == 0 else None]
+        torch.distributed.broadcast_object_list(box, src=0)
+        state = box[0]
+    return state
+
+
+def _set_default_rng_state(state: dict) -> None:
+    import numpy as np
+
+    from megatron_lol.platform import cuda_available
+
+    random.setstate(state["random"])
+    np.random.set_state(state["np"])
+    torch.set_rng_state(state["torch"])
+    if state.get("cuda") is not None and cuda_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
 def _rng_sharded_object(data):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -239,7 +263,71 @@ def _rng_sharded_object(data):
 
 
 def _model_sharded_state_dict(trainer) -> dict:
-    return trainer.model.sharded_state_dict(prefix=KEY_PREFIX)
+    return model_sharded_state_dict(trainer.model, KEY_PREFIX)
+
+
+def model_sharded_state_dict(model, prefix: str = KEY_PREFIX, metadata: Optional[dict] = None) -> dict:
+    """The model's ShardedTensors under ``{prefix}<state_dict key>``, correct for any TP/PP layout.
+
+    megatron's default ``MegatronModule.sharded_state_dict`` treats every child that
+    has no ``sharded_state_dict`` of its own -- ``nn.ModuleList``/``ModuleDict`` and
+    plain modules holding megatron layers -- as *replicated*, so tensor-parallel
+    shards inside them get their local shape as global shape and cannot be
+    resharded. Unless the model class overrides ``sharded_state_dict`` itself, this
+    walks the module tree instead: modules with their own implementation
+    (TransformerLayer, Column/RowParallelLinear, embeddings, ...) provide theirs,
+    everything else contributes its direct parameters/buffers (replicated over TP
+    and DP) and recurses. Parameters held by several pipeline stages (same key)
+    are saved by the first of them only.
+    """
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.common.language_module.language_module import LanguageModule
+    from megatron.core.transformer.module import MegatronModule
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    defaults = {MegatronModule.sharded_state_dict, LanguageModule.sharded_state_dict}
+    if getattr(type(model), "sharded_state_dict", None) not in defaults:
+        return model.sharded_state_dict(prefix=prefix, metadata=metadata)
+    metadata = ensure_metadata_has_dp_cp_group(metadata)
+    tp_group = ps.get_tensor_model_parallel_group()
+
+    def walk(module, pfx: str) -> dict:
+        fn = getattr(type(module), "sharded_state_dict", None)
+        if fn is not None and fn not in defaults:
+            return module.sharded_state_dict(pfx, (), metadata)
+        own: dict = {}
+        module._save_to_state_dict(own, "", keep_vars=True)
+        out = make_sharded_tensors_for_checkpoint(own, pfx, sharded_offsets=(), tp_group=tp_group,
+                                                  dp_cp_group=metadata["dp_cp_group"])
+        for name, child in module.named_children():
+            out.update(walk(child, f"{pfx}{name}."))
+        return out
+
+    sd = walk(model, prefix)
+    if getattr(model, "share_embeddings_and_output_weights", False) and f"{prefix}output_layer.weight" in sd:
+        model.tie_embeddings_and_output_weights_state_dict(
+            sd, f"{prefix}output_layer.weight", f"{prefix}embedding.word_embeddings.weight", metadata)
+    _dedupe_pipeline_replicas(sd)
+    return sd
+
+
+def _dedupe_pipeline_replicas(sd: dict) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+
+    pp = ps.get_pipeline_model_parallel_world_size()
+    if pp == 1:
+        return
+    tensors = [v for v in sd.values() if isinstance(v, (ShardedTensor, ShardedObject))]
+    keys = sorted({t.key for t in tensors})
+    gathered = [None] * pp
+    torch.distributed.all_gather_object(gathered, keys, group=ps.get_pipeline_model_parallel_group())
+    me = ps.get_pipeline_model_parallel_rank()
+    earlier = set().union(*[set(k) for k in gathered[:me]]) if me else set()
+    for t in tensors:
+        if t.key in earlier:
+            rid = t.replica_id if isinstance(t.replica_id, tuple) else (t.replica_id,)
+            t.replica_id = (1,) + tuple(rid[1:])
 
 
 def _optimizer_sharded_state_dict(trainer, model_sd: dict, is_loading: bool) -> dict:
@@ -255,6 +343,8 @@ def build_save_state(trainer) -> dict:
         "model": model_sd,
         "optimizer": _optimizer_sharded_state_dict(trainer, model_sd, is_loading=False),
         "rng_state": _rng_sharded_object(_rng_state()),
+        # layout-independent fallback for a resharded resume
+        "rng_default": _default_rng_state_rank0(),
         "scheduler": trainer.scheduler.state_dict(),
         "iteration": int(trainer.iteration),
         "consumed_train_samples": int(trainer.consumed_train_samples),
@@ -513,15 +603,18 @@ class Checkpointer:
         if load_rng:
             _set_rng_state(state["rng_state"])
         elif resume:
-            log_rank0(f" checkpoint: parallel layout changed {common.get('layout')} -> {layout}; "
-                      f"RNG states re-seeded, weights and optimizer resharded")
+            if "rng_default" in common:
+                _set_default_rng_state(common["rng_default"])
+            log_rank0(f" checkpoint: parallel layout changed {common.get('layout')} -> {layout}: weights and "
+                      f"optimizer resharded, default RNGs from saving rank 0, tensor-parallel RNG re-seeded")
         _barrier()
         self.loaded_from = path
         if directory == self.save_root:
             self.last_saved_iteration = int(common["iteration"])
         log_rank0(f" checkpoint: loaded {path} (iteration {common['iteration']}, consumed samples "
                   f"{common['consumed_train_samples']}, optimizer {'loaded' if has_optimizer else 'fresh'}, "
-                  f"schedule {'loaded' if load_schedule else 'reset'}, rng {'loaded' if load_rng else 'fresh'}) "
+                  f"schedule {'loaded' if load_schedule else 'reset'}, "
+                  f"rng {'loaded' if load_rng else 'rank-0 default' if resume else 'fresh'}) "
                   f"in {time.perf_counter() - t0:.2f} s")
         return iteration
 
