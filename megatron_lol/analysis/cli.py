@@ -1,0 +1,283 @@
+"""``megatron-lol analyze``: routing analyses of a trained LoL checkpoint.
+
+Subcommands (each writes PNG/JSON files under ``--output``):
+
+``utilisation``  block utilisation per routed depth: heatmap PNG + JSON counts [depth x block]
+``paths``        per-example routing-path vectors (one-hot block per depth x window ordinal),
+                 PCA scatter coloured by a label field, JSON coordinates
+``mode-path``    the mode path of the validation examples (SPEC 1.4): ids/gates JSON
+                 (overall and per label); ``--evaluate``: loss routed vs forced;
+                 ``--generate PROMPT``: greedy generation routed and under the forced path
+``distinct``     distinct blocks per token path: histogram PNG + JSON against E[U] (SPEC 1.5)
+
+Data: ``--data-path PREFIX`` (a Megatron indexed dataset; ``--part valid`` takes the
+validation documents of the run's split) or ``--jsonl FILE`` with ``--text-field`` and
+``--label-field``, tokenized with the checkpoint's tokenizer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+from megatron_lol.cli import CliError
+
+SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct")
+
+
+def _common(p: argparse.ArgumentParser, data_required: bool = True) -> None:
+    p.add_argument("--load", required=True, help="checkpoint directory (a training --save dir or an iter_XXXXXXX dir)")
+    p.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the tracker's)")
+    src = p.add_mutually_exclusive_group(required=data_required)
+    src.add_argument("--data-path", help="Megatron indexed dataset prefix (documents are examples)")
+    src.add_argument("--jsonl", help="JSON-lines file, one example per line")
+    p.add_argument("--text-field", default="text")
+    p.add_argument("--label-field", default=None, help="jsonl field that labels each example (colours, groups)")
+    p.add_argument("--part", default="valid", choices=("train", "valid", "test", "all"),
+                   help="documents of --data-path: this part of the run's split (default valid)")
+    p.add_argument("--max-examples", type=int, default=256)
+    p.add_argument("--seq-length", type=int, default=None, help="tokens per example (default: the run's seq_length)")
+    p.add_argument("--rows-per-batch", type=int, default=8)
+    p.add_argument("--output", required=True, help="directory for the PNG/JSON outputs")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="analysis", metavar="ANALYSIS", required=True)
+    p = sub.add_parser("utilisation", help="block utilisation heatmap per routed depth")
+    _common(p)
+    p = sub.add_parser("paths", help="routing-path vectors and their PCA, coloured by a label")
+    _common(p)
+    p.add_argument("--max-windows", type=int, default=None, help="window ordinals kept per depth (default: all)")
+    p = sub.add_parser("mode-path", help="mode path (SPEC 1.4); evaluate / generate under it")
+    _common(p, data_required=False)
+    p.add_argument("--path-file", default=None, help="force this ids/gates JSON instead of computing a mode path")
+    p.add_argument("--label", default=None, help="use the mode path of this label (with --label-field)")
+    p.add_argument("--evaluate", action="store_true", help="loss of the examples routed vs under the mode path")
+    p.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation routed and forced")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p = sub.add_parser("distinct", help="distinct blocks per routing path vs E[U]")
+    _common(p)
+
+
+# ------------------------------------------------------------------ helpers
+def _load(args):
+    from megatron_lol.analysis.loading import load_checkpoint
+
+    ckpt = load_checkpoint(args.load, args.iteration)
+    if ckpt.cfg.model.plan != "lol":
+        raise CliError(f"{ckpt.path}: the model's plan is {ckpt.cfg.model.plan!r}; routing analyses need plan: lol")
+    return ckpt
+
+
+def _examples(args, ckpt) -> tuple:
+    from megatron_lol.analysis.loading import read_indexed, read_jsonl
+
+    if args.data_path:
+        if args.label_field:
+            raise CliError("--label-field needs --jsonl (an indexed dataset has no labels)")
+        toks = read_indexed(args.data_path, args.part, ckpt.cfg.data.split, args.max_examples)
+        labels = None
+    elif args.jsonl:
+        toks, labels = read_jsonl(args.jsonl, ckpt.tokenizer, args.text_field, args.label_field, args.max_examples)
+    else:
+        return [], None
+    keep = [i for i, t in enumerate(toks) if any(int(x) != ckpt.eod_id for x in t)]
+    toks = [toks[i] for i in keep]
+    labels = [labels[i] for i in keep] if labels is not None else None
+    if not toks:
+        raise CliError("no non-empty example in the data")
+    return toks, labels
+
+
+def _seq_length(args, ckpt) -> int:
+    return int(args.seq_length or ckpt.cfg.training.seq_length)
+
+
+def _write_json(path: str, obj) -> None:
+    with open(path, "w") as f:
+        json.dump(obj, f, indent=1)
+
+
+def _meta(ckpt, args, n: int) -> dict:
+    m = ckpt.cfg.model
+    return {"checkpoint": ckpt.path, "iteration": ckpt.iteration, "examples": n,
+            "num_blocks": m.num_blocks, "depth": m.core_depth, "window_size": m.window_size,
+            "window_shift": m.window_shift, "router_tied": m.router_tied,
+            "data": args.data_path or args.jsonl, "part": args.part if args.data_path else None}
+
+
+# ------------------------------------------------------------------ subcommands
+def run_utilisation(args, ckpt, toks, labels) -> dict:
+    from megatron_lol.analysis import plots
+    from megatron_lol.analysis.routing import collect_routes, utilisation_counts
+
+    m = ckpt.cfg.model
+    routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
+    counts = utilisation_counts(routes, m.core_depth, m.num_blocks)
+    share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
+    png = os.path.join(args.output, "utilisation.png")
+    plots.utilisation_heatmap(counts, png, f"block utilisation, {os.path.basename(ckpt.path)} "
+                                           f"({len(routes)} examples)")
+    out = dict(_meta(ckpt, args, len(routes)), counts=counts.tolist(),
+               share=[[round(v, 6) for v in row] for row in share.tolist()],
+               top_block_share=[round(v, 6) for v in share.max(1).values.tolist()])
+    _write_json(os.path.join(args.output, "utilisation.json"), out)
+    print(f"utilisation: {counts.sum().item()} windows over {m.core_depth} depths x {m.num_blocks} blocks; "
+          f"busiest block per depth {[f'{100 * v:.0f}%' for v in out['top_block_share']]}")
+    return {"png": png, "json": os.path.join(args.output, "utilisation.json")}
+
+
+def run_paths(args, ckpt, toks, labels) -> dict:
+    from megatron_lol.analysis import plots
+    from megatron_lol.analysis.routing import collect_routes, nearest_centroid_accuracy, path_vectors, pca
+
+    m = ckpt.cfg.model
+    routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
+    vec = path_vectors(routes, m.core_depth, m.num_blocks, args.max_windows)
+    coords, ratio = pca(vec, 2)
+    labs = labels if labels is not None else ["all"] * len(routes)
+    acc = nearest_centroid_accuracy(vec, labs)
+    png = os.path.join(args.output, "paths_pca.png")
+    plots.pca_scatter(coords, labs, png, ratio, f"routing paths, PCA ({len(routes)} examples)")
+    out = dict(_meta(ckpt, args, len(routes)), label_field=args.label_field, vector_size=int(vec.shape[1]),
+               explained_variance_ratio=ratio.tolist(), nearest_centroid_accuracy=acc,
+               labels=sorted(set(labs), key=str),
+               examples=[{"index": i, "label": labs[i], "pc": [round(float(c), 6) for c in coords[i]],
+                          "path": [r.choice.tolist() for r in routes[i].records]} for i in range(len(routes))])
+    _write_json(os.path.join(args.output, "paths.json"), out)
+    torch_save_vectors(os.path.join(args.output, "path_vectors.pt"), vec, labs)
+    print(f"paths: {len(routes)} vectors of size {vec.shape[1]}, PC1/PC2 explain "
+          f"{100 * float(ratio[0]):.1f}% / {100 * float(ratio[1]):.1f}%"
+          + (f", nearest-centroid label accuracy {100 * acc:.1f}%" if acc is not None else ""))
+    return {"png": png, "json": os.path.join(args.output, "paths.json")}
+
+
+def torch_save_vectors(path: str, vec, labels) -> None:
+    import torch
+
+    torch.save({"vectors": vec, "labels": list(labels)}, path)
+
+
+def run_distinct(args, ckpt, toks, labels) -> dict:
+    from megatron_lol.analysis import plots
+    from megatron_lol.analysis.routing import collect_routes, distinct_summary
+
+    m = ckpt.cfg.model
+    routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
+    summary = distinct_summary(routes, m.core_depth, m.num_blocks, m.window_size, m.window_shift)
+    png = os.path.join(args.output, "distinct.png")
+    plots.distinct_histogram(summary["histogram"], summary["expected_distinct_uniform"], summary["mean_distinct"],
+                             png, f"distinct blocks per token path (L={m.num_blocks}, D={m.core_depth})")
+    out = dict(_meta(ckpt, args, len(routes)), **summary)
+    _write_json(os.path.join(args.output, "distinct.json"), out)
+    print(f"distinct: mean {summary['mean_distinct']:.2f} distinct blocks per token path "
+          f"(uniform independent routing: E[U] = {summary['expected_distinct_uniform']:.2f}); "
+          f"{summary['unique_paths']} unique paths over {summary['tokens']} tokens")
+    return {"png": png, "json": os.path.join(args.output, "distinct.json")}
+
+
+def _read_path_file(path: str):
+    import torch
+
+    try:
+        obj = json.load(open(path))
+        return torch.tensor(obj["ids"], dtype=torch.long), torch.tensor(obj["gates"], dtype=torch.float32)
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        raise CliError(f"--path-file {path}: expected a JSON object with 'ids' and 'gates': {err}") from None
+
+
+def run_mode_path(args, ckpt, toks, labels) -> dict:
+    import torch
+
+    from megatron_lol.analysis.routing import (collect_routes, forced_path, greedy_generate, group_by_label,
+                                               lm_loss, mode_path)
+
+    m = ckpt.cfg.model
+    seq = _seq_length(args, ckpt)
+    out = dict(_meta(ckpt, args, len(toks)))
+    per_label = {}
+    if args.path_file:
+        ids, gates = _read_path_file(args.path_file)
+        out["source"] = args.path_file
+    else:
+        if not toks:
+            raise CliError("mode-path needs --data-path or --jsonl (or --path-file)")
+        routes = collect_routes(ckpt.model, toks, seq, ckpt.eod_id, args.rows_per_batch)
+        ids, gates = mode_path(routes)
+        out["source"] = "mode path of the examples"
+        if labels is not None:
+            for lab, rs in sorted(group_by_label(labels, routes).items(), key=lambda kv: str(kv[0])):
+                lids, lgates = mode_path(rs)
+                per_label[lab] = {"examples": len(rs), "ids": lids.tolist(), "gates": lgates.tolist()}
+            if args.label is not None:
+                if args.label not in per_label:
+                    raise CliError(f"--label {args.label!r}: not a label of the data ({sorted(per_label)})")
+                ids = torch.tensor(per_label[args.label]["ids"])
+                gates = torch.tensor(per_label[args.label]["gates"])
+                out["source"] = f"mode path of label {args.label!r}"
+    if ids.dim() not in (2, 3) or ids.shape[0] != m.core_depth:
+        raise CliError(f"path ids of shape {tuple(ids.shape)}: expected [{m.core_depth}, K] (one row per routed depth)")
+    if int(ids.max()) >= m.num_blocks:
+        raise CliError(f"path names block {int(ids.max())} but the library has {m.num_blocks}")
+    out.update(ids=ids.tolist(), gates=[[round(float(g), 6) for g in row] for row in gates.reshape(ids.shape[0], -1)]
+               if ids.dim() == 2 else gates.tolist())
+    if per_label:
+        out["per_label"] = per_label
+    forced = forced_path(ids, gates)
+    if args.evaluate:
+        if not toks:
+            raise CliError("--evaluate needs --data-path or --jsonl")
+        routed, routed_ex = lm_loss(ckpt.model, toks, seq, ckpt.eod_id, args.rows_per_batch, per_example=True)
+        forced_l, forced_ex = lm_loss(ckpt.model, toks, seq, ckpt.eod_id, args.rows_per_batch, forced=forced,
+                                      per_example=True)
+        ev = {"routed_loss": routed, "forced_loss": forced_l, "forced_minus_routed": forced_l - routed}
+        if per_label:
+            by = {}
+            for lab, info in per_label.items():
+                idx = [i for i, lb in enumerate(labels) if lb == lab]
+                sub = [toks[i] for i in idx]
+                own = forced_path(torch.tensor(info["ids"]), torch.tensor(info["gates"]))
+                by[lab] = {"routed_loss": sum(routed_ex[i] for i in idx) / len(idx),
+                           "forced_global_loss": sum(forced_ex[i] for i in idx) / len(idx),
+                           "forced_own_label_loss": lm_loss(ckpt.model, sub, seq, ckpt.eod_id, args.rows_per_batch,
+                                                            forced=own)}
+            ev["per_label"] = by
+        out["evaluation"] = ev
+        print(f"mode-path: loss routed {routed:.4f}, under the forced path {forced_l:.4f} "
+              f"({forced_l - routed:+.4f})")
+    if args.generate is not None:
+        prompt = ckpt.tokenizer.tokenize(args.generate)
+        if not prompt:
+            raise CliError("--generate: the prompt tokenizes to nothing")
+        gen_r = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id)
+        gen_f = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id, forced=forced)
+        out["generation"] = {"prompt": args.generate, "prompt_ids": prompt,
+                             "routed_ids": gen_r, "routed_text": ckpt.tokenizer.detokenize(gen_r),
+                             "forced_ids": gen_f, "forced_text": ckpt.tokenizer.detokenize(gen_f)}
+        print(f"routed: {args.generate}{out['generation']['routed_text']!r}")
+        print(f"forced: {args.generate}{out['generation']['forced_text']!r}")
+    _write_json(os.path.join(args.output, "mode_path.json"), out)
+    print(f"mode-path: ids {ids.tolist()} -> {os.path.join(args.output, 'mode_path.json')}")
+    return {"json": os.path.join(args.output, "mode_path.json")}
+
+
+RUNNERS = {"utilisation": run_utilisation, "paths": run_paths, "mode-path": run_mode_path, "distinct": run_distinct}
+
+
+def run(args) -> int:
+    import torch
+
+    t0 = time.perf_counter()
+    if getattr(args, "label", None) is not None and not args.label_field:
+        raise CliError("--label needs --label-field")
+    if args.max_examples < 1:
+        raise CliError("--max-examples must be >= 1")
+    os.makedirs(args.output, exist_ok=True)
+    ckpt = _load(args)
+    toks, labels = _examples(args, ckpt)
+    with torch.no_grad():
+        RUNNERS[args.analysis](args, ckpt, toks, labels)
+    print(f"analyze {args.analysis}: done in {time.perf_counter() - t0:.1f} s -> {args.output}")
+    return 0
