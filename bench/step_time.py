@@ -42,9 +42,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=384)
+    p.add_argument("--ffn", type=int, default=768)
     p.add_argument("--blocks", type=int, default=4, help="L")
     p.add_argument("--depth", type=int, default=4, help="D (a multiple of L for the fixed run)")
     p.add_argument("--prelude", type=int, default=1)
