@@ -32,12 +32,12 @@ model:
   n_prelude: 1
   n_coda: 1
   num_blocks: 4
-  routed_depth: 3
+  routed_depth: 4
   window_size: 16
   window_shift: 8
   make_vocab_size_divisible_by: 64
 curriculum:
-  initial_depth: 1
+  initial_depth: 2
   growth_fraction: 0.5
 data:
   paths: [{prefix}]
@@ -333,8 +333,9 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
 
 
 @pytest.mark.slow
-def test_reshard_tp2_to_one_process_and_back(setup, reference):
-    """Save at TP=2, resume on 1 process (and the reverse): losses continue within 1e-5."""
+def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
+    """Save at TP=2 and resume on 1 process; save on 1 process and resume at PP=2:
+    losses continue within 1e-5 of the uninterrupted 1-process run."""
     import shutil
 
     root, config = setup
@@ -348,12 +349,13 @@ def test_reshard_tp2_to_one_process_and_back(setup, reference):
     got = metrics(save)
     for s in range(1, TRAIN_ITERS + 1):
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
-    # 1 -> TP=2: the reference's (1-process) checkpoint of iteration 4, resumed at TP=2
-    save, log = root / "one_to_tp2", root / "one_to_tp2.log"
+    # 1 -> PP=2: the reference's (1-process) checkpoint of iteration 4, resumed with 2 pipeline stages
+    save, log = root / "one_to_pp2", root / "one_to_pp2.log"
     save.mkdir()
     shutil.copytree(root / "ref" / "iter_0000004", save / "iter_0000004")
     (save / "latest_checkpointed_iteration.txt").write_text("4\n")
-    assert run(config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2) == 0, log.read_text()[-3000:]
+    assert run(config, save, "--pipeline-model-parallel-size", "2", log=log, nproc=2) == 0, \
+        log.read_text()[-3000:]
     got = metrics(save)
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
     for s in got:

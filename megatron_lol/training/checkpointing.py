@@ -313,12 +313,14 @@ def model_sharded_state_dict(model, prefix: str = KEY_PREFIX, metadata: Optional
 
 def _dedupe_pipeline_replicas(sd: dict) -> None:
     from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedBase
 
     pp = ps.get_pipeline_model_parallel_world_size()
     if pp == 1:
         return
-    tensors = [v for v in sd.values() if isinstance(v, (ShardedTensor, ShardedObject))]
+    # ShardedTensor, ShardedObject (_extra_state) and ShardedTensorFactory (SwiGLU fc1)
+    tensors = [v for v in nested_values(sd) if isinstance(v, ShardedBase)]
     keys = sorted({t.key for t in tensors})
     gathered = [None] * pp
     torch.distributed.all_gather_object(gathered, keys, group=ps.get_pipeline_model_parallel_group())
