@@ -398,6 +398,9 @@ class ExperimentConfig:
                               par.virtual_pipeline_model_parallel_size)
         self.optimizer.validate()
         self.training.validate()
+        if self.optimizer.lr_warmup_iters >= self.training.train_iters:
+            raise ConfigError(f"optimizer.lr_warmup_iters: {self.optimizer.lr_warmup_iters} must be smaller than "
+                              f"training.train_iters={self.training.train_iters}")
         if check_data:
             self.data.validate()
         return self

@@ -378,7 +378,7 @@ class Trainer:
         log_rank0(f"training: {tr.train_iters} iterations, global batch {self.global_batch_size} "
                   f"({self.num_microbatches} micro-batches of {tr.micro_batch_size} x {tr.seq_length} tokens, "
                   f"data parallel {self.dp_size}), starting at iteration {self.iteration}")
-        window_tokens, window_time = 0, 0.0
+        window_tokens, window_time, window_flops = 0, 0.0, 0.0
         while self.iteration < tr.train_iters:
             res = self.train_step(data)
             results.append(res)
@@ -387,10 +387,12 @@ class Trainer:
             eval_loss = None
             if res.step % tr.eval_interval == 0 or res.step == tr.train_iters:
                 eval_loss = self.evaluate()
+            window_flops += self._step_flops(res.depth)
             if res.step % tr.log_interval == 0 or res.step == tr.train_iters or eval_loss is not None:
                 tps = window_tokens / max(window_time, 1e-9)
-                self._log(res, tps, eval_loss)
-                window_tokens, window_time = 0, 0.0
+                tflops = window_flops / max(window_time, 1e-9) / torch.distributed.get_world_size() / 1e12
+                self._log(res, tps, eval_loss, tflops)
+                window_tokens, window_time, window_flops = 0, 0.0, 0.0
             stop = False
             for hook in hooks:
                 stop = hook.on_step_end(self, res) or stop
@@ -405,14 +407,35 @@ class Trainer:
 
         return default_hooks(self)
 
-    def _log(self, res: StepResult, tokens_per_s: float, eval_loss: Optional[float]) -> None:
+    def _step_flops(self, depth: int) -> float:
+        """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together."""
+        from megatron_lol.perf.flops import training_flops_per_step
+
+        return training_flops_per_step(self.cfg, depth, self.global_batch_size, self.cfg.training.seq_length,
+                                       vocab_size=self.vocab_size)
+
+    def _device_peak_tflops(self) -> Optional[float]:
+        if not torch.cuda.is_available():
+            return None  # MFU is not defined against a CPU here
+        from megatron_lol.perf.peaks import peak_tflops
+
+        m = self.cfg.model
+        precision = "fp8" if m.fp8 else "bf16" if m.params_dtype == "bf16" else "tf32"
+        return peak_tflops(torch.cuda.get_device_name(), precision)
+
+    def _log(self, res: StepResult, tokens_per_s: float, eval_loss: Optional[float],
+             tflops_per_device: float = 0.0) -> None:
         rank0 = torch.distributed.get_rank() == 0
         if not rank0:
             return
+        peak = self._device_peak_tflops()
+        mfu = tflops_per_device / peak if peak else None
         util = " ".join("[" + ",".join(f"{u:.2f}" for u in row) + "]" for row in res.utilisation)
         msg = (f" iteration {res.step:6d}/{self.cfg.training.train_iters} | loss {res.loss:.4f} | "
                f"lr {res.lr:.3e} | grad norm {res.grad_norm:.3f} | depth {res.depth} | "
-               f"tokens/s {tokens_per_s:,.0f}")
+               f"tokens/s {tokens_per_s:,.0f} | TFLOP/s/device {tflops_per_device:.3f}")
+        if mfu is not None:
+            msg += f" | MFU {100 * mfu:.1f}%"
         if res.aux_loss:
             msg += f" | balance loss {res.aux_loss:.2e}"
         if res.skipped:
@@ -424,7 +447,8 @@ class Trainer:
         print(msg, flush=True)
         if self.metrics_path:
             record = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
-                      "tokens_per_s": tokens_per_s, "depth": res.depth, "aux_loss": res.aux_loss,
+                      "tokens_per_s": tokens_per_s, "tflops_per_device": tflops_per_device,
+                      "mfu": mfu, "depth": res.depth, "aux_loss": res.aux_loss,
                       "block_utilisation": res.utilisation, "skipped": res.skipped,
                       "consumed_samples": self.consumed_train_samples}
             if eval_loss is not None:
