@@ -423,6 +423,34 @@ def _write_run_config(info: dict, directory: str) -> None:
 
 
 # ------------------------------------------------------------------ save
+_WRITER_MANAGER = None
+
+
+def prepare_writer_processes() -> None:
+    """Start megatron's checkpoint-writer results queue ourselves, signal-proof.
+
+    ``filesystem_async`` keeps one ``multiprocessing`` Manager (spawn context)
+    per process for the results of its writer processes. Slurm signals every
+    process of a job step, so that Manager would die of the very SIGUSR1/SIGTERM
+    whose save needs it ("Connection refused" in the middle of the save). Ours
+    ignores those signals; the training process still receives and handles them.
+    """
+    global _WRITER_MANAGER
+    import multiprocessing as mp
+    from multiprocessing.managers import SyncManager
+
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    from megatron_lol.training import signals
+
+    if getattr(filesystem_async, "_results_queue", None) is not None:
+        return
+    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager.start(initializer=signals.ignore_preemption_signals)
+    filesystem_async._results_queue = manager.Queue()
+    _WRITER_MANAGER = manager
+
+
 PAUSE_ENV = "MEGATRON_LOL_CKPT_PAUSE"
 
 
@@ -656,6 +684,8 @@ class CheckpointHook(Hook):
 
         self.ckpt = Checkpointer(trainer)
         trainer.checkpointer = self.ckpt
+        if trainer.cfg.training.save:
+            prepare_writer_processes()
         self.ckpt.resolve_and_load()
         signals.clear()
         signals.install_handlers()

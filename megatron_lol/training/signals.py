@@ -31,8 +31,6 @@ import signal
 import time
 from typing import Optional
 
-import torch
-
 EXIT_REQUEUE = 85
 EXIT_NONFINITE = 3
 REQUEUE_MARKER = "REQUEUE_REQUESTED"
@@ -57,6 +55,14 @@ def install_handlers(names=HANDLED_SIGNALS) -> None:
         sig = getattr(signal, name)
         if sig not in _installed:
             _installed[sig] = signal.signal(sig, _handler)
+
+
+def ignore_preemption_signals() -> None:
+    """Initializer of helper processes (checkpoint writers) that must outlive the signal:
+    Slurm delivers SIGUSR1/SIGTERM to *every* process of the job step, and a helper
+    with the default disposition would die in the middle of the save the signal asks for."""
+    for name in HANDLED_SIGNALS:
+        signal.signal(getattr(signal, name), signal.SIG_IGN)
 
 
 def restore_handlers() -> None:
@@ -98,6 +104,8 @@ class StopCheck:
 
     def __call__(self) -> Optional[str]:
         """A reason string when all ranks must stop now, else None (one all-reduce)."""
+        import torch
+
         from megatron_lol.platform import device
 
         flags = torch.tensor(self.local_flags(), dtype=torch.int64, device=device())
