@@ -832,6 +832,7 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         return
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    lone = world_size == 1 and "RANK" not in os.environ and "MASTER_PORT" not in os.environ
     if world_size > 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
         raise RuntimeError(
             f"init_distributed: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set "
@@ -850,4 +851,10 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     kwargs: dict[str, Any] = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
+    if lone:
+        # a lone process needs no rendezvous: an in-memory store cannot lose a port race
+        # with other processes on the machine (the free port probed above may be taken
+        # by the time TCPStore binds it)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)

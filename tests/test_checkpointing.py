@@ -335,8 +335,9 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
 
 @pytest.mark.slow
 def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
-    """Save at TP=2 and resume on 1 process; save on 1 process and resume at PP=2:
-    losses continue within 1e-5 of the uninterrupted 1-process run."""
+    """Save at TP=2 and resume on 1 process; save on 1 process and resume at PP=2; save at
+    EP=2 (library sharded) and resume on 1 process: losses continue within 1e-5 of the
+    uninterrupted 1-process run."""
     import shutil
 
     root, config = setup
@@ -360,4 +361,13 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     got = metrics(save)
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
     for s in got:
+        assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
+    # EP=2 -> 1: each rank saves its half of the block library
+    save, log = root / "ep2_to_1", root / "ep2_to_1.log"
+    proc = launch(config, save, "--expert-model-parallel-size", "2", log=log, nproc=2)
+    wait_for(lambda: tracker(save) == 4, proc, what="the EP=2 checkpoint of iteration 4")
+    kill9(proc)
+    assert run(config, save, log=log) == 0, log.read_text()[-3000:]
+    got = metrics(save)
+    for s in range(1, TRAIN_ITERS + 1):
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])

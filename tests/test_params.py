@@ -153,7 +153,7 @@ def test_counter_matches_instantiated_model(build_model, case):
     real["mlp"] += real_mlp
     assert real == expected
     assert counts.non_embedding == total - real["embedding"] - real["output"]
-    block = sum(p.numel() for p in model.core.blocks[0].parameters())
+    block = sum(p.numel() for p in model.core.blocks["0"].parameters())
     assert block == counts.block.total
     assert counts.linear_total == real["attention"] + real["mlp"]
 

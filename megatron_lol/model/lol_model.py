@@ -217,6 +217,12 @@ class LoLGPTModel(_language_module()):
         return self.compute_language_model_loss(labels, logits)
 
     # ------------------------------------------------------------ utilities
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
+        """Layout-independent distributed-checkpoint keys (see :mod:`megatron_lol.parallel.sharded_state`)."""
+        from megatron_lol.parallel.sharded_state import lol_sharded_state_dict
+
+        return lol_sharded_state_dict(self, prefix, metadata)
+
     def set_input_tensor(self, input_tensor) -> None:
         """Pipeline schedules hand a non-first stage its input activations here."""
         if isinstance(input_tensor, (list, tuple)):

@@ -267,69 +267,14 @@ def _model_sharded_state_dict(trainer) -> dict:
 
 
 def model_sharded_state_dict(model, prefix: str = KEY_PREFIX, metadata: Optional[dict] = None) -> dict:
-    """The model's ShardedTensors under ``{prefix}<state_dict key>``, correct for any TP/PP layout.
+    """The model's ShardedTensors under ``{prefix}<state_dict key>``, correct for any TP/PP/EP layout.
 
-    megatron's default ``MegatronModule.sharded_state_dict`` treats every child that
-    has no ``sharded_state_dict`` of its own -- ``nn.ModuleList``/``ModuleDict`` and
-    plain modules holding megatron layers -- as *replicated*, so tensor-parallel
-    shards inside them get their local shape as global shape and cannot be
-    resharded. Unless the model class overrides ``sharded_state_dict`` itself, this
-    walks the module tree instead: modules with their own implementation
-    (TransformerLayer, Column/RowParallelLinear, embeddings, ...) provide theirs,
-    everything else contributes its direct parameters/buffers (replicated over TP
-    and DP) and recurses. Parameters held by several pipeline stages (same key)
-    are saved by the first of them only.
+    ``LoLGPTModel.sharded_state_dict`` walks the module tree (layers in plain
+    containers keep their tensor-parallel sharding), gives expert-sharded blocks
+    their expert-data-parallel replica ids and marks pipeline-stage copies of
+    the library as secondary replicas: see :mod:`megatron_lol.parallel.sharded_state`.
     """
-    from megatron.core import parallel_state as ps
-    from megatron.core.models.common.language_module.language_module import LanguageModule
-    from megatron.core.transformer.module import MegatronModule
-    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
-
-    defaults = {MegatronModule.sharded_state_dict, LanguageModule.sharded_state_dict}
-    if getattr(type(model), "sharded_state_dict", None) not in defaults:
-        return model.sharded_state_dict(prefix=prefix, metadata=metadata)
-    metadata = ensure_metadata_has_dp_cp_group(metadata)
-    tp_group = ps.get_tensor_model_parallel_group()
-
-    def walk(module, pfx: str) -> dict:
-        fn = getattr(type(module), "sharded_state_dict", None)
-        if fn is not None and fn not in defaults:
-            return module.sharded_state_dict(pfx, (), metadata)
-        own: dict = {}
-        module._save_to_state_dict(own, "", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(own, pfx, sharded_offsets=(), tp_group=tp_group,
-                                                  dp_cp_group=metadata["dp_cp_group"])
-        for name, child in module.named_children():
-            out.update(walk(child, f"{pfx}{name}."))
-        return out
-
-    sd = walk(model, prefix)
-    if getattr(model, "share_embeddings_and_output_weights", False) and f"{prefix}output_layer.weight" in sd:
-        model.tie_embeddings_and_output_weights_state_dict(
-            sd, f"{prefix}output_layer.weight", f"{prefix}embedding.word_embeddings.weight", metadata)
-    _dedupe_pipeline_replicas(sd)
-    return sd
-
-
-def _dedupe_pipeline_replicas(sd: dict) -> None:
-    from megatron.core import parallel_state as ps
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedBase
-
-    pp = ps.get_pipeline_model_parallel_world_size()
-    if pp == 1:
-        return
-    # ShardedTensor, ShardedObject (_extra_state) and ShardedTensorFactory (SwiGLU fc1)
-    tensors = [v for v in nested_values(sd) if isinstance(v, ShardedBase)]
-    keys = sorted({t.key for t in tensors})
-    gathered = [None] * pp
-    torch.distributed.all_gather_object(gathered, keys, group=ps.get_pipeline_model_parallel_group())
-    me = ps.get_pipeline_model_parallel_rank()
-    earlier = set().union(*[set(k) for k in gathered[:me]]) if me else set()
-    for t in tensors:
-        if t.key in earlier:
-            rid = t.replica_id if isinstance(t.replica_id, tuple) else (t.replica_id,)
-            t.replica_id = (1,) + tuple(rid[1:])
+    return model.sharded_state_dict(prefix=prefix, metadata=metadata)
 
 
 def _optimizer_sharded_state_dict(trainer, model_sd: dict, is_loading: bool) -> dict:
