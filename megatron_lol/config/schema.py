@@ -341,6 +341,7 @@ class TrainingConfig:
     log_interval: int = 10
     eval_interval: int = 50
     eval_iters: int = 10
+    eval_at_start: bool = False  # also evaluate the initial model (step 0), e.g. for a learning curve
     save: Optional[str] = None
     load: Optional[str] = None
     save_interval: Optional[int] = None

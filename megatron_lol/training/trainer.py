@@ -378,6 +378,8 @@ class Trainer:
         log_rank0(f"training: {tr.train_iters} iterations, global batch {self.global_batch_size} "
                   f"({self.num_microbatches} micro-batches of {tr.micro_batch_size} x {tr.seq_length} tokens, "
                   f"data parallel {self.dp_size}), starting at iteration {self.iteration}")
+        if tr.eval_at_start and self.iteration == 0 and tr.eval_iters > 0:
+            self._log_eval_only(self.evaluate())
         window_tokens, window_time, window_flops = 0, 0.0, 0.0
         while self.iteration < tr.train_iters:
             res = self.train_step(data)
@@ -406,6 +408,18 @@ class Trainer:
         from megatron_lol.training.hooks import default_hooks
 
         return default_hooks(self)
+
+    def _log_eval_only(self, eval_loss: float) -> None:
+        """The evaluation of the untrained model (``training.eval_at_start``): step 0."""
+        if torch.distributed.get_rank() != 0:
+            return
+        print(f" iteration {0:6d}/{self.cfg.training.train_iters} | eval loss {eval_loss:.4f} "
+              f"(initial model)", flush=True)
+        if self.metrics_path:
+            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
+            with open(self.metrics_path, "a") as f:
+                f.write(json.dumps({"step": 0, "eval_loss": eval_loss, "depth": self.depth_at(0),
+                                    "consumed_samples": 0}) + "\n")
 
     def _step_flops(self, depth: int) -> float:
         """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together."""
