@@ -152,7 +152,21 @@ def wait_for(predicate, proc: subprocess.Popen, timeout: float = LAUNCH_TIMEOUT,
 
 
 def kill9(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every descendant: torchrun starts its workers in their own
+    process sessions, so killing the launcher's process group alone leaves them running."""
+    import psutil
+
+    try:
+        victims = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        victims = []
     os.killpg(proc.pid, signal.SIGKILL)
+    for child in victims:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(victims, timeout=30)
     proc.wait()
 
 
@@ -335,16 +349,18 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
 
 @pytest.mark.slow
 def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
-    """Save at TP=2 and resume on 1 process; save on 1 process and resume at PP=2; save at
-    EP=2 (library sharded) and resume on 1 process: losses continue within 1e-5 of the
-    uninterrupted 1-process run."""
+    """Save at TP=2 and at TP=2 x PP=2 and resume on 1 process; save on 1 process and resume
+    at PP=2: losses continue within 1e-5 of the uninterrupted 1-process run."""
     import shutil
 
     root, config = setup
     # TP=2 -> 1: train at TP=2 until the checkpoint of iteration 4 exists, stop, resume on 1 process
     save, log = root / "tp2_to_1", root / "tp2_to_1.log"
-    proc = launch(config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2)
-    wait_for(lambda: tracker(save) == 4, proc, what="the TP=2 checkpoint of iteration 4")
+    # (the save of iteration 8 pauses, so the run cannot race past the checkpoint of 4)
+    proc = launch(config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2,
+                  env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"})
+    wait_for(lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc,
+             what="the TP=2 checkpoint of iteration 4")
     kill9(proc)
     assert run(config, save, log=log) == 0, log.read_text()[-3000:]
     assert "parallel layout changed" in log.read_text()
@@ -362,12 +378,15 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
     for s in got:
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
-    # EP=2 -> 1: each rank saves its half of the block library
-    save, log = root / "ep2_to_1", root / "ep2_to_1.log"
-    proc = launch(config, save, "--expert-model-parallel-size", "2", log=log, nproc=2)
-    wait_for(lambda: tracker(save) == 4, proc, what="the EP=2 checkpoint of iteration 4")
+    # TP=2 x PP=2 (4 processes) -> 1
+    save, log = root / "tp2pp2_to_1", root / "tp2pp2_to_1.log"
+    proc = launch(config, save, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                  log=log, nproc=4, env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"})
+    wait_for(lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc,
+             what="the TP=2 x PP=2 checkpoint of iteration 4")
     kill9(proc)
     assert run(config, save, log=log) == 0, log.read_text()[-3000:]
+    assert "optimizer loaded" in log.read_text().split("pausing")[-1]
     got = metrics(save)
     for s in range(1, TRAIN_ITERS + 1):
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
