@@ -125,20 +125,17 @@ def _process_group_for_build():
 def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """Index of the document each token belongs to, counted from 0 in each row.
 
-    The EOD token belongs to the document it ends: ids[:, t] = #EOD in tokens[:, :t].
+    The EOD token belongs to the document it ends (the model's own rule:
+    :class:`megatron_lol.model.windows.DocumentLayout`).
     """
-    is_eod = (tokens == eod_id).long()
-    ids = torch.cumsum(is_eod, dim=-1) - is_eod
-    return ids
+    from megatron_lol.model.windows import DocumentLayout
+
+    doc = DocumentLayout.from_tokens(tokens, eod_id).doc_index
+    return doc - doc[:, :1]
 
 
 def document_positions(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
     """Position of each token counted from the start of its document (0-based)."""
-    b, s = tokens.shape
-    idx = torch.arange(s, device=tokens.device).expand(b, s)
-    starts = torch.zeros_like(tokens, dtype=torch.long)
-    if s > 1:
-        after_eod = tokens[:, :-1] == eod_id
-        starts[:, 1:] = torch.where(after_eod, idx[:, 1:], torch.zeros_like(idx[:, 1:]))
-    start_of_doc = torch.cummax(starts, dim=-1).values
-    return idx - start_of_doc
+    from megatron_lol.model.windows import DocumentLayout
+
+    return DocumentLayout.from_tokens(tokens, eod_id).positions

@@ -18,10 +18,7 @@ from typing import Optional
 
 import torch
 
-
-def window_offset(depth: int, window_size: int, window_shift: int) -> int:
-    """``delta_l = ((l - 1) * S) mod W`` for 1-based depth ``l``."""
-    return ((depth - 1) * window_shift) % window_size
+from megatron_lol.model.window_math import causal_pairs, window_offset, windowed_pairs
 
 
 def window_ordinals(positions: torch.Tensor, depth: int, window_size: int, window_shift: int) -> torch.Tensor:
@@ -48,10 +45,8 @@ def allowed_pairs(n: int, window_size: Optional[int], offset: int = 0) -> int:
     ``window_size=None`` is full causal attention.
     """
     if window_size is None:
-        return n * (n + 1) // 2
-    lengths = torch.bincount(torch.div(torch.arange(n) + offset, window_size, rounding_mode="floor"))
-    lengths = lengths[lengths > 0]
-    return int((lengths * (lengths + 1) // 2).sum())
+        return causal_pairs(n)
+    return windowed_pairs(n, window_size, offset)
 
 
 def earliest_reach(n: int, token: int, depths: int, window_size: int, window_shift: int) -> list[int]:

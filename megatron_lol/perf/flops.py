@@ -61,38 +61,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 from megatron_lol.config.schema import ModelConfig
+from megatron_lol.model.window_math import causal_pairs, window_lengths, window_offset, windowed_pairs  # noqa: F401
 
 PAIR_MODES = ("allowed", "executed")
 
 
 # --------------------------------------------------------------------------- pairs
-def window_offset(depth: int, window_size: int, window_shift: int) -> int:
-    """``delta_l = ((l - 1) * S) mod W`` (SPEC 1.1), 1-based depth."""
-    return ((depth - 1) * window_shift) % window_size
-
-
-def window_lengths(n: int, window_size: int, offset: int) -> list[int]:
-    """Lengths of the clipped windows of a document of ``n`` tokens shifted by ``offset``."""
-    if n <= 0:
-        return []
-    first = min(n, window_size - offset)
-    lengths = [first]
-    rest = n - first
-    lengths += [window_size] * (rest // window_size)
-    if rest % window_size:
-        lengths.append(rest % window_size)
-    return lengths
-
-
-def causal_pairs(n: int) -> int:
-    return n * (n + 1) // 2
-
-
-def windowed_pairs(n: int, window_size: int, offset: int = 0) -> int:
-    """Allowed (query, key) pairs of one document at a depth with window offset ``offset``."""
-    return sum(causal_pairs(k) for k in window_lengths(n, window_size, offset))
-
-
 def sliding_pairs(n: int, window_size: int) -> int:
     """``sum_i min(i + 1, W)``."""
     w = min(n, window_size)
