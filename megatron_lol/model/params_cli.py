@@ -5,6 +5,12 @@ megatron-core is not imported, so it runs in well under a second. The
 vocabulary is ``--vocab-size``, else ``model.vocab_size``; it is padded to a
 multiple of ``model.make_vocab_size_divisible_by x tensor_model_parallel_size``
 as Megatron-LM pads it (``--no-pad-vocab`` to count it as given).
+
+Beyond the headline rows and the breakdown, a looped MoE core (Foil, seed
+002) prints the seed's accounting ``E_real = E*D``, ``D_eff = D*L``,
+``E_eq = E*D*L``, ``E_comp = k*D*L`` and its Table 3 columns; plan
+``accordion`` (seed 003) prints the active parameters per budget. ``--json``
+carries the same as ``loop_accounting``, ``seed_columns`` and ``budgets``.
 """
 
 from __future__ import annotations
@@ -54,17 +60,30 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
     if m.plan == "lol":
         shape += f"L={m.num_blocks} blocks, D={m.routed_depth}"
     elif m.plan == "looped":
-        shape += f"{m.num_blocks} x {m.routed_depth // m.num_blocks} looped"
+        shape += f"{m.num_blocks} x {m.loop_passes} looped"
+        if m.untie_attention:
+            shape += " (attention untied per pass)"
+    elif m.plan == "accordion":
+        shape += f"{m.num_blocks}-layer loopable window, budgets {list(m.loop_budgets)}"
     else:
         shape += f"{m.num_blocks} core layers ({m.dense_attention} attention)"
     if m.moe_layers != "none":
-        shape += f", MoE ({m.moe_layers}: {m.num_experts} experts, top-{m.moe_router_topk})"
+        experts = str(m.num_experts)
+        if m.core_experts is not None and m.core_experts != m.num_experts:
+            experts = f"{m.num_experts} fixed / {m.core_experts} core"
+        shape += f", MoE ({m.moe_layers}: {experts} experts, top-{m.moe_router_topk}"
+        if m.moe_shared_expert_intermediate_size:
+            shape += f", 1 shared expert of {m.moe_shared_expert_intermediate_size}"
+        shape += ")"
     vocab_note = f"vocab {counts.vocab_size:,}" + (f" (padded from {vocab:,})" if vocab != counts.vocab_size else "")
+    accordion = m.plan == "accordion"
     rows = [
         ("total", counts.total),
         ("non-embedding", counts.non_embedding),
-        ("active per token (non-embedding, stored once)", counts.active_per_token),
-        ("active per token (non-embedding, per execution)", counts.active_compute),
+        ("active per token (non-embedding, unlooped k=0 pass)" if accordion
+         else "active per token (non-embedding, stored once)", counts.active_per_token),
+        (f"active per token (non-embedding, per execution, k={counts.core_depth - counts.num_blocks})"
+         if accordion else "active per token (non-embedding, per execution)", counts.active_compute),
         ("active per token incl. embedding + head", counts.active_with_embedding),
         ("linear weights, stored (paper convention)", counts.linear_total),
         ("linear weights, active (paper convention)", counts.linear_active),
@@ -75,8 +94,15 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
     per_block = [
         ("one block: attention", block.attention),
         ("one block: MLP / experts", block.mlp + block.experts),
-        ("one block: linear", block.linear),
     ]
+    if block.shared_expert:
+        per_block.append(("one block: shared expert", block.shared_expert))
+    if block.moe_router:
+        per_block.append((f"one block: MoE router ({block.num_experts} experts)", block.moe_router))
+    per_block.append(("one block: linear", block.linear))
+    if counts.pass_attention_sets:
+        per_block.append((f"one pass attention set (norm + attention), x{counts.pass_attention_sets}",
+                          counts.pass_attention // counts.pass_attention_sets))
     if counts.num_routers:
         per_block.append((f"one router (d*L + L^2 + 2L), x{counts.num_routers}", counts.router_each))
     width = max(len(r[0]) for r in rows + breakdown + per_block) + 2
@@ -86,6 +112,23 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
     out += [f"    {name:<{width - 2}}{n:>16,}  {_m(n):>10}" for name, n in breakdown]
     out += ["", "  per block"]
     out += [f"    {name:<{width - 2}}{n:>16,}  {_m(n):>10}" for name, n in per_block]
+    acc = counts.loop_accounting
+    if acc is not None:
+        out += ["", f"  looped MoE core (seed 002 accounting): (E, D, L) = {acc['shape']}, k = {acc['k']}, "
+                    f"attention {'untied' if acc['untie_attention'] else 'shared'} across passes"]
+        out += [f"    {name:<{width - 2}}{acc[key]:>16,}" for name, key in (
+            ("E_real = E*D (distinct core experts)", "E_real"), ("D_eff = D*L (core layer executions)", "D_eff"),
+            ("E_eq = E*D*L (unrolled experts)", "E_eq"), ("E_comp = k*D*L (expert calls per token)", "E_comp"))]
+        out += ["", "  seed 002 Table 3 columns"]
+        names = {"core_experts_and_routers": "loop block: experts incl. routers",
+                 "core_attention": "loop block: attention", "head_and_tail": "head + tail layers",
+                 "other": "other (embedding + output)"}
+        out += [f"    {names[k]:<{width - 2}}{n:>16,}  {_m(n):>10}" for k, n in counts.seed_columns.items()]
+    if counts.budgets:
+        out += ["", "  budgets (active per token, non-embedding, every execution counted)"]
+        for b in counts.budgets:
+            name = f"k={b['k']}: {b['layer_executions']} layer executions"
+            out.append(f"    {name:<{width - 2}}{b['active_compute']:>16,}  {_m(b['active_compute']):>10}")
     return "\n".join(out)
 
 
