@@ -1,6 +1,9 @@
-"""FLOP model: hand-derived counts (clipped windows, truncation, growing depth) and torch's FLOP counter."""
+"""FLOP model: hand-derived counts (clipped windows, truncation, growing depth, MoE with shared and
+per-core experts, Foil, Accordion budgets) and torch's FLOP counter."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -137,3 +140,76 @@ def test_flop_counter_agrees_within_2_percent(make_model, plan):
     measured = _count(lambda: model(x, labels=labels).sum().backward())
     predicted = fl.training_flops(cfg, 97, s, b, attention_pairs="executed").total
     assert measured == pytest.approx(predicted, rel=0.02)
+
+
+# ------------------------------------------------ Foil (seed 002) and Accordion (seed 003)
+def test_shared_expert_and_core_expert_count_by_hand():
+    V, n, d = 50, 16, 32
+    attn = n * 8192  # QKV 2*32*96 + out 2*32*32 per token
+    scores = 4 * fl.causal_pairs(n) * 32
+    # every layer MoE: 4 experts of hidden 16, top-2, plus one shared expert of hidden 24
+    m = _model(plan="dense", num_blocks=1, moe_layers="all", num_experts=4, moe_ffn_hidden_size=16,
+               moe_router_topk=2, moe_shared_expert_intermediate_size=24)
+    p = fl.forward_flops(m, V, n).parts["prelude"]["forward"]
+    assert p.mlp == 2 * 6 * n * d * 16 + 6 * n * d * 24  # top-2 routed + the shared expert
+    assert p.moe_router == 2 * n * d * 4
+    assert p.attention_proj == attn and p.attention_scores == scores
+    # Foil: the core's MoE layers hold core_num_experts = 6 (the router grows, the top-2 compute does not)
+    foil = _model(plan="looped", num_blocks=2, routed_depth=4, dense_attention="full", moe_layers="all",
+                  num_experts=4, core_num_experts=6, moe_ffn_hidden_size=16, moe_router_topk=2)
+    f = fl.forward_flops(foil, V, n)
+    core = f.parts["core"]["forward"]
+    assert f.parts["prelude"]["forward"].moe_router == 2 * n * d * 4
+    assert core.moe_router == 4 * 2 * n * d * 6  # 4 executions, 6 experts each
+    assert core.mlp == 4 * 2 * 6 * n * d * 16
+    assert core.attention_proj == 4 * attn and core.attention_scores == 4 * scores  # full causal attention
+    # untied attention (one set per pass) computes exactly what the tied one does
+    untied = fl.training_flops(replace(foil, untie_attention=True), V, n)
+    assert untied.total == fl.training_flops(foil, V, n).total
+    # memory model: weights are the counted parameters (untied: one extra set per block here)
+    from megatron_lol.model.params import count_parameters
+
+    a = fl.memory_model(foil, V, n, 1)
+    b = fl.memory_model(replace(foil, untie_attention=True), V, n, 1)
+    assert a.weights == 4 * count_parameters(foil, V).total
+    assert b.weights - a.weights == 4 * 2 * (32 * 96 + 32 * 32 + 32)  # 2 blocks x 1 extra pass x (attn + norm)
+    assert b.activations == a.activations
+
+
+def test_accordion_budgets_by_hand():
+    V, n, d = 50, 16, 32
+    m = _model(plan="accordion", num_blocks=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
+               moe_ffn_hidden_size=16, moe_router_topk=2, moe_shared_expert_intermediate_size=24,
+               second_pass_router="separate")
+    # one layer: attention projections, full causal scores, top-2 + shared expert, router
+    layer = n * 8192 + 4 * fl.causal_pairs(n) * 32 + (2 * 6 * n * d * 16 + 6 * n * d * 24) + 2 * n * d * 4
+    head = 2 * n * d * V
+    assert fl.accordion_depth(m, 1) == 4
+    f1 = fl.forward_flops(m, V, n, depth=fl.accordion_depth(m, 1))
+    assert f1.parts["core"]["forward"].total == 4 * layer  # window layers 1..3, then layer 1 again
+    assert f1.forward.total == (1 + 4 + 1) * layer + head
+    assert fl.training_flops(m, V, n, depth=4).total == 3 * f1.forward.total
+    # default: the largest budget (3 re-runs); a fixed loop_budget sets it
+    assert fl.forward_flops(m, V, n).forward.total == (1 + 6 + 1) * layer + head
+    assert fl.forward_flops(replace(m, loop_budget=0), V, n).forward.total == (1 + 3 + 1) * layer + head
+    with pytest.raises(ValueError):
+        fl.forward_flops(m, V, n, depth=2)  # below the unlooped window
+    with pytest.raises(ValueError):
+        fl.accordion_depth(m, 2)  # not a configured budget
+    # a step: the sum over its micro-batches' budgets; without them, the mean over uniform sampling
+    from megatron_lol.config import config_from_dict
+
+    cfg = config_from_dict({"model": dict(plan="accordion", hidden_size=32, num_attention_heads=4,
+                                          ffn_hidden_size=64, num_blocks=3, loop_budgets=[0, 1, 3],
+                                          moe_layers="all", num_experts=4, moe_ffn_hidden_size=16,
+                                          moe_shared_expert_intermediate_size=24, vocab_size=V)})
+    per_seq = {k: 3 * ((1 + 3 + k + 1) * layer + head) for k in (0, 1, 3)}
+    assert fl.training_flops_per_step(cfg, None, 4, n, budgets=[0, 3]) == 2 * per_seq[0] + 2 * per_seq[3]
+    assert fl.training_flops_per_step(cfg, None, 6, n) == pytest.approx(6 * sum(per_seq.values()) / 3)
+    assert fl.training_flops_per_step(cfg, 4, 2, n) == 2 * per_seq[1]
+    # memory: the separate routers and gates are weights; activations per executed layer
+    from megatron_lol.model.params import count_parameters
+
+    mem = fl.memory_model(m, V, n, 1, depth=4)
+    assert mem.weights == 4 * count_parameters(m, V).total
+    assert fl.memory_model(m, V, n, 1, depth=6).activations > mem.activations

@@ -1,4 +1,4 @@
-"""Analytic matmul FLOP and memory model for every plan (dense, looped, LoL, MoE parts).
+"""Analytic matmul FLOP and memory model for every plan (dense, looped, LoL, accordion, MoE parts).
 
 No torch, no megatron-core import: a function of the config, the vocabulary,
 the micro-batch shape and the step's depth.
@@ -8,13 +8,25 @@ What is counted (one multiply-add = 2 FLOPs, forward):
 * attention projections: ``2 T d (nq c + 2 nkv c)`` (QKV) + ``2 T (nq c) d`` (output);
 * attention scores: ``2 P nq c`` for ``Q K^T`` plus ``2 P nq c`` for ``A V``, where
   ``P`` is a number of (query, key) pairs per sequence (see below);
-* MLP: SwiGLU ``6 T d f``; an MoE layer: router ``2 T d E`` + ``k`` experts ``6 T d f_e``;
+* MLP: SwiGLU ``6 T d f``; an MoE layer: router ``2 T d E`` + ``k`` experts ``6 T d f_e``
+  (+ the shared expert ``6 T d f_s`` when ``moe_shared_expert_intermediate_size`` is
+  set); ``E`` is ``num_experts`` in the prelude / coda and the core's own count
+  (``core_num_experts``, Foil's ``E``) in the core's blocks;
 * LoL router per routed depth: ``2 N d L`` (logits) + ``2 N L^2`` (noise scale,
   training with noise only), ``N`` = windows of the depth (clipped windows count);
 * LM head: ``2 T d V``.
 
-Norms, softmax, RoPE, embeddings, window means and residual updates are not
-matmuls and are not counted (under 1% at every size we use).
+Norms, softmax, RoPE, embeddings, window means, residual updates and Accordion's
+loop gates are not matmuls and are not counted (under 1% at every size we use).
+
+Core executions (the ``depth`` argument, default the config's full depth):
+``routed_depth`` for ``lol`` / ``looped``, ``num_blocks`` for ``dense``; for
+``accordion`` the executed core layers ``num_blocks + k`` at budget ``k``
+(:func:`accordion_depth`; default: ``loop_budget`` when fixed, else the largest
+budget), each a full causal attention layer; the ``l``-th execution runs window
+layer ``l`` (``l <= num_blocks``) or re-runs window layer ``l - num_blocks``.
+Foil's untied attention (one attention per pass) has exactly the FLOPs of the
+tied attention it replaces; a separate second-pass router those of the shared one.
 
 Attention pairs, two conventions (``attention_pairs=``):
 
@@ -51,8 +63,11 @@ both).
 
 Memory (:func:`memory_model`): weights, main gradients (fp32, megatron-core DDP
 ``grad_reduce_in_fp32``), Adam moments (+ fp32 master weights for bf16),
-divided by the data-parallel size with the distributed optimizer; and an
-estimate of the activations saved for backward by the local implementation.
+divided by the data-parallel size with the distributed optimizer, for the
+parameters :func:`megatron_lol.model.params.count_parameters` counts (every
+expert of every layer, shared experts, Foil's pass attention sets, Accordion's
+gates and second-pass routers); and an estimate of the activations saved for
+backward by the local implementation (one set per core execution).
 """
 
 from __future__ import annotations
@@ -157,16 +172,45 @@ def _is_moe(model: ModelConfig, where: str) -> bool:
     return model.moe_layers == "fixed" and where == "fixed"
 
 
+def _num_experts(model: ModelConfig, where: str) -> int:
+    """Routed experts of an MoE layer: the core's own count in the blocks (Foil), else ``num_experts``."""
+    if where == "block" and model.core_experts is not None:
+        return model.core_experts
+    return model.num_experts
+
+
 def layer_token_flops(model: ModelConfig, tokens: int, where: str = "fixed") -> Flops:
-    """Forward matmul FLOPs of one layer's projections (attention + MLP) on ``tokens`` tokens."""
+    """Forward matmul FLOPs of one layer's projections (attention + MLP) on ``tokens`` tokens.
+
+    ``where``: ``"fixed"`` (prelude / coda) or ``"block"`` (a core block).
+    """
     d, nq, nkv, c = _dims(model)
     proj = 2 * tokens * d * (nq * c + 2 * nkv * c) + 2 * tokens * (nq * c) * d
     if _is_moe(model, where):
-        E = model.num_experts
+        E = _num_experts(model, where)
         f = model.moe_ffn_hidden_size if model.moe_ffn_hidden_size is not None else model.ffn_hidden
         k = min(model.moe_router_topk, E)
-        return Flops(attention_proj=proj, mlp=k * 6 * tokens * d * f, moe_router=2 * tokens * d * E)
+        mlp = k * 6 * tokens * d * f
+        if model.moe_shared_expert_intermediate_size:
+            mlp += 6 * tokens * d * model.moe_shared_expert_intermediate_size
+        return Flops(attention_proj=proj, mlp=mlp, moe_router=2 * tokens * d * E)
     return Flops(attention_proj=proj, mlp=6 * tokens * d * model.ffn_hidden)
+
+
+def accordion_depth(model: ModelConfig, budget: int) -> int:
+    """Core layer executions of plan accordion at budget ``k``: ``num_blocks + k``."""
+    if model.plan != "accordion":
+        raise ValueError(f"accordion_depth: plan is {model.plan}, not accordion")
+    if budget not in model.loop_budgets:
+        raise ValueError(f"budget {budget} is not one of loop_budgets {model.loop_budgets}")
+    return model.num_blocks + budget
+
+
+def default_depth(model: ModelConfig) -> int:
+    """The core executions a config runs when no depth is given (accordion: its fixed budget, else the largest)."""
+    if model.plan == "accordion" and model.loop_budget is not None:
+        return model.num_blocks + model.loop_budget
+    return model.core_depth
 
 
 def score_flops(model: ModelConfig, pairs: int) -> Flops:
@@ -193,18 +237,39 @@ def training_flops(model: ModelConfig, vocab_size: int, seq: int, batch: int = 1
 
 
 def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: int,
-                            vocab_size: Optional[int] = None, attention_pairs: str = "allowed") -> float:
+                            vocab_size: Optional[int] = None, attention_pairs: str = "allowed",
+                            budgets: Optional[list] = None) -> float:
     """Model FLOPs of one optimizer step of an :class:`ExperimentConfig` (all ranks together).
 
     What the trainer's log line divides by step time and device count for
     TFLOP/s per device (and by the device's peak for MFU). ``vocab_size``:
     the padded size the model is built with (default ``cfg.model.vocab_size``).
+
+    Plan accordion samples one budget per micro-batch: ``budgets`` lists the
+    budgets of the step's micro-batches (``global_batch / len(budgets)``
+    sequences each; on one rank's view, the budget of each accumulation step
+    is the same on every data-parallel rank), and the step's FLOPs are their
+    sum. Without ``budgets`` and without ``depth``, a fixed ``loop_budget``
+    is used, else the expectation under uniform sampling (the mean over
+    ``loop_budgets``); an explicit ``depth`` counts every sequence at that depth.
     """
     vocab = vocab_size if vocab_size is not None else cfg.model.vocab_size
     if vocab is None:
         raise ValueError("training_flops_per_step: pass vocab_size (model.vocab_size is not set)")
-    cur = cfg.curriculum
-    return training_flops(cfg.model, vocab, seq, global_batch, depth=depth, attention_pairs=attention_pairs,
+    cur, m = cfg.curriculum, cfg.model
+
+    def at(d: Optional[int], batch: float) -> float:
+        return training_flops(m, vocab, seq, 1, depth=d, attention_pairs=attention_pairs,
+                              backprop_depth=cur.backprop_depth,
+                              first_window_full_backprop=cur.first_window_full_backprop).total * batch
+
+    if m.plan == "accordion" and depth is None:
+        if budgets:
+            per = global_batch / len(budgets)
+            return sum(at(accordion_depth(m, k), per) for k in budgets)
+        if m.loop_budget is None:
+            return sum(at(accordion_depth(m, k), global_batch) for k in m.loop_budgets) / len(m.loop_budgets)
+    return training_flops(m, vocab, seq, global_batch, depth=depth, attention_pairs=attention_pairs,
                           backprop_depth=cur.backprop_depth,
                           first_window_full_backprop=cur.first_window_full_backprop).total
 
@@ -215,9 +280,10 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, depth: Optional
     if mode not in PAIR_MODES:
         raise ValueError(f"attention_pairs must be one of {PAIR_MODES} (got {mode!r})")
     full_depth = model.core_depth
-    depth = full_depth if depth is None else depth
-    if not 0 <= depth <= full_depth:
-        raise ValueError(f"depth must be in [0, {full_depth}] (got {depth})")
+    depth = default_depth(model) if depth is None else depth
+    lowest = model.num_blocks if model.plan == "accordion" else 0  # accordion: k = 0 runs the whole window
+    if not lowest <= depth <= full_depth:
+        raise ValueError(f"depth must be in [{lowest}, {full_depth}] (got {depth})")
     T = batch * seq
     W = model.window_size
     d = model.hidden_size
@@ -300,11 +366,17 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, depth: Optional
 
 
 def dense_equivalent(model: ModelConfig, depth: Optional[int] = None) -> ModelConfig:
-    """A dense GPT with the same width and the same number of executed layers, full attention."""
+    """A dense GPT with the same width and the same number of executed layers, full attention.
+
+    MoE layers keep their experts (the core's count, e.g. Foil's ``E``, in the core); Foil's
+    untied attention and Accordion's loop settings are dropped (neither changes the FLOPs).
+    """
     import dataclasses
 
-    depth = model.core_depth if depth is None else depth
-    return dataclasses.replace(model, plan="dense", num_blocks=depth, dense_attention="full")
+    depth = default_depth(model) if depth is None else depth
+    over = dict(plan="dense", num_blocks=depth, dense_attention="full", untie_attention=False,
+                loop_budgets=[0], loop_budget=None, second_pass_router="shared")
+    return dataclasses.replace(model, **over)
 
 
 # --------------------------------------------------------------------------- memory
@@ -336,7 +408,8 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
     Activations are those the local implementation saves for backward, per
     layer execution and token: the residual input, both norm outputs, QKV, the
     attention output, the SwiGLU input / output (``d, d, d, (nq + 2 nkv) c,
-    nq c, d, 2f, f`` elements) plus, per executed score entry and head, the
+    nq c, d, 2f, f`` elements; an MoE layer: ``f`` = the top-k experts' hidden plus the
+    shared expert's) plus, per executed score entry and head, the
     fp32 softmax output, its cast copy and the boolean mask. Truncated depths
     save nothing (their update runs without autograd); ``recompute: full``
     keeps one ``d``-vector per layer and token.
@@ -355,10 +428,11 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
     d, nq, nkv, c = _dims(model)
     f = model.ffn_hidden
     if _is_moe(model, "block") and model.num_experts:
-        f = (model.moe_ffn_hidden_size or f) * min(model.moe_router_topk, model.num_experts)
+        f = (model.moe_ffn_hidden_size or f) * min(model.moe_router_topk, _num_experts(model, "block"))
+        f += model.moe_shared_expert_intermediate_size or 0
     per_token = (4 * d + (nq + 2 * nkv) * c + nq * c + 3 * f) * pbytes / tensor_parallel
     T = micro_batch * seq
-    depth = model.core_depth if depth is None else depth
+    depth = default_depth(model) if depth is None else depth
     exec_fixed = micro_batch * seq * seq
     W = model.window_size
     exec_core = chunked_pairs(T, W) if (model.plan == "lol" or model.dense_attention == "strided") \
@@ -385,6 +459,6 @@ def format_flops(x: float) -> str:
 __all__ = [
     "Flops", "StepFlops", "MemoryEstimate", "PAIR_MODES", "causal_pairs", "windowed_pairs", "sliding_pairs",
     "chunked_pairs", "window_lengths", "window_offset", "first_window_tokens", "layer_token_flops",
-    "score_flops", "forward_flops", "training_flops", "training_flops_per_step", "dense_equivalent",
+    "score_flops", "accordion_depth", "default_depth", "forward_flops", "training_flops", "training_flops_per_step", "dense_equivalent",
     "memory_model", "format_flops",
 ]
