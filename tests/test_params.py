@@ -1,5 +1,6 @@
 """Parameter counts: the analytic counter against real models, SPEC 1.5 through the
-paper configs, and the ``megatron-lol params`` verb."""
+paper configs, Foil (seed 002) and Accordion (seed 003) through theirs, and the
+``megatron-lol params`` verb."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+from dataclasses import replace
 
 import pytest
 
@@ -27,6 +30,7 @@ M = 1e6
 def paper_counts(name: str, vocab: int = 32000):
     cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
     assert cfg.model.vocab_size == vocab
+    assert vocab % cfg.model.make_vocab_size_divisible_by == 0  # built unpadded
     return cfg, count_parameters(cfg.model, cfg.model.vocab_size)
 
 
@@ -107,10 +111,22 @@ def _category(name: str) -> str:
         return "film"
     if name == "core.injection_logit":
         return "injection"
+    if name == "core.loop_gates":
+        return "loop_gates"
+    if name.startswith("core.pass_attention."):  # Foil: one (norm + attention) set per (block, pass >= 1)
+        return "pass_attention"
+    if name.startswith("core.second_pass_routers."):  # Accordion: second_pass_router: separate
+        return "second_pass_router"
     if "layernorm" in name or "layer_norm" in name or name.startswith("final_norm."):
         return "norms"
     if ".self_attention." in name:
         return "attention"
+    if ".mlp.router." in name:
+        return "moe_router"
+    if ".mlp.shared_experts." in name:
+        return "shared_experts"
+    if ".mlp.experts." in name:
+        return "experts"
     if ".mlp." in name:
         return "mlp"
     raise AssertionError(f"unexpected parameter {name}")
@@ -131,6 +147,20 @@ CASES = {
     "dense-strided-film-injection": dict(plan="dense", dense_attention="strided", film="depth",
                                          input_injection=True),
     "looped": dict(plan="looped", num_blocks=2, routed_depth=6),
+    "moe-dense-fixed": dict(plan="dense", moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16),
+    # Foil (seed 002): looped MoE core with its own expert count, 2 passes, attention untied / tied
+    "foil-untied": dict(plan="looped", num_blocks=2, routed_depth=4, moe_layers="all", num_experts=4,
+                        core_num_experts=6, moe_ffn_hidden_size=16, untie_attention=True, moe_z_loss_coeff=1e-3,
+                        moe_loss_average_over_executions=True),
+    "foil-tied": dict(plan="looped", num_blocks=2, routed_depth=4, moe_layers="all", num_experts=4,
+                      core_num_experts=6, moe_ffn_hidden_size=16, moe_z_loss_coeff=1e-3),
+    # Accordion (seed 003): shared expert, separate second-pass router, loop gates, GQA
+    "accordion": dict(plan="accordion", num_blocks=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
+                      moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24,
+                      second_pass_router="separate", loop_gates=True, num_query_groups=2, kv_channels=16),
+    "accordion-shared-router-no-gates": dict(plan="accordion", num_blocks=3, loop_budgets=[0, 2], moe_layers="all",
+                                             num_experts=4, moe_ffn_hidden_size=16,
+                                             moe_shared_expert_intermediate_size=24, loop_gates=False),
 }
 
 
@@ -147,15 +177,20 @@ def test_counter_matches_instantiated_model(build_model, case):
         real[_category(name)] += p.numel()
         total += p.numel()
     assert total == counts.total
-    expected = dict(counts.breakdown)
-    expected["mlp"] += expected.pop("experts") + expected.pop("moe_router")  # no MoE here: both 0
-    real_mlp = real.pop("experts") + real.pop("moe_router")
-    real["mlp"] += real_mlp
-    assert real == expected
+    assert real == counts.breakdown
     assert counts.non_embedding == total - real["embedding"] - real["output"]
-    block = sum(p.numel() for p in model.core.blocks["0"].parameters())
+    # one stored block (its own attention, MLP / experts, router, norms; not its extra passes' parts)
+    block = sum(p.numel() for name, p in model.named_parameters()
+                if name.startswith("core.blocks.0.") and _category(name) not in ("pass_attention",
+                                                                                  "second_pass_router"))
     assert block == counts.block.total
-    assert counts.linear_total == real["attention"] + real["mlp"]
+    sets = counts.pass_attention_sets
+    pass_linear = real["pass_attention"] - sets * cfg.hidden_size  # minus the sets' norm gains
+    assert counts.linear_total == (real["attention"] + real["mlp"] + real["experts"] + real["shared_experts"]
+                                   + pass_linear)
+    if cfg.moe_layers == "all":
+        E = cfg.core_num_experts or cfg.num_experts
+        assert model.core.blocks["0"].mlp.router.weight.shape == (E, cfg.hidden_size)
 
 
 # ------------------------------------------------------- SPEC 1.5 via paper configs
@@ -218,13 +253,137 @@ def test_math_1b():
         assert d.linear_active == c.linear_active
 
 
+FOIL = ["foil-base", "foil-3", "foil-2", "foil-1", "foil-base-tied", "proto-foil-3", "proto-foil-2",
+        "proto-foil-1"]
+ACCORDION = ["accordion-6b-a0.5b", "accordion-1.61b"]
+
+
 def test_paper_configs_load_with_window_settings():
     names = sorted(p.stem for p in PAPER.glob("*.yaml"))
-    assert len(names) == 12
+    assert len(names) == 22
+    assert set(FOIL + ACCORDION) <= set(names)
     for name in names:
         cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
-        assert (cfg.model.window_size, cfg.model.window_shift, cfg.training.seq_length) == (128, 64, 1024)
         assert cfg.data.paths and cfg.training.train_iters > 0
+        if name in FOIL:
+            assert cfg.training.seq_length == 4096 and cfg.model.dense_attention == "full"
+        elif name in ACCORDION:
+            assert cfg.training.seq_length == 8192
+        else:
+            assert (cfg.model.window_size, cfg.model.window_shift, cfg.training.seq_length) == (128, 64, 1024)
+
+
+# ------------------------------------------------------- Foil (seed 002)
+# (config, (E, D, L), untied attention, seed figure in M; None: the seed gives only the 490.8-520.2M range)
+FOIL_TABLE = {
+    "foil-base": ((8, 8, 2), True, 553.7),
+    "foil-3": ((16, 4, 4), True, 553.7),
+    "foil-2": ((32, 2, 8), True, 553.7),
+    "foil-1": ((64, 1, 16), True, 553.7),
+    "foil-base-tied": ((8, 8, 2), False, 520.2),
+    "proto-foil-3": ((16, 4, 4), False, None),
+    "proto-foil-2": ((32, 2, 8), False, None),
+    "proto-foil-1": ((64, 1, 16), False, 490.8),
+}
+
+
+@pytest.mark.parametrize("name", FOIL)
+def test_foil_configs(name):
+    (E, D, L), untied, figure = FOIL_TABLE[name]
+    cfg, c = paper_counts(name, vocab=49152)
+    m = cfg.model
+    assert (m.plan, m.core_experts, m.num_blocks, m.loop_passes, m.untie_attention) == ("looped", E, D, L, untied)
+    assert (m.hidden_size, m.num_attention_heads, m.moe_ffn_hidden_size, m.moe_router_topk) == (1024, 16, 1536, 2)
+    assert (m.n_prelude, m.n_coda, m.num_experts, m.moe_layers) == (1, 1, 8, "all")
+    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_loss_average_over_executions) == (0.01, 0.001, True)
+    # seed 002's accounting: E_real = E*D, D_eff = D*L, E_eq = E*D*L, E_comp = k*D*L
+    acc = c.loop_accounting
+    assert (acc["E_real"], acc["D_eff"], acc["E_eq"], acc["E_comp"]) == (64, 16, E * D * L, 32)
+    assert acc["E_eq"] == {8: 128, 16: 256, 32: 512, 64: 1024}[E]
+    # hand check (the brief's): experts 8*8*3*1024*1536 in every shape, 4*1024^2 per attention set
+    expert = 3 * 1024 * 1536
+    attention_set = 4 * 1024 * 1024
+    assert c.block.experts == E * expert and D * c.block.experts == 64 * expert == 301_989_888
+    assert c.block.moe_router == E * 1024
+    assert c.pass_attention_sets == (D * (L - 1) if untied else 0)
+    assert c.pass_attention == c.pass_attention_sets * (attention_set + 1024)  # + each set's input norm
+    cols = c.seed_columns
+    assert cols["core_experts_and_routers"] == 64 * expert + 64 * 1024
+    assert cols["core_attention"] == (16 if untied else D) * attention_set + c.pass_attention_sets * 1024
+    assert cols["head_and_tail"] == 2 * (8 * expert + attention_set + 8 * 1024 + 2 * 1024)
+    assert cols["other"] == 2 * 49152 * 1024 == 100_663_296
+    norms = 2 * 2 * 1024 + D * 2 * 1024 + 1024  # fixed layers, core blocks, final norm
+    assert c.total == sum(cols.values()) + D * 2 * 1024 + 1024
+    assert c.total == (64 * expert + 64 * 1024 + (16 if untied else D) * attention_set + c.pass_attention_sets * 1024
+                       + 2 * (8 * expert + attention_set + 8 * 1024) + 100_663_296 + norms)
+    if figure is not None:
+        assert abs(c.total / M - figure) / figure < 0.005
+        assert near(c.total, figure, 0.1)
+    # compute is the same for all shapes: 16 core executions of top-2 experts + one attention each
+    assert c.linear_active_compute == 2 * (attention_set + 2 * expert) + 16 * (attention_set + 2 * expert)
+
+
+def test_foil_family_totals():
+    totals = {name: paper_counts(name, vocab=49152)[1].total for name in FOIL}
+    # untying restores exactly the discarded attention sets: Base and the Foils differ only by the
+    # norm gains (a stored layer has two, an extra pass set one)
+    untied = [totals[n] for n in ("foil-base", "foil-3", "foil-2", "foil-1")]
+    assert [untied[0] - u for u in untied] == [0, 4 * 1024, 6 * 1024, 7 * 1024]
+    # the tied controls span the seed's 490.8M (proto-Foil-1) to 520.2M (Base-tied), decreasing with flattening
+    tied = [totals[n] for n in ("foil-base-tied", "proto-foil-3", "proto-foil-2", "proto-foil-1")]
+    assert tied == sorted(tied, reverse=True)
+    assert near(tied[0], 520.2, 0.05) and near(tied[-1], 490.8, 0.05)
+    # each flattening step (E, D, L) -> (2E, D/2, 2L) drops D/2 attention sets (and those layers' two
+    # norm gains); experts and routers stay (E*D fixed)
+    for (a, b), dropped in zip(zip(tied, tied[1:]), (4, 2, 1)):
+        assert a - b == dropped * (4 * 1024 * 1024 + 2 * 1024)
+
+
+# ------------------------------------------------------- Accordion (seed 003)
+ACCORDION_TABLE = {
+    # name: (hidden, Q, KV, expert hidden, vocab, total B, active B)
+    "accordion-6b-a0.5b": (1536, 12, 4, 384, 128_000, 6.03, 0.54),
+    "accordion-1.61b": (768, 6, 2, 192, 129_280, 1.61, 0.14),
+}
+
+
+@pytest.mark.parametrize("name", ACCORDION)
+def test_accordion_configs(name):
+    h, nq, nkv, f, vocab, total_b, active_b = ACCORDION_TABLE[name]
+    cfg, c = paper_counts(name, vocab=vocab)
+    m = cfg.model
+    assert (m.plan, m.n_prelude, m.num_blocks, m.n_coda, m.loop_budgets) == ("accordion", 6, 12, 6, [0, 3, 6, 9, 12])
+    assert (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels) == (h, nq, nkv, 128)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == \
+        (128, 8, f, f)
+    # by hand, per layer: GQA attention, 128 SwiGLU experts, the shared expert, the router
+    attention = h * (nq * 128 + 2 * nkv * 128) + nq * 128 * h
+    expert = 3 * h * f
+    assert c.block.attention == c.prelude_layer.attention == attention
+    assert c.block.experts == 128 * expert and c.block.shared_expert == expert and c.block.moe_router == 128 * h
+    assert c.experts == 24 * 128 * expert and c.shared_experts == 24 * expert
+    assert c.loop_gates == 12 * 2 * h and c.second_pass_router == 0
+    embeddings = 2 * vocab * h
+    norms = 24 * 2 * h + h
+    assert c.total == 24 * (attention + 129 * expert + 128 * h) + embeddings + norms + c.loop_gates
+    # the seed's active: one unlooped pass, embedding and head excluded -- attention + top-8 routed experts
+    # + shared expert + router per layer (our figure adds the norm gains)
+    per_layer = attention + 8 * expert + expert + 128 * h
+    assert c.active_per_token == 24 * per_layer + norms
+    assert round(c.total / 1e9, 2) == total_b and round(c.active_per_token / 1e9, 2) == active_b
+    assert abs(c.total / 1e9 - total_b) / total_b < 0.005
+    if name == "accordion-6b-a0.5b":  # 0.14B (two digits) does not resolve 0.5%
+        assert abs(c.active_per_token / 1e9 - active_b) / active_b < 0.005
+    # budgets: k extra executions of block-sized layers (+ their gates); k = 0 is the active figure
+    assert [b["layer_executions"] for b in c.budgets] == [24, 27, 30, 33, 36]
+    assert c.budgets[0]["active_compute"] == c.active_per_token
+    for b in c.budgets:
+        assert b["active_compute"] == c.active_per_token + b["k"] * (c.block.active + 2 * h)
+    assert c.active_compute == c.budgets[-1]["active_compute"]
+    # a separate second-pass router adds one router per window layer, nothing to the unlooped pass
+    sep = count_parameters(replace(m, second_pass_router="separate"), vocab)
+    assert sep.total - c.total == sep.second_pass_router == 12 * 128 * h
+    assert sep.active_per_token == c.active_per_token
 
 
 # ------------------------------------------------------------------ the CLI
@@ -254,6 +413,28 @@ def test_cli_overrides_vocab_and_table():
     out = _cli("--config", str(PAPER / "lol-360m-L8.yaml"))
     assert out.returncode == 0, out.stderr
     assert "205.52M" in out.stdout and "non-embedding" in out.stdout and "12.85M" in out.stdout
+
+
+def test_cli_foil_and_accordion():
+    out = _cli("--config", str(PAPER / "foil-2.yaml"), "--json")
+    assert out.returncode == 0, out.stderr
+    d = json.loads(out.stdout)
+    assert d["loop_accounting"]["shape"] == "(32,2,8)"
+    assert {k: d["loop_accounting"][k] for k in ("E_real", "D_eff", "E_eq", "E_comp")} == \
+        {"E_real": 64, "D_eff": 16, "E_eq": 512, "E_comp": 32}
+    assert d["pass_attention_sets"] == 14 and near(d["total"], 553.7, 0.1)
+    assert d["seed_columns"]["other"] == 100_663_296
+    out = _cli("--config", str(PAPER / "foil-2.yaml"))
+    assert out.returncode == 0, out.stderr
+    for text in ("(32,2,8)", "E_real = E*D", "E_eq = E*D*L", "E_comp = k*D*L", "pass attention", "553.75M"):
+        assert text in out.stdout, text
+    out = _cli("--config", str(PAPER / "accordion-6b-a0.5b.yaml"))
+    assert out.returncode == 0, out.stderr
+    for text in ("unlooped k=0 pass", "shared experts", "loop gates", "k=12: 36 layer executions", "537.99M"):
+        assert text in out.stdout, text
+    out = _cli("--config", str(PAPER / "accordion-1.61b.yaml"), "--json")
+    d = json.loads(out.stdout)
+    assert [b["k"] for b in d["budgets"]] == [0, 3, 6, 9, 12] and round(d["total"] / 1e9, 2) == 1.61
 
 
 def test_cli_missing_vocab_names_the_key():
