@@ -11,6 +11,17 @@ Native names are ``LoLGPTModel.state_dict()`` keys (checkpoint keys without the
 
 Both are split into HuggingFace's ``q_proj / k_proj / v_proj`` and
 ``gate_proj / up_proj`` and merged back exactly (pure row permutations).
+
+FFN mixture-of-experts layers (megatron-core ``MoELayer``, local spec,
+``SequentialMLP``) hold ``mlp.router.weight`` ``[E, h]``, the experts and
+optionally one shared expert. The checkpoint stores the experts *stacked*
+over the global expert index, whatever the expert-parallel size:
+``mlp.experts.experts.linear_fc1.weight`` ``[E, 2 f_e, h]`` (each expert's
+``[gate; up]``) and ``mlp.experts.experts.linear_fc2.weight`` ``[E, h, f_e]``
+(``SequentialMLP.sharded_state_dict`` prepends the expert axis; the module's
+own ``state_dict`` says ``mlp.experts.local_experts.{i}.``). These stacked
+checkpoint names are used as the native names here. The shared expert is
+``mlp.shared_experts.linear_fc1.weight`` ``[2 f_s, h]`` / ``linear_fc2.weight``.
 megatron-core's local spec may store the two norms of a layer as
 ``self_attention.linear_qkv.layer_norm_weight`` and
 ``mlp.linear_fc1.layer_norm_weight`` (as Transformer Engine's fused layers do);
@@ -38,24 +49,64 @@ class Dims:
     groups: int
     head_dim: int
     ffn: int
+    moe_ffn: int = 0  # f_e of one routed expert (0: no MoE layers)
+    shared_ffn: int = 0  # f_s of the shared expert (0: none)
 
     @classmethod
     def of(cls, m: ModelConfig) -> "Dims":
         heads = m.num_attention_heads
+        moe = m.moe_layers != "none"
         return cls(hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
-                   head_dim=m.kv_channels or m.hidden_size // heads, ffn=m.ffn_hidden)
+                   head_dim=m.kv_channels or m.hidden_size // heads, ffn=m.ffn_hidden,
+                   moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden) if moe else 0,
+                   shared_ffn=(getattr(m, "moe_shared_expert_intermediate_size", None) or 0) if moe else 0)
 
 
-def layer_shapes(d: Dims) -> dict[str, tuple]:
-    """Native suffix -> global shape of one transformer layer / block."""
+def fixed_experts(m: ModelConfig) -> int | None:
+    """Experts of the prelude / coda MLPs (None: dense MLPs)."""
+    return m.num_experts if m.moe_layers in ("fixed", "all") else None
+
+
+def core_experts(m: ModelConfig) -> int | None:
+    """Experts of the core blocks' MLPs (None: dense MLPs); Foil's ``core_num_experts`` when set."""
+    if m.moe_layers != "all":
+        return None
+    return getattr(m, "core_num_experts", None) or m.num_experts
+
+
+def layer_experts(prefix: str, m: ModelConfig) -> int | None:
+    """Experts of the MLP of the layer at native ``prefix`` (None: dense MLP)."""
+    return core_experts(m) if prefix.startswith("core.") else fixed_experts(m)
+
+
+EXPERT_FC1 = "mlp.experts.experts.linear_fc1.weight"
+EXPERT_FC2 = "mlp.experts.experts.linear_fc2.weight"
+
+
+def mlp_shapes(d: Dims, experts: int | None) -> dict[str, tuple]:
+    """Native suffix -> global shape of a layer's MLP (dense SwiGLU, or MoE with ``experts`` experts)."""
+    if experts is None:
+        return {"mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), "mlp.linear_fc2.weight": (d.hidden, d.ffn)}
+    out = {"mlp.router.weight": (experts, d.hidden),
+           EXPERT_FC1: (experts, 2 * d.moe_ffn, d.hidden),
+           EXPERT_FC2: (experts, d.hidden, d.moe_ffn)}
+    if d.shared_ffn:
+        out["mlp.shared_experts.linear_fc1.weight"] = (2 * d.shared_ffn, d.hidden)
+        out["mlp.shared_experts.linear_fc2.weight"] = (d.hidden, d.shared_ffn)
+    return out
+
+
+def attention_shapes(d: Dims) -> dict[str, tuple]:
     return {
         "input_layernorm.weight": (d.hidden,),
         "self_attention.linear_qkv.weight": ((d.heads + 2 * d.groups) * d.head_dim, d.hidden),
         "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
-        "pre_mlp_layernorm.weight": (d.hidden,),
-        "mlp.linear_fc1.weight": (2 * d.ffn, d.hidden),
-        "mlp.linear_fc2.weight": (d.hidden, d.ffn),
     }
+
+
+def layer_shapes(d: Dims, experts: int | None = None) -> dict[str, tuple]:
+    """Native suffix -> global shape of one transformer layer / block (``experts``: its MLP is MoE)."""
+    return {**attention_shapes(d), "pre_mlp_layernorm.weight": (d.hidden,), **mlp_shapes(d, experts)}
 
 
 def layer_prefixes(m: ModelConfig) -> list[str]:
@@ -69,7 +120,7 @@ def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
     h, L, D = m.hidden_size, m.num_blocks, m.core_depth
     out: dict[str, tuple] = {"embedding.word_embeddings.weight": (vocab, h)}
     for prefix in layer_prefixes(m):
-        out.update({prefix + k: v for k, v in layer_shapes(d).items()})
+        out.update({prefix + k: v for k, v in layer_shapes(d, layer_experts(prefix, m)).items()})
     if m.plan == "lol":
         out["core.depth_vectors"] = (D, h)
         for r in range(1 if m.router_tied else D):
@@ -128,10 +179,26 @@ HF_LAYER = {
     "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+    "mlp.router.weight": "mlp.router.weight",
+    "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
 }
 
 
 def layer_to_hf(suffix: str, t: torch.Tensor, d: Dims) -> list[tuple[str, torch.Tensor]]:
+    """HF ``(suffix, tensor)`` pairs of one native layer tensor (qkv, fc1 and the stacked experts are split)."""
+    if suffix == EXPERT_FC1:  # [E, 2 f, h] -> per expert gate / up
+        out = []
+        for e, w in enumerate(t):
+            gate, up = w.chunk(2, dim=0)
+            out += [(f"mlp.experts.{e}.gate_proj.weight", gate.contiguous()),
+                    (f"mlp.experts.{e}.up_proj.weight", up.contiguous())]
+        return out
+    if suffix == EXPERT_FC2:
+        return [(f"mlp.experts.{e}.down_proj.weight", w.contiguous()) for e, w in enumerate(t)]
+    if suffix == "mlp.shared_experts.linear_fc1.weight":
+        gate, up = t.chunk(2, dim=0)
+        return [("mlp.shared_expert.gate_proj.weight", gate.contiguous()),
+                ("mlp.shared_expert.up_proj.weight", up.contiguous())]
     if suffix == "self_attention.linear_qkv.weight":
         q, k, v = split_qkv(t, d)
         return [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", k), ("self_attn.v_proj.weight", v)]

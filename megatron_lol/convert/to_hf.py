@@ -35,8 +35,14 @@ from megatron_lol.convert.checkpoint import DistCheckpointReader, iteration_dir,
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
-# kept in fp32 whatever --dtype (the native model computes routing in fp32)
+# kept in fp32 whatever --dtype (the native model computes LoL routing and megatron-core's
+# MoE router logits in fp32; a bf16 router weight widens exactly)
 FP32_NAMES = ("model.routing.",)
+FP32_PARTS = (".mlp.router.",)
+
+
+def keep_fp32(hf_name: str) -> bool:
+    return hf_name.startswith(FP32_NAMES) or any(p in hf_name for p in FP32_PARTS)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,7 +87,7 @@ def is_plain_stack(m: ModelConfig) -> bool:
     """An ordinary decoder stack that Llama computes exactly (within one document)."""
     every_block_once = m.plan == "dense" or (m.plan == "looped" and m.routed_depth == m.num_blocks)
     return (every_block_once and m.dense_attention == "full" and m.film == "off" and not m.input_injection
-            and m.rotary_scaling_factor >= 1.0)
+            and m.rotary_scaling_factor >= 1.0 and m.moe_layers == "none")
 
 
 class ShardWriter:
@@ -134,8 +140,6 @@ def _write_json(path: str, obj) -> None:
 def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, source: str) -> tuple[dict, int]:
     """``{native name: checkpoint key}`` and the vocabulary size; stops on any mismatch with the config."""
     m = cfg.model
-    if m.moe_layers != "none":
-        raise CliError(f"{source}: model.moe_layers={m.moe_layers}: MoE layers cannot be exported to HF yet")
     available = set(reader.keys())
     emb = mapping.checkpoint_key("embedding.word_embeddings.weight", available)
     if emb is None:
@@ -191,6 +195,12 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "per_depth_bias": m.per_depth_bias,
         "film": m.film,
         "input_injection": m.input_injection,
+        "moe_layers": m.moe_layers,
+        "num_experts": mapping.fixed_experts(m),
+        "core_num_experts": mapping.core_experts(m),
+        "num_experts_per_tok": m.moe_router_topk if m.moe_layers != "none" else None,
+        "moe_intermediate_size": d.moe_ffn or None,
+        "shared_expert_intermediate_size": d.shared_ffn or None,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": float(int(m.rotary_base)),  # megatron's RotaryEmbedding takes an int base
         "rope_scaling_factor": m.rotary_scaling_factor,
@@ -253,7 +263,8 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
     m = cfg.model
     if fmt == "llama" and not is_plain_stack(m):
         raise CliError(f"--format llama: plan={m.plan}, dense_attention={m.dense_attention}, film={m.film}, "
-                       f"input_injection={m.input_injection} is not an ordinary Llama stack")
+                       f"input_injection={m.input_injection}, moe_layers={m.moe_layers} is not an ordinary "
+                       f"Llama stack")
     llama = fmt == "llama" or (fmt == "auto" and is_plain_stack(m))
     torch_dtype = DTYPES[dtype or m.params_dtype]
     max_bytes = parse_size(max_shard_size)
@@ -289,7 +300,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
         for name in mapping.native_shapes(m, vocab):
             tensor = reader.read(keys[name])
             for hf_name, t in _hf_tensors(name, tensor, m, d, llama):
-                keep32 = not llama and hf_name.startswith(FP32_NAMES)
+                keep32 = not llama and keep_fp32(hf_name)
                 writer.add(hf_name, t.to(torch.float32 if keep32 else torch_dtype))
             del tensor
         num_shards = writer.finish()

@@ -5,6 +5,13 @@ Field names follow HuggingFace conventions where one exists (``hidden_size``,
 ``intermediate_size``, ``num_key_value_heads``, ``rope_theta``); the LoL knobs
 keep the names of megatron-lol's ``model:`` section (``num_blocks`` = L,
 ``routed_depth`` = D, ``window_size`` = W, ``window_shift`` = S).
+
+FFN mixture of experts (megatron-core ``MoELayer``): ``moe_layers`` says which
+layers have one (``none``, ``fixed`` = prelude and coda, ``all`` = also every
+core block); ``num_experts`` experts in the prelude / coda layers,
+``core_num_experts`` in the core blocks, ``num_experts_per_tok`` = top-k,
+``moe_intermediate_size`` = one expert's SwiGLU width and
+``shared_expert_intermediate_size`` an always-on shared expert (None: none).
 """
 
 from transformers import PretrainedConfig
@@ -34,6 +41,12 @@ class LoLConfig(PretrainedConfig):
         per_depth_bias=False,
         film="off",
         input_injection=False,
+        moe_layers="none",
+        num_experts=None,
+        core_num_experts=None,
+        num_experts_per_tok=2,
+        moe_intermediate_size=None,
+        shared_expert_intermediate_size=None,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         rope_scaling_factor=1.0,
@@ -61,6 +74,13 @@ class LoLConfig(PretrainedConfig):
         self.per_depth_bias = per_depth_bias
         self.film = film
         self.input_injection = input_injection
+        self.moe_layers = moe_layers
+        self.num_experts = num_experts
+        self.core_num_experts = core_num_experts if core_num_experts is not None else (
+            num_experts if moe_layers == "all" else None)
+        self.num_experts_per_tok = num_experts_per_tok
+        self.moe_intermediate_size = moe_intermediate_size or intermediate_size
+        self.shared_expert_intermediate_size = shared_expert_intermediate_size
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.rope_scaling_factor = rope_scaling_factor
@@ -75,3 +95,13 @@ class LoLConfig(PretrainedConfig):
     def core_depth(self):
         """Block executions in the routed core: ``num_blocks`` for the dense plan, else ``routed_depth``."""
         return self.num_blocks if self.plan == "dense" else self.routed_depth
+
+    @property
+    def fixed_layer_experts(self):
+        """Experts of a prelude / coda layer's MLP (None: dense SwiGLU)."""
+        return self.num_experts if self.moe_layers in ("fixed", "all") else None
+
+    @property
+    def block_experts(self):
+        """Experts of a core block's MLP (None: dense SwiGLU)."""
+        return self.core_num_experts if self.moe_layers == "all" else None

@@ -31,6 +31,9 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
     one ``(gamma, beta)`` per depth and norm (``depth``) or per depth, block and norm
     (``depth_block``).
 * **coda**: ``n_coda`` layers like the prelude, final RMSNorm, LM head.
+* **mixture of experts** (``moe_layers``): the MLP of the prelude / coda layers
+  (``fixed``) and also of the core blocks (``all``) is megatron-core's top-k MoE
+  (:class:`MoEMLP`); routing is per token, so it is independent of windows.
 
 There is no KV cache: ``generate()`` recomputes the whole sequence at every step
 (routing of a window depends on the windows before it, so this is exact).
@@ -110,26 +113,80 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, config: LoLConfig):
+    def __init__(self, config: LoLConfig, intermediate_size: Optional[int] = None):
         super().__init__()
-        h, f = config.hidden_size, config.intermediate_size
+        h, f = config.hidden_size, intermediate_size or config.intermediate_size
         self.gate_proj = nn.Linear(h, f, bias=False)
         self.up_proj = nn.Linear(h, f, bias=False)
         self.down_proj = nn.Linear(f, h, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``scale`` [n] (an expert's routing weight per token) multiplies the activation, as
+        megatron-core's expert MLP does (``per_token_scale``, product cast back to x's dtype)."""
+        act = F.silu(self.gate_proj(x)) * self.up_proj(x)
+        if scale is not None:
+            act = (act * scale.unsqueeze(-1)).to(x.dtype)
+        return self.down_proj(act)
+
+
+class Router(nn.Module):
+    """The MoE router's ``weight`` [E, h] (kept in fp32; logits are computed in fp32)."""
+
+    def __init__(self, hidden_size: int, num_experts: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+
+
+class MoEMLP(nn.Module):
+    """megatron-core's ``MoELayer`` at inference (local spec, ``TopKRouter``, ``SequentialMLP``).
+
+    ``logits = x W^T`` in fp32; the ``top_k`` largest logits per token (``torch.topk``,
+    the same tie order) are soft-maxed among themselves (``moe_router_pre_softmax=False``:
+    the weights of the chosen experts sum to 1); each chosen expert ``e`` computes
+    ``down(w_e * silu(gate(x)) * up(x))``; the outputs are summed in expert order in x's
+    dtype (megatron's unpermute), then the shared expert's output (if any) is added.
+    No capacity limit: no token is dropped.
+    """
+
+    def __init__(self, config: LoLConfig, num_experts: int):
+        super().__init__()
+        self.num_experts = num_experts
+        self.top_k = config.num_experts_per_tok
+        self.router = Router(config.hidden_size, num_experts)
+        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(num_experts))
+        self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
+                              if config.shared_expert_intermediate_size else None)
+
+    def route(self, x: torch.Tensor, router_weight: Optional[torch.Tensor] = None):
+        """``x`` [n, h] -> (weights [n, k] fp32, expert ids [n, k])."""
+        weight = self.router.weight if router_weight is None else router_weight
+        logits = torch.mm(x.float(), weight.float().t())
+        top, index = torch.topk(logits, k=self.top_k, dim=1)
+        return torch.softmax(top, dim=-1, dtype=torch.float32), index
+
+    def forward(self, x: torch.Tensor, router_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        probs, index = self.route(flat, router_weight)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            token, slot = torch.nonzero(index == e, as_tuple=True)
+            if token.numel():
+                out.index_add_(0, token, expert(flat[token], probs[token, slot]))
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(flat)
+        return out.view(shape)
 
 
 class Layer(nn.Module):
-    """A pre-norm transformer layer; also the type of every library block."""
+    """A pre-norm transformer layer; also the type of every library block (``num_experts``: MoE MLP)."""
 
-    def __init__(self, config: LoLConfig):
+    def __init__(self, config: LoLConfig, num_experts: Optional[int] = None):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = Attention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config) if num_experts is None else MoEMLP(config, num_experts)
 
     def forward(self, x, positions, allowed, film=None):
         """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms."""
@@ -197,8 +254,8 @@ class LoLPreTrainedModel(PreTrainedModel):
     config_class = LoLConfig
     base_model_prefix = "model"
     _no_split_modules = ["Layer"]
-    _keep_in_fp32_modules = ["routing"]
-    _keep_in_fp32_modules_strict = ["routing"]
+    _keep_in_fp32_modules = ["routing", "mlp.router"]
+    _keep_in_fp32_modules_strict = ["routing", "mlp.router"]
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -210,6 +267,8 @@ class LoLPreTrainedModel(PreTrainedModel):
             module.weight.data.normal_(mean=0.0, std=std)
         elif isinstance(module, RMSNorm):
             module.weight.data.fill_(1.0)
+        elif isinstance(module, Router):
+            module.weight.data.normal_(mean=0.0, std=std)
 
 
 class LoLModel(LoLPreTrainedModel):
@@ -217,9 +276,10 @@ class LoLModel(LoLPreTrainedModel):
         super().__init__(config)
         h, L, D = config.hidden_size, config.num_blocks, config.core_depth
         self.embed_tokens = nn.Embedding(config.vocab_size, h)
-        self.prelude = nn.ModuleList(Layer(config) for _ in range(config.n_prelude))
-        self.blocks = nn.ModuleList(Layer(config) for _ in range(L))
-        self.coda = nn.ModuleList(Layer(config) for _ in range(config.n_coda))
+        fixed, core = config.fixed_layer_experts, config.block_experts
+        self.prelude = nn.ModuleList(Layer(config, fixed) for _ in range(config.n_prelude))
+        self.blocks = nn.ModuleList(Layer(config, core) for _ in range(L))
+        self.coda = nn.ModuleList(Layer(config, fixed) for _ in range(config.n_coda))
         self.norm = RMSNorm(h, config.rms_norm_eps)
         if config.plan == "lol":
             self.routing = Routing(config)
