@@ -213,3 +213,25 @@ def test_accordion_budgets_by_hand():
     mem = fl.memory_model(m, V, n, 1, depth=4)
     assert mem.weights == 4 * count_parameters(m, V).total
     assert fl.memory_model(m, V, n, 1, depth=6).activations > mem.activations
+
+
+@pytest.mark.parametrize("system", ["foil", "accordion"])
+def test_flop_counter_agrees_moe_systems(make_model, system):
+    """torch's FLOP counter on tiny Foil (untied, core experts != fixed experts) and Accordion (shared
+    expert, separate second-pass router, budget 1) models vs the executed-pairs FLOP model."""
+    moe = dict(moe_layers="all", num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2)
+    if system == "foil":
+        model = make_model(plan="looped", num_blocks=2, routed_depth=4, dense_attention="full",
+                           core_num_experts=6, untie_attention=True, **moe)
+        kwargs, depth = {}, None
+    else:
+        model = make_model(plan="accordion", num_blocks=3, loop_budgets=[0, 1, 3], dense_attention="full",
+                           moe_shared_expert_intermediate_size=24, second_pass_router="separate", **moe)
+        kwargs, depth = {"budget": 1}, 4
+    cfg = model.cfg
+    b, s = 2, 24
+    x = torch.randint(1, 97, (b, s), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        measured = _count(lambda: model(x, **kwargs))
+    predicted = fl.forward_flops(cfg, 97, s, b, depth=depth, attention_pairs="executed").forward.total
+    assert measured == pytest.approx(predicted, rel=1e-6)  # exact: every matmul is counted
