@@ -9,6 +9,10 @@ Subcommands (each writes PNG/JSON files under ``--output``):
                  (overall and per label); ``--evaluate``: loss routed vs forced;
                  ``--generate PROMPT``: greedy generation routed and under the forced path
 ``distinct``     distinct blocks per token path: histogram PNG + JSON against E[U] (SPEC 1.5)
+``moe-routing``  looped / Accordion MoE cores (Foil, seed 002): distinct experts per token U_t,
+                 load balance B2 and median margin ratio MMR per pass: JSON + PNG
+``budgets``      Accordion (seed 003): loss of the examples at every budget k (JSON + PNG);
+                 ``--generate PROMPT``: greedy generation at each budget
 
 Data: ``--data-path PREFIX`` (a Megatron indexed dataset; ``--part valid`` takes the
 validation documents of the run's split) or ``--jsonl FILE`` with ``--text-field`` and
@@ -24,7 +28,7 @@ import time
 
 from megatron_lol.cli import CliError
 
-SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct")
+SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 
 
 def _common(p: argparse.ArgumentParser, data_required: bool = True) -> None:
@@ -59,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=int, default=32)
     p = sub.add_parser("distinct", help="distinct blocks per routing path vs E[U]")
     _common(p)
+    p = sub.add_parser("moe-routing", help="U_t, B2 and MMR per pass of a looped MoE core (Foil)")
+    _common(p)
+    p.add_argument("--budget", type=int, default=None, help="Accordion: the budget to run (default: the largest)")
+    p = sub.add_parser("budgets", help="Accordion: loss (and generation) at every budget")
+    _common(p, data_required=False)
+    p.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation at every budget")
+    p.add_argument("--max-new-tokens", type=int, default=32)
 
 
 # ------------------------------------------------------------------ helpers
@@ -66,8 +77,20 @@ def _load(args):
     from megatron_lol.analysis.loading import load_checkpoint
 
     ckpt = load_checkpoint(args.load, args.iteration)
-    if ckpt.cfg.model.plan != "lol":
-        raise CliError(f"{ckpt.path}: the model's plan is {ckpt.cfg.model.plan!r}; routing analyses need plan: lol")
+    m = ckpt.cfg.model
+    if args.analysis == "moe-routing":
+        if m.plan not in ("looped", "accordion") or m.core_experts is None:
+            raise CliError(f"{ckpt.path}: moe-routing needs a looped or accordion plan with MoE blocks "
+                           f"(model.moe_layers: all); this model is plan {m.plan!r}, moe_layers {m.moe_layers!r}")
+    elif args.analysis == "budgets":
+        if m.plan != "accordion":
+            raise CliError(f"{ckpt.path}: budgets needs plan: accordion (this model is plan {m.plan!r})")
+    elif m.plan != "lol":
+        raise CliError(f"{ckpt.path}: the model's plan is {m.plan!r}; routing analyses need plan: lol")
+    budget = getattr(args, "budget", None)
+    if budget is not None and (m.plan != "accordion" or budget not in m.loop_budgets):
+        raise CliError(f"--budget: {budget} is not one of the model's loop_budgets "
+                       f"{m.loop_budgets if m.plan == 'accordion' else '(not an accordion model)'}")
     return ckpt
 
 
@@ -178,6 +201,64 @@ def run_distinct(args, ckpt, toks, labels) -> dict:
     return {"png": png, "json": os.path.join(args.output, "distinct.json")}
 
 
+def run_moe_routing(args, ckpt, toks, labels) -> dict:
+    from megatron_lol.analysis import plots
+    from megatron_lol.analysis.moe_routing import summarise
+    from megatron_lol.analysis.routing import collect_moe_records
+
+    m = ckpt.cfg.model
+    kw = {"budget": args.budget} if m.plan == "accordion" else {}
+    batches = collect_moe_records(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch, **kw)
+    records = [r for batch in batches for r in batch]
+    if not records:
+        raise CliError("moe-routing: no example was long enough to route (see --seq-length / --max-examples)")
+    summary = summarise(records, m.core_experts, m.moe_router_topk)
+    passes = m.loop_passes if m.plan == "looped" else 2
+    shape = {"E": m.core_experts, "D": m.num_blocks, "L": passes, "k": m.moe_router_topk,
+             "E_real": m.core_experts * m.num_blocks, "D_eff": m.num_blocks * passes,
+             "E_eq": m.core_experts * m.num_blocks * passes, "E_comp": m.moe_router_topk * m.num_blocks * passes}
+    png = os.path.join(args.output, "moe_routing.png")
+    plots.per_pass_metrics(summary["by_pass"], png, f"(E, D, L) = ({shape['E']}, {shape['D']}, {shape['L']}), "
+                                                    f"{os.path.basename(ckpt.path)}")
+    out = dict(_meta(ckpt, args, len(toks)), shape=shape, **summary)
+    if kw:
+        out["budget"] = ckpt.model.resolve_budget(args.budget)
+    _write_json(os.path.join(args.output, "moe_routing.json"), out)
+    print(f"moe-routing: U_t {summary['distinct_experts_per_token']:.2f} of at most {summary['distinct_experts_cap']} "
+          f"| B2 {summary['b2']:.3f} | MMR {summary['mmr']:.3f} | per pass MMR "
+          f"{[round(p['mmr'], 3) for p in summary['by_pass']]}")
+    return {"png": png, "json": os.path.join(args.output, "moe_routing.json")}
+
+
+def run_budgets(args, ckpt, toks, labels) -> dict:
+    from megatron_lol.analysis import plots
+    from megatron_lol.analysis.routing import greedy_generate, lm_loss
+
+    m = ckpt.cfg.model
+    out = dict(_meta(ckpt, args, len(toks) if toks else 0), budgets=list(m.loop_budgets))
+    if toks:
+        losses = {str(k): lm_loss(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch,
+                                  budget=k) for k in m.loop_budgets}
+        out["loss_by_budget"] = losses
+        plots.loss_by_budget(losses, os.path.join(args.output, "budgets.png"),
+                             f"loss per budget, {os.path.basename(ckpt.path)}")
+        print("budgets: loss " + " ".join(f"k={k}: {v:.4f}" for k, v in losses.items()))
+    if args.generate is not None:
+        if ckpt.tokenizer is None:
+            raise CliError(f"{ckpt.path}: --generate needs the run's tokenizer")
+        prompt = ckpt.tokenizer.tokenize(args.generate)
+        gens = {}
+        for k in m.loop_budgets:
+            ids = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id, budget=k)
+            gens[str(k)] = ckpt.tokenizer.detokenize(ids)
+            print(f"budgets: k={k}: {args.generate!r} -> {gens[str(k)]!r}")
+        out["generation"] = {"prompt": args.generate, "by_budget": gens}
+    if not toks and args.generate is None:
+        raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
+    _write_json(os.path.join(args.output, "budgets.json"), out)
+    return {"json": os.path.join(args.output, "budgets.json")}
+
+
 def _read_path_file(path: str):
     import torch
 
@@ -263,7 +344,8 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
     return {"json": os.path.join(args.output, "mode_path.json")}
 
 
-RUNNERS = {"utilisation": run_utilisation, "paths": run_paths, "mode-path": run_mode_path, "distinct": run_distinct}
+RUNNERS = {"utilisation": run_utilisation, "paths": run_paths, "mode-path": run_mode_path, "distinct": run_distinct,
+           "moe-routing": run_moe_routing, "budgets": run_budgets}
 
 
 def run(args) -> int:

@@ -80,3 +80,37 @@ def distinct_histogram(hist: dict, expected: float, mean: float, path: str, titl
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
+
+
+def per_pass_metrics(by_pass: Sequence[dict], path: str, title: str = "") -> None:
+    """B2 and MMR per loop pass (Foil, seed 002 Figure 5 style)."""
+    plt = _plt()
+    passes = [p["pass"] + 1 for p in by_pass]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(7, 3))
+    a.plot(passes, [p["b2"] for p in by_pass], "o-", color="tab:blue")
+    a.set_xlabel("pass")
+    a.set_ylabel("load balance B2")
+    b.plot(passes, [p["mmr"] for p in by_pass], "o-", color="tab:red")
+    b.set_xlabel("pass")
+    b.set_ylabel("median margin ratio")
+    for ax in (a, b):
+        ax.set_xticks(passes)
+    fig.suptitle(title or "routing per pass", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def loss_by_budget(losses: dict, path: str, title: str = "") -> None:
+    """Validation loss against Accordion's budget k (24 + k layer executions)."""
+    plt = _plt()
+    ks = sorted(int(k) for k in losses)
+    fig, ax = plt.subplots(figsize=(4.5, 3))
+    ax.plot(ks, [losses[str(k)] for k in ks], "o-", color="tab:green")
+    ax.set_xticks(ks)
+    ax.set_xlabel("budget k (extra layer executions)")
+    ax.set_ylabel("loss (nats)")
+    ax.set_title(title or "loss per budget", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

@@ -63,6 +63,24 @@ class PackedBatch:
     example_ids: list  # examples in this batch
 
 
+@torch.no_grad()
+def collect_moe_records(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int],
+                        rows_per_batch: int = 8, **forward_kwargs) -> list:
+    """The core's MoE routing records (one list per packed batch) from eval-mode forwards."""
+    model.eval()
+    examples = prepare_examples(token_lists, seq_length, eod_id)
+    device = next(model.parameters()).device
+    batches = []
+    for batch in pack_examples(examples, seq_length, eod_id, rows_per_batch):
+        model.core.moe_records = []
+        try:
+            model(batch.tokens.to(device), **forward_kwargs)
+            batches.append(model.core.moe_records)
+        finally:
+            model.core.moe_records = None
+    return batches
+
+
 def _core_cfg(model):
     cfg = model.cfg
     if cfg.plan != "lol":
@@ -270,9 +288,10 @@ def forced_path(ids: torch.Tensor, gates: torch.Tensor):
 
 @torch.no_grad()
 def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int],
-            rows_per_batch: int = 8, forced=None, per_example: bool = False):
+            rows_per_batch: int = 8, forced=None, per_example: bool = False, **forward_kwargs):
     """Mean next-token cross entropy over the examples' tokens (EOD as the last target),
-    routed normally or under ``forced``. With ``per_example`` also the list of per-example means."""
+    routed normally or under ``forced``. With ``per_example`` also the list of per-example means.
+    ``forward_kwargs`` go to the model (e.g. Accordion's ``budget``)."""
     model.eval()
     examples = prepare_examples(token_lists, seq_length, eod_id)
     device = next(model.parameters()).device
@@ -283,7 +302,7 @@ def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id
         from megatron_lol.model.windows import DocumentLayout
 
         tokens = batch.tokens.to(device)
-        logits = model.gather_logits(model(tokens, forced_path=forced))
+        logits = model.gather_logits(model(tokens, forced_path=forced, **forward_kwargs))
         logp = torch.log_softmax(logits[:, :-1].float(), -1)
         nll = -logp.gather(-1, tokens[:, 1:, None]).squeeze(-1).cpu()
         docs = DocumentLayout.from_tokens(batch.tokens, eod_id)
@@ -305,7 +324,7 @@ def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id
 
 @torch.no_grad()
 def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eod_id: Optional[int] = None,
-                    forced=None, stop_at_eod: bool = True) -> list:
+                    forced=None, stop_at_eod: bool = True, **forward_kwargs) -> list:
     """Greedy continuation of ``prompt`` (full re-forward per token, no KV cache), routed or
     under a forced path (windows beyond the path's ordinals are routed normally)."""
     model.eval()
@@ -313,7 +332,7 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eod_id: O
     seq = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     new = []
     for _ in range(max_new_tokens):
-        logits = model(seq, forced_path=forced)
+        logits = model(seq, forced_path=forced, **forward_kwargs)
         logits = model.gather_logits(logits[:, -1:])[0, -1]
         nxt = int(logits.argmax())
         new.append(nxt)

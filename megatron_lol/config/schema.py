@@ -25,7 +25,8 @@ class ConfigError(CliError):
     """A configuration value is invalid; the message names the key."""
 
 
-PLANS = ("lol", "dense", "looped")
+PLANS = ("lol", "dense", "looped", "accordion")
+SECOND_PASS_ROUTER = ("shared", "separate")
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 DENSE_ATTENTION = ("full", "sliding", "strided")
@@ -39,7 +40,12 @@ class ModelConfig:
     window to one of ``num_blocks`` blocks at each of ``routed_depth`` depths;
     ``dense`` runs ``num_blocks`` distinct blocks in order (``routed_depth`` is
     ignored, the core depth is ``num_blocks``); ``looped`` cycles through the
-    ``num_blocks`` blocks ``routed_depth / num_blocks`` times (Huginn-style).
+    ``num_blocks`` blocks ``routed_depth / num_blocks`` times (Huginn-style;
+    with ``moe_layers: all`` and ``untie_attention: true`` it is Foil, seed
+    002: experts and routers shared across passes, one attention per (layer,
+    pass)); ``accordion`` (seed 003) runs the ``num_blocks`` layers of the
+    loopable window once and then re-runs the first ``k`` of them, ``k`` the
+    budget (``loop_budgets``; ``k = 0`` is the unlooped model).
     """
 
     plan: str = "lol"
@@ -84,6 +90,20 @@ class ModelConfig:
     moe_ffn_hidden_size: Optional[int] = None
     moe_router_topk: int = 2
     moe_layers: str = "none"  # none | fixed (prelude+coda) | all
+    core_num_experts: Optional[int] = None  # experts per MoE layer of the core (Foil's E); default num_experts
+    moe_shared_expert_intermediate_size: Optional[int] = None  # one always-on shared expert (Accordion)
+    moe_aux_loss_coeff: float = 0.01  # Switch load-balancing loss (megatron-core "aux_loss")
+    moe_z_loss_coeff: Optional[float] = None  # router z-loss (Foil: 1e-3)
+    # Foil: average the two losses over all MoE layer executions (every layer on every pass)
+    # instead of megatron-core's sum over layers
+    moe_loss_average_over_executions: bool = False
+    # looped plans: one attention (and its input norm) per (block, pass); MLP/experts stay shared
+    untie_attention: bool = False
+    # accordion: budgets k (second-pass executions of the window's first k layers)
+    loop_budgets: list = field(default_factory=lambda: [0])
+    loop_budget: Optional[int] = None  # fixed budget for training/eval/inference; None: sample in training
+    second_pass_router: str = "shared"  # shared | separate (one extra MoE router per loopable layer)
+    loop_gates: bool = True  # per-channel gates on the second pass's attention and MLP writes
     params_dtype: str = "fp32"  # fp32 | bf16
     use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
     fp8: Optional[str] = None  # e4m3 | hybrid (Transformer Engine only)
@@ -97,8 +117,22 @@ class ModelConfig:
 
     @property
     def core_depth(self) -> int:
-        """Number of block executions in the core for the full model."""
+        """Number of block executions in the core for the full model (accordion: at its largest budget)."""
+        if self.plan == "accordion":
+            return self.num_blocks + max(self.loop_budgets)
         return self.num_blocks if self.plan == "dense" else self.routed_depth
+
+    @property
+    def core_experts(self) -> Optional[int]:
+        """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
+        if self.moe_layers != "all":
+            return None
+        return self.core_num_experts or self.num_experts
+
+    @property
+    def loop_passes(self) -> int:
+        """Looped plans: how often each stored block runs (Foil's L)."""
+        return self.routed_depth // self.num_blocks if self.plan == "looped" else 1
 
     def validate(self, prefix: str = "model") -> None:
         _choice(f"{prefix}.plan", self.plan, PLANS)
@@ -137,6 +171,11 @@ class ModelConfig:
                 f"{prefix}.routed_depth: a looped plan needs routed_depth ({self.routed_depth}) "
                 f"to be a multiple of num_blocks ({self.num_blocks})"
             )
+        if self.untie_attention and self.plan != "looped":
+            raise ConfigError(f"{prefix}.untie_attention: only a looped plan runs a block more than once "
+                              f"(plan is {self.plan})")
+        if self.plan == "accordion":
+            self._validate_accordion(prefix)
         if self.vocab_size is not None:
             _positive(f"{prefix}.vocab_size", self.vocab_size)
         _positive(f"{prefix}.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
@@ -182,6 +221,43 @@ class ModelConfig:
                     f"{prefix}.moe_router_topk: must be in [1, num_experts={self.num_experts}] "
                     f"(got {self.moe_router_topk})"
                 )
+            if self.core_num_experts is not None:
+                if self.moe_layers != "all":
+                    raise ConfigError(f"{prefix}.core_num_experts: needs moe_layers: all (got {self.moe_layers})")
+                if not self.moe_router_topk <= self.core_num_experts:
+                    raise ConfigError(f"{prefix}.core_num_experts: must be >= moe_router_topk="
+                                      f"{self.moe_router_topk} (got {self.core_num_experts})")
+            if self.moe_shared_expert_intermediate_size is not None:
+                _positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+            _nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
+            if self.moe_z_loss_coeff is not None:
+                _nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
+        else:
+            for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
+
+    def _validate_accordion(self, prefix: str) -> None:
+        budgets = self.loop_budgets
+        if (not isinstance(budgets, list) or not budgets
+                or any(not isinstance(k, int) or isinstance(k, bool) for k in budgets)):
+            raise ConfigError(f"{prefix}.loop_budgets: must be a non-empty list of integers (got {budgets!r})")
+        if len(set(budgets)) != len(budgets) or budgets != sorted(budgets):
+            raise ConfigError(f"{prefix}.loop_budgets: must be increasing without repeats (got {budgets})")
+        if not 0 <= budgets[0] or budgets[-1] > self.num_blocks:
+            raise ConfigError(f"{prefix}.loop_budgets: every budget must be in [0, num_blocks={self.num_blocks}] "
+                              f"(the loopable window) (got {budgets})")
+        if self.loop_budget is not None and self.loop_budget not in budgets:
+            raise ConfigError(f"{prefix}.loop_budget: {self.loop_budget} is not one of loop_budgets {budgets}")
+        _choice(f"{prefix}.second_pass_router", self.second_pass_router, SECOND_PASS_ROUTER)
+        if self.second_pass_router == "separate" and self.moe_layers != "all":
+            raise ConfigError(f"{prefix}.second_pass_router: separate needs MoE blocks (moe_layers: all)")
+        if self.dense_attention != "full":
+            raise ConfigError(f"{prefix}.dense_attention: accordion uses full causal attention "
+                              f"(got {self.dense_attention})")
+        if self.film != "off" or self.input_injection:
+            raise ConfigError(f"{prefix}.{'film' if self.film != 'off' else 'input_injection'}: "
+                              f"not defined for plan accordion")
 
 
 @dataclass
@@ -204,6 +280,9 @@ class CurriculumConfig:
             raise ConfigError(f"{prefix}.growth_fraction: must be in (0, 1] (got {self.growth_fraction})")
         if self.backprop_depth is not None:
             _positive(f"{prefix}.backprop_depth", self.backprop_depth)
+        if model.plan == "accordion" and (self.initial_depth is not None or self.backprop_depth is not None):
+            key = "initial_depth" if self.initial_depth is not None else "backprop_depth"
+            raise ConfigError(f"{prefix}.{key}: plan accordion sets its depth by the budget (model.loop_budgets)")
 
 
 @dataclass
@@ -228,11 +307,21 @@ class ParallelConfig:
                 f"{prefix}.tensor_model_parallel_size: {tp} does not divide "
                 f"model.num_attention_heads={model.num_attention_heads}"
             )
-        if model.num_blocks % self.expert_model_parallel_size:
+        if model.plan == "lol" and model.num_blocks % self.expert_model_parallel_size:
             raise ConfigError(
                 f"{prefix}.expert_model_parallel_size: {self.expert_model_parallel_size} does not "
                 f"divide model.num_blocks={model.num_blocks}"
             )
+        ep = self.expert_model_parallel_size
+        if model.plan != "lol" and model.moe_layers != "none":
+            for key, n in (("num_experts", model.num_experts), ("core_num_experts", model.core_num_experts)):
+                if n is not None and n % ep:
+                    raise ConfigError(f"{prefix}.expert_model_parallel_size: {ep} does not divide model.{key}={n}")
+        pp = self.pipeline_model_parallel_size
+        if pp > 1 and (model.plan == "accordion" or model.untie_attention):
+            what = "plan accordion" if model.plan == "accordion" else "untie_attention"
+            raise ConfigError(f"{prefix}.pipeline_model_parallel_size: {what} is not supported with pipeline "
+                              f"parallelism yet (got {pp}); use tensor/expert/data parallelism")
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel: needs tensor_model_parallel_size > 1")
         if self.recompute_granularity not in (None, "full", "selective"):

@@ -11,9 +11,13 @@ current depth, which grows during training):
 5. ``s_I <- s_I + alpha * (E_rho(s_I) - s_I)``.
 
 Other plans are the same loop with another choice of block per depth: ``dense``
-runs block ``l`` on every token, ``looped`` runs block ``(l-1) mod L``; their
-gate is 1 (so the update is ``E(s)``) and their attention is full, sliding or
-strided (LoL's windows with a fixed block).
+runs block ``l`` on every token, ``looped`` runs block ``(l-1) mod L`` in pass
+``(l-1) div L``; ``accordion`` runs its ``L`` window layers once and then the
+first ``k`` of them again (``k`` the budget). Their gate is 1 (so the update is
+``E(s)``) and their attention is full, sliding or strided (LoL's windows with a
+fixed block). A block's later passes may use pass-specific parts: Foil's untied
+attention (one attention per (block, pass), experts shared) and Accordion's
+second-pass write gates and optional separate MoE router.
 """
 
 from __future__ import annotations
@@ -72,11 +76,27 @@ class DepthRecord:
 
 
 @dataclass
+class MoERecord:
+    """What one MoE router of the core decided at one (block, pass): for U_t, B2 and MMR."""
+
+    block: int
+    pass_index: int
+    logits: torch.Tensor  # [T, E] fp32, before the softmax
+    routing_map: torch.Tensor  # [T, E] bool, the experts each token was sent to
+
+
+@dataclass
 class CoreOutput:
     states: torch.Tensor
     aux_loss: Optional[torch.Tensor] = None  # already multiplied by its coefficient
     records: list = field(default_factory=list)
     block_loads: Optional[torch.Tensor] = None  # [depth, L] windows per block this forward
+
+
+def _pg_collection():
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def _expert_parallel() -> tuple:
@@ -129,6 +149,80 @@ class RoutedCore(nn.Module):
             self.film_beta = nn.Parameter(torch.zeros(shape, dtype=tconfig.params_dtype))
         if model.input_injection:
             self.injection_logit = nn.Parameter(torch.zeros(h, dtype=tconfig.params_dtype))
+        self._build_pass_parts(model, tconfig, spec, first_layer_number, init_seed, vp_stage)
+        # MoE routing records (U_t / B2 / MMR): a list while recording, else None
+        self.moe_records: Optional[list] = None
+        self._moe_tag: Optional[tuple] = None
+        for i, layer in self.blocks.items():
+            router = getattr(getattr(layer, "mlp", None), "router", None)
+            if router is not None:
+                router.register_forward_hook(self._record_moe)
+        if self.second_pass_routers is not None:
+            for router in self.second_pass_routers.values():
+                router.register_forward_hook(self._record_moe)
+
+    def _build_pass_parts(self, model: ModelConfig, tconfig, spec, first_layer_number, init_seed, vp_stage):
+        """Parts of a block that belong to one pass only (Foil's attention, Accordion's gates/router)."""
+        from megatron_lol.model.library import build_attention_set
+        from megatron_lol.model.lol_model import seeded
+
+        self.pass_attention = None
+        if model.untie_attention:
+            self.pass_attention = nn.ModuleDict()
+            for p in range(1, model.loop_passes):
+                for i in self.local_block_ids():
+                    with seeded(init_seed, f"core.pass_attention.{i}_{p}"):
+                        self.pass_attention[f"{i}_{p}"] = build_attention_set(
+                            spec, tconfig, first_layer_number + i, vp_stage)
+        self.loop_gates = None
+        self.second_pass_routers = None
+        if model.plan == "accordion":
+            if model.loop_gates:
+                # per-channel gates of the second pass's attention and MLP writes; 1 = an ordinary layer call
+                self.loop_gates = nn.Parameter(torch.ones(model.num_blocks, 2, model.hidden_size,
+                                                          dtype=tconfig.params_dtype))
+            if model.second_pass_router == "separate":
+                self.second_pass_routers = nn.ModuleDict()
+                for i in self.local_block_ids():
+                    mlp = self.block(i).mlp
+                    with seeded(init_seed, f"core.second_pass_routers.{i}"):
+                        router = type(mlp.router)(config=mlp.config, pg_collection=_pg_collection())
+                    router.set_layer_number(mlp.router.layer_number)
+                    self.second_pass_routers[str(i)] = router
+
+    def _record_moe(self, router, args, output) -> None:
+        if self.moe_records is None or self._moe_tag is None:
+            return
+        x = args[0]
+        with torch.no_grad():
+            logits = torch.nn.functional.linear(x.reshape(-1, x.shape[-1]).float(), router.weight.float())
+        routing_map = output[1]
+        self.moe_records.append(MoERecord(self._moe_tag[0], self._moe_tag[1], logits.detach(),
+                                          routing_map.detach().reshape(logits.shape).bool()))
+
+    def execution(self, depth: int) -> tuple[int, int]:
+        """(block, pass) that core execution ``depth`` (1-based) runs in a fixed plan."""
+        nb = self.cfg.num_blocks
+        if self.cfg.plan == "accordion":
+            return (depth - 1, 0) if depth <= nb else (depth - 1 - nb, 1)
+        return (depth - 1) % nb, (depth - 1) // nb
+
+    def _pass_context(self, block: int, pass_index: int, stack: contextlib.ExitStack):
+        """Enter the pass-specific sub-modules of ``block``; returns the write gates (or None)."""
+        from megatron_lol.model.library import swapped_modules
+
+        if pass_index == 0:
+            return None
+        layer = self.block(block)
+        if self.pass_attention is not None:
+            att = self.pass_attention[f"{block}_{pass_index}"]
+            stack.enter_context(swapped_modules(layer, input_layernorm=att.input_layernorm,
+                                                self_attention=att.self_attention))
+        if self.second_pass_routers is not None:
+            stack.enter_context(swapped_modules(layer.mlp, router=self.second_pass_routers[str(block)]))
+        if self.loop_gates is not None:
+            return self.loop_gates[block, 0], self.loop_gates[block, 1]
+        return None
 
     # ------------------------------------------------------------------ helpers
     def local_block_ids(self) -> list:
@@ -164,11 +258,13 @@ class RoutedCore(nn.Module):
             else:
                 norm.film = (self.film_gamma[depth - 1, block, i], self.film_beta[depth - 1, block, i])
 
-    def _call_block(self, block: int, depth: int, x: torch.Tensor, mask: SegmentMask, rope) -> torch.Tensor:
+    def _call_block(self, block: int, depth: int, x: torch.Tensor, mask: SegmentMask, rope,
+                    pass_index: int = 0) -> torch.Tensor:
         """Run one library block on ``x`` ([s, b, h] or packed [T, 1, h]).
 
-        With full activation recomputation the whole block call (FiLM included)
-        is re-run in the backward pass through megatron-core's checkpoint.
+        With full activation recomputation the whole block call (FiLM and
+        pass-specific parts included) is re-run in the backward pass through
+        megatron-core's checkpoint.
         """
         if self.use_te and rope is not None and mask.chunk is not None:
             rope = self._rope_table  # TE (THD) restarts positions per window itself
@@ -176,16 +272,22 @@ class RoutedCore(nn.Module):
         def run(hidden, segments, rope_):
             self._set_film(block, depth, True)
             try:
-                m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
-                return run_layer(self.block(block), hidden, m, rope_, self.use_te)
+                with contextlib.ExitStack() as stack:
+                    gates = self._pass_context(block, pass_index, stack)
+                    m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
+                    return run_layer(self.block(block), hidden, m, rope_, self.use_te, gates=gates)
             finally:
                 self._set_film(block, depth, False)
 
-        if self.recompute_full and self.training and torch.is_grad_enabled():
-            from megatron.core import tensor_parallel
+        self._moe_tag = (block, pass_index)  # not set while a checkpoint recomputes in the backward
+        try:
+            if self.recompute_full and self.training and torch.is_grad_enabled():
+                from megatron.core import tensor_parallel
 
-            return tensor_parallel.checkpoint(run, False, x, mask.segments, rope)
-        return run(x, mask.segments, rope)
+                return tensor_parallel.checkpoint(run, False, x, mask.segments, rope)
+            return run(x, mask.segments, rope)
+        finally:
+            self._moe_tag = None
 
     def decide(self, depth: int, windows: WindowLayout, flat: torch.Tensor,
                forced: Optional[ForcedPath], noise_seeds: Optional[torch.Tensor] = None,
@@ -319,17 +421,18 @@ class RoutedCore(nn.Module):
 
     def _fixed_update(self, depth, flat, docs, windows, token_rope, b, s_len, truncated):
         cfg = self.cfg
-        block = (depth - 1) % cfg.num_blocks
+        block, pass_index = self.execution(depth)
         with torch.no_grad() if truncated else contextlib.nullcontext():
             if cfg.dense_attention == "strided":
                 mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
-                new = self._call_block(block, depth, flat.unsqueeze(1), mask, token_rope).squeeze(1)
+                new = self._call_block(block, depth, flat.unsqueeze(1), mask, token_rope, pass_index).squeeze(1)
             else:
                 x = flat.view(b, s_len, -1).transpose(0, 1)
                 sliding = cfg.window_size if cfg.dense_attention == "sliding" else None
                 mask = SegmentMask(segments=docs.doc_index, sliding=sliding)
                 rope = token_rope[:s_len] if token_rope is not None else None
-                new = self._call_block(block, depth, x, mask, rope).transpose(0, 1).reshape(b * s_len, -1)
+                new = self._call_block(block, depth, x, mask, rope, pass_index)
+                new = new.transpose(0, 1).reshape(b * s_len, -1)
         if truncated:
             return flat + (new - flat).detach()
         return new

@@ -17,6 +17,7 @@ the platform; where it sits is the spec's business, as in megatron-core.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Optional
 
@@ -118,15 +119,34 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
     )
     if model.num_experts and model.moe_layers != "none":
         # megatron-core MoE MLPs (used by the layers the spec gives an MoE MLP: see moe_layers)
+        # Switch load balance + optional z-loss, both per layer call; Foil averages them over
+        # every MoE execution (each layer on each pass) instead of megatron's sum over layers
+        scale = 1.0 / moe_executions(model) if model.moe_loss_average_over_executions else 1.0
         kwargs.update(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
                       moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden,
-                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=0.01,
+                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=model.moe_aux_loss_coeff * scale,
+                      moe_z_loss_coeff=(model.moe_z_loss_coeff * scale if model.moe_z_loss_coeff else None),
+                      moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                       moe_router_dtype="fp32")
     fp8 = fp8 or model.fp8
     if fp8 is not None:
         kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe or model.fp8_recipe)
     return TransformerConfig(**kwargs)
+
+
+def moe_executions(model: ModelConfig) -> int:
+    """MoE layer calls per forward pass (fixed layers once each, core blocks per execution)."""
+    fixed = model.n_prelude + model.n_coda if model.moe_layers in ("fixed", "all") else 0
+    return max(1, fixed + (model.core_depth if model.moe_layers == "all" else 0))
+
+
+def core_config(config, model: ModelConfig):
+    """The core's TransformerConfig: its MoE layers may hold another number of experts (Foil's E)."""
+    experts = model.core_experts
+    if experts is None or experts == config.num_moe_experts:
+        return config
+    return dataclasses.replace(config, num_moe_experts=experts)
 
 
 def packed_seq_params(segments: torch.Tensor):
@@ -208,8 +228,42 @@ def layer_norms(layer) -> list[FiLMRMSNorm]:
             if isinstance(m, FiLMRMSNorm)]
 
 
+def build_attention_set(spec, config, layer_number: int, vp_stage: Optional[int] = None) -> nn.Module:
+    """An attention sub-layer (input norm + self-attention) shaped like ``spec``'s.
+
+    Foil's untied passes: a looped block keeps its MLP (experts, router) for
+    every pass but gets one of these per extra pass. Built through megatron's
+    own layer (MLP and its norm replaced by identities) so the attention is
+    exactly the block's kind (local or TE, GQA, TP-sharded).
+    """
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    sub = dataclasses.replace(spec.submodules, mlp=IdentityOp, pre_mlp_layernorm=IdentityOp)
+    layer = build_layer(dataclasses.replace(spec, submodules=sub), config, layer_number, vp_stage)
+    holder = nn.Module()
+    holder.input_layernorm = layer.input_layernorm
+    holder.self_attention = layer.self_attention
+    return holder
+
+
+@contextlib.contextmanager
+def swapped_modules(module: nn.Module, **replacements: nn.Module):
+    """Temporarily run ``module`` with some of its sub-modules replaced.
+
+    How a shared block runs with pass-specific parts (Foil's untied attention,
+    Accordion's separate second-pass router) without copying the block: the
+    parameters stay where they live, only the call is redirected.
+    """
+    old = {name: module._modules[name] for name in replacements}
+    module._modules.update(replacements)
+    try:
+        yield module
+    finally:
+        module._modules.update(old)
+
+
 def run_layer(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], use_te: bool,
-              recompute: bool = False) -> torch.Tensor:
+              recompute: bool = False, gates: Optional[tuple] = None) -> torch.Tensor:
     """Run a megatron layer with segment-causal attention, on either backend.
 
     Local spec: ``mask`` (a :class:`SegmentMask`) goes to our core attention.
@@ -224,17 +278,32 @@ def run_layer(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], u
 
         def run(h, segments, rope_):
             m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
-            return run_layer(layer, h, m, rope_, use_te)
+            return run_layer(layer, h, m, rope_, use_te, gates=gates)
 
         return tensor_parallel.checkpoint(run, False, hidden, mask.segments, rope)
     if not use_te:
-        out, _ = layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope)
-        return out
+        return _call_layer(layer, hidden, gates, attention_mask=mask, rotary_pos_emb=rope)
     if mask.sliding is not None:
         raise NotImplementedError("sliding-window dense attention is not wired to Transformer Engine yet")
     s, b, h = hidden.shape
     packed = hidden if b == 1 else hidden.transpose(0, 1).reshape(b * s, 1, h)
     segments = mask.segments.reshape(-1) if mask.segments is not None else torch.arange(b).repeat_interleave(s)
-    out, _ = layer(hidden_states=packed, attention_mask=None, rotary_pos_emb=rope,
-                   packed_seq_params=packed_seq_params(segments))
+    out = _call_layer(layer, packed, gates, attention_mask=None, rotary_pos_emb=rope,
+                      packed_seq_params=packed_seq_params(segments))
     return out if b == 1 else out.view(b, s, h).transpose(0, 1)
+
+
+def _call_layer(layer, hidden: torch.Tensor, gates: Optional[tuple], **kwargs) -> torch.Tensor:
+    """``layer(hidden)``; with ``gates = (g_attn, g_mlp)`` each residual write is scaled per channel.
+
+    Accordion's second pass: ``h1 = h + g_attn * (Attn(h) - h)``, ``h2 = h1 + g_mlp *
+    (MLP(h1) - h1)``, using megatron's own two halves of the layer call.
+    """
+    if gates is None:
+        out, _ = layer(hidden_states=hidden, **kwargs)
+        return out
+    g_attn, g_mlp = gates
+    after_attn, _ = layer._forward_attention(hidden_states=hidden, **kwargs)
+    h1 = hidden + g_attn.to(hidden.dtype) * (after_attn - hidden)
+    after_mlp = layer._forward_mlp(h1)
+    return h1 + g_mlp.to(hidden.dtype) * (after_mlp - h1)

@@ -20,7 +20,8 @@ from torch import nn
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.core import CoreOutput, ForcedPath, RoutedCore
-from megatron_lol.model.library import FiLMRMSNorm, block_spec, build_layer, run_layer, transformer_config, use_te_for
+from megatron_lol.model.library import (FiLMRMSNorm, block_spec, build_layer, core_config, run_layer, transformer_config,
+                                        use_te_for)
 from megatron_lol.model.windows import DocumentLayout
 
 
@@ -120,6 +121,13 @@ class LoLGPTModel(_language_module()):
             raise ConfigError("parallel.sequence_parallel: not yet supported with Transformer Engine THD packing "
                               "of documents; set model.use_transformer_engine: false or sequence_parallel: false")
         moe = model.num_experts if model.moe_layers != "none" else None
+        if moe:
+            # megatron-core's MoE loss logging tracker is process-global and sized by the first
+            # model's num_layers; a model built later in the same process (tests, notebooks,
+            # conversion) with more layers would index past it
+            from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+            get_moe_layer_wise_logging_tracker().clear()
         fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
         spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None)
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
@@ -140,9 +148,10 @@ class LoLGPTModel(_language_module()):
         if self.stage.depths is not None:
             # The core packs windows of the whole sequence, so it runs on the gathered
             # (TP-replicated) sequence: its blocks are tensor parallel without SP.
-            core_config = (dataclasses.replace(self.config, sequence_parallel=False)
-                           if self.config.sequence_parallel else self.config)
-            self.core = RoutedCore(model, core_config, spec, first_layer_number=model.n_prelude + 1,
+            core_cfg = core_config(self.config, model)  # Foil: the core's own expert count
+            if core_cfg.sequence_parallel:
+                core_cfg = dataclasses.replace(core_cfg, sequence_parallel=False)
+            self.core = RoutedCore(model, core_cfg, spec, first_layer_number=model.n_prelude + 1,
                                    init_seed=init_seed, vp_stage=vp_stage, use_te=self.use_te)
         first_coda = model.n_prelude + model.num_blocks + 1
         self.coda = nn.ModuleDict()
@@ -167,10 +176,14 @@ class LoLGPTModel(_language_module()):
                 docs: Optional[DocumentLayout] = None, depth: Optional[int] = None,
                 forced_path: Optional[ForcedPath] = None, record: bool = False,
                 backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
-                noise_seeds: Optional[torch.Tensor] = None, return_hidden: bool = False):
+                noise_seeds: Optional[torch.Tensor] = None, return_hidden: bool = False,
+                budget: Optional[int] = None):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
         else the logits [b, s, vocab] (this rank's vocab shard under TP). A
         pipeline stage without the head returns its output hidden states.
+
+        ``budget``: Accordion's loop budget ``k`` (default: ``model.loop_budget``,
+        else the largest of ``loop_budgets``); it sets the core depth to ``L + k``.
         """
         from megatron.core import tensor_parallel
 
@@ -188,6 +201,8 @@ class LoLGPTModel(_language_module()):
             hidden = run_layer(layer, hidden, doc_mask, rope, self.use_te, recompute)
         self.last_core = None
         if self.core is not None:
+            if self.cfg.plan == "accordion":
+                depth = self.cfg.num_blocks + self.resolve_budget(budget)
             depth = self.cfg.core_depth if depth is None else depth
             sequence_parallel = self.config.sequence_parallel
             if sequence_parallel:
@@ -217,6 +232,16 @@ class LoLGPTModel(_language_module()):
         return self.compute_language_model_loss(labels, logits)
 
     # ------------------------------------------------------------ utilities
+    def resolve_budget(self, budget: Optional[int]) -> int:
+        """Accordion's budget for a call: the given one, else the config's, else the largest."""
+        cfg = self.cfg
+        k = budget if budget is not None else cfg.loop_budget if cfg.loop_budget is not None else max(cfg.loop_budgets)
+        if k not in cfg.loop_budgets:
+            from megatron_lol.config.schema import ConfigError
+
+            raise ConfigError(f"budget: {k} is not one of model.loop_budgets {cfg.loop_budgets}")
+        return k
+
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):
         """Layout-independent distributed-checkpoint keys (see :mod:`megatron_lol.parallel.sharded_state`)."""
         from megatron_lol.parallel.sharded_state import lol_sharded_state_dict

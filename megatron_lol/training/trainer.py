@@ -48,6 +48,8 @@ class StepResult:
     seconds: float
     skipped: bool
     utilisation: list = field(default_factory=list)  # [depth][block] share of windows
+    budgets: list = field(default_factory=list)  # accordion: the budget of each micro-batch
+    moe_routing: Optional[dict] = None  # looped/accordion MoE cores: U_t, B2, MMR (log steps only)
 
 
 class Trainer:
@@ -62,6 +64,10 @@ class Trainer:
         self.nonfinite_skipped = 0
         self._step_loads: Optional[torch.Tensor] = None
         self._step_aux: list = []
+        self._step_budgets: list = []  # accordion: budgets of this step's micro-batches
+        self._microbatch = 0  # index of the next micro-batch within the current schedule
+        self._eval_budget: Optional[int] = None
+        self.last_eval_by_budget: dict = {}
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> "Trainer":
@@ -224,13 +230,40 @@ class Trainer:
         growth_iters = math.floor(cur.growth_fraction * self.cfg.training.train_iters)
         return depth_at_step(step, growth_iters, cur.initial_depth, full)
 
+    def budget_for(self, iteration: int, microbatch: int) -> Optional[int]:
+        """Accordion: the budget of one training micro-batch (None for other plans).
+
+        Drawn uniformly from ``loop_budgets`` by a generator seeded with (seed,
+        iteration, micro-batch index): every rank of a step — data, tensor and
+        expert parallel alike — draws the same budget without communicating, and
+        a resumed run draws what the uninterrupted one would have.
+        """
+        m = self.cfg.model
+        if m.plan != "accordion":
+            return None
+        if m.loop_budget is not None:
+            return m.loop_budget
+        import numpy as np
+
+        rng = np.random.default_rng([self.cfg.training.seed, iteration, microbatch])
+        return int(m.loop_budgets[int(rng.integers(len(m.loop_budgets)))])
+
     def _forward_step(self, depth: int, data_iterator, model):
         batch = next(data_iterator)
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
         cur = self.cfg.curriculum
         seeds = batch["sample_ids"] + self.cfg.training.seed * 1_000_000_007 if "sample_ids" in batch else None
+        kwargs = {}
+        if self.cfg.model.plan == "accordion":
+            if model.training:
+                budget = self.budget_for(self.iteration, self._microbatch)
+                self._step_budgets.append(budget)
+            else:
+                budget = self._eval_budget
+            kwargs["budget"] = budget
+        self._microbatch += 1
         output = model(tokens, labels=labels, depth=depth, backprop_depth=cur.backprop_depth,
-                       first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds)
+                       first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds, **kwargs)
         core = getattr(model, "module", model).last_core
         if core is not None and model.training:
             if core.block_loads is not None:
@@ -256,6 +289,7 @@ class Trainer:
 
         tr = self.cfg.training
         AuxLossAttach.scale = 1.0 / self.num_microbatches
+        self._microbatch = 0
         fb = get_forward_backward_func()
         return fb(forward_step_func=partial(self._forward_step, depth), data_iterator=data_iterator,
                   model=self.model_chunks, num_microbatches=self.num_microbatches,
@@ -285,8 +319,12 @@ class Trainer:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._step_loads, self._step_aux = None, []
+        self._step_loads, self._step_aux, self._step_budgets = None, [], []
+        record_moe = self._moe_cores() and (self.iteration + 1) % self.cfg.training.log_interval == 0
+        for core in self._moe_cores() if record_moe else ():
+            core.moe_records = []
         outputs = self._run_schedule(data_iterator, depth, forward_only=False)
+        moe_routing = self._moe_routing_metrics() if record_moe else None
         loss = self._reduce_loss(outputs)
         finite = math.isfinite(loss)
         if finite:
@@ -321,9 +359,30 @@ class Trainer:
         self.iteration += 1
         self.consumed_train_samples += self.global_batch_size
         tokens = self.global_batch_size * self.cfg.training.seq_length
+        if self._step_budgets:
+            depth = self.cfg.model.num_blocks + max(self._step_budgets)
         return StepResult(step=self.iteration, loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm,
                           depth=depth, tokens=tokens, seconds=time.perf_counter() - t0, skipped=skipped,
-                          utilisation=utilisation)
+                          utilisation=utilisation, budgets=list(self._step_budgets), moe_routing=moe_routing)
+
+    def _moe_cores(self) -> list:
+        """Cores whose fixed-plan blocks are MoE layers (Foil, Accordion): their routing is measured."""
+        m = self.cfg.model
+        if m.plan == "lol" or m.core_experts is None:
+            return []
+        return [c.module.core for c in self.model_chunks if c.module.core is not None]
+
+    def _moe_routing_metrics(self) -> Optional[dict]:
+        """U_t, B2 and MMR per pass of this step's micro-batches (this rank's tokens)."""
+        from megatron_lol.analysis.moe_routing import summarise
+
+        records = []
+        for core in self._moe_cores():
+            records.extend(core.moe_records or [])
+            core.moe_records = None
+        if not records:
+            return None
+        return summarise(records, self.cfg.model.core_experts, self.cfg.model.moe_router_topk)
 
     def _balancers(self):
         cores = [c.module.core for c in self.model_chunks if c.module.core is not None]
@@ -349,8 +408,24 @@ class Trainer:
         for b in balancers:
             b.update(step, self.cfg.training.train_iters, loads=loads.clone())
 
-    @torch.no_grad()
+    def eval_budgets(self) -> list:
+        """Accordion: the budgets evaluated (the fixed one, else every one); [None] otherwise."""
+        m = self.cfg.model
+        if m.plan != "accordion":
+            return [None]
+        return [m.loop_budget] if m.loop_budget is not None else list(m.loop_budgets)
+
     def evaluate(self, dataset=None, iters: Optional[int] = None) -> float:
+        """Validation loss; Accordion: the mean over the evaluated budgets (per budget in
+        ``self.last_eval_by_budget``), the same validation batches for each budget."""
+        budgets = self.eval_budgets()
+        losses = {k: self._evaluate_once(dataset, iters, k) for k in budgets}
+        self.last_eval_by_budget = {k: v for k, v in losses.items() if k is not None}
+        return sum(losses.values()) / len(losses)
+
+    @torch.no_grad()
+    def _evaluate_once(self, dataset=None, iters: Optional[int] = None, budget: Optional[int] = None) -> float:
+        self._eval_budget = budget
         dataset = dataset if dataset is not None else self.valid_ds
         iters = self.cfg.training.eval_iters if iters is None else iters
         if dataset is None or iters == 0:
@@ -389,7 +464,11 @@ class Trainer:
             eval_loss = None
             if res.step % tr.eval_interval == 0 or res.step == tr.train_iters:
                 eval_loss = self.evaluate()
-            window_flops += self._step_flops(res.depth)
+            if res.budgets:  # accordion: micro-batches ran different depths
+                nb = self.cfg.model.num_blocks
+                window_flops += sum(self._step_flops(nb + k) for k in res.budgets) / len(res.budgets)
+            else:
+                window_flops += self._step_flops(res.depth)
             if res.step % tr.log_interval == 0 or res.step == tr.train_iters or eval_loss is not None:
                 tps = window_tokens / max(window_time, 1e-9)
                 tflops = window_flops / max(window_time, 1e-9) / torch.distributed.get_world_size() / 1e12
@@ -418,8 +497,10 @@ class Trainer:
         if self.metrics_path:
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as f:
-                f.write(json.dumps({"step": 0, "eval_loss": eval_loss, "depth": self.depth_at(0),
-                                    "consumed_samples": 0}) + "\n")
+                record = {"step": 0, "eval_loss": eval_loss, "depth": self.depth_at(0), "consumed_samples": 0}
+                if self.last_eval_by_budget:
+                    record["eval_loss_by_budget"] = {str(k): v for k, v in self.last_eval_by_budget.items()}
+                f.write(json.dumps(record) + "\n")
 
     def _step_flops(self, depth: int) -> float:
         """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together."""
@@ -458,6 +539,14 @@ class Trainer:
             msg += f" | eval loss {eval_loss:.4f}"
         if util:
             msg += f" | blocks {util}"
+        if res.budgets:
+            msg += f" | budgets {res.budgets}"
+        by_budget = getattr(self, "last_eval_by_budget", None) if eval_loss is not None else None
+        if by_budget:
+            msg += " | eval by budget " + " ".join(f"k={k}:{v:.4f}" for k, v in by_budget.items())
+        if res.moe_routing:
+            r = res.moe_routing
+            msg += (f" | U_t {r['distinct_experts_per_token']:.2f} | B2 {r['b2']:.3f} | MMR {r['mmr']:.3f}")
         print(msg, flush=True)
         if self.metrics_path:
             record = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
@@ -467,6 +556,12 @@ class Trainer:
                       "consumed_samples": self.consumed_train_samples}
             if eval_loss is not None:
                 record["eval_loss"] = eval_loss
+                if by_budget:
+                    record["eval_loss_by_budget"] = {str(k): v for k, v in by_budget.items()}
+            if res.budgets:
+                record["budgets"] = res.budgets
+            if res.moe_routing:
+                record["moe_routing"] = res.moe_routing
             os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
             with open(self.metrics_path, "a") as f:
                 f.write(json.dumps(record) + "\n")
