@@ -1,20 +1,26 @@
-"""HuggingFace export of models with megatron-core FFN mixture-of-experts layers.
+"""HuggingFace export of models with megatron-core FFN mixture-of-experts layers,
+and of the two systems built on them: Foil (looped MoE core, attention untied per
+(block, pass)) and Accordion (window run once, then its first k layers again).
 
 Same machinery as ``test_convert_hf.py`` (real trainer and checkpointer, real text,
 SentencePiece tokenizer, the native model rebuilt from the checkpoint as reference):
 tiny MoE models (width 64, 4 experts of width 48, top-2) with MoE in the prelude / coda
 (``moe_layers: fixed``) or in every layer (``all``, with a shared expert), a dense-plan
-MoE stack (no longer a Llama stack), and expert-parallel (EP=2) checkpoints.
+MoE stack (no longer a Llama stack), expert-parallel (EP=2) checkpoints, a tiny Foil and
+two tiny Accordions (separate second-pass router with gates; shared router, no gates).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import sys
 
 import pytest
 import torch
 
-from test_convert_hf import _train, check_lol_export, corpus, export, heldout_batch, native_model  # noqa: F401
+from test_convert_hf import (REPO, _train, check_lol_export, corpus, export, greedy_native,  # noqa: F401
+                             heldout_batch, native_model)
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2)
 VARIANTS = {
@@ -29,6 +35,7 @@ EP2 = {
                                moe_shared_expert_intermediate_size=40)),
 }
 BF16_TOL = 0.05
+TOL = 1e-4
 
 
 @pytest.fixture(scope="module")
@@ -108,3 +115,224 @@ def test_moe_is_not_a_llama_stack(moe_single, tmp_path):
     with pytest.raises(CliError, match="moe_layers=all is not an ordinary Llama stack"):
         export(moe_single["moe_dense_all"], tmp_path / "llama", fmt="llama")
     assert not (tmp_path / "llama").exists()
+
+
+# ------------------------------------------------------------------ Foil and Accordion
+FOIL = dict(plan="looped", num_blocks=2, routed_depth=4, num_experts=4, core_num_experts=6, moe_ffn_hidden_size=48,
+            moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3,
+            moe_loss_average_over_executions=True)
+ACCORDION = dict(plan="accordion", n_prelude=1, num_blocks=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=48,
+                 moe_router_topk=2, moe_layers="all", moe_shared_expert_intermediate_size=40,
+                 loop_budgets=[0, 1, 3], second_pass_router="separate")
+SYSTEMS = {
+    "foil": FOIL,
+    "accordion": ACCORDION,
+    "accordion_shared_nogates": dict(ACCORDION, second_pass_router="shared", loop_gates=False, loop_budget=1,
+                                     loop_budgets=[0, 1, 2, 3]),
+}
+GATE_NOISE = 0.2  # three training steps move the loop gates ~1e-2 from 1: spread them before saving
+
+
+def train_perturb_save(save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3) -> str:
+    """``test_convert_hf.train_and_save``, then Accordion's loop gates are moved well away from 1."""
+    from test_convert_hf import TokenRows, _experiment, _spm_and_docs
+
+    from megatron_lol.data.tokenizers import build_tokenizer
+    from megatron_lol.training.checkpointing import Checkpointer
+    from megatron_lol.training.trainer import Trainer
+
+    cfg = _experiment(save, tokenizer_model, parallel, model)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=tokenizer_model)
+    _, docs = _spm_and_docs(os.path.dirname(tokenizer_model))
+    trainer = Trainer(cfg, tokenizer=tok, datasets=(TokenRows(tokenizer_model, docs[:-4], 16), None, None)).setup()
+    data = trainer.data_iterator(trainer.train_ds, 0)
+    for _ in range(steps):
+        trainer.train_step(data)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for chunk in trainer.model_chunks:
+            gates = getattr(getattr(chunk.module, "core", None), "loop_gates", None)
+            if gates is not None:
+                gates.add_(torch.randn(gates.shape, generator=gen).to(gates.dtype) * GATE_NOISE)
+    ckpt = Checkpointer(trainer)
+    path = ckpt.save(blocking=True)
+    ckpt.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def systems(corpus):  # noqa: F811
+    """One 1-process launch (this file is the rank script): Foil and the two Accordions."""
+    import subprocess
+
+    from distributed import free_port
+
+    saves = {name: corpus["root"] / name for name in SYSTEMS}
+    todo = [[str(saves[name]), corpus["model"], {}, model] for name, model in SYSTEMS.items()
+            if not (saves[name] / "latest_checkpointed_iteration.txt").exists()]
+    if todo:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+                   PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(k, None)
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), __file__, json.dumps(todo)]
+        proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return saves
+
+
+def _load(out):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    return hf, AutoTokenizer.from_pretrained(out, trust_remote_code=True)
+
+
+def _greedy_hf(hf, prompt, n, **kw):
+    return hf.generate(prompt, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def test_foil_logits_and_cached_generation(systems, tmp_path, corpus):  # noqa: F811
+    """Foil: 2 blocks x 2 passes, pass 1 with its own attention; core experts (6) != prelude/coda experts (4)."""
+    diff = check_lol_export(systems["foil"], tmp_path, corpus, gen_tokens=16)  # greedy with the KV cache
+    conf = _hf_config(tmp_path)
+    assert conf["untie_attention"] and conf["core_num_experts"] == 6 and conf["num_experts"] == 4
+    assert conf["use_cache"]
+    index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))["weight_map"]
+    assert {"model.pass_attention.0_1.self_attn.q_proj.weight", "model.pass_attention.1_1.input_layernorm.weight",
+            "model.blocks.1.mlp.experts.5.down_proj.weight"} <= set(index)
+    assert not any(k.startswith("model.pass_attention.") and ".mlp." in k for k in index)
+    hf, tok = _load(tmp_path / "hf")
+    assert hf.config.num_hidden_layers == 1 + 4 + 1  # layer executions: one KV cache entry each
+    # the untied attention is used: pass 1 with the block's own attention gives other logits
+    x = heldout_batch(tok, corpus)
+    with torch.no_grad():
+        ref = hf(x).logits
+        for i in range(2):
+            att = hf.model.pass_attention[f"{i}_1"]
+            att.load_state_dict({"input_layernorm.weight": hf.model.blocks[i].input_layernorm.weight,
+                                 **{f"self_attn.{k}": v for k, v in hf.model.blocks[i].self_attn.state_dict().items()}})
+        assert (hf(x).logits - ref).abs().max() > 1e-3
+    print(f"foil: max abs logit diff {diff:.2e}")
+
+
+def _dense_twin(native, m):
+    """The native model with the second pass removed: plan dense over the same prelude, blocks and coda."""
+    from dataclasses import replace
+
+    from megatron_lol.model.lol_model import LoLGPTModel
+
+    dense = LoLGPTModel(replace(m, plan="dense", loop_budgets=[0], loop_budget=None, second_pass_router="shared"),
+                        native.vocab_size, native.eod_id)
+    state = {k: v for k, v in native.state_dict().items()
+             if not k.startswith(("core.loop_gates", "core.second_pass_routers"))}
+    dense.load_state_dict(state, strict=True)
+    return dense.eval()
+
+
+@pytest.mark.parametrize("name", ["accordion", "accordion_shared_nogates"])
+def test_accordion_every_budget(systems, name, tmp_path, corpus):  # noqa: F811
+    m = SYSTEMS[name]
+    out = tmp_path / "hf"
+    export(systems[name], out)
+    conf = json.load(open(out / "config.json"))
+    default = m.get("loop_budget", max(m["loop_budgets"]))
+    assert conf["loop_budgets"] == m["loop_budgets"] and conf["loop_budget"] == default
+    assert conf["use_cache"]
+    index = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
+    assert ("model.loop_gates" in index) == m.get("loop_gates", True)
+    assert ("model.second_pass_routers.2.weight" in index) == (m["second_pass_router"] == "separate")
+    hf, tok = _load(out)
+    assert hf.config.num_hidden_layers == 1 + 3 + max(m["loop_budgets"]) + 1
+    native = native_model(systems[name])
+    x = heldout_batch(tok, corpus)
+    diffs = {}
+    with torch.no_grad():
+        if m.get("loop_gates", True):  # the saved gates are far from 1 (this test's perturbation)
+            assert (native.core.loop_gates - 1).abs().max() > 0.1
+        for k in m["loop_budgets"]:
+            want = native(x, budget=k)
+            diffs[k] = (want - hf(x, loop_budget=k).logits).abs().max().item()
+            assert diffs[k] <= TOL, (k, diffs)
+        assert torch.equal(hf(x).logits, hf(x, loop_budget=default).logits)
+        budgets = m["loop_budgets"]
+        assert (hf(x, loop_budget=budgets[0]).logits - hf(x, loop_budget=budgets[-1]).logits).abs().max() > 1e-3
+        # k = 0 is the model with the second pass removed
+        twin = _dense_twin(native, native.cfg)
+        zero = (twin(x) - hf(x, loop_budget=0).logits).abs().max().item()
+        assert zero <= TOL, zero
+        with pytest.raises(ValueError, match="loop_budget=5 is not one of"):
+            hf(x, loop_budget=5)
+    # greedy generation with a budget: KV cache (one entry per execution) == no cache == native
+    prompt = x[:1, :12]
+    for k in (1, budgets[-1]):
+        got = _greedy_hf(hf, prompt, 12, loop_budget=k)
+        assert torch.equal(got, _greedy_hf(hf, prompt, 12, loop_budget=k, use_cache=False))
+        seq = prompt
+        with torch.no_grad():
+            for _ in range(12):
+                seq = torch.cat([seq, native(seq, budget=k)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(got, seq), (k, got, seq)
+    print(f"{name}: max abs logit diff per budget " + ", ".join(f"k={k}: {d:.2e}" for k, d in diffs.items())
+          + f"; k=0 vs second pass removed: {zero:.2e}")
+
+
+def test_cache_with_documents_and_padding(systems, tmp_path, corpus):  # noqa: F811
+    """The KV cache path equals full recomputation across an EOD and with left padding (batched generate)."""
+    out = tmp_path / "hf"
+    export(systems["accordion"], out)
+    hf, tok = _load(out)
+    x = heldout_batch(tok, corpus)
+    with torch.no_grad():
+        full = hf(x, loop_budget=1).logits
+        # prefill 20 tokens (the EOD is at 21), then one token at a time
+        step = hf(x[:, :20], loop_budget=1, use_cache=True)
+        cache, logits = getattr(step, "cache", None) or step.past_key_values, [step.logits]
+        for t in range(20, x.shape[1]):
+            step = hf(x[:, t:t + 1], loop_budget=1, cache=cache, context_ids=x[:, :t + 1])
+            logits.append(step.logits)
+        assert (torch.cat(logits, dim=1) - full).abs().max() <= TOL
+        with pytest.raises(ValueError, match="loop_budget=1, not 3"):
+            hf(x[:, :1], loop_budget=3, cache=cache, context_ids=x[:, :x.shape[1] + 1])
+    # batched generation with left padding: each row as generated alone
+    rows = [x[0, :9], x[1, :14]]
+    pad = hf.generation_config.pad_token_id if hf.generation_config.pad_token_id is not None else 0
+    batch = torch.full((2, 14), pad, dtype=torch.long)
+    mask = torch.zeros(2, 14, dtype=torch.long)
+    for i, r in enumerate(rows):
+        batch[i, 14 - len(r):], mask[i, 14 - len(r):] = r, 1
+    got = _greedy_hf(hf, batch, 8, attention_mask=mask, loop_budget=1, pad_token_id=pad)
+    for i, r in enumerate(rows):
+        alone = _greedy_hf(hf, r.unsqueeze(0), 8, loop_budget=1)
+        assert torch.equal(got[i, 14:], alone[0, len(r):]), i
+
+
+def test_loop_budget_flag(systems, tmp_path):
+    from megatron_lol.cli import main
+
+    out = tmp_path / "k1"
+    assert main(["convert-hf", "--load", str(systems["accordion"]), "--save", str(out), "--loop-budget", "1",
+                 "--no-tokenizer", "--eod-id", "2"]) == 0
+    assert json.load(open(out / "config.json"))["loop_budget"] == 1
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
+    x = torch.arange(3, 40).view(1, -1)
+    with torch.no_grad():
+        assert torch.equal(hf(x).logits, hf(x, loop_budget=1).logits)
+    from megatron_lol.cli import CliError
+    from megatron_lol.convert.to_hf import convert_checkpoint
+
+    with pytest.raises(CliError, match=r"^--loop-budget: 2 is not one of the model's loop_budgets \[0, 1, 3\]$"):
+        convert_checkpoint(str(systems["accordion"]), str(tmp_path / "k2"), loop_budget=2, export_tokenizer=False)
+    with pytest.raises(CliError, match="^--loop-budget: only plan accordion has a loop budget"):
+        convert_checkpoint(str(systems["foil"]), str(tmp_path / "k3"), loop_budget=1, export_tokenizer=False)
+    assert main(["convert-hf", "--load", str(systems["accordion"]), "--save", str(tmp_path / "k4"),
+                 "--loop-budget", "2"]) == 2
+    assert not (tmp_path / "k2").exists() and not (tmp_path / "k4").exists()
+
+
+if __name__ == "__main__":  # a rank of the ``systems`` launch (torch.distributed.run)
+    for job in json.loads(sys.argv[1]):
+        train_perturb_save(*job)

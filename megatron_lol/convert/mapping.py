@@ -59,7 +59,7 @@ class Dims:
         return cls(hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
                    head_dim=m.kv_channels or m.hidden_size // heads, ffn=m.ffn_hidden,
                    moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden) if moe else 0,
-                   shared_ffn=(getattr(m, "moe_shared_expert_intermediate_size", None) or 0) if moe else 0)
+                   shared_ffn=(m.moe_shared_expert_intermediate_size or 0) if moe else 0)
 
 
 def fixed_experts(m: ModelConfig) -> int | None:
@@ -71,7 +71,7 @@ def core_experts(m: ModelConfig) -> int | None:
     """Experts of the core blocks' MLPs (None: dense MLPs); Foil's ``core_num_experts`` when set."""
     if m.moe_layers != "all":
         return None
-    return getattr(m, "core_num_experts", None) or m.num_experts
+    return m.core_num_experts or m.num_experts
 
 
 def layer_experts(prefix: str, m: ModelConfig) -> int | None:
@@ -121,6 +121,17 @@ def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
     out: dict[str, tuple] = {"embedding.word_embeddings.weight": (vocab, h)}
     for prefix in layer_prefixes(m):
         out.update({prefix + k: v for k, v in layer_shapes(d, layer_experts(prefix, m)).items()})
+    if m.plan == "looped" and m.untie_attention:
+        # Foil: input norm + attention of block i in pass p >= 1
+        for p in range(1, m.loop_passes):
+            for i in range(L):
+                out.update({f"core.pass_attention.{i}_{p}.{k}": v for k, v in attention_shapes(d).items()})
+    if m.plan == "accordion":
+        if m.loop_gates:
+            out["core.loop_gates"] = (L, 2, h)
+        if m.second_pass_router == "separate":
+            for i in range(L):
+                out[f"core.second_pass_routers.{i}.weight"] = (core_experts(m), h)
     if m.plan == "lol":
         out["core.depth_vectors"] = (D, h)
         for r in range(1 if m.router_tied else D):
@@ -211,7 +222,7 @@ def layer_to_hf(suffix: str, t: torch.Tensor, d: Dims) -> list[tuple[str, torch.
 def split_layer_name(name: str) -> tuple[str, str]:
     """``core.blocks.3.mlp.linear_fc1.weight`` -> (``core.blocks.3.``, ``mlp.linear_fc1.weight``)."""
     parts = name.split(".")
-    n = 3 if name.startswith("core.blocks.") else 2
+    n = 3 if name.startswith(("core.blocks.", "core.pass_attention.")) else 2
     return ".".join(parts[:n]) + ".", ".".join(parts[n:])
 
 
@@ -226,6 +237,7 @@ def lol_hf_names(name: str, m: ModelConfig) -> str | None:
         "core.film_gamma": "model.film_gamma",
         "core.film_beta": "model.film_beta",
         "core.injection_logit": "model.injection_logit",
+        "core.loop_gates": "model.loop_gates",
     }
     if name in fixed:
         return fixed[name]
@@ -234,6 +246,10 @@ def lol_hf_names(name: str, m: ModelConfig) -> str | None:
         if kind == "noise_scale":
             return None  # training-time noise only
         return f"model.routing.routers.{r}.{param}"
+    if name.startswith("core.second_pass_routers."):
+        return f"model.second_pass_routers.{name.split('.')[2]}.weight"
+    if name.startswith("core.pass_attention."):
+        return "model.pass_attention." + name.split(".")[2] + "."
     if name.startswith("prelude."):
         return "model.prelude." + name.split(".")[1] + "."
     if name.startswith("core.blocks."):

@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # kept in fp32 whatever --dtype (the native model computes LoL routing and megatron-core's
 # MoE router logits in fp32; a bf16 router weight widens exactly)
-FP32_NAMES = ("model.routing.",)
+FP32_NAMES = ("model.routing.", "model.second_pass_routers.")
 FP32_PARTS = (".mlp.router.",)
 
 
@@ -60,6 +60,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", default=None, help="training YAML, when the checkpoint has no run_config.yaml")
     parser.add_argument("--format", choices=("auto", "lol", "llama"), default="auto",
                         help="auto: stock Llama for plain dense stacks, else LoL remote code")
+    parser.add_argument("--loop-budget", type=int, default=None,
+                        help="plan accordion: the default loop budget k of the exported model (one of the run's "
+                             "model.loop_budgets; default: the run's model.loop_budget, else the largest)")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 2GB, 500MB)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --save directory")
 
@@ -68,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     summary = convert_checkpoint(
         args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
         tokenizer_type=args.tokenizer_type, export_tokenizer=not args.no_tokenizer, eod_id=args.eod_id,
-        config=args.config, fmt=args.format, max_shard_size=args.max_shard_size, force=args.force)
+        config=args.config, fmt=args.format, max_shard_size=args.max_shard_size, force=args.force,
+        loop_budget=args.loop_budget)
     print(f"wrote {summary['format']} model ({summary['num_tensors']} tensors, {summary['num_shards']} shard(s), "
           f"{summary['dtype']}) from {summary['source']} to {args.save}")
     return 0
@@ -170,8 +174,24 @@ def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, sou
 
 
 # ------------------------------------------------------------------ configs
-def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict) -> dict:
+def resolve_loop_budget(m: ModelConfig, loop_budget: Optional[int]) -> Optional[int]:
+    """The exported default budget of an accordion model: ``--loop-budget``, else the run's, else the largest."""
+    if m.plan != "accordion":
+        if loop_budget is not None:
+            raise CliError(f"--loop-budget: only plan accordion has a loop budget (this model's plan is {m.plan})")
+        return None
+    budgets = list(m.loop_budgets)
+    if loop_budget is not None and loop_budget not in budgets:
+        raise CliError(f"--loop-budget: {loop_budget} is not one of the model's loop_budgets {budgets}")
+    if loop_budget is not None:
+        return loop_budget
+    return m.loop_budget if m.loop_budget is not None else max(budgets)
+
+
+def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict,
+                    loop_budget: Optional[int] = None) -> dict:
     m, d = cfg.model, mapping.Dims.of(cfg.model)
+    accordion = m.plan == "accordion"
     return {
         "architectures": ["LoLForCausalLM"],
         "model_type": "lol",
@@ -201,6 +221,11 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "num_experts_per_tok": m.moe_router_topk if m.moe_layers != "none" else None,
         "moe_intermediate_size": d.moe_ffn or None,
         "shared_expert_intermediate_size": d.shared_ffn or None,
+        "untie_attention": m.untie_attention and m.plan == "looped",
+        "loop_budgets": list(m.loop_budgets) if accordion else [0],
+        "loop_budget": loop_budget if accordion else 0,
+        "second_pass_router": m.second_pass_router if accordion else "shared",
+        "loop_gates": bool(m.loop_gates) if accordion else False,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": float(int(m.rotary_base)),  # megatron's RotaryEmbedding takes an int base
         "rope_scaling_factor": m.rotary_scaling_factor,
@@ -211,7 +236,7 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "bos_token_id": tokens.get("bos_id"),
         "eos_token_id": tokens.get("eod_id"),
         "pad_token_id": tokens.get("pad_id"),
-        "use_cache": False,
+        "use_cache": m.plan != "lol",  # the fixed plans keep a KV cache
         "torch_dtype": DTYPE_NAMES[dtype],
     }
 
@@ -250,7 +275,8 @@ def llama_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tok
 def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
                        tokenizer: Optional[str] = None, tokenizer_type: Optional[str] = None,
                        export_tokenizer: bool = True, eod_id: Optional[int] = None, config: Optional[str] = None,
-                       fmt: str = "auto", max_shard_size="5GB", force: bool = False) -> dict:
+                       fmt: str = "auto", max_shard_size="5GB", force: bool = False,
+                       loop_budget: Optional[int] = None) -> dict:
     path, it = iteration_dir(load, iteration)
     if config is not None:
         from megatron_lol.config import load_config
@@ -258,9 +284,14 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
         cfg, info = load_config(config, check_data=False), {}
     else:
         cfg, info, _ = read_run_config(path, load)
+    budget = resolve_loop_budget(cfg.model, loop_budget)
     reader = DistCheckpointReader(path)
     keys, vocab = validate_checkpoint(reader, cfg, path)
     m = cfg.model
+    if m.untie_attention and m.film != "off":
+        # the native model applies FiLM to the block's own input norm, which a later pass does not use
+        raise CliError(f"{path}: untie_attention with film={m.film} cannot be exported (FiLM of the per-pass "
+                       f"attention norms is not defined)")
     if fmt == "llama" and not is_plain_stack(m):
         raise CliError(f"--format llama: plan={m.plan}, dense_attention={m.dense_attention}, film={m.film}, "
                        f"input_injection={m.input_injection}, moe_layers={m.moe_layers} is not an ordinary "
@@ -305,13 +336,14 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
             del tensor
         num_shards = writer.finish()
 
-        conf = (llama_config_json if llama else lol_config_json)(cfg, vocab, torch_dtype, tokens)
+        conf = (llama_config_json(cfg, vocab, torch_dtype, tokens) if llama
+                else lol_config_json(cfg, vocab, torch_dtype, tokens, budget))
         conf["megatron_lol"] = {"model": _model_dict(m), "iteration": it, "source": os.path.abspath(path)}
         _write_json(os.path.join(tmp, "config.json"), conf)
         gen = {"bos_token_id": tokens.get("bos_id"), "eos_token_id": tokens["eod_id"],
                "pad_token_id": tokens.get("pad_id"), "do_sample": False}
         if not llama:
-            gen["use_cache"] = False
+            gen["use_cache"] = m.plan != "lol"
         _write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
         if not llama:
             for f in ("configuration_lol.py", "modeling_lol.py"):
@@ -344,7 +376,7 @@ def _model_dict(m: ModelConfig) -> dict:
 
 
 def _hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims, llama: bool):
-    if name.startswith(("prelude.", "core.blocks.", "coda.")):
+    if name.startswith(("prelude.", "core.blocks.", "core.pass_attention.", "coda.")):
         prefix, suffix = mapping.split_layer_name(name)
         if llama:
             hf_prefix = f"model.layers.{mapping.llama_layer_index(prefix, m)}."

@@ -12,6 +12,13 @@ core block); ``num_experts`` experts in the prelude / coda layers,
 ``core_num_experts`` in the core blocks, ``num_experts_per_tok`` = top-k,
 ``moe_intermediate_size`` = one expert's SwiGLU width and
 ``shared_expert_intermediate_size`` an always-on shared expert (None: none).
+
+Fixed plans with several executions of a block: ``plan == "looped"`` runs the
+``num_blocks`` blocks ``routed_depth / num_blocks`` times (``untie_attention``:
+Foil, one attention per (block, pass)); ``plan == "accordion"`` runs them once and
+then the first ``loop_budget`` of them again (``loop_budgets`` the allowed budgets,
+``loop_gates`` the second pass's per-channel write gates, ``second_pass_router``
+``shared`` or ``separate`` MoE routers for the second pass).
 """
 
 from transformers import PretrainedConfig
@@ -47,6 +54,11 @@ class LoLConfig(PretrainedConfig):
         num_experts_per_tok=2,
         moe_intermediate_size=None,
         shared_expert_intermediate_size=None,
+        untie_attention=False,
+        loop_budgets=None,
+        loop_budget=None,
+        second_pass_router="shared",
+        loop_gates=True,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         rope_scaling_factor=1.0,
@@ -81,6 +93,11 @@ class LoLConfig(PretrainedConfig):
         self.num_experts_per_tok = num_experts_per_tok
         self.moe_intermediate_size = moe_intermediate_size or intermediate_size
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.untie_attention = untie_attention
+        self.loop_budgets = [int(k) for k in loop_budgets] if loop_budgets else [0]
+        self.loop_budget = int(loop_budget) if loop_budget is not None else max(self.loop_budgets)
+        self.second_pass_router = second_pass_router
+        self.loop_gates = loop_gates
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.rope_scaling_factor = rope_scaling_factor
@@ -93,8 +110,18 @@ class LoLConfig(PretrainedConfig):
 
     @property
     def core_depth(self):
-        """Block executions in the routed core: ``num_blocks`` for the dense plan, else ``routed_depth``."""
-        return self.num_blocks if self.plan == "dense" else self.routed_depth
+        """Block executions in the core: ``num_blocks`` for the dense plan, ``num_blocks`` + the largest
+        budget for accordion, else ``routed_depth``."""
+        if self.plan == "dense":
+            return self.num_blocks
+        if self.plan == "accordion":
+            return self.num_blocks + max(self.loop_budgets)
+        return self.routed_depth
+
+    @property
+    def loop_passes(self):
+        """Looped plan: how often each block runs."""
+        return self.routed_depth // self.num_blocks if self.plan == "looped" else 1
 
     @property
     def fixed_layer_experts(self):

@@ -24,9 +24,20 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
     of that block;
   - update ``s <- s + alpha * (E(s) - s)`` where ``E`` is the chosen library block run
     with attention restricted to the window (causal);
-  - ``plan == "dense"`` runs block ``l``, ``plan == "looped"`` block ``(l - 1) mod L``,
-    both with gate 1 and attention ``full`` (document), ``sliding`` (the last
-    ``W`` tokens of the document) or ``strided`` (the windows above);
+  - fixed plans (gate 1; attention ``full`` (document), ``sliding`` (the last ``W``
+    tokens of the document) or ``strided`` (the windows above)): ``plan == "dense"``
+    runs block ``l``; ``plan == "looped"`` block ``(l - 1) mod L`` in pass
+    ``(l - 1) div L`` (with ``untie_attention`` -- Foil -- pass ``p >= 1`` of block
+    ``i`` uses its own input norm and attention ``pass_attention["{i}_{p}"]``; the
+    MLP / experts, their router and the MLP norm are the block's own);
+    ``plan == "accordion"`` runs blocks ``0..L-1`` (first pass) and then blocks
+    ``0..k-1`` again (second pass), ``k`` the loop budget (``config.loop_budget``,
+    or ``loop_budget=`` of ``forward`` / ``generate``, one of ``loop_budgets``).
+    In the second pass of block ``i`` the two residual writes are gated per
+    channel (``loop_gates``): ``h1 = h + g[i,0] * (Attn_out - h)``,
+    ``h2 = h1 + g[i,1] * (MLP_out - h1)`` (``*_out`` include their residual), and
+    with ``second_pass_router == "separate"`` the MoE router weights are
+    ``second_pass_routers[i]`` instead of the block's;
   - FiLM (``film != "off"``): each block norm's output becomes ``gamma * y + beta``,
     one ``(gamma, beta)`` per depth and norm (``depth``) or per depth, block and norm
     (``depth_block``).
@@ -35,8 +46,14 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
   (``fixed``) and also of the core blocks (``all``) is megatron-core's top-k MoE
   (:class:`MoEMLP`); routing is per token, so it is independent of windows.
 
-There is no KV cache: ``generate()`` recomputes the whole sequence at every step
-(routing of a window depends on the windows before it, so this is exact).
+KV cache: the fixed plans (``dense``, ``looped``, ``accordion``) cache keys and values,
+one cache layer per layer *execution* (prelude layers, then every core execution --
+a block run twice has two entries -- then the coda); ``generate()`` uses it. With a
+cache, ``forward`` needs every token id of the rows so far to find the documents:
+``generate()`` passes them as ``context_ids`` (a manual loop may too; otherwise the
+ids seen by earlier calls with this cache are used). The routed plan (``lol``) has no
+cache: ``generate()`` recomputes the whole sequence at every step (routing of a
+window depends on the windows before it, so this is exact).
 """
 
 from __future__ import annotations
@@ -49,6 +66,9 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
+
+# transformers 5 calls the KV cache ``cache``, earlier versions ``past_key_values``
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 from .configuration_lol import LoLConfig
 
@@ -91,8 +111,10 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
-        """``x`` [B, n, h]; ``positions`` [B, n]; ``allowed`` [B, n, n] (query, key) booleans."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache=None,
+                cache_index: Optional[int] = None) -> torch.Tensor:
+        """``x`` [B, n, h]; ``positions`` [B, n]; ``allowed`` [B, n, past + n] (query, key) booleans;
+        ``cache``: a transformers KV cache, this call's keys / values go to layer ``cache_index``."""
         b, n, _ = x.shape
         q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
         k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
@@ -100,6 +122,9 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.scaling, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
+        if cache is not None:  # the cache holds [B, kv_heads, length, d]
+            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), cache_index)
+            k, v = k.transpose(1, 2), v.transpose(1, 2)
         if self.kv_heads != self.heads:  # grouped-query attention
             rep = self.heads // self.kv_heads
             k = k.repeat_interleave(rep, dim=2)
@@ -178,6 +203,15 @@ class MoEMLP(nn.Module):
         return out.view(shape)
 
 
+class AttentionSet(nn.Module):
+    """An input norm and attention: Foil's attention of one (block, pass)."""
+
+    def __init__(self, config: LoLConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = Attention(config)
+
+
 class Layer(nn.Module):
     """A pre-norm transformer layer; also the type of every library block (``num_experts``: MoE MLP)."""
 
@@ -188,16 +222,26 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config) if num_experts is None else MoEMLP(config, num_experts)
 
-    def forward(self, x, positions, allowed, film=None):
-        """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms."""
-        y = self.input_layernorm(x)
+    def forward(self, x, positions, allowed, film=None, attention: Optional[AttentionSet] = None, gates=None,
+                router_weight: Optional[torch.Tensor] = None, cache=None, cache_index: Optional[int] = None):
+        """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;
+        ``attention``: another input norm + attention to use (Foil's later passes);
+        ``gates``: ``(g_attn [h], g_mlp [h])`` scaling the two residual writes (Accordion's
+        second pass); ``router_weight``: MoE router weights to use instead of the block's."""
+        att = self if attention is None else attention
+        y = att.input_layernorm(x)
         if film is not None:
             y = film[0][0].to(y.dtype) * y + film[1][0].to(y.dtype)
-        x = x + self.self_attn(y, positions, allowed)
-        y = self.post_attention_layernorm(x)
+        h = x + att.self_attn(y, positions, allowed, cache, cache_index)
+        if gates is not None:
+            h = x + gates[0].to(x.dtype) * (h - x)
+        y = self.post_attention_layernorm(h)
         if film is not None:
             y = film[0][1].to(y.dtype) * y + film[1][1].to(y.dtype)
-        return x + self.mlp(y)
+        out = h + (self.mlp(y) if router_weight is None else self.mlp(y, router_weight))
+        if gates is not None:
+            out = h + gates[1].to(x.dtype) * (out - h)
+        return out
 
 
 # ------------------------------------------------------------------ documents, windows
@@ -254,8 +298,8 @@ class LoLPreTrainedModel(PreTrainedModel):
     config_class = LoLConfig
     base_model_prefix = "model"
     _no_split_modules = ["Layer"]
-    _keep_in_fp32_modules = ["routing", "mlp.router"]
-    _keep_in_fp32_modules_strict = ["routing", "mlp.router"]
+    _keep_in_fp32_modules = ["routing", "mlp.router", "second_pass_routers"]
+    _keep_in_fp32_modules_strict = ["routing", "mlp.router", "second_pass_routers"]
 
     def _init_weights(self, module):
         std = self.config.initializer_range
@@ -289,7 +333,40 @@ class LoLModel(LoLPreTrainedModel):
             self.film_beta = nn.Parameter(torch.zeros(shape))
         if config.input_injection:
             self.injection_logit = nn.Parameter(torch.zeros(h))
+        if config.untie_attention and config.plan == "looped":
+            self.pass_attention = nn.ModuleDict({f"{i}_{p}": AttentionSet(config) for p in range(1, config.loop_passes)
+                                                 for i in range(L)})
+        if config.plan == "accordion":
+            if config.loop_gates:
+                self.loop_gates = nn.Parameter(torch.ones(L, 2, h))
+            if config.second_pass_router == "separate":
+                self.second_pass_routers = nn.ModuleList(Router(h, config.block_experts) for _ in range(L))
         self.post_init()
+
+    @property
+    def supports_cache(self) -> bool:
+        """Fixed plans keep a KV cache; the routed plan recomputes (routing depends on whole windows)."""
+        return self.config.plan != "lol"
+
+    def resolve_budget(self, loop_budget: Optional[int]) -> int:
+        """Accordion's budget ``k`` for a call: the given one, else ``config.loop_budget``."""
+        cfg = self.config
+        k = cfg.loop_budget if loop_budget is None else int(loop_budget)
+        if k not in cfg.loop_budgets:
+            raise ValueError(f"loop_budget={k} is not one of the model's loop_budgets {list(cfg.loop_budgets)}")
+        return k
+
+    def schedule(self, loop_budget: Optional[int] = None) -> list:
+        """``(block, pass)`` of every core execution of a fixed plan, in order."""
+        cfg = self.config
+        L = cfg.num_blocks
+        if cfg.plan == "dense":
+            return [(i, 0) for i in range(L)]
+        if cfg.plan == "looped":
+            return [(d % L, d // L) for d in range(cfg.routed_depth)]
+        if cfg.plan == "accordion":
+            return [(i, 0) for i in range(L)] + [(i, 1) for i in range(self.resolve_budget(loop_budget))]
+        raise ValueError(f"plan {cfg.plan} has no fixed schedule")
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -357,6 +434,7 @@ class LoLModel(LoLPreTrainedModel):
         return update
 
     def _core(self, s, positions, doc, doc_pos):
+        """The routed core (``plan == "lol"``)."""
         cfg = self.config
         s0 = s
         for depth in range(1, cfg.core_depth + 1):
@@ -373,33 +451,95 @@ class LoLModel(LoLPreTrainedModel):
                     if selected.any():
                         update = update + self._run_block_on(block, depth, s, positions, window, selected)
                 s = s + token_gate.unsqueeze(-1).to(s.dtype) * update
+        return s
+
+    def _fixed_core(self, s, positions, doc, doc_pos, loop_budget, cache, queries):
+        """dense / looped (Foil) / accordion: one block per execution, on every token."""
+        cfg = self.config
+        s0 = s
+        first = cfg.n_prelude  # cache layer of the first core execution
+        for depth, (block, p) in enumerate(self.schedule(loop_budget), start=1):
+            if cfg.input_injection:
+                mix = torch.sigmoid(self.injection_logit).to(s.dtype)
+                s = mix * s + (1 - mix) * s0
+            if cfg.dense_attention == "strided":
+                allowed = causal_same_segment(self._windows(depth, doc_pos)[0])
+            elif cfg.dense_attention == "sliding":
+                allowed = causal_same_segment(doc, sliding=cfg.window_size)
             else:
-                block = (depth - 1) % cfg.num_blocks
-                if cfg.dense_attention == "strided":
-                    allowed = causal_same_segment(self._windows(depth, doc_pos)[0])
-                elif cfg.dense_attention == "sliding":
-                    allowed = causal_same_segment(doc, sliding=cfg.window_size)
-                else:
-                    allowed = causal_same_segment(doc)
-                s = self.blocks[block](s, positions, allowed, self._film(depth, block))
+                allowed = causal_same_segment(doc)
+            attention = gates = router_weight = None
+            if p > 0 and cfg.plan == "looped" and cfg.untie_attention:
+                attention = self.pass_attention[f"{block}_{p}"]
+            if p > 0 and cfg.plan == "accordion":
+                if cfg.loop_gates:
+                    gates = (self.loop_gates[block, 0], self.loop_gates[block, 1])
+                if cfg.second_pass_router == "separate":
+                    router_weight = self.second_pass_routers[block].weight
+            s = self.blocks[block](s, positions, allowed[:, queries], self._film(depth, block), attention=attention,
+                                   gates=gates, router_weight=router_weight, cache=cache,
+                                   cache_index=first + depth - 1)
         return s
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None) -> torch.Tensor:
-        b, n = input_ids.shape
-        starts = document_starts(input_ids, self.config.eod_token_id, attention_mask)
+                inputs_embeds: Optional[torch.Tensor] = None, loop_budget: Optional[int] = None, cache=None,
+                context_ids: Optional[torch.LongTensor] = None):
+        """Final hidden states [B, n, h] and the cache (None without one).
+
+        ``cache`` (fixed plans): a transformers KV cache holding earlier tokens of these rows;
+        ``context_ids`` [B, past + n]: every token id so far (``input_ids`` are the last ``n``);
+        ``attention_mask`` may cover the ``n`` new tokens or all ``past + n``.
+        """
+        cfg = self.config
+        b, n = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        if cache is not None and not self.supports_cache:
+            raise ValueError("plan lol has no KV cache (routing of a window depends on the whole window): "
+                             "call without a cache")
+        if loop_budget is not None and cfg.plan != "accordion":
+            raise ValueError(f"loop_budget: only plan accordion has a loop budget (this model's plan is {cfg.plan})")
+        budget = self.resolve_budget(loop_budget) if cfg.plan == "accordion" else None
+        past = 0
+        ids = input_ids
+        if cache is not None:
+            past = cache.get_seq_length()
+            if getattr(cache, "_lol_budget", budget) != budget:
+                raise ValueError(f"this cache was filled with loop_budget={cache._lol_budget}, not {budget}")
+            cache._lol_budget = budget
+            if past:
+                if context_ids is None:
+                    context_ids = getattr(cache, "_lol_ids", None)
+                    context_ids = None if context_ids is None else torch.cat([context_ids, input_ids], dim=1)
+                if context_ids is None or context_ids.shape[1] != past + n:
+                    raise ValueError("with a filled cache, pass context_ids (all token ids so far) to find documents")
+                ids = context_ids
+                if attention_mask is not None and attention_mask.shape[1] == n:
+                    prev = getattr(cache, "_lol_mask", None)
+                    prev = torch.ones_like(ids[:, :past]) if prev is None else prev
+                    attention_mask = torch.cat([prev.to(attention_mask.dtype), attention_mask], dim=1)
+            cache._lol_ids = ids
+            cache._lol_mask = attention_mask
+        if ids is None:  # inputs_embeds only: one document per row
+            ids = torch.full((b, past + n), -1, dtype=torch.long, device=inputs_embeds.device)
+        starts = document_starts(ids, cfg.eod_token_id, attention_mask)
         doc = segment_ids(starts)
         doc_pos = positions_in_segment(starts)
         # RoPE sees only differences inside a document or window: row positions are as good
-        positions = torch.arange(n, device=input_ids.device).expand(b, n)
+        positions = torch.arange(past, past + n, device=ids.device).expand(b, n)
+        queries = slice(past, past + n)  # the rows of the (query, key) masks for the new tokens
         s = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        allowed = causal_same_segment(doc)
-        for layer in self.prelude:
-            s = layer(s, positions, allowed)
-        s = self._core(s, positions, doc, doc_pos)
-        for layer in self.coda:
-            s = layer(s, positions, allowed)
-        return self.norm(s)
+        allowed = causal_same_segment(doc)[:, queries]
+        for i, layer in enumerate(self.prelude):
+            s = layer(s, positions, allowed, cache=cache, cache_index=i)
+        if cfg.plan == "lol":
+            s = self._core(s, positions, doc, doc_pos)
+            executions = cfg.core_depth
+        else:
+            s = self._fixed_core(s, positions, doc, doc_pos, budget, cache, queries)
+            executions = len(self.schedule(budget))
+        first_coda = cfg.n_prelude + executions
+        for i, layer in enumerate(self.coda):
+            s = layer(s, positions, allowed, cache=cache, cache_index=first_coda + i)
+        return self.norm(s), cache
 
 
 class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
@@ -425,8 +565,18 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
-                return_dict: Optional[bool] = None, **kwargs) -> CausalLMOutputWithPast:
-        hidden = self.model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds)
+                return_dict: Optional[bool] = None, loop_budget: Optional[int] = None, use_cache: Optional[bool] = None,
+                cache=None, past_key_values=None, context_ids: Optional[torch.LongTensor] = None,
+                **kwargs) -> CausalLMOutputWithPast:
+        """``loop_budget``: Accordion's budget ``k`` for this call (default ``config.loop_budget``).
+        ``cache`` (or ``past_key_values``) / ``use_cache``: KV cache of the fixed plans."""
+        cache = cache if cache is not None else past_key_values
+        if cache is None and use_cache and self.model.supports_cache:
+            from transformers.cache_utils import DynamicCache
+
+            cache = DynamicCache()
+        hidden, cache = self.model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
+                                   loop_budget=loop_budget, cache=cache, context_ids=context_ids)
         logits = self.lm_head(hidden)
         loss = None
         if labels is not None:
@@ -434,8 +584,19 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
                                    labels[:, 1:].reshape(-1), ignore_index=-100)
         if return_dict is False:
             return (loss, logits) if loss is not None else (logits,)
-        return CausalLMOutputWithPast(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **({_CACHE_FIELD: cache} if cache is not None else {}))
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, **kwargs):
-        # no cache: every step recomputes the whole sequence (routing depends on all earlier windows)
-        return {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
+                                      use_cache=None, loop_budget=None, **kwargs):
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+        if loop_budget is not None:
+            inputs["loop_budget"] = loop_budget
+        cache = cache if cache is not None else past_key_values
+        if not self.model.supports_cache or use_cache is False or cache is None:
+            # no cache: every step recomputes the whole sequence (the routed plan always: routing
+            # depends on all earlier windows)
+            return inputs
+        past = cache.get_seq_length()
+        inputs.update(input_ids=input_ids[:, past:], context_ids=input_ids, use_cache=True)
+        inputs[_CACHE_FIELD] = cache
+        return inputs
