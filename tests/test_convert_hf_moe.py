@@ -214,6 +214,8 @@ def test_foil_logits_and_cached_generation(systems, tmp_path, corpus):  # noqa: 
             att.load_state_dict({"input_layernorm.weight": hf.model.blocks[i].input_layernorm.weight,
                                  **{f"self_attn.{k}": v for k, v in hf.model.blocks[i].self_attn.state_dict().items()}})
         assert (hf(x).logits - ref).abs().max() > 1e-3
+        with pytest.raises(ValueError, match="only plan accordion has a loop budget"):
+            hf(x, loop_budget=1)
     print(f"foil: max abs logit diff {diff:.2e}")
 
 
