@@ -289,6 +289,12 @@ def test_accordion_config_errors():
     check({"dense_attention": "sliding"}, "model.dense_attention: accordion uses full causal attention")
     check({}, "parallel.pipeline_model_parallel_size: plan accordion", parallel={"pipeline_model_parallel_size": 2})
     check({}, "curriculum.initial_depth: plan accordion", curriculum={"initial_depth": 2})
+    with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size: plan lol shards its block library"):
+        config_from_dict({"model": dict(plan="lol", num_blocks=4, routed_depth=4, num_experts=4, moe_layers="all"),
+                          "parallel": {"expert_model_parallel_size": 2}}).validate(check_data=False)
+    with pytest.raises(ConfigError, match="parallel.sequence_parallel: megatron-core MoE layers with"):
+        config_from_dict({"model": dict(FOIL, hidden_size=32, num_attention_heads=4),
+                          "parallel": {"tensor_model_parallel_size": 2}}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.untie_attention: only a looped plan"):
         config_from_dict({"model": dict(plan="dense", untie_attention=True)}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.core_num_experts: needs moe_layers: all"):

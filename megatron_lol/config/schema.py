@@ -317,11 +317,26 @@ class ParallelConfig:
             for key, n in (("num_experts", model.num_experts), ("core_num_experts", model.core_num_experts)):
                 if n is not None and n % ep:
                     raise ConfigError(f"{prefix}.expert_model_parallel_size: {ep} does not divide model.{key}={n}")
+        if model.plan == "lol" and model.moe_layers == "all" and ep > 1:
+            # EP would shard the block library and every block's experts over the same ranks,
+            # leaving some (block, expert) pairs on no rank
+            raise ConfigError(f"{prefix}.expert_model_parallel_size: plan lol shards its block library over "
+                              f"EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
+                              f"moe_layers: fixed or expert_model_parallel_size: 1")
         pp = self.pipeline_model_parallel_size
         if pp > 1 and (model.plan == "accordion" or model.untie_attention):
             what = "plan accordion" if model.plan == "accordion" else "untie_attention"
             raise ConfigError(f"{prefix}.pipeline_model_parallel_size: {what} is not supported with pipeline "
                               f"parallelism yet (got {pp}); use tensor/expert/data parallelism")
+        if model.moe_layers != "none" and tp > 1:
+            # megatron-core refuses to train MoE layers under TP without SP
+            if not self.sequence_parallel:
+                raise ConfigError(f"{prefix}.sequence_parallel: megatron-core MoE layers with "
+                                  f"tensor_model_parallel_size={tp} need sequence_parallel: true")
+            if model.moe_layers == "all" and (model.plan == "lol" or model.dense_attention == "strided"):
+                raise ConfigError(f"{prefix}.tensor_model_parallel_size: MoE blocks in a core that gathers the "
+                                  f"sequence (plan lol or strided attention) cannot use TP={tp}; use "
+                                  f"expert_model_parallel_size instead")
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel: needs tensor_model_parallel_size > 1")
         if self.recompute_granularity not in (None, "full", "selective"):

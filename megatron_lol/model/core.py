@@ -150,6 +150,14 @@ class RoutedCore(nn.Module):
         if model.input_injection:
             self.injection_logit = nn.Parameter(torch.zeros(h, dtype=tconfig.params_dtype))
         self._build_pass_parts(model, tconfig, spec, first_layer_number, init_seed, vp_stage)
+        if tconfig.sequence_parallel:
+            # a fixed-plan core may run sequence-sharded (see lol_model.core_gathers_sequence): per-channel
+            # parameters applied to the local tokens get partial gradients, which megatron's
+            # finalize_model_grads sums over the TP group for parameters marked like this (as its norms)
+            for name in ("loop_gates", "film_gamma", "film_beta", "injection_logit"):
+                param = getattr(self, name, None)
+                if isinstance(param, nn.Parameter):
+                    param.sequence_parallel = True
         # MoE routing records (U_t / B2 / MMR): a list while recording, else None
         self.moe_records: Optional[list] = None
         self._moe_tag: Optional[tuple] = None
@@ -430,8 +438,9 @@ class RoutedCore(nn.Module):
                 x = flat.view(b, s_len, -1).transpose(0, 1)
                 sliding = cfg.window_size if cfg.dense_attention == "sliding" else None
                 mask = SegmentMask(segments=docs.doc_index, sliding=sliding)
-                rope = token_rope[:s_len] if token_rope is not None else None
-                new = self._call_block(block, depth, x, mask, rope, pass_index)
+                # the whole sequence's positions: under sequence parallelism x holds s/tp rows and
+                # megatron's attention gathers them before RoPE
+                new = self._call_block(block, depth, x, mask, self._rope_table, pass_index)
                 new = new.transpose(0, 1).reshape(b * s_len, -1)
         if truncated:
             return flat + (new - flat).detach()

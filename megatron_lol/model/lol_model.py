@@ -25,6 +25,18 @@ from megatron_lol.model.library import (FiLMRMSNorm, block_spec, build_layer, co
 from megatron_lol.model.windows import DocumentLayout
 
 
+def core_gathers_sequence(model: ModelConfig) -> bool:
+    """Whether the core needs the whole sequence on every tensor-parallel rank under SP.
+
+    LoL's router reads window means over the whole sequence and the strided
+    attention packs windows across rows, so those cores run on the gathered
+    sequence (TP without SP). Fixed plans with full or sliding attention keep
+    the sequence sharded like any megatron layer — which megatron-core's MoE
+    layers require when TP > 1 (Foil, Accordion).
+    """
+    return model.plan == "lol" or model.dense_attention == "strided"
+
+
 class AuxLossAttach(torch.autograd.Function):
     """Identity on the hidden states whose backward also back-propagates ``aux_loss``.
 
@@ -62,6 +74,40 @@ def seeded(seed: Optional[int], key: str):
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(zlib.crc32(f"{seed}:{key}".encode()))
         yield
+
+
+def seed_experts_by_global_index(model: nn.Module, seed: Optional[int]) -> None:
+    """Give every MoE expert its own initialisation stream, keyed by its *global* index.
+
+    megatron-core builds a rank's local experts one after another from one
+    stream, so under expert parallelism rank 1's first expert would start like
+    rank 0's first, and a layout would change the weights. Each local expert is
+    re-initialised from a fresh megatron ``MLP`` built under ``seeded(seed,
+    "<layer>.experts.<global index>")`` (same class, config and TP group; TP
+    still splits the full master weight), so any EP x TP layout starts from the
+    weights of one process.
+    """
+    if seed is None:
+        return
+    from megatron.core import parallel_state
+    from megatron.core.transformer.mlp import MLP, MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    ep = parallel_state.get_expert_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    ep_rank = parallel_state.get_expert_model_parallel_rank() if ep > 1 else 0
+    for name, module in model.named_modules():
+        if not isinstance(module, SequentialMLP):
+            continue
+        for i, expert in enumerate(module.local_experts):
+            global_index = ep_rank * module.num_local_experts + i
+            sub = MLPSubmodules(linear_fc1=type(expert.linear_fc1), linear_fc2=type(expert.linear_fc2))
+            with seeded(seed, f"{name}.{global_index}"):
+                fresh = MLP(module.config, sub, ffn_hidden_size=module.config.moe_ffn_hidden_size, is_expert=True,
+                            tp_group=module.tp_group)
+            with torch.no_grad():
+                for (n, p), (n2, q) in zip(expert.named_parameters(), fresh.named_parameters()):
+                    assert n == n2 and p.shape == q.shape, (name, n, n2)
+                    p.copy_(q)
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
@@ -149,7 +195,7 @@ class LoLGPTModel(_language_module()):
             # The core packs windows of the whole sequence, so it runs on the gathered
             # (TP-replicated) sequence: its blocks are tensor parallel without SP.
             core_cfg = core_config(self.config, model)  # Foil: the core's own expert count
-            if core_cfg.sequence_parallel:
+            if core_cfg.sequence_parallel and core_gathers_sequence(model):
                 core_cfg = dataclasses.replace(core_cfg, sequence_parallel=False)
             self.core = RoutedCore(model, core_cfg, spec, first_layer_number=model.n_prelude + 1,
                                    init_seed=init_seed, vp_stage=vp_stage, use_te=self.use_te)
@@ -168,6 +214,8 @@ class LoLGPTModel(_language_module()):
         if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
             # megatron-core's tied-embedding plumbing (copies and all-reduces across stages)
             self.setup_embeddings_and_output_layer()
+        if moe:
+            seed_experts_by_global_index(self, init_seed)
         self.input_tensor = None
         self.last_core: Optional[CoreOutput] = None
 
@@ -204,7 +252,7 @@ class LoLGPTModel(_language_module()):
             if self.cfg.plan == "accordion":
                 depth = self.cfg.num_blocks + self.resolve_budget(budget)
             depth = self.cfg.core_depth if depth is None else depth
-            sequence_parallel = self.config.sequence_parallel
+            sequence_parallel = self.config.sequence_parallel and core_gathers_sequence(self.cfg)
             if sequence_parallel:
                 # router inputs (window means) need every token of the sequence
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(
