@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # verb -> (module, one-line help)
@@ -51,6 +52,13 @@ def main(argv: list[str] | None = None) -> int:
     except CliError as err:
         print(f"megatron-lol {verb}: error: {err}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # the reader went away (``megatron-lol params ... | head``): stop quietly, like coreutils
+        try:
+            sys.stdout = open(os.devnull, "w")
+        except OSError:
+            pass
+        return 141
 
 
 if __name__ == "__main__":

@@ -260,8 +260,9 @@ ACCORDION = ["accordion-6b-a0.5b", "accordion-1.61b"]
 
 def test_paper_configs_load_with_window_settings():
     names = sorted(p.stem for p in PAPER.glob("*.yaml"))
-    assert len(names) == 22
+    assert len(names) == 25
     assert set(FOIL + ACCORDION) <= set(names)
+    synthetic = {"sudoku-lol": 128, "maze-lol": 64}  # SPEC 1.4: sudoku 128/64, mazes 64/32
     for name in names:
         cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
         assert cfg.data.paths and cfg.training.train_iters > 0
@@ -269,6 +270,8 @@ def test_paper_configs_load_with_window_settings():
             assert cfg.training.seq_length == 4096 and cfg.model.dense_attention == "full"
         elif name in ACCORDION:
             assert cfg.training.seq_length == 8192
+        elif name in synthetic:
+            assert (cfg.model.window_size, cfg.model.window_shift) == (synthetic[name], synthetic[name] // 2)
         else:
             assert (cfg.model.window_size, cfg.model.window_shift, cfg.training.seq_length) == (128, 64, 1024)
 
