@@ -97,7 +97,11 @@ def test_moe_bf16_export(moe_single, tmp_path, corpus):  # noqa: F811
         print(f"{name} bf16: max abs logit diff {diff:.2e} (max |logit| {want.abs().max():.2f}), "
               f"argmax agreement {agree:.3f}")
         assert diff <= BF16_TOL, diff
-        assert agree >= 0.9, agree  # near-flat logits of a 3-step model: a few near-ties flip
+        # the 3-step model's logits are nearly flat, so raw argmax agreement is fragile (near-ties
+        # flip); wherever the fp32 top-2 margin exceeds twice the measured bf16 error, it must agree
+        top2 = want.topk(2, dim=-1).values
+        clear = (top2[..., 0] - top2[..., 1]) > 2 * diff
+        assert clear.any() and bool((want.argmax(-1) == got.argmax(-1))[clear].all()), (agree, int(clear.sum()))
 
 
 @pytest.mark.slow
