@@ -378,16 +378,17 @@ class RoutedCore(nn.Module):
         return out
 
     def _routed_update(self, depth, flat, windows, decision, token_rope, truncated, first_window_full):
-        token_choice = decision.choice[windows.token_window]
-        token_gate = decision.gate[windows.token_window]
+        from megatron_lol.model.dispatch import apply_gated_updates, run_grouped_gated
+
+        token_choice = decision.choice.index_select(0, windows.token_window)
         T = flat.shape[0]
         W = self.cfg.window_size
         s_len = self._row_length
-        rope_rows = token_rope[:s_len] if token_rope is not None else None
 
         def call(block, packed, segments, rope_index):
-            # rope_index: flat token index or row position; RoPE only needs the row position
-            rope = rope_rows[rope_index % s_len] if rope_rows is not None else None
+            # rope_index: flat token index or row position (< s_len); the row-major token_rope
+            # holds row position t mod s_len at flat index t, so both index it directly
+            rope = token_rope.index_select(0, rope_index) if token_rope is not None else None
             mask = SegmentMask(segments=segments.view(1, -1), chunk=W)
             return self._call_block(block, depth, packed.unsqueeze(1), mask, rope).squeeze(1)
 
@@ -401,31 +402,35 @@ class RoutedCore(nn.Module):
             rope_index = torch.arange(T, device=flat.device) % s_len
             return run_grouped_expert_parallel(plan, flat, call, rope_index, ep_group)
 
+        def update(states, plan, gate):
+            """``s + alpha * (E(s) - s)`` for the planned tokens (see dispatch.run_grouped_gated)."""
+            if ep_group is None:
+                return run_grouped_gated(plan, states, call, gate)
+            return apply_gated_updates(states, plan, run(plan), gate)
+
         if not truncated:
             plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks)
-            updates = scatter_updates(plan, run(plan), T)
-        else:
-            # Truncated backprop through depth (SPEC 1.4): this depth's block updates are
-            # constants for autograd, except for first-window tokens when enabled. The
-            # state itself keeps its identity path, so earlier layers still get gradients.
-            keep = windows.window_ordinal[windows.token_window] == 0
-            if not first_window_full:
-                keep = torch.zeros_like(keep)
-            updates = flat.new_zeros(flat.shape)
-            grad_idx = torch.nonzero(keep).squeeze(1)
-            collective = ep_group is not None  # EP ranks must all take part, even with nothing to send
-            if grad_idx.numel() or collective:
-                plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=grad_idx)
-                updates = updates + scatter_updates(plan, run(plan), T)
-            rest = torch.nonzero(~keep).squeeze(1)
-            if rest.numel() or collective:
-                with torch.no_grad():
-                    plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=rest)
-                    frozen = scatter_updates(plan, run_grouped(plan, flat, call), T)
-                # add outside no_grad: inside it, the sum would drop the first-window graph
-                updates = updates + frozen
-            token_gate = torch.where(keep, token_gate, token_gate.detach())
-        return flat + token_gate.unsqueeze(1).to(flat.dtype) * updates
+            return update(flat, plan, decision.gate)
+        # Truncated backprop through depth (SPEC 1.4): this depth's block updates are
+        # constants for autograd, except for first-window tokens when enabled. The
+        # state itself keeps its identity path, so earlier layers still get gradients.
+        keep = windows.window_ordinal.index_select(0, windows.token_window) == 0
+        if not first_window_full:
+            keep = torch.zeros_like(keep)
+        out = flat
+        grad_idx = torch.nonzero(keep).squeeze(1)
+        collective = ep_group is not None  # EP ranks must all take part, even with nothing to send
+        if grad_idx.numel() or collective:
+            plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=grad_idx)
+            out = update(out, plan, decision.gate)
+        rest = torch.nonzero(~keep).squeeze(1)
+        if rest.numel() or collective:
+            with torch.no_grad():
+                plan = plan_dispatch(token_choice, windows.token_window, self.cfg.num_blocks, subset=rest)
+                frozen = run(plan)
+            # added outside no_grad, so the state keeps its identity path (and the first-window graph)
+            out = apply_gated_updates(out, plan, frozen, decision.gate.detach())
+        return out
 
     def _fixed_update(self, depth, flat, docs, windows, token_rope, b, s_len, truncated):
         cfg = self.cfg

@@ -17,6 +17,16 @@ build their own mask; the result is the same.
 
 The expert-parallel variant (blocks sharded over ranks, windows sent whole to
 their block's rank) replaces :func:`run_grouped` and keeps :class:`DispatchPlan`.
+
+Few passes over ``[T, h]`` (on CPU each costs about as much as a small GEMM):
+the packed stream is one ``index_select`` whose backward is an ``index_select``
+with the inverse permutation (no zero-filled gradient, no scatter), each block
+reads a ``split`` view of it (one ``cat`` in the backward, not a zero-filled
+full-size gradient per block), and :func:`run_grouped_gated` writes every
+block's ``E(s) - s`` into one buffer and adds ``alpha`` times it back with one
+``index_add`` (instead of concatenating the outputs, scattering into zeros and
+multiply-adding). Values and gradients are those of the plain formulation bit
+for bit (same operations on the same operands, summed in the same order).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from torch.autograd.function import once_differentiable
 
 
 @dataclass
@@ -33,6 +44,8 @@ class DispatchPlan:
     order: torch.Tensor  # [T'] flat token indices, grouped by block
     counts: list[int]  # tokens per block, len L
     segments: torch.Tensor  # [T'] window id of each packed token
+    # [T] position of each flat token in ``order`` when the plan covers every token (a permutation)
+    inverse: Optional[torch.Tensor] = field(default=None, repr=False, compare=False)
     _bias: dict = field(default_factory=dict, repr=False, compare=False)  # chunk -> (bias, chunk offsets)
 
     def slices(self):
@@ -80,10 +93,63 @@ def plan_dispatch(token_choice: torch.Tensor, token_window: torch.Tensor, num_bl
     sorted_choice, perm = torch.sort(choice, stable=True)
     order = perm if idx is None else idx[perm]
     counts = torch.bincount(sorted_choice, minlength=num_blocks).tolist()
-    return DispatchPlan(order=order, counts=counts, segments=token_window[order])
+    inverse = None
+    if idx is None:  # a permutation of all tokens: its inverse makes the gather's backward a gather too
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+    return DispatchPlan(order=order, counts=counts, segments=token_window.index_select(0, order),
+                        inverse=inverse)
+
+
+class _GatherRows(torch.autograd.Function):
+    """``states.index_select(0, order)`` for unique ``order``, with a cheap backward.
+
+    The backward puts each row's gradient back in place: with the inverse
+    permutation (a plan covering every token) that is one ``index_select``;
+    otherwise rows not gathered get zeros. (Autograd's own backward of a
+    gather zero-fills ``[T, h]`` and scatter-adds into it.)
+    """
+
+    @staticmethod
+    def forward(ctx, states, order, inverse):
+        ctx.save_for_backward(order, inverse)
+        ctx.num_rows = states.shape[0]
+        return states.index_select(0, order)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        order, inverse = ctx.saved_tensors
+        if inverse is not None:
+            return grad.index_select(0, inverse), None, None
+        out = grad.new_zeros((ctx.num_rows,) + tuple(grad.shape[1:]))
+        return out.index_copy(0, order, grad), None, None
+
+
+def gather_planned(plan: DispatchPlan, states: torch.Tensor) -> torch.Tensor:
+    """The packed stream ``states[plan.order]`` (differentiable; see :class:`_GatherRows`)."""
+    inverse = plan.inverse if plan.inverse is not None and plan.inverse.numel() == states.shape[0] else None
+    if not (torch.is_grad_enabled() and states.requires_grad):
+        return states.index_select(0, plan.order)
+    return _GatherRows.apply(states, plan.order, inverse)
 
 
 BlockCall = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _call_blocks(plan: DispatchPlan, packed: torch.Tensor, call_block: BlockCall) -> list:
+    """Each block once on its slice of the packed stream; their outputs, in plan order."""
+    # split views: their backward is one cat (slicing would zero-fill a full-size gradient per block)
+    pieces = packed.split(plan.counts, dim=0)
+    outputs = []
+    previous = current_slice()
+    try:
+        for block, lo, hi in plan.slices():
+            _ACTIVE.slice = (plan, block, lo, hi)
+            outputs.append(call_block(block, pieces[block], plan.segments[lo:hi], plan.order[lo:hi]))
+    finally:
+        _ACTIVE.slice = previous
+    return outputs
 
 
 def run_grouped(plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall) -> torch.Tensor:
@@ -92,15 +158,8 @@ def run_grouped(plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall)
     ``call_block(block, packed [T_m, h], segments [T_m], flat token indices [T_m])``
     runs block ``block`` on its packed windows and returns its output.
     """
-    packed = states[plan.order]
-    outputs = []
-    previous = current_slice()
-    try:
-        for block, lo, hi in plan.slices():
-            _ACTIVE.slice = (plan, block, lo, hi)
-            outputs.append(call_block(block, packed[lo:hi], plan.segments[lo:hi], plan.order[lo:hi]))
-    finally:
-        _ACTIVE.slice = previous
+    packed = gather_planned(plan, states)
+    outputs = _call_blocks(plan, packed, call_block)
     if not outputs:
         return packed.new_zeros(packed.shape)
     # one subtraction for the whole depth (the slices tile ``packed``)
@@ -112,3 +171,69 @@ def scatter_updates(plan: DispatchPlan, updates: torch.Tensor, num_tokens: int) 
     """Put packed updates back in flat token order (zeros for tokens not in the plan)."""
     out = updates.new_zeros(num_tokens, updates.shape[-1])
     return out.index_copy(0, plan.order, updates)
+
+
+def run_grouped_gated(plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall,
+                      window_gate: torch.Tensor) -> torch.Tensor:
+    """The depth's new states: ``s + alpha * (E(s) - s)`` for the planned tokens, ``s`` elsewhere.
+
+    The same values as ``apply_gated_updates(states, plan, run_grouped(plan, states, call_block),
+    window_gate)``, bit for bit, gradients included; the block outputs are not
+    concatenated first (each block's ``E(s) - s`` is written into one buffer).
+    """
+    packed = gather_planned(plan, states)
+    outputs = _call_blocks(plan, packed, call_block)
+    return _GatedCombine.apply(plan, states, packed, window_gate, *outputs)
+
+
+class _GatedCombine(torch.autograd.Function):
+    """``states.index_add(0, order, alpha[segments] * (cat(outputs) - packed))`` without the ``cat``.
+
+    Forward and backward are the operations autograd would run for that
+    expression, in the same order (so the same values bit for bit): the
+    backward gives ``states`` the incoming gradient, ``packed`` minus the
+    outputs' gradient, each block output its slice of ``alpha *`` the gathered
+    gradient, and the gate the per-token ``sum`` of gradient times update,
+    summed per window.
+    """
+
+    @staticmethod
+    def forward(ctx, plan, states, packed, window_gate, *outputs):
+        gate = window_gate.index_select(0, plan.segments).unsqueeze(1).to(states.dtype)
+        updates = torch.empty_like(packed)
+        spans = [(lo, hi) for _, lo, hi in plan.slices()]
+        for (lo, hi), out in zip(spans, outputs):
+            torch.sub(out, packed[lo:hi], out=updates[lo:hi])
+        ctx.save_for_backward(plan.order, plan.segments, gate, updates)
+        ctx.spans = spans
+        ctx.gate_dtype = window_gate.dtype
+        ctx.num_windows = window_gate.shape[0]
+        return states.index_add(0, plan.order, gate * updates)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        order, segments, gate, updates = ctx.saved_tensors
+        grad_src = grad.index_select(0, order)
+        grad_updates = grad_src * gate
+        grad_gate = None
+        if ctx.needs_input_grad[3]:
+            per_token = (grad_src * updates).sum_to_size(gate.shape).to(ctx.gate_dtype).squeeze(1)
+            grad_gate = per_token.new_zeros(ctx.num_windows).index_add_(0, segments, per_token)
+        grad_packed = -grad_updates if ctx.needs_input_grad[2] else None
+        grad_outputs = tuple(grad_updates[lo:hi] for lo, hi in ctx.spans)
+        return (None, grad, grad_packed, grad_gate) + grad_outputs
+
+
+def apply_gated_updates(states: torch.Tensor, plan: DispatchPlan, updates: torch.Tensor,
+                        window_gate: torch.Tensor) -> torch.Tensor:
+    """``s + alpha * (E(s) - s)`` for the planned tokens, ``s`` for the others.
+
+    ``updates``: ``E(s) - s`` in ``plan.order`` order (from :func:`run_grouped`);
+    ``window_gate``: ``alpha`` per window (indexed by ``plan.segments``). Each
+    token gets one ``index_add`` of ``alpha * update`` (the same rounding as
+    ``s + alpha * scatter(updates)``); the backward is the identity for
+    ``states`` and one gather for ``updates`` and the gate.
+    """
+    gate = window_gate.index_select(0, plan.segments).unsqueeze(1).to(states.dtype)
+    return states.index_add(0, plan.order, gate * updates)
