@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from megatron_lol.model.windows import WindowLayout
 
@@ -106,6 +107,37 @@ def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: 
     """
     means = windows.window_means(states)
     summaries = windows.prefix_means(means)
-    first = states[windows.window_first_token].float()
+    first = gather_rows_sparse_grad(states, windows.window_first_token).float()
     r0 = 0.5 * (depth_vector.float().unsqueeze(0) + first)
     return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
+
+
+class _RowsSparseGrad(torch.autograd.Function):
+    """``states.index_select(0, rows)`` whose gradient is a sparse ``[T, h]`` tensor (``rows`` unique).
+
+    Autograd adds it into the states' dense gradient touching only those rows,
+    which gives the same values as adding a zero-filled dense gradient with
+    those rows set (what ``states[rows]`` would back-propagate), without
+    writing and adding ``T`` rows for a handful of windows.
+    """
+
+    @staticmethod
+    def forward(ctx, states, rows):
+        ctx.save_for_backward(rows)
+        ctx.shape = states.shape
+        return states.index_select(0, rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, ctx.shape, is_coalesced=True,
+                                         check_invariants=False)
+        return sparse, None
+
+
+def gather_rows_sparse_grad(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``states[rows]`` for unique ``rows``, back-propagating a sparse gradient (see ``_RowsSparseGrad``)."""
+    if not (torch.is_grad_enabled() and states.requires_grad):
+        return states.index_select(0, rows)
+    return _RowsSparseGrad.apply(states, rows)

@@ -164,4 +164,6 @@ class WindowLayout:
         exclusive = torch.cumsum(grid, dim=1) - grid
         prefix = exclusive[self.window_doc, self.window_ordinal]
         k = self.window_ordinal.clamp(min=1).unsqueeze(1).to(prefix.dtype)
-        return torch.where(self.window_ordinal.unsqueeze(1) > 0, prefix / k, torch.zeros_like(prefix))
+        # rows with k = 0 are exactly zero already: the exclusive sum of the first ordinal is
+        # x - x = 0, divided by 1 (so no masking is needed, and none is done)
+        return prefix / k
