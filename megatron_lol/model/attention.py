@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -116,8 +117,8 @@ class SegmentCausalAttention(MegatronModule):
         """Packed windows: queries of chunk ``j`` against the keys of chunks ``j-1, j``.
 
         The two-chunk key blocks are overlapping ``unfold`` views of the key
-        stream padded by one chunk in front (no per-chunk copies, one strided
-        backward); the mask is an additive ``0 / -inf`` bias. When the call comes
+        stream padded by one chunk in front (``F.pad``: no per-chunk copies, no
+        zero tensors to concatenate, one strided backward); the mask is an additive ``0 / -inf`` bias. When the call comes
         from :func:`~megatron_lol.model.dispatch.run_grouped`, the bias of every
         block of the depth was built once, for the whole depth
         (:meth:`DispatchPlan.chunk_bias`); otherwise it is built here. Adding a
@@ -136,11 +137,11 @@ class SegmentCausalAttention(MegatronModule):
             bias = chunk_bias(seg, c, [0], [t_len])
         q = q.reshape(t_len, h, d)
         if pad:
-            q = torch.cat([q, q.new_zeros(pad, h, d)], dim=0)
-        front, back = q.new_zeros(c, h, d), q.new_zeros(pad, h, d)
-        # [(n + 1) c, h, d] -> overlapping [n, h, d, 2c] views: keys of chunks j-1 and j
-        k2 = torch.cat([front, k.reshape(t_len, h, d), back], dim=0).unfold(0, 2 * c, c)
-        v2 = torch.cat([front, v.reshape(t_len, h, d), back], dim=0).unfold(0, 2 * c, c)
+            q = F.pad(q, (0, 0, 0, 0, 0, pad))  # zero rows at the end (one op: no zeros + cat)
+        # [(n + 1) c, h, d] (one chunk of zeros in front, the padding behind) -> overlapping
+        # [n, h, d, 2c] views: keys of chunks j-1 and j
+        k2 = F.pad(k.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).unfold(0, 2 * c, c)
+        v2 = F.pad(v.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).unfold(0, 2 * c, c)
         scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2)  # [n, h, c, 2c]
         scores = scores.float() * self.softmax_scale + bias
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
