@@ -135,3 +135,30 @@ def test_sparse_row_gradient_equals_dense_gather(dtype):
         grads.append(leaf.grad)
     assert grads[1].layout == torch.strided
     assert torch.equal(grads[0], grads[1])
+
+
+def _window_noise_per_row_tensors(windows, row_seeds, depth, num_blocks, row_length):
+    """The former formulation: one generator and one randn tensor per row, concatenated."""
+    rows = torch.div(windows.window_first_token, row_length, rounding_mode="floor")
+    per_row = torch.bincount(rows, minlength=len(row_seeds)).tolist()
+    parts = []
+    for seed, n in zip(row_seeds.tolist(), per_row):
+        gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + depth) % (2**63 - 1))
+        parts.append(torch.randn(n, num_blocks, generator=gen))
+    return torch.cat(parts)
+
+
+@pytest.mark.parametrize("b,s,L,W,S", [(4, 512, 4, 64, 32), (3, 45, 3, 8, 4), (2, 7, 5, 8, 4), (5, 100, 7, 16, 5)])
+def test_window_noise_draws_what_per_row_generators_drew(b, s, L, W, S):
+    from megatron_lol.model.router import window_noise
+    from megatron_lol.model.windows import DocumentLayout, WindowLayout
+
+    g = torch.Generator().manual_seed(b * s)
+    tokens = torch.randint(1, 50, (b, s), generator=g)
+    tokens[tokens < 5] = 0  # EOD: several documents per row
+    docs = DocumentLayout.from_tokens(tokens, 0)
+    seeds = torch.randint(0, 2**40, (b,), generator=g)
+    for depth in range(1, 5):
+        windows = WindowLayout.build(docs, depth, W, S)
+        got = window_noise(windows, seeds, depth, L, s)
+        assert torch.equal(got, _window_noise_per_row_tensors(windows, seeds, depth, L, s))

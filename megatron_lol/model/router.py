@@ -93,11 +93,17 @@ def window_noise(windows: WindowLayout, row_seeds: torch.Tensor, depth: int, num
     """
     rows = torch.div(windows.window_first_token, row_length, rounding_mode="floor")
     per_row = torch.bincount(rows, minlength=len(row_seeds)).tolist()
-    parts = []
+    # windows are numbered row-major, so each row's windows are one contiguous block of rows of eps;
+    # each is filled in place from the row's seed (one generator, reseeded: no per-row tensors to cat)
+    eps = torch.empty(windows.num_windows, num_blocks)
+    gen = torch.Generator()
+    start = 0
     for seed, n in zip(row_seeds.tolist(), per_row):
-        gen = torch.Generator().manual_seed((int(seed) * 1_000_003 + depth) % (2**63 - 1))
-        parts.append(torch.randn(n, num_blocks, generator=gen))
-    return torch.cat(parts).to(windows.window_first_token.device)
+        if n:
+            gen.manual_seed((int(seed) * 1_000_003 + depth) % (2**63 - 1))
+            eps[start:start + n].normal_(generator=gen)
+        start += n
+    return eps.to(windows.window_first_token.device)
 
 
 def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: torch.Tensor) -> torch.Tensor:
