@@ -183,6 +183,9 @@ def run_grouped_gated(plan: DispatchPlan, states: torch.Tensor, call_block: Bloc
     """
     packed = gather_planned(plan, states)
     outputs = _call_blocks(plan, packed, call_block)
+    if any(out.dtype != packed.dtype for out in outputs):  # not expected: blocks keep the dtype
+        updates = (outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=0)) - packed
+        return apply_gated_updates(states, plan, updates, window_gate)
     return _GatedCombine.apply(plan, states, packed, window_gate, *outputs)
 
 
