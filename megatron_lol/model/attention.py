@@ -116,9 +116,12 @@ class SegmentCausalAttention(MegatronModule):
     def _chunked(self, q, k, v, mask: SegmentMask):
         """Packed windows: queries of chunk ``j`` against the keys of chunks ``j-1, j``.
 
-        The two-chunk key blocks are overlapping ``unfold`` views of the key
-        stream padded by one chunk in front (``F.pad``: no per-chunk copies, no
-        zero tensors to concatenate, one strided backward); the mask is an additive ``0 / -inf`` bias. When the call comes
+        The two-chunk key blocks are the key stream padded by one chunk in
+        front (``F.pad``), viewed as ``[n + 1, c, ...]`` chunks and concatenated
+        with itself shifted by one chunk: one ``cat`` per tensor, whose backward
+        is two slices (an overlapping ``unfold`` view gives the same values, but
+        its backward costs about twice as much on CPU, most of it per call); the
+        mask is an additive ``0 / -inf`` bias. When the call comes
         from :func:`~megatron_lol.model.dispatch.run_grouped`, the bias of every
         block of the depth was built once, for the whole depth
         (:meth:`DispatchPlan.chunk_bias`); otherwise it is built here. Adding a
@@ -138,16 +141,18 @@ class SegmentCausalAttention(MegatronModule):
         q = q.reshape(t_len, h, d)
         if pad:
             q = F.pad(q, (0, 0, 0, 0, 0, pad))  # zero rows at the end (one op: no zeros + cat)
-        # [(n + 1) c, h, d] (one chunk of zeros in front, the padding behind) -> overlapping
-        # [n, h, d, 2c] views: keys of chunks j-1 and j
-        k2 = F.pad(k.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).unfold(0, 2 * c, c)
-        v2 = F.pad(v.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).unfold(0, 2 * c, c)
-        scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2)  # [n, h, c, 2c]
+        # [(n + 1) c, h, d] (one chunk of zeros in front, the padding behind) as n + 1 chunks;
+        # [n, 2c, h, d]: keys (values) of chunks j-1 and j
+        kp = F.pad(k.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
+        vp = F.pad(v.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
+        k2 = torch.cat([kp[:-1], kp[1:]], dim=1)
+        v2 = torch.cat([vp[:-1], vp[1:]], dim=1)
+        scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2.permute(0, 2, 3, 1))  # [n, h, c, 2c]
         scores = scores.float() * self.softmax_scale + bias
         probs = torch.softmax(scores, dim=-1).to(v.dtype)
         if self.dropout.p > 0:
             probs = self.dropout(probs)
-        out = torch.matmul(probs, v2.transpose(-1, -2))  # [n, h, c, d]
+        out = torch.matmul(probs, v2.transpose(1, 2))  # [n, h, c, d]
         out = out.transpose(1, 2).reshape(n * c, h, d)[:t_len]
         return out.unsqueeze(1)  # [T, 1, h, d]
 
