@@ -20,7 +20,10 @@ A step is ``zero_grad; loss = model(tokens, labels).mean(); loss.backward();
 AdamW.step()``. Steps of the models are interleaved (lol, fixed, forced, dense,
 lol, ...) so that load from other processes hits them alike; the median step
 time of each is reported, with the ratios and the FLOP model's predictions
-(``megatron_lol.perf.flops``, executed and allowed attention pairs) beside them.
+(``megatron_lol.perf.flops``, executed and allowed attention pairs) beside them,
+then paired ratios (median and quartiles over steps of the i-th LoL step over the
+i-th step of the other model, which ran right after it), system time and minor
+page faults per step.
 
     python bench/step_time.py                    # defaults: 2 CPU cores, a few minutes
     python bench/step_time.py --seq 1024 --window 128 --json out.json
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import sys
 import time
@@ -144,6 +148,16 @@ def predictions(args, cfgs):
     return out
 
 
+def _quantile(sorted_values, q: float) -> float:
+    """Linear-interpolation quantile of an already sorted list."""
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    pos = q * (len(sorted_values) - 1)
+    lo = int(pos)
+    hi = min(lo + 1, len(sorted_values) - 1)
+    return sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo)
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.threads:
@@ -170,12 +184,18 @@ def main(argv=None) -> int:
     for _ in range(args.warmup):
         for name, fn in steps.items():
             fn()
+    sys_times: dict = {name: [] for name in steps}
+    faults: dict = {name: [] for name in steps}
     for _ in range(args.steps):
         for name, fn in steps.items():
+            r0 = resource.getrusage(resource.RUSAGE_SELF)
             t0, c0 = time.perf_counter(), time.process_time()
             fn()
             times[name].append(time.process_time() - c0)
             walls[name].append(time.perf_counter() - t0)
+            r1 = resource.getrusage(resource.RUSAGE_SELF)
+            sys_times[name].append(r1.ru_stime - r0.ru_stime)
+            faults[name].append(r1.ru_minflt - r0.ru_minflt)
     pred = predictions(args, cfgs)
     med = {k: statistics.median(v) for k, v in times.items()}
     low = {k: min(v) for k, v in times.items()}
@@ -205,6 +225,19 @@ def main(argv=None) -> int:
                                   "flops_allowed": pred[name]["allowed"]}
     print("lol/this: the LoL step time divided by this model's (<= 1 means LoL is as fast or faster);"
           " pred: the same ratio of FLOP-model training FLOPs")
+    # Paired ratios: the steps of the models are interleaved, so the ratio of the i-th LoL step to the
+    # i-th step of another model sees about the same background load; their median and quartiles
+    # are less sensitive to load drifting during the run than the ratio of medians above.
+    print(f"{'model':8s} {'paired lol/this: q25':>20s} {'median':>7s} {'q75':>6s} {'sys s med':>10s}"
+          f" {'minor faults med':>17s}")
+    for name in med:
+        pairs = sorted(a / b for a, b in zip(times[base], times[name]))
+        q25, pmed, q75 = _quantile(pairs, 0.25), statistics.median(pairs), _quantile(pairs, 0.75)
+        smed, fmed = statistics.median(sys_times[name]), statistics.median(faults[name])
+        print(f"{name:8s} {q25:20.3f} {pmed:7.3f} {q75:6.3f} {smed:10.3f} {fmed:17.0f}")
+        result["models"][name].update({"paired_ratio_median": pmed, "paired_ratio_q25": q25,
+                                       "paired_ratio_q75": q75, "sys_median_s": smed,
+                                       "minor_faults_median": fmed, "sys_times_s": sys_times[name]})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)
