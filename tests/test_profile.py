@@ -165,6 +165,7 @@ def test_profile_cli_on_cpu_writes_json(tmp_path, capsys):
                 "optimizer", "data"):
         assert b[key] >= 0
     assert 0 < b["core.blocks"] <= b["core"]
+    assert b["core.dispatch"] > 0  # the dispatch functions core.py calls are the ones timed
     r = rep["routing"]
     assert len(r["block_utilisation"]) == 4 and all(abs(sum(row) - 1) < 1e-6 for row in r["block_utilisation"])
     assert 1 <= r["distinct_blocks_per_path"] <= 3

@@ -32,7 +32,7 @@ from torch import nn
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.balancing import BalancingBias, global_aux_loss, sequence_aux_loss
-from megatron_lol.model.dispatch import plan_dispatch, run_grouped, scatter_updates
+from megatron_lol.model.dispatch import apply_gated_updates, plan_dispatch, run_grouped, run_grouped_gated
 from megatron_lol.model.library import build_layer, layer_norms, run_layer
 from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries, window_noise
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
@@ -161,7 +161,7 @@ class RoutedCore(nn.Module):
         # MoE routing records (U_t / B2 / MMR): a list while recording, else None
         self.moe_records: Optional[list] = None
         self._moe_tag: Optional[tuple] = None
-        for i, layer in self.blocks.items():
+        for layer in self.blocks.values():
             router = getattr(getattr(layer, "mlp", None), "router", None)
             if router is not None:
                 router.register_forward_hook(self._record_moe)
@@ -378,8 +378,6 @@ class RoutedCore(nn.Module):
         return out
 
     def _routed_update(self, depth, flat, windows, decision, token_rope, truncated, first_window_full):
-        from megatron_lol.model.dispatch import apply_gated_updates, run_grouped_gated
-
         token_choice = decision.choice.index_select(0, windows.token_window)
         T = flat.shape[0]
         W = self.cfg.window_size

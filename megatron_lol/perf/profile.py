@@ -339,11 +339,11 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         timer.hook_module(core, "core")
         for blk in _layers(getattr(core, "blocks", None)):
             timer.hook_module(blk, "core.blocks")
-        for name in ("plan_dispatch", "scatter_updates"):
-            if hasattr(core_mod, name):
-                timer.wrap(core_mod, name, "core.dispatch_calls")
-        if hasattr(core_mod, "run_grouped"):
-            timer.wrap(core_mod, "run_grouped", "core.run_grouped")
+        # the names core.py calls: bookkeeping alone, and grouped block runs (blocks timed inside)
+        for name in ("plan_dispatch", "apply_gated_updates"):
+            timer.wrap(core_mod, name, "core.dispatch_calls")
+        for name in ("run_grouped", "run_grouped_gated"):
+            timer.wrap(core_mod, name, "core.run_grouped")
         if getattr(core, "routed", False):
             routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, cfg.model.num_blocks)
     for layer in _layers(getattr(model, "coda", None)):
