@@ -165,21 +165,11 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny LoL checkpoint from ``python -m megatron_lol train`` (8 steps) plus its data."""
-    import numpy as np
-    import sentencepiece as spm
-
-    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
-    from megatron_lol.data.indexed import StreamingIndexWriter
+    from megatron_lol.data._testing import indexed_corpus, stdlib_documents
 
     root = tmp_path_factory.mktemp("analysis")
+    prefix, tok = indexed_corpus(str(root), max_bytes=150_000, max_doc=4000, vocab_size=384)
     docs = stdlib_documents(max_bytes=150_000, max_doc=4000)
-    tok = train_sentencepiece(docs, str(root / "sp"), vocab_size=384)
-    sp = spm.SentencePieceProcessor(model_file=tok)
-    prefix = str(root / "corpus_text_document")
-    writer = StreamingIndexWriter(prefix, np.uint16)
-    for d in docs:
-        writer.add_document(sp.encode(d) + [sp.eos_id()])
-    writer.finalize()
     # a labelled jsonl: prose-like vs code-like lines
     with open(root / "labelled.jsonl", "w") as f:
         for i, d in enumerate(docs[:24]):

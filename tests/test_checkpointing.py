@@ -64,23 +64,9 @@ training:
 # ------------------------------------------------------------------ helpers (also used by test_slurm)
 def make_corpus(out_dir: Path, max_bytes: int = 300_000) -> tuple:
     """A SentencePiece model and one Megatron indexed dataset: (prefix, tokenizer_model)."""
-    import numpy as np
-    import sentencepiece as spm
+    from megatron_lol.data._testing import indexed_corpus
 
-    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
-    from megatron_lol.data.indexed import StreamingIndexWriter
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    docs = stdlib_documents(max_bytes=max_bytes, max_doc=8000)
-    model = train_sentencepiece(docs, str(out_dir / "sp"), vocab_size=512)
-    prefix = str(out_dir / "corpus_text_document")
-    if not os.path.exists(prefix + ".idx"):
-        sp = spm.SentencePieceProcessor(model_file=model)
-        writer = StreamingIndexWriter(prefix, np.uint16)
-        for d in docs:
-            writer.add_document(sp.encode(d) + [sp.eos_id()])
-        writer.finalize()
-    return prefix, model
+    return indexed_corpus(str(out_dir), max_bytes=max_bytes, max_doc=8000, vocab_size=512)
 
 
 def write_config(path: Path, prefix: str, tokenizer: str, cache: str, train_iters: int = TRAIN_ITERS,

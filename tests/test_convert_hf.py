@@ -104,9 +104,9 @@ def corpus(tmp_path_factory):
     return {"model": model, "heldout": docs[-4:], "root": root}
 
 
-def _train(corpus, world: int, jobs: list) -> dict:
+def _train(corpus, world: int, jobs: list, script: str = __file__) -> dict:
     """Train and save each ``(name, parallel, model)`` job in turn, in one launch of ``world`` ranks
-    under torchrun (this file is the rank script)."""
+    under torchrun; ``script`` is the rank script (default this file: ``train_and_save`` per job)."""
     import subprocess
     import sys
 
@@ -121,7 +121,7 @@ def _train(corpus, world: int, jobs: list) -> dict:
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), __file__, json.dumps(todo)]
+               "127.0.0.1", "--master-port", str(free_port()), script, json.dumps(todo)]
         proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return saves

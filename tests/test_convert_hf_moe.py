@@ -19,8 +19,7 @@ import sys
 import pytest
 import torch
 
-from test_convert_hf import (REPO, _train, check_lol_export, corpus, export, greedy_native,  # noqa: F401
-                             heldout_batch, native_model)
+from test_convert_hf import _train, check_lol_export, corpus, export, heldout_batch, native_model  # noqa: F401
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2)
 VARIANTS = {
@@ -167,23 +166,7 @@ def train_perturb_save(save: str, tokenizer_model: str, parallel: dict, model: d
 @pytest.fixture(scope="module")
 def systems(corpus):  # noqa: F811
     """One 1-process launch (this file is the rank script): Foil and the two Accordions."""
-    import subprocess
-
-    from distributed import free_port
-
-    saves = {name: corpus["root"] / name for name in SYSTEMS}
-    todo = [[str(saves[name]), corpus["model"], {}, model] for name, model in SYSTEMS.items()
-            if not (saves[name] / "latest_checkpointed_iteration.txt").exists()]
-    if todo:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
-        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-            env.pop(k, None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), __file__, json.dumps(todo)]
-        proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return saves
+    return _train(corpus, 1, [(name, {}, model) for name, model in SYSTEMS.items()], script=__file__)
 
 
 def _load(out):

@@ -353,21 +353,10 @@ ACCORDION_YAML = """\
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    import numpy as np
-    import sentencepiece as spm
-
-    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
-    from megatron_lol.data.indexed import StreamingIndexWriter
+    from megatron_lol.data._testing import indexed_corpus
 
     root = tmp_path_factory.mktemp("foil_accordion")
-    docs = stdlib_documents(max_bytes=150_000, max_doc=4000)
-    tok = train_sentencepiece(docs, str(root / "sp"), vocab_size=384)
-    sp = spm.SentencePieceProcessor(model_file=tok)
-    prefix = str(root / "corpus_text_document")
-    writer = StreamingIndexWriter(prefix, np.uint16)
-    for d in docs:
-        writer.add_document(sp.encode(d) + [sp.eos_id()])
-    writer.finalize()
+    prefix, tok = indexed_corpus(str(root), max_bytes=150_000, max_doc=4000, vocab_size=384)
     return {"root": root, "prefix": prefix, "tokenizer": tok}
 
 

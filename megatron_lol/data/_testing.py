@@ -233,3 +233,25 @@ def tokenizer_kwargs(kind: str, files: dict) -> dict:
     names = {"--tokenizer-type": "tokenizer_type", "--tokenizer-model": "tokenizer_model",
              "--vocab-file": "vocab_file", "--merge-file": "merge_file"}
     return {names[a]: v for a, v in zip(argv[0::2], argv[1::2])}
+
+
+def indexed_corpus(out_dir: str, max_bytes: int, max_doc: int, vocab_size: int) -> tuple:
+    """A real training corpus for CLI tests: stdlib documents, a SentencePiece model trained on
+    them, and a Megatron indexed dataset of their tokens (+ EOD). Returns ``(prefix, model)``;
+    an existing dataset under ``out_dir`` is reused."""
+    import numpy as np
+    import sentencepiece as spm
+
+    from megatron_lol.data.indexed import StreamingIndexWriter
+
+    os.makedirs(out_dir, exist_ok=True)
+    docs = stdlib_documents(max_bytes=max_bytes, max_doc=max_doc)
+    model = train_sentencepiece(docs, os.path.join(out_dir, "sp"), vocab_size=vocab_size)
+    prefix = os.path.join(out_dir, "corpus_text_document")
+    if not os.path.exists(prefix + ".idx"):
+        sp = spm.SentencePieceProcessor(model_file=model)
+        writer = StreamingIndexWriter(prefix, np.uint16)
+        for d in docs:
+            writer.add_document(sp.encode(d) + [sp.eos_id()])
+        writer.finalize()
+    return prefix, model
