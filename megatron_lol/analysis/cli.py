@@ -235,6 +235,9 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis.routing import greedy_generate, lm_loss
 
     m = ckpt.cfg.model
+    if not toks and args.generate is None:
+        raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
+    prompt = _prompt_ids(args, ckpt) if args.generate is not None else None
     out = dict(_meta(ckpt, args, len(toks) if toks else 0), budgets=list(m.loop_budgets))
     if toks:
         losses = {str(k): lm_loss(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch,
@@ -243,20 +246,25 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
         plots.loss_by_budget(losses, os.path.join(args.output, "budgets.png"),
                              f"loss per budget, {os.path.basename(ckpt.path)}")
         print("budgets: loss " + " ".join(f"k={k}: {v:.4f}" for k, v in losses.items()))
-    if args.generate is not None:
-        if ckpt.tokenizer is None:
-            raise CliError(f"{ckpt.path}: --generate needs the run's tokenizer")
-        prompt = ckpt.tokenizer.tokenize(args.generate)
+    if prompt is not None:
         gens = {}
         for k in m.loop_budgets:
             ids = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id, budget=k)
             gens[str(k)] = ckpt.tokenizer.detokenize(ids)
             print(f"budgets: k={k}: {args.generate!r} -> {gens[str(k)]!r}")
         out["generation"] = {"prompt": args.generate, "by_budget": gens}
-    if not toks and args.generate is None:
-        raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
     _write_json(os.path.join(args.output, "budgets.json"), out)
     return {"json": os.path.join(args.output, "budgets.json")}
+
+
+def _prompt_ids(args, ckpt) -> list:
+    """``--generate PROMPT`` as token ids, with the run's tokenizer."""
+    if ckpt.tokenizer is None:
+        raise CliError(f"{ckpt.path}: --generate needs the run's tokenizer (none recorded in its run_config)")
+    prompt = ckpt.tokenizer.tokenize(args.generate)
+    if not prompt:
+        raise CliError("--generate: the prompt tokenizes to nothing")
+    return prompt
 
 
 def _read_path_file(path: str):
@@ -329,9 +337,7 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
         print(f"mode-path: loss routed {routed:.4f}, under the forced path {forced_l:.4f} "
               f"({forced_l - routed:+.4f})")
     if args.generate is not None:
-        prompt = ckpt.tokenizer.tokenize(args.generate)
-        if not prompt:
-            raise CliError("--generate: the prompt tokenizes to nothing")
+        prompt = _prompt_ids(args, ckpt)
         gen_r = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id)
         gen_f = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id, forced=forced)
         out["generation"] = {"prompt": args.generate, "prompt_ids": prompt,

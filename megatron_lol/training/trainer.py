@@ -464,11 +464,7 @@ class Trainer:
             eval_loss = None
             if res.step % tr.eval_interval == 0 or res.step == tr.train_iters:
                 eval_loss = self.evaluate()
-            if res.budgets:  # accordion: micro-batches ran different depths
-                nb = self.cfg.model.num_blocks
-                window_flops += sum(self._step_flops(nb + k) for k in res.budgets) / len(res.budgets)
-            else:
-                window_flops += self._step_flops(res.depth)
+            window_flops += self._step_flops(res)
             if res.step % tr.log_interval == 0 or res.step == tr.train_iters or eval_loss is not None:
                 tps = window_tokens / max(window_time, 1e-9)
                 tflops = window_flops / max(window_time, 1e-9) / torch.distributed.get_world_size() / 1e12
@@ -502,11 +498,15 @@ class Trainer:
                     record["eval_loss_by_budget"] = {str(k): v for k, v in self.last_eval_by_budget.items()}
                 f.write(json.dumps(record) + "\n")
 
-    def _step_flops(self, depth: int) -> float:
-        """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together."""
+    def _step_flops(self, res: StepResult) -> float:
+        """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together;
+        Accordion's micro-batches ran the depths of their sampled budgets."""
         from megatron_lol.perf.flops import training_flops_per_step
 
-        return training_flops_per_step(self.cfg, depth, self.global_batch_size, self.cfg.training.seq_length,
+        if res.budgets:
+            return training_flops_per_step(self.cfg, None, self.global_batch_size, self.cfg.training.seq_length,
+                                           vocab_size=self.vocab_size, budgets=res.budgets)
+        return training_flops_per_step(self.cfg, res.depth, self.global_batch_size, self.cfg.training.seq_length,
                                        vocab_size=self.vocab_size)
 
     def _device_peak_tflops(self) -> Optional[float]:
@@ -541,7 +541,7 @@ class Trainer:
             msg += f" | blocks {util}"
         if res.budgets:
             msg += f" | budgets {res.budgets}"
-        by_budget = getattr(self, "last_eval_by_budget", None) if eval_loss is not None else None
+        by_budget = self.last_eval_by_budget if eval_loss is not None else None
         if by_budget:
             msg += " | eval by budget " + " ".join(f"k={k}:{v:.4f}" for k, v in by_budget.items())
         if res.moe_routing:
