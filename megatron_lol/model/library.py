@@ -191,7 +191,14 @@ def block_spec(use_te: bool = False, num_experts: Optional[int] = None):
     attn = dataclasses.replace(attn, submodules=attn_sub)
     sub = dataclasses.replace(sub, self_attention=attn, input_layernorm=FiLMRMSNorm,
                               pre_mlp_layernorm=FiLMRMSNorm)
-    return dataclasses.replace(spec, submodules=sub)
+    # megatron-core's TransformerLayer with a short call path where nothing needs its
+    # generality (bit-identical; LoL makes L block calls per depth: see lean_layer.py)
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    from megatron_lol.model.lean_layer import LeanTransformerLayer
+
+    module = LeanTransformerLayer if spec.module is TransformerLayer else spec.module
+    return dataclasses.replace(spec, module=module, submodules=sub)
 
 
 def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None):

@@ -1,0 +1,120 @@
+#!/usr/bin/env python
+"""Block-call cost: megatron-core's TransformerLayer path against LeanTransformerLayer's.
+
+A LoL depth calls each of its L blocks on that block's windows; a fixed path
+calls one layer on all tokens. This times forward + backward of the same
+2,048 packed tokens split over 1, 4 or 16 calls (each on a different block, as
+in a LoL depth; windows of W tokens, chunked window attention), once through
+megatron-core's ``TransformerLayer`` code (``LeanTransformerLayer.enabled =
+False``) and once through the short path, steps interleaved, and prints the
+median process CPU time of each and their ratio. The outputs of the two paths
+are checked to be identical first.
+
+    python bench/layer_call.py                       # width 256, 2,048 tokens, 1 thread
+    python bench/layer_call.py --hidden 512 --tokens 4096
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--ffn", type=int, default=768)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--window", type=int, default=64)
+    p.add_argument("--calls", default="1,4,16", help="numbers of calls (blocks) the tokens are split over")
+    p.add_argument("--reps", type=int, default=15)
+    p.add_argument("--threads", type=int, default=1)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    from megatron_lol.platform import device_mode_suspended, init_distributed, setup_platform
+
+    setup_platform()
+    init_distributed()
+    from megatron.core import parallel_state, tensor_parallel
+
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.model.attention import SegmentMask
+    from megatron_lol.model.lean_layer import LeanTransformerLayer
+    from megatron_lol.model.library import block_spec, build_layer, run_layer, transformer_config
+
+    calls = [int(c) for c in args.calls.split(",")]
+    cfg = config_from_dict({"model": dict(hidden_size=args.hidden, num_attention_heads=args.heads,
+                                          ffn_hidden_size=args.ffn, num_blocks=max(calls))}).model
+    tconf = transformer_config(cfg)
+    torch.manual_seed(0)
+    blocks = [build_layer(block_spec(False), tconf, i + 1).train() for i in range(max(calls))]
+    T, W = args.tokens, args.window
+    head_dim = blocks[0].self_attention.hidden_size_per_attention_head
+    gen = torch.Generator().manual_seed(1)
+    x0 = torch.randn(T, 1, args.hidden, generator=gen)
+    rope = torch.randn(T, 1, 1, head_dim, generator=gen)
+    segments = (torch.arange(T) // W).view(1, -1)
+
+    def run(n: int) -> torch.Tensor:
+        for b in blocks:
+            for p in b.parameters():
+                p.grad = None
+        x = x0.clone().requires_grad_(True)
+        bounds = [T * i // n for i in range(n + 1)]
+        outs = []
+        with device_mode_suspended():
+            for i in range(n):
+                lo, hi = bounds[i], bounds[i + 1]
+                mask = SegmentMask(segments=segments[:, lo:hi], chunk=W)
+                outs.append(run_layer(blocks[i], x[lo:hi], mask, rope[lo:hi], False))
+            y = torch.cat(outs)
+        (y * y).sum().backward()
+        return y.detach()
+
+    def with_path(lean: bool, n: int):
+        LeanTransformerLayer.enabled = lean
+        try:
+            return run(n)
+        finally:
+            LeanTransformerLayer.enabled = True
+
+    for n in calls:
+        if not torch.equal(with_path(True, n), with_path(False, n)):
+            print(f"error: the two paths differ at {n} calls", file=sys.stderr)
+            return 1
+    times = {(n, lean): [] for n in calls for lean in (False, True)}
+    for _ in range(2):
+        for n, lean in times:
+            with_path(lean, n)
+    for _ in range(args.reps):
+        for n, lean in times:
+            t0 = time.process_time()
+            with_path(lean, n)
+            times[(n, lean)].append(time.process_time() - t0)
+    print(f"forward + backward of {T} packed tokens (windows of {W}), width {args.hidden}, "
+          f"{torch.get_num_threads()} threads, median process CPU ms over {args.reps} reps")
+    print(f"{'calls':>5s} {'tokens/call':>12s} {'megatron ms':>12s} {'lean ms':>8s} {'lean/megatron':>14s}")
+    for n in calls:
+        m = statistics.median(times[(n, False)]) * 1e3
+        lean = statistics.median(times[(n, True)]) * 1e3
+        print(f"{n:5d} {T // n:12d} {m:12.1f} {lean:8.1f} {lean / m:14.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
