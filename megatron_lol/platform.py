@@ -584,6 +584,38 @@ def cpu_device_mode() -> _CudaToCpuMode:
     return _CudaToCpuMode()
 
 
+@contextlib.contextmanager
+def device_mode_suspended():
+    """Run the body without this thread's CUDA->CPU mode(s); a no-op when none is active.
+
+    Every torch call under the mode pays a Python ``__torch_function__`` round
+    trip (about 10 us on the 2-core CPU machine): a LoL block call makes ~160
+    of them forward, and the routed core makes L block calls per depth where a
+    fixed path makes one. Code known to create no CUDA tensors (the routed
+    core on one TP/EP rank: our dispatch code and megatron's local layer with
+    no collectives) runs faster outside it. Safe by failure: on a CPU-only
+    build any CUDA device use raises "Torch not compiled with CUDA enabled"
+    instead of running somewhere else. The modes are popped only when every
+    TorchFunctionMode on the stack is ours (another mode, e.g. a user's, stays
+    in force and so do ours), and pushed back on exit, exceptions included.
+    """
+    depth = torch._C._len_torch_function_stack()
+    if depth == 0:
+        yield
+        return
+    stack = [torch._C._get_function_stack_at(i) for i in range(depth)]
+    if not all(isinstance(m, _CudaToCpuMode) for m in stack):
+        yield
+        return
+    for _ in range(depth):
+        torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        for mode in stack:
+            torch._C._push_on_torch_function_stack(mode)
+
+
 def _enter_global_cpu_mode() -> None:
     """Enter one ``_CudaToCpuMode`` in the calling thread, never exited.
 

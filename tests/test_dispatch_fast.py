@@ -162,3 +162,31 @@ def test_window_noise_draws_what_per_row_generators_drew(b, s, L, W, S):
         windows = WindowLayout.build(docs, depth, W, S)
         got = window_noise(windows, seeds, depth, L, s)
         assert torch.equal(got, _window_noise_per_row_tensors(windows, seeds, depth, L, s))
+
+
+def test_routed_core_runs_outside_the_device_mode_only_when_safe(make_model):
+    """On one rank the core's forward leaves the CPU device mode; results are unchanged."""
+    from megatron_lol.platform import device_mode_suspended
+
+    net = make_model(router_std=0.5)
+    seen = []
+    block = net.core.block(0)
+    block.register_forward_pre_hook(lambda m, a: seen.append(torch._C._len_torch_function_stack()))
+    tokens = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(3))
+    depth_outside = torch._C._len_torch_function_stack()
+    with torch.no_grad():
+        out = net(tokens)
+    assert depth_outside >= 1 and seen and set(seen) == {0}
+    assert not net.core._needs_device_mode()
+    # the same forward inside the mode gives the same logits
+    net.core._needs_device_mode = lambda: True
+    seen.clear()
+    with torch.no_grad():
+        again = net(tokens)
+    assert set(seen) == {depth_outside}
+    assert torch.equal(out, again)
+    # a CUDA device used without the mode raises instead of running elsewhere
+    with device_mode_suspended():
+        with pytest.raises((RuntimeError, AssertionError)):
+            torch.empty(2, device=0)
+    assert torch.empty(2, device=0).device.type == "cpu"

@@ -316,9 +316,35 @@ class RoutedCore(nn.Module):
         return RoutingDecision(probs=probs, choice=choice, gate=gate)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: torch.Tensor, depth: Optional[int] = None,
-                depth_range: Optional[tuple] = None, forced: Optional[ForcedPath] = None, record: bool = False, backprop_depth: Optional[int] = None,
-                first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None) -> CoreOutput:
+    def _needs_device_mode(self) -> bool:
+        """Whether this forward may create tensors through megatron's CUDA device calls.
+
+        On one TP and EP rank, with no MoE layer and no recomputation in the
+        core, the core's forward runs only our dispatch code and megatron's
+        local layer without collectives, so it runs outside the CPU platform's
+        device mode (see ``platform.device_mode_suspended``: a CUDA use there
+        would raise, not run elsewhere).
+        """
+        from megatron.core import parallel_state
+
+        if self.use_te or self.recompute_full or self.cfg.moe_layers == "all" or _expert_parallel()[0] > 1:
+            return True
+        return (parallel_state.model_parallel_is_initialized()
+                and parallel_state.get_tensor_model_parallel_world_size() > 1)
+
+    def forward(self, *args, **kwargs) -> CoreOutput:
+        """See :meth:`_forward`; on CPU, outside the device mode when that is safe."""
+        if self._needs_device_mode():
+            return self._forward(*args, **kwargs)
+        from megatron_lol.platform import device_mode_suspended
+
+        with device_mode_suspended():
+            return self._forward(*args, **kwargs)
+
+    def _forward(self, states: torch.Tensor, docs: DocumentLayout, rope: torch.Tensor, depth: Optional[int] = None,
+                 depth_range: Optional[tuple] = None, forced: Optional[ForcedPath] = None, record: bool = False,
+                 backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
+                 noise_seeds: Optional[torch.Tensor] = None) -> CoreOutput:
         """``states``: [s, b, h] output of the prelude. ``rope``: [s, 1, 1, d] row-position freqs.
 
         ``noise_seeds`` [b]: one seed per row for the router noise (see ``window_noise``);
