@@ -58,7 +58,9 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=8, help="timed steps per model")
+    p.add_argument("--steps", type=int, default=16,
+                   help="timed steps per model (the machine's speed drifts by 10-30%% within minutes; with fewer "
+                        "steps the ratio of medians moves by several per cent)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--models", default="lol,fixed,forced,dense")
     p.add_argument("--threads", type=int, default=1,

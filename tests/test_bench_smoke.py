@@ -1,0 +1,44 @@
+"""The benchmarks in bench/ run (tiny sizes) and print their tables.
+
+Timings are not asserted (speed is measured by running the benchmarks, not by
+tests); what is asserted is that each script runs end to end, checks what it
+checks (layer_call.py: the two layer paths give identical outputs) and prints
+every row it promises.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _run(script: str, *args: str) -> str:
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], capture_output=True,
+                          text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout
+
+
+def test_layer_call_runs_and_paths_agree():
+    out = _run("layer_call.py", "--hidden", "32", "--heads", "4", "--ffn", "64", "--tokens", "96", "--window", "8",
+               "--calls", "1,4", "--reps", "1")
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["1", "4"] and [r[1] for r in rows] == ["96", "24"]
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
+
+
+def test_step_time_runs_every_model(tmp_path):
+    out_json = tmp_path / "step.json"
+    out = _run("step_time.py", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "64", "--window", "16",
+               "--shift", "8", "--batch", "2", "--vocab", "128", "--steps", "2", "--warmup", "1",
+               "--json", str(out_json))
+    result = json.loads(out_json.read_text())
+    assert set(result["models"]) == {"lol", "fixed", "forced", "dense"}
+    for name, row in result["models"].items():
+        assert len(row["cpu_times_s"]) == 2 and row["cpu_median_s"] > 0, name
+        assert row["flops_allowed"] > 0 and row["predicted_ratio_executed"] > 0, name
+    assert "paired lol/this" in out
