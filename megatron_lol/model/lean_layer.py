@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.identity_op import IdentityOp
+from torch.nn.modules import module as _nn_module
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 # call arguments the short path understands; any other one given a value takes megatron's path
@@ -52,10 +53,8 @@ def _hooked(*modules) -> bool:
     Then megatron's path runs, so that every hook fires as it always did
     (the norms and the core attention are called as modules on both paths).
     """
-    from torch.nn.modules import module as nn_module
-
-    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-            or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
+    if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
+            or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks):
         return True
     return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
                for m in modules)
@@ -73,6 +72,13 @@ class LeanTransformerLayer(TransformerLayer):
     enabled: bool = True
 
     # ------------------------------------------------------------- eligibility
+    def _lean_common_ok(self) -> bool:
+        """What both halves need: one TP rank, no SP, no biases, no dropout, no FP8/FP4."""
+        c = self.config
+        return (c.tensor_model_parallel_size == 1 and not c.sequence_parallel
+                and not c.add_bias_linear and self.hidden_dropout == 0.0
+                and c.fp8 is None and getattr(c, "fp4", None) is None)
+
     def _lean_attention_ok(self) -> bool:
         ok = getattr(self, "_lean_attention", None)
         if ok is None:
@@ -81,17 +87,14 @@ class LeanTransformerLayer(TransformerLayer):
             c = self.config
             sa = getattr(self, "self_attention", None)
             ok = (
-                sa is not None
-                and c.tensor_model_parallel_size == 1 and not c.sequence_parallel
+                sa is not None and self._lean_common_ok()
                 and getattr(c, "context_parallel_size", 1) == 1
-                and not c.add_bias_linear and not getattr(c, "add_qkv_bias", False)
-                and self.hidden_dropout == 0.0
+                and not getattr(c, "add_qkv_bias", False)
                 and not c.rotary_interleaved and not c.apply_rope_fusion
                 and not getattr(c, "multi_latent_attention", False)
                 and not getattr(c, "attention_output_gate", False)
                 and not hasattr(c, "yarn_rotary_scaling_factor")  # YaRN's mscale != 1
                 and not getattr(c, "test_mode", False)  # megatron's in-attention self-checks
-                and c.fp8 is None and getattr(c, "fp4", None) is None
                 and not getattr(self, "recompute_input_layernorm", False)
                 and not getattr(self, "offload_attn_norm", False)
                 and not getattr(sa, "offload_qkv_linear", False)
@@ -112,15 +115,11 @@ class LeanTransformerLayer(TransformerLayer):
             from megatron.core.transformer.mlp import MLP
 
             c = self.config
-            mlp = getattr(self, "mlp", None)
             ok = (
-                type(mlp) is MLP
-                and c.tensor_model_parallel_size == 1 and not c.sequence_parallel
-                and not c.add_bias_linear and self.hidden_dropout == 0.0
+                type(getattr(self, "mlp", None)) is MLP and self._lean_common_ok()
                 and c.gated_linear_unit and c.activation_func is F.silu
                 and getattr(c, "glu_linear_offset", 0.0) == 0.0
                 and getattr(c, "activation_func_clamp_value", None) is None
-                and c.fp8 is None and getattr(c, "fp4", None) is None
                 and not getattr(self, "recompute_mlp", False)
                 and not getattr(self, "recompute_pre_mlp_layernorm", False)
                 and not getattr(self, "offload_mlp_norm", False)
