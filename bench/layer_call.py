@@ -17,45 +17,34 @@ are checked to be identical first.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _shared import add_layer_size_args, add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=768)
+    add_layer_size_args(p)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=64)
     p.add_argument("--calls", default="1,4,16", help="numbers of calls (blocks) the tokens are split over")
     p.add_argument("--reps", type=int, default=15)
-    p.add_argument("--threads", type=int, default=1)
+    add_threads_arg(p)
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    from megatron_lol.platform import device_mode_suspended, init_distributed, setup_platform
-
-    setup_platform()
-    init_distributed()
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    setup_megatron(args.threads)
     from megatron_lol.config import config_from_dict
     from megatron_lol.model.attention import SegmentMask
     from megatron_lol.model.lean_layer import LeanTransformerLayer
     from megatron_lol.model.library import block_spec, build_layer, run_layer, transformer_config
+    from megatron_lol.platform import device_mode_suspended
 
     calls = [int(c) for c in args.calls.split(",")]
     cfg = config_from_dict({"model": dict(hidden_size=args.hidden, num_attention_heads=args.heads,

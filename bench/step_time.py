@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import statistics
 import sys
@@ -41,14 +40,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from _shared import add_layer_size_args, add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--ffn", type=int, default=768)
+    add_layer_size_args(p)
     p.add_argument("--blocks", type=int, default=4, help="L")
     p.add_argument("--depth", type=int, default=4, help="D (a multiple of L for the fixed run)")
     p.add_argument("--prelude", type=int, default=1)
@@ -63,9 +60,7 @@ def parse_args(argv=None):
                         "steps the ratio of medians moves by several per cent)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--models", default="lol,fixed,forced,dense")
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: on a shared 2-core machine two OpenMP threads per "
-                        "process thrash; 0 keeps torch's default)")
+    add_threads_arg(p)
     p.add_argument("--json", default=None, help="write the results here")
     return p.parse_args(argv)
 
@@ -162,19 +157,9 @@ def _quantile(sorted_values, q: float) -> float:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.threads != 1:
         print("note: with more than one thread, process CPU time is summed over threads; compare wall times")
-    from megatron_lol.platform import init_distributed, setup_platform
-
-    setup_platform()
-    init_distributed()
-    from megatron.core import parallel_state, tensor_parallel
-
-    if not parallel_state.model_parallel_is_initialized():
-        parallel_state.initialize_model_parallel()
-    tensor_parallel.model_parallel_cuda_manual_seed(1234)
+    setup_megatron(args.threads)
 
     built, cfgs, forced = build_models(args)
     gen = torch.Generator().manual_seed(0)
