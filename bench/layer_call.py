@@ -26,15 +26,29 @@ import torch
 from _shared import add_layer_size_args, add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 
+def _calls(text: str) -> list:
+    try:
+        calls = [int(c) for c in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not calls or min(calls) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: every number of calls must be >= 1")
+    return calls
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_size_args(p)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=64)
-    p.add_argument("--calls", default="1,4,16", help="numbers of calls (blocks) the tokens are split over")
+    p.add_argument("--calls", type=_calls, default=[1, 4, 16],
+                   help="numbers of calls (blocks) the tokens are split over, e.g. 1,4,16")
     p.add_argument("--reps", type=int, default=15)
     add_threads_arg(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if max(args.calls) > args.tokens:
+        p.error(f"--calls {max(args.calls)}: more calls than --tokens {args.tokens}")
+    return args
 
 
 def main(argv=None) -> int:
@@ -46,7 +60,7 @@ def main(argv=None) -> int:
     from megatron_lol.model.library import block_spec, build_layer, run_layer, transformer_config
     from megatron_lol.platform import device_mode_suspended
 
-    calls = [int(c) for c in args.calls.split(",")]
+    calls = args.calls
     cfg = config_from_dict({"model": dict(hidden_size=args.hidden, num_attention_heads=args.heads,
                                           ffn_hidden_size=args.ffn, num_blocks=max(calls))}).model
     tconf = transformer_config(cfg)
