@@ -1,8 +1,11 @@
-"""The fast dispatch / router paths give the plain formulation's values and gradients bit for bit.
+"""The fast dispatch / router paths against the plain formulation.
 
-``run_grouped_gated`` (gather with an inverse-permutation backward, split views, one buffer of
-block updates, gated ``index_add``) against ``s + alpha[window] * scatter(cat(E(s_m)) - s[order])``
-written with plain autograd ops; ``gather_rows_sparse_grad`` against ``states[rows]``.
+``run_grouped_gated`` on its torch path (gather with an inverse-permutation backward, split views,
+one buffer of block updates, gated ``index_add``) gives ``s + alpha[window] * scatter(cat(E(s_m)) -
+s[order])`` written with plain autograd ops bit for bit, values and gradients. Its fused CPU path
+(``megatron_lol/kernels/routing_cpu.c``, float32 plans covering every token) gives the same values
+bit for bit and the same gradients up to summation order. ``router.window_inputs`` against the
+plain window means and ``states[rows]``.
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from megatron_lol.kernels import cpu as cpu_kernels
 from megatron_lol.model.dispatch import (
     apply_gated_updates,
     gather_planned,
@@ -17,7 +21,19 @@ from megatron_lol.model.dispatch import (
     run_grouped,
     run_grouped_gated,
 )
-from megatron_lol.model.router import gather_rows_sparse_grad
+from megatron_lol.model.router import window_inputs
+from megatron_lol.model.windows import DocumentLayout, WindowLayout
+
+
+@pytest.fixture(params=["torch", "fused"])
+def combine_path(request, monkeypatch):
+    """Run a test on the torch path (kernels disabled) and on the fused CPU kernels."""
+    monkeypatch.setenv(cpu_kernels.ENABLE_ENV, "0" if request.param == "torch" else "1")
+    cpu_kernels.reset()
+    if request.param == "fused":
+        assert cpu_kernels.routing_kernels() is not None, "the C kernels must build here (CI has a compiler)"
+    yield request.param
+    cpu_kernels.reset()
 
 
 def _case(dtype, seed=0, T=97, h=12, L=3):
@@ -66,7 +82,7 @@ def _plain(flat, weights, gate, token_window, choice_w, L, subset=None):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("subset", [False, True])
-def test_run_grouped_gated_is_the_plain_formulation_bit_for_bit(dtype, subset):
+def test_run_grouped_gated_is_the_plain_formulation(dtype, subset, combine_path):
     L = 3
     token_window, choice_w, flat0, weights0, gate0, grad_out = _case(dtype)
     sub = torch.nonzero(token_window % 3 != 1).squeeze(1) if subset else None
@@ -80,12 +96,18 @@ def test_run_grouped_gated_is_the_plain_formulation_bit_for_bit(dtype, subset):
     plan = plan_dispatch(choice_w[token_window], token_window, L, subset=sub)
     assert (plan.inverse is None) == subset
     got = run_grouped_gated(plan, flat, _block_fn(weights), gate)
+    fused = type(got.grad_fn).__name__ == "_FusedGatedCombineBackward"
+    # the kernels run exactly where they apply: float32, every token planned
+    assert fused == (combine_path == "fused" and dtype == torch.float32 and not subset)
     got.backward(grad_out)
     got_grads = [flat.grad] + [w.grad for w in weights] + [gate.grad]
 
     assert torch.equal(got, want)
     for a, b in zip(got_grads, want_grads):
-        assert torch.equal(a, b)
+        if fused:  # the gate's dot products and the state's gradient terms are summed in another order
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+        else:
+            assert torch.equal(a, b)
 
     # the generic pair (used with expert parallelism) gives the same too
     flat, weights, gate = _leaves(flat0, weights0, gate0)
@@ -110,7 +132,7 @@ def test_gather_planned_backward_puts_rows_back():
         assert torch.equal(flat.grad, want)
 
 
-def test_gated_paths_refuse_double_backward():
+def test_gated_paths_refuse_double_backward(combine_path):
     token_window, choice_w, flat0, weights0, gate0, _ = _case(torch.float32, seed=2)
     flat, weights, gate = _leaves(flat0, weights0, gate0)
     plan = plan_dispatch(choice_w[token_window], token_window, 3)
@@ -121,20 +143,32 @@ def test_gated_paths_refuse_double_backward():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_sparse_row_gradient_equals_dense_gather(dtype):
+def test_window_inputs_equal_plain_means_and_rows(dtype):
     g = torch.Generator().manual_seed(3)
-    base = torch.randn(64, 8, generator=g).to(dtype)
-    rows = torch.tensor([0, 5, 13, 40, 63])
-    w_dense, w_rows = torch.randn(64, 8, generator=g).to(dtype), torch.randn(5, 8, generator=g)
-    grads = []
-    for gather in (lambda x: x[rows], lambda x: gather_rows_sparse_grad(x, rows)):
+    docs = DocumentLayout.from_starts(torch.tensor([[0] * 30 + [1] + [0] * 9, [0] * 40], dtype=torch.bool))
+    windows = WindowLayout.build(docs, depth=2, window_size=8, window_shift=3)
+    base = torch.randn(80, 6, generator=g).to(dtype)
+    first = windows.window_first_token
+    w_means, w_rows = (torch.randn(windows.num_windows, 6, generator=g) for _ in range(2))
+    w_dense = torch.randn(80, 6, generator=g).to(dtype)
+
+    def plain(x):
+        sums = torch.zeros(windows.num_windows, 6).index_add(0, windows.token_window, x.float())
+        return sums / windows.window_length.unsqueeze(1).float(), x[first].float()
+
+    outs, grads = [], []
+    for fn in (plain, lambda x: window_inputs(windows, x)):
         leaf = base.clone().requires_grad_(True)
         x = leaf * 2  # the gradient accumulates in a non-leaf, like a depth's input
-        loss = (x * w_dense).sum() + (gather(x).float() * w_rows).sum() + (x.float() ** 2).sum()
-        loss.backward()
+        means, rows = fn(x)
+        ((means * w_means).sum() + (rows * w_rows).sum() + (x * w_dense).float().sum()).backward()
+        outs.append((means.detach(), rows.detach()))
         grads.append(leaf.grad)
-    assert grads[1].layout == torch.strided
-    assert torch.equal(grads[0], grads[1])
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+    # the state's three gradient terms are summed in another order; in bf16 the router's two
+    # are also summed in fp32 before the cast (autograd casts each, then adds)
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(grads[0], grads[1], rtol=tol, atol=tol)
 
 
 def _window_noise_per_row_tensors(windows, row_seeds, depth, num_blocks, row_length):

@@ -27,6 +27,15 @@ block's ``E(s) - s`` into one buffer and adds ``alpha`` times it back with one
 ``index_add`` (instead of concatenating the outputs, scattering into zeros and
 multiply-adding). Values and gradients are those of the plain formulation bit
 for bit (same operations on the same operands, summed in the same order).
+
+On CPU, for float32 states and a plan covering every token, the gated combine
+is one fused C loop each way instead (:mod:`megatron_lol.kernels.cpu`): the
+blocks read their rows from one gather with a per-block output (no ``split``
+or ``cat``), and the combine writes ``s + alpha * (E(s) - s)`` straight into
+token order and, backward, the block outputs' gradients, the direct gradient
+of ``s`` and the gate's in one pass. Values are bit for bit the torch path's;
+gradients equal it up to the summation order of the gate's dot products and
+of the state's gradient contributions.
 """
 
 from __future__ import annotations
@@ -141,12 +150,17 @@ def _call_blocks(plan: DispatchPlan, packed: torch.Tensor, call_block: BlockCall
     """Each block once on its slice of the packed stream; their outputs, in plan order."""
     # split views: their backward is one cat (slicing would zero-fill a full-size gradient per block)
     pieces = packed.split(plan.counts, dim=0)
+    return _call_block_pieces(plan, [pieces[block] for block, _, _ in plan.slices()], call_block)
+
+
+def _call_block_pieces(plan: DispatchPlan, pieces: list, call_block: BlockCall) -> list:
+    """Block ``b`` of each used slice on ``pieces[i]`` (its rows, in plan order); their outputs."""
     outputs = []
     previous = current_slice()
     try:
-        for block, lo, hi in plan.slices():
+        for (block, lo, hi), piece in zip(plan.slices(), pieces):
             _ACTIVE.slice = (plan, block, lo, hi)
-            outputs.append(call_block(block, pieces[block], plan.segments[lo:hi], plan.order[lo:hi]))
+            outputs.append(call_block(block, piece, plan.segments[lo:hi], plan.order[lo:hi]))
     finally:
         _ACTIVE.slice = previous
     return outputs
@@ -181,6 +195,9 @@ def run_grouped_gated(plan: DispatchPlan, states: torch.Tensor, call_block: Bloc
     window_gate)``, bit for bit, gradients included; the block outputs are not
     concatenated first (each block's ``E(s) - s`` is written into one buffer).
     """
+    kernels = _fused_kernels(plan, states, window_gate)
+    if kernels is not None:
+        return _run_fused(kernels, plan, states, call_block, window_gate)
     packed = gather_planned(plan, states)
     outputs = _call_blocks(plan, packed, call_block)
     if any(out.dtype != packed.dtype for out in outputs):  # not expected: blocks keep the dtype
@@ -226,6 +243,94 @@ class _GatedCombine(torch.autograd.Function):
         grad_packed = -grad_updates if ctx.needs_input_grad[2] else None
         grad_outputs = tuple(grad_updates[lo:hi] for lo, hi in ctx.spans)
         return (None, grad, grad_packed, grad_gate) + grad_outputs
+
+
+def _fused_kernels(plan: DispatchPlan, states: torch.Tensor, window_gate: torch.Tensor):
+    """The CPU kernels when they apply (float32 CPU states, a plan covering every token), else None."""
+    if not (states.device.type == "cpu" and states.dtype == torch.float32 and states.dim() == 2
+            and window_gate.dtype == torch.float32 and plan.inverse is not None
+            and plan.inverse.numel() == states.shape[0]):
+        return None
+    from megatron_lol.kernels.cpu import routing_kernels
+
+    return routing_kernels()
+
+
+def _run_fused(kernels, plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall,
+               window_gate: torch.Tensor) -> torch.Tensor:
+    counts = [hi - lo for _, lo, hi in plan.slices()]
+    if torch.is_grad_enabled() and states.requires_grad:
+        pieces = list(_GatherBlocks.apply(states, plan.order, counts))
+    else:
+        pieces = list(states.index_select(0, plan.order).split(counts, dim=0))
+    outputs = [out.contiguous() for out in _call_block_pieces(plan, pieces, call_block)]
+    if any(out.dtype != states.dtype for out in outputs):  # not expected: blocks keep the dtype
+        updates = torch.cat(outputs, dim=0) - torch.cat(pieces, dim=0)
+        return apply_gated_updates(states, plan, updates, window_gate)
+    return _FusedGatedCombine.apply(kernels, plan, counts, states.contiguous(), window_gate.contiguous(), *outputs)
+
+
+class _GatherBlocks(torch.autograd.Function):
+    """``states[order]`` split into one output per block (``order`` a permutation of the rows).
+
+    Forward is one ``index_select``; backward writes each block's gradient rows
+    back in place (one ``index_copy_`` per block into an uninitialised buffer:
+    every row is written once), with no ``cat`` of the blocks' gradients first.
+    """
+
+    @staticmethod
+    def forward(ctx, states, order, counts):
+        ctx.save_for_backward(order)
+        ctx.counts = counts
+        ctx.shape, ctx.dtype = states.shape, states.dtype
+        return tuple(states.index_select(0, order).split(counts, dim=0))
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, *grads):
+        (order,) = ctx.saved_tensors
+        out = torch.empty(ctx.shape, dtype=ctx.dtype, device=order.device)
+        lo = 0
+        for grad, n in zip(grads, ctx.counts):
+            rows = order[lo:lo + n]
+            if grad is None:
+                out.index_fill_(0, rows, 0)
+            else:
+                out.index_copy_(0, rows, grad)
+            lo += n
+        return out, None, None
+
+
+class _FusedGatedCombine(torch.autograd.Function):
+    """``states.index_add(0, order, alpha[segments] * (cat(outputs) - states[order]))`` in one C pass.
+
+    Same values as :class:`_GatedCombine` bit for bit (see ``routing_cpu.c``).
+    Backward, also one pass: the outputs get ``alpha * g[order]``, the states
+    ``g - alpha * g`` on the direct path (their rows' block-input gradients come
+    through :class:`_GatherBlocks`), the gate the per-window sum of
+    ``g . (E(s) - s)``.
+    """
+
+    @staticmethod
+    def forward(ctx, kernels, plan, counts, states, window_gate, *outputs):
+        gate = window_gate.detach()
+        new = kernels.gated_combine_forward(states.detach(), [o.detach() for o in outputs], counts,
+                                            plan.order, plan.segments, gate)
+        ctx.kernels, ctx.counts = kernels, counts
+        ctx.num_windows = window_gate.shape[0]
+        ctx.save_for_backward(plan.order, plan.segments, states, gate, *outputs)
+        return new
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        order, segments, states, gate, *outputs = ctx.saved_tensors
+        grad_outs, grad_states, gate_token = ctx.kernels.gated_combine_backward(
+            grad.contiguous(), states, outputs, ctx.counts, order, segments, gate)
+        grad_gate = None
+        if ctx.needs_input_grad[4]:
+            grad_gate = gate_token.new_zeros(ctx.num_windows).index_add_(0, segments, gate_token)
+        return (None, None, None, grad_states, grad_gate) + tuple(grad_outs)
 
 
 def apply_gated_updates(states: torch.Tensor, plan: DispatchPlan, updates: torch.Tensor,

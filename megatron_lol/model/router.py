@@ -111,39 +111,56 @@ def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: 
 
     ``states`` is the *input* of the depth, flattened ``[T, h]``.
     """
-    means = windows.window_means(states)
+    means, first = window_inputs(windows, states)
     summaries = windows.prefix_means(means)
-    first = gather_rows_sparse_grad(states, windows.window_first_token).float()
     r0 = 0.5 * (depth_vector.float().unsqueeze(0) + first)
     return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
 
 
-class _RowsSparseGrad(torch.autograd.Function):
-    """``states.index_select(0, rows)`` whose gradient is a sparse ``[T, h]`` tensor (``rows`` unique).
+def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the router reads of the depth's input: window means ``mu_j`` and first-token rows, fp32 ``[N, h]``.
 
-    Autograd adds it into the states' dense gradient touching only those rows,
-    which gives the same values as adding a zero-filled dense gradient with
-    those rows set (what ``states[rows]`` would back-propagate), without
-    writing and adding ``T`` rows for a handful of windows.
+    Values are ``windows.window_means(states)`` and ``states[first].float()``.
+    With gradients, one autograd Function (:class:`_WindowInputs`) gives the
+    states one dense gradient for both: written in one pass, not the means'
+    expanded gradient plus a zero-filled (or sparse, which autograd adds by
+    copying the dense one) tensor for a few first-token rows.
+    """
+    if not (torch.is_grad_enabled() and states.requires_grad):
+        return windows.window_means(states), states.index_select(0, windows.window_first_token).float()
+    return _WindowInputs.apply(states, windows.token_window, windows.window_length, windows.window_first_token)
+
+
+class _WindowInputs(torch.autograd.Function):
+    """``(window means, first-token rows)`` of ``states``, both fp32; see :func:`window_inputs`.
+
+    Forward runs the operations of ``WindowLayout.window_means`` (an
+    ``index_add_`` of the fp32 states, divided by the window lengths) and an
+    ``index_select``. Backward: the means' gradient divided by the lengths,
+    expanded to the tokens (the ``index_add_``'s backward), plus the first
+    rows' gradient added at their rows, cast back to the states' dtype: the sum
+    autograd would form for the two, in one buffer.
     """
 
     @staticmethod
-    def forward(ctx, states, rows):
-        ctx.save_for_backward(rows)
-        ctx.shape = states.shape
-        return states.index_select(0, rows)
+    def forward(ctx, states, token_window, window_length, first_token):
+        n = window_length.shape[0]
+        sums = torch.zeros(n, states.shape[-1], dtype=torch.float32, device=states.device)
+        sums.index_add_(0, token_window, states.float())
+        lengths = window_length.unsqueeze(1).to(torch.float32)
+        ctx.save_for_backward(token_window, lengths, first_token)
+        ctx.dtype = states.dtype
+        return sums / lengths, states.index_select(0, first_token).float()
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad):
-        (rows,) = ctx.saved_tensors
-        sparse = torch.sparse_coo_tensor(rows.unsqueeze(0), grad, ctx.shape, is_coalesced=True,
-                                         check_invariants=False)
-        return sparse, None
-
-
-def gather_rows_sparse_grad(states: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``states[rows]`` for unique ``rows``, back-propagating a sparse gradient (see ``_RowsSparseGrad``)."""
-    if not (torch.is_grad_enabled() and states.requires_grad):
-        return states.index_select(0, rows)
-    return _RowsSparseGrad.apply(states, rows)
+    def backward(ctx, grad_means, grad_first):
+        token_window, lengths, first_token = ctx.saved_tensors
+        if grad_means is None:
+            grad = torch.zeros(token_window.shape[0], grad_first.shape[-1], dtype=torch.float32,
+                               device=grad_first.device)
+        else:
+            grad = (grad_means / lengths).index_select(0, token_window)
+        if grad_first is not None:
+            grad.index_add_(0, first_token, grad_first)
+        return grad.to(ctx.dtype), None, None, None
