@@ -410,9 +410,11 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
     attention output, the SwiGLU input / output (``d, d, d, (nq + 2 nkv) c,
     nq c, d, 2f, f`` elements; an MoE layer: ``f`` = the top-k experts' hidden plus the
     shared expert's) plus, per executed score entry and head, the
-    fp32 softmax output, its cast copy and the boolean mask. Truncated depths
-    save nothing (their update runs without autograd); ``recompute: full``
-    keeps one ``d``-vector per layer and token.
+    fp32 softmax output, its cast copy and the boolean mask. A routed (LoL)
+    depth's gated combine also keeps its input and the block outputs (``2 d``;
+    see ``dispatch._FusedGatedCombine``; the torch path keeps one ``d`` buffer
+    of updates). Truncated depths save nothing (their update runs without
+    autograd); ``recompute: full`` keeps one ``d``-vector per layer and token.
     """
     from megatron_lol.model.params import count_parameters
 
@@ -443,8 +445,9 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
     if recompute == "full":
         acts = (n_fixed + grad_depths) * T * d * pbytes
     else:
+        combine = 2 * d * pbytes / tensor_parallel if model.plan == "lol" else 0
         acts = n_fixed * (T * per_token + exec_fixed * score_bytes) \
-            + grad_depths * (T * per_token + exec_core * score_bytes)
+            + grad_depths * (T * (per_token + combine) + exec_core * score_bytes)
     logits = T * vocab_size / tensor_parallel * (pbytes + 4 + 4)  # logits, fp32 copy, softmax grad
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer=opt, activations=acts, logits=logits)
 
