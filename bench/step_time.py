@@ -55,7 +55,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=16,
+    p.add_argument("--steps", type=int, default=30,
                    help="timed steps per model (the machine's speed drifts by 10-30%% within minutes; with fewer "
                         "steps the ratio of medians moves by several per cent)")
     p.add_argument("--warmup", type=int, default=2)
@@ -160,6 +160,9 @@ def main(argv=None) -> int:
     if args.threads != 1:
         print("note: with more than one thread, process CPU time is summed over threads; compare wall times")
     setup_megatron(args.threads)
+    from megatron_lol.kernels.cpu import routing_kernels
+
+    fused = routing_kernels() is not None  # built (or found in the cache) before anything is timed
 
     built, cfgs, forced = build_models(args)
     gen = torch.Generator().manual_seed(0)
@@ -194,10 +197,12 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads, {args.steps} steps")
     print("times: process CPU seconds per step (median, min) and wall seconds (median, min); ratios from "
           "median CPU time")
+    print("routed depth's gated combine: " + ("fused CPU kernel (megatron_lol/kernels)" if fused else
+                                              "torch operations (CPU kernel off or not built)"))
     base = "lol" if "lol" in med else next(iter(med))
     print(f"{'model':8s} {'cpu med':>8s} {'cpu min':>8s} {'wall med':>9s} {'wall min':>9s} {'lol/this':>9s}"
           f" {'pred exec':>10s} {'pred allow':>11s} {'GFLOP exec':>11s} {'GFLOP allow':>12s}")
-    result = {"args": vars(args), "models": {}}
+    result = {"args": vars(args), "fused_cpu_kernel": fused, "models": {}}
     for name in med:
         r = med[base] / med[name]
         pe = pred[base]["executed"] / pred[name]["executed"]
@@ -215,15 +220,17 @@ def main(argv=None) -> int:
     # Paired ratios: the steps of the models are interleaved, so the ratio of the i-th LoL step to the
     # i-th step of another model sees about the same background load; their median and quartiles
     # are less sensitive to load drifting during the run than the ratio of medians above.
-    print(f"{'model':8s} {'paired lol/this: q25':>20s} {'median':>7s} {'q75':>6s} {'sys s med':>10s}"
+    # The ratio of minimum times compares each model's least-disturbed step (timeit's estimator).
+    print(f"{'model':8s} {'paired lol/this: q25':>20s} {'median':>7s} {'q75':>6s} {'of mins':>8s} {'sys s med':>10s}"
           f" {'minor faults med':>17s}")
     for name in med:
         pairs = sorted(a / b for a, b in zip(times[base], times[name]))
         q25, pmed, q75 = _quantile(pairs, 0.25), statistics.median(pairs), _quantile(pairs, 0.75)
         smed, fmed = statistics.median(sys_times[name]), statistics.median(faults[name])
-        print(f"{name:8s} {q25:20.3f} {pmed:7.3f} {q75:6.3f} {smed:10.3f} {fmed:17.0f}")
+        rmin = low[base] / low[name]
+        print(f"{name:8s} {q25:20.3f} {pmed:7.3f} {q75:6.3f} {rmin:8.3f} {smed:10.3f} {fmed:17.0f}")
         result["models"][name].update({"paired_ratio_median": pmed, "paired_ratio_q25": q25,
-                                       "paired_ratio_q75": q75, "sys_median_s": smed,
+                                       "paired_ratio_q75": q75, "ratio_of_mins": rmin, "sys_median_s": smed,
                                        "minor_faults_median": fmed, "sys_times_s": sys_times[name]})
     if args.json:
         with open(args.json, "w") as f:

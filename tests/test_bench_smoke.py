@@ -41,4 +41,7 @@ def test_step_time_runs_every_model(tmp_path):
     for name, row in result["models"].items():
         assert len(row["cpu_times_s"]) == 2 and row["cpu_median_s"] > 0, name
         assert row["flops_allowed"] > 0 and row["predicted_ratio_executed"] > 0, name
+        assert row["ratio_of_mins"] > 0, name
     assert "paired lol/this" in out
+    assert result["fused_cpu_kernel"] is True  # the CPU kernel builds here, so the benchmark times it
+    assert "gated combine: fused CPU kernel" in out
