@@ -96,7 +96,7 @@ def build(source: Path = SOURCE, directory: Optional[Path] = None) -> Path:
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise KernelBuildError(f"cannot create kernel cache directory {directory}: {e}") from e
+        raise KernelBuildError(f"cannot create kernel cache directory {directory}: {e} (set {DIR_ENV})") from e
     fd, tmp = tempfile.mkstemp(prefix=f".{source.stem}-", suffix=".so", dir=directory)
     os.close(fd)
     try:

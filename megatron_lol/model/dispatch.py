@@ -248,7 +248,7 @@ class _GatedCombine(torch.autograd.Function):
 def _fused_kernels(plan: DispatchPlan, states: torch.Tensor, window_gate: torch.Tensor):
     """The CPU kernels when they apply (float32 CPU states, a plan covering every token), else None."""
     if not (states.device.type == "cpu" and states.dtype == torch.float32 and states.dim() == 2
-            and window_gate.dtype == torch.float32 and plan.inverse is not None
+            and states.shape[0] > 0 and window_gate.dtype == torch.float32 and plan.inverse is not None
             and plan.inverse.numel() == states.shape[0]):
         return None
     from megatron_lol.kernels.cpu import routing_kernels
