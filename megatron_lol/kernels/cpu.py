@@ -157,8 +157,10 @@ class RoutingKernels:
     def gated_combine_backward(self, grad: torch.Tensor, states: torch.Tensor, outs: Sequence[torch.Tensor],
                                counts: Sequence[int], order: torch.Tensor, segments: torch.Tensor,
                                window_gate: torch.Tensor):
-        """``(grad_outs, grad_states_direct, gate_per_token)`` of :meth:`gated_combine_forward`."""
-        self._check(states, outs, counts, order, segments, window_gate)
+        """``(grad_outs, grad_states_direct, gate_per_token)`` of :meth:`gated_combine_forward`.
+
+        The arguments are the ones the forward checked (saved for backward); only ``grad`` is checked here.
+        """
         assert grad.shape == states.shape and grad.dtype == torch.float32 and grad.is_contiguous()
         grad_outs = [torch.empty_like(o) for o in outs]
         grad_states = torch.empty_like(states)

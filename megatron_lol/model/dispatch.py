@@ -30,8 +30,8 @@ for bit (same operations on the same operands, summed in the same order).
 
 On CPU, for float32 states and a plan covering every token, the gated combine
 is one fused C loop each way instead (:mod:`megatron_lol.kernels.cpu`): the
-blocks read their rows from one gather with a per-block output (no ``split``
-or ``cat``), and the combine writes ``s + alpha * (E(s) - s)`` straight into
+blocks read their rows from one gather with a per-block output (whose
+backward writes each block's rows in place: no ``cat``), and the combine writes ``s + alpha * (E(s) - s)`` straight into
 token order and, backward, the block outputs' gradients, the direct gradient
 of ``s`` and the gate's in one pass. Values are bit for bit the torch path's;
 gradients equal it up to the summation order of the gate's dot products and

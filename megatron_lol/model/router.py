@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from megatron_lol.model.windows import WindowLayout
+from megatron_lol.model.windows import WindowLayout, segment_means
 
 
 @dataclass
@@ -134,9 +134,8 @@ def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Te
 class _WindowInputs(torch.autograd.Function):
     """``(window means, first-token rows)`` of ``states``, both fp32; see :func:`window_inputs`.
 
-    Forward runs the operations of ``WindowLayout.window_means`` (an
-    ``index_add_`` of the fp32 states, divided by the window lengths) and an
-    ``index_select``. Backward: the means' gradient divided by the lengths,
+    Forward is ``windows.segment_means`` (what ``WindowLayout.window_means``
+    runs) and an ``index_select``. Backward: the means' gradient divided by the lengths,
     expanded to the tokens (the ``index_add_``'s backward), plus the first
     rows' gradient added at their rows, cast back to the states' dtype: the sum
     autograd would form for the two, in one buffer.
@@ -144,23 +143,19 @@ class _WindowInputs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, states, token_window, window_length, first_token):
-        n = window_length.shape[0]
-        sums = torch.zeros(n, states.shape[-1], dtype=torch.float32, device=states.device)
-        sums.index_add_(0, token_window, states.float())
-        lengths = window_length.unsqueeze(1).to(torch.float32)
-        ctx.save_for_backward(token_window, lengths, first_token)
+        ctx.save_for_backward(token_window, window_length, first_token)
         ctx.dtype = states.dtype
-        return sums / lengths, states.index_select(0, first_token).float()
+        return segment_means(states, token_window, window_length), states.index_select(0, first_token).float()
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_means, grad_first):
-        token_window, lengths, first_token = ctx.saved_tensors
+        token_window, window_length, first_token = ctx.saved_tensors
         if grad_means is None:
             grad = torch.zeros(token_window.shape[0], grad_first.shape[-1], dtype=torch.float32,
                                device=grad_first.device)
         else:
-            grad = (grad_means / lengths).index_select(0, token_window)
+            grad = (grad_means / window_length.unsqueeze(1).to(torch.float32)).index_select(0, token_window)
         if grad_first is not None:
             grad.index_add_(0, first_token, grad_first)
         return grad.to(ctx.dtype), None, None, None

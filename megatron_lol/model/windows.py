@@ -111,6 +111,13 @@ class DocumentLayout:
         return cls.from_starts(torch.zeros(b, s, dtype=torch.bool, device=device))
 
 
+def segment_means(states: torch.Tensor, token_segment: torch.Tensor, segment_length: torch.Tensor) -> torch.Tensor:
+    """Mean of the rows of ``states`` [T, h] in each segment, fp32 [N, h] (``N = len(segment_length)``)."""
+    sums = torch.zeros(segment_length.shape[0], states.shape[-1], dtype=torch.float32, device=states.device)
+    sums.index_add_(0, token_segment, states.float())
+    return sums / segment_length.unsqueeze(1).to(torch.float32)
+
+
 @dataclass
 class WindowLayout:
     """The windows of one routed depth over a flattened micro-batch (``b*s`` tokens).
@@ -144,10 +151,7 @@ class WindowLayout:
 
     def window_means(self, states: torch.Tensor) -> torch.Tensor:
         """``mu_j``: mean of each window's token states, fp32, equal weight per token. [N, h]"""
-        h = states.shape[-1]
-        sums = torch.zeros(self.num_windows, h, dtype=torch.float32, device=states.device)
-        sums.index_add_(0, self.token_window, states.float())
-        return sums / self.window_length.unsqueeze(1).to(torch.float32)
+        return segment_means(states, self.token_window, self.window_length)
 
     def prefix_means(self, window_means: torch.Tensor) -> torch.Tensor:
         """``r_k = (1/k) sum_{j<k} mu_j`` per document (rows for k = 0 are zero). [N, h]
