@@ -13,6 +13,8 @@ import importlib
 import os
 import sys
 
+from megatron_lol.errors import CliError
+
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("megatron_lol.training.cli", "pretrain a model from a YAML config"),
@@ -25,10 +27,6 @@ VERBS: dict[str, tuple[str, str]] = {
     "import-hf": ("megatron_lol.convert.from_hf", "import a Llama-architecture HF checkpoint"),
     "analyze": ("megatron_lol.analysis.cli", "routing analyses: heatmaps, paths, mode paths"),
 }
-
-
-class CliError(Exception):
-    """A user error: printed as one line, exit status 2."""
 
 
 def main(argv: list[str] | None = None) -> int:

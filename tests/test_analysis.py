@@ -165,7 +165,7 @@ def _env() -> dict:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A tiny LoL checkpoint from ``python -m megatron_lol train`` (8 steps) plus its data."""
-    from megatron_lol.data._testing import indexed_corpus, stdlib_documents
+    from corpus_fixtures import indexed_corpus, stdlib_documents
 
     root = tmp_path_factory.mktemp("analysis")
     prefix, tok = indexed_corpus(str(root), max_bytes=150_000, max_doc=4000, vocab_size=384)

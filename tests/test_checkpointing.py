@@ -64,7 +64,7 @@ training:
 # ------------------------------------------------------------------ helpers (also used by test_slurm)
 def make_corpus(out_dir: Path, max_bytes: int = 300_000) -> tuple:
     """A SentencePiece model and one Megatron indexed dataset: (prefix, tokenizer_model)."""
-    from megatron_lol.data._testing import indexed_corpus
+    from corpus_fixtures import indexed_corpus
 
     return indexed_corpus(str(out_dir), max_bytes=max_bytes, max_doc=8000, vocab_size=512)
 

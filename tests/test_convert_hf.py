@@ -27,7 +27,7 @@ TOL = 1e-4
 
 # ------------------------------------------------------------------ data and training (run in spawned ranks)
 def _spm_and_docs(root: str):
-    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
+    from corpus_fixtures import stdlib_documents, train_sentencepiece
 
     docs = stdlib_documents(max_bytes=200_000, max_doc=6000)
     model = train_sentencepiece(docs[:-4], os.path.join(root, "sp"), vocab_size=384)
@@ -290,7 +290,7 @@ def test_film_injection_untied_variant(single, tmp_path, corpus):
 
 # ------------------------------------------------------------------ failures stop with a clear message
 def test_missing_tracker_and_incompatible_config(lol_1proc, tmp_path):
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
 
     broken = tmp_path / "no_tracker"
     shutil.copytree(lol_1proc, broken)
@@ -313,7 +313,7 @@ def test_missing_tracker_and_incompatible_config(lol_1proc, tmp_path):
 
 
 def test_truncated_checkpoint_data(lol_1proc, tmp_path):
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
 
     broken = tmp_path / "truncated"
     shutil.copytree(lol_1proc, broken)
@@ -325,7 +325,7 @@ def test_truncated_checkpoint_data(lol_1proc, tmp_path):
 
 
 def test_truncated_or_corrupted_safetensors_shard_on_import(dense_1proc, tmp_path):
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
     from megatron_lol.convert.from_hf import import_hf
 
     out = tmp_path / "llama"

@@ -113,7 +113,7 @@ def test_moe_expert_parallel_checkpoint(moe_ep2, name, tmp_path, corpus):  # noq
 
 
 def test_moe_is_not_a_llama_stack(moe_single, tmp_path):
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
 
     with pytest.raises(CliError, match="moe_layers=all is not an ordinary Llama stack"):
         export(moe_single["moe_dense_all"], tmp_path / "llama", fmt="llama")
@@ -310,7 +310,7 @@ def test_loop_budget_flag(systems, tmp_path):
     x = torch.arange(3, 40).view(1, -1)
     with torch.no_grad():
         assert torch.equal(hf(x).logits, hf(x, loop_budget=1).logits)
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
     from megatron_lol.convert.to_hf import convert_checkpoint
 
     with pytest.raises(CliError, match=r"^--loop-budget: 2 is not one of the model's loop_budgets \[0, 1, 3\]$"):

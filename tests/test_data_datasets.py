@@ -7,7 +7,7 @@ import os
 import pytest
 import torch
 
-from megatron_lol.data import _testing as T
+import corpus_fixtures as T
 from megatron_lol.data.datasets import (build_train_valid_test_datasets, document_ids,
                                         document_positions, parse_blend)
 from megatron_lol.data.tokenizers import build_tokenizer

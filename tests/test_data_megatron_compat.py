@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from megatron_lol.data import _testing as T
+import corpus_fixtures as T
 
 
 @pytest.fixture(scope="session")

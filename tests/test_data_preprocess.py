@@ -8,7 +8,7 @@ import os
 import numpy as np
 import pytest
 
-from megatron_lol.data import _testing as T
+import corpus_fixtures as T
 from megatron_lol.data.tokenizers import build_tokenizer
 
 KINDS = ("sentencepiece", "huggingface", "tiktoken", "gpt2bpe")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from megatron_lol.cli import main
-from megatron_lol.data import _testing as T
+import corpus_fixtures as T
 from megatron_lol.data import quickstart as Q
 
 

@@ -353,7 +353,7 @@ ACCORDION_YAML = """\
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
-    from megatron_lol.data._testing import indexed_corpus
+    from corpus_fixtures import indexed_corpus
 
     root = tmp_path_factory.mktemp("foil_accordion")
     prefix, tok = indexed_corpus(str(root), max_bytes=150_000, max_doc=4000, vocab_size=384)

@@ -114,7 +114,7 @@ def _write_dataset(tmp_path):
 @pytest.mark.slow
 def test_torchrun_launch_and_layout_error(tmp_path):
     """torchrun --nproc-per-node 2 -m megatron_lol train works with gloo; a bad layout fails first."""
-    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
+    from corpus_fixtures import stdlib_documents, train_sentencepiece
 
     spm = train_sentencepiece(stdlib_documents(max_bytes=300_000), str(tmp_path / "spm"), vocab_size=1000)
     prefix = _write_dataset(tmp_path)

@@ -117,7 +117,7 @@ def _node(host, step, tps, tfl, mfu, clock=None):
 
 
 def test_merge_reports():
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
     from megatron_lol.perf.profile import format_nodes, merge_reports
 
     a = {"nodes": [_node("n1", 1.0, 1000.0, 100.0, 0.1, 1900)]}

@@ -77,7 +77,7 @@ def _job_state(job: str) -> str:
 
 
 def test_pipeline_and_preemption_requeue(cluster, tmp_path):
-    from megatron_lol.data._testing import stdlib_documents, train_sentencepiece
+    from corpus_fixtures import stdlib_documents, train_sentencepiece
 
     work = tmp_path / "work"
     raw = tmp_path / "raw"

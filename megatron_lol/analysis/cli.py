@@ -26,7 +26,7 @@ import json
 import os
 import time
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 
 SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 

@@ -16,7 +16,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 
 KEY_PREFIX = "model."
 RUN_CONFIG = "run_config.yaml"

@@ -11,7 +11,7 @@ def _plt():
     try:
         import matplotlib
     except ImportError:  # pragma: no cover - depends on the environment
-        from megatron_lol.cli import CliError
+        from megatron_lol.errors import CliError
 
         raise CliError("the analyses draw PNGs with matplotlib: pip install matplotlib") from None
     matplotlib.use("Agg")

@@ -18,11 +18,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from fractions import Fraction
 from typing import Any, Optional
 
-from megatron_lol.cli import CliError
-
-
-class ConfigError(CliError):
-    """A configuration value is invalid; the message names the key."""
+from megatron_lol.errors import ConfigError
 
 
 PLANS = ("lol", "dense", "looped", "accordion")

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"

@@ -24,7 +24,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.convert import mapping
 

@@ -27,7 +27,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ExperimentConfig, ModelConfig
 from megatron_lol.convert import mapping
 from megatron_lol.convert.checkpoint import DistCheckpointReader, iteration_dir, read_run_config

@@ -23,7 +23,7 @@ import struct
 import warnings
 from typing import Optional
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 
 SAMPLE_TEXTS = [
     "Hello world! This is a test of the tokenizer.",

@@ -81,7 +81,7 @@ def order_shards(prefixes: list) -> list:
 
 
 def run(args) -> int:
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
     from megatron_lol.data.indexed import merge_datasets
 
     if args.multimodal:

@@ -480,7 +480,7 @@ def format_summary(s: dict) -> str:
 
 
 def run(args) -> int:
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
     from megatron_lol.data.tokenizers import TokenizerError
 
     try:

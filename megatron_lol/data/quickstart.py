@@ -160,7 +160,7 @@ def train_tokenizer(jsonl: str, model_prefix: str, vocab_size: int) -> str:
 
 
 def run(args) -> int:
-    from megatron_lol.cli import CliError
+    from megatron_lol.errors import CliError
     from megatron_lol.data import preprocess as pp
 
     out = args.output_dir

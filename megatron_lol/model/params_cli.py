@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 from megatron_lol.config import add_config_arguments, config_from_args
 from megatron_lol.model.params import count_parameters
 

@@ -46,7 +46,7 @@ import statistics
 import time
 from typing import Optional
 
-from megatron_lol.cli import CliError
+from megatron_lol.errors import CliError
 
 SECTION_KEYS = ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head",
                 "forward_other", "backward", "optimizer", "data", "other")

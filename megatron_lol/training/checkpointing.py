@@ -65,6 +65,7 @@ from typing import Optional
 
 import torch
 
+from megatron_lol.log import log_rank0
 from megatron_lol.training.hooks import Hook
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -82,11 +83,6 @@ class NonFiniteWeightsError(FloatingPointError):
 
 class CheckpointNotFoundError(RuntimeError):
     pass
-
-
-def log_rank0(msg: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
 
 
 def _rank() -> int:

@@ -21,7 +21,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)  # validates everything before any process group work
     cfg.parallel.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))  # layout vs world size
-    from megatron_lol.training.trainer import Trainer, log_rank0
+    from megatron_lol.log import log_rank0
+    from megatron_lol.training.trainer import Trainer
 
     trainer = Trainer(cfg).setup()
     try:

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import os
 
+from megatron_lol.log import log_rank0
+
 INJECT_NAN_ENV = "MEGATRON_LOL_INJECT_NAN_STEPS"
 
 
@@ -32,17 +34,10 @@ class Hook:
         pass
 
 
-def _log_rank0(msg: str) -> None:
-    import torch
-
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
-
-
 class NonFiniteReportHook(Hook):
     def on_step_end(self, trainer, result) -> bool:
         if getattr(result, "skipped", False):
-            _log_rank0(f" non-finite: loss {result.loss} / grad norm {result.grad_norm} at iteration "
+            log_rank0(f" non-finite: loss {result.loss} / grad norm {result.grad_norm} at iteration "
                        f"{result.step}: step skipped ({trainer.nonfinite_skipped} of at most "
                        f"{trainer.cfg.training.skip_nonfinite_steps} allowed)")
         return False
@@ -67,7 +62,7 @@ class NaNInjectionHook(Hook):
             return output
 
         self.handle = trainer.model.register_forward_hook(poison)
-        _log_rank0(f" fault injection: NaN loss at iterations {sorted(self.steps)}")
+        log_rank0(f" fault injection: NaN loss at iterations {sorted(self.steps)}")
 
     def on_end(self, trainer) -> None:
         if self.handle is not None:

@@ -29,11 +29,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
-
-
-def log_rank0(msg: str) -> None:
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        print(msg, flush=True)
+from megatron_lol.log import log_rank0
 
 
 @dataclass

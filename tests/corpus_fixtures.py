@@ -1,4 +1,4 @@
-"""Real text and real tokenizer files built locally, for tests and benchmarks.
+"""Real text and real tokenizer files built locally, for the tests.
 
 No network: the text is what every machine running this project has -- the
 Python standard library's source files (English docstrings and comments, code)
