@@ -1,14 +1,15 @@
 #!/usr/bin/env python
-"""Block-call cost: megatron-core's TransformerLayer path against LeanTransformerLayer's.
+"""Block-call cost: the reference layer call (megatron-core's modules) against the CPU backend's short path.
 
 A LoL depth calls each of its L blocks on that block's windows; a fixed path
 calls one layer on all tokens. This times forward + backward of the same
 2,048 packed tokens split over 1, 4 or 16 calls (each on a different block, as
 in a LoL depth; windows of W tokens, chunked window attention), once through
-megatron-core's ``TransformerLayer`` code (``LeanTransformerLayer.enabled =
-False``) and once through the short path, steps interleaved, and prints the
-median process CPU time of each and their ratio. The outputs of the two paths
-are checked to be identical first.
+the reference call (``megatron_lol.model.block_call``, megatron-core's
+``SelfAttention`` and ``MLP`` modules) and once through the CPU backend's
+short halves (``megatron_lol.backends.cpu.layer``), steps interleaved, and
+prints the median process CPU time of each and their ratio. The outputs of the
+two paths are checked to be identical first.
 
     python bench/layer_call.py                       # width 256, 2,048 tokens, 1 thread
     python bench/layer_call.py --hidden 512 --tokens 4096
@@ -55,9 +56,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     setup_megatron(args.threads)
     from megatron_lol.config import config_from_dict
+    from megatron_lol.backends.cpu import CpuBackend
     from megatron_lol.model.attention import SegmentMask
-    from megatron_lol.model.lean_layer import LeanTransformerLayer
-    from megatron_lol.model.library import block_spec, build_layer, run_layer, transformer_config
+    from megatron_lol.model.block_call import call_block
+    from megatron_lol.model.library import block_spec, build_layer, transformer_config
     from megatron_lol.platform import device_mode_suspended
 
     calls = args.calls
@@ -73,7 +75,7 @@ def main(argv=None) -> int:
     rope = torch.randn(T, 1, 1, head_dim, generator=gen)
     segments = (torch.arange(T) // W).view(1, -1)
 
-    def run(n: int) -> torch.Tensor:
+    def run(n: int, backend) -> torch.Tensor:
         for b in blocks:
             for p in b.parameters():
                 p.grad = None
@@ -84,17 +86,13 @@ def main(argv=None) -> int:
             for i in range(n):
                 lo, hi = bounds[i], bounds[i + 1]
                 mask = SegmentMask(segments=segments[:, lo:hi], chunk=W)
-                outs.append(run_layer(blocks[i], x[lo:hi], mask, rope[lo:hi], False))
+                outs.append(call_block(blocks[i], x[lo:hi], mask, rope[lo:hi], backend=backend)[0])
             y = torch.cat(outs)
         (y * y).sum().backward()
         return y.detach()
 
-    def with_path(lean: bool, n: int):
-        LeanTransformerLayer.enabled = lean
-        try:
-            return run(n)
-        finally:
-            LeanTransformerLayer.enabled = True
+    def with_path(short: bool, n: int):
+        return run(n, CpuBackend() if short else None)
 
     for n in calls:
         if not torch.equal(with_path(True, n), with_path(False, n)):
@@ -111,11 +109,11 @@ def main(argv=None) -> int:
             times[(n, lean)].append(time.process_time() - t0)
     print(f"forward + backward of {T} packed tokens (windows of {W}), width {args.hidden}, "
           f"{torch.get_num_threads()} threads, median process CPU ms over {args.reps} reps")
-    print(f"{'calls':>5s} {'tokens/call':>12s} {'megatron ms':>12s} {'lean ms':>8s} {'lean/megatron':>14s}")
+    print(f"{'calls':>5s} {'tokens/call':>12s} {'reference ms':>13s} {'cpu backend ms':>15s} {'backend/reference':>18s}")
     for n in calls:
-        m = statistics.median(times[(n, False)]) * 1e3
-        lean = statistics.median(times[(n, True)]) * 1e3
-        print(f"{n:5d} {T // n:12d} {m:12.1f} {lean:8.1f} {lean / m:14.3f}")
+        ref = statistics.median(times[(n, False)]) * 1e3
+        short = statistics.median(times[(n, True)]) * 1e3
+        print(f"{n:5d} {T // n:12d} {ref:13.1f} {short:15.1f} {short / ref:18.3f}")
     return 0
 
 

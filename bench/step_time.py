@@ -10,7 +10,7 @@ Models (same width, heads, FFN, vocabulary, sequence, batch; same optimizer):
            on LoL's shifted windows at depth ``l`` (same windows, same chunked
            attention, no router, no dispatch);
   forced   LoLGPTModel with a ForcedPath (block ``(l-1) mod L``, gate 1) for
-           every window: note that ``RoutedCore.decide`` still computes the
+           every window: note that ``Core.decide`` still computes the
            router's probabilities before the override, so this run pays for the
            router but executes one block per depth;
   dense    megatron-core ``GPTModel`` (local spec, RMSNorm, SwiGLU, RoPE) with
@@ -69,9 +69,11 @@ def model_config(args, **over):
     from megatron_lol.config import config_from_dict
 
     m = dict(plan="lol", hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-             n_prelude=args.prelude, n_coda=args.coda, num_blocks=args.blocks, routed_depth=args.depth,
-             window_size=args.window, window_shift=args.shift, vocab_size=args.vocab)
+             n_prelude=args.prelude, n_coda=args.coda, window_size=args.window, window_shift=args.shift,
+             vocab_size=args.vocab)
     m.update(over)
+    if m["plan"] == "lol":
+        m.update(num_blocks=args.blocks, routed_depth=args.depth)
     return config_from_dict({"model": m}).model
 
 
@@ -88,9 +90,12 @@ def build_models(args):
     cfgs = {}
     cfgs["lol"] = model_config(args)
     cfgs["forced"] = cfgs["lol"]
-    cfgs["fixed"] = model_config(args, plan="looped", dense_attention="strided")
+    if args.depth % args.blocks:
+        raise SystemExit(f"--depth {args.depth} must be a multiple of --blocks {args.blocks} (the fixed path loops)")
+    cfgs["fixed"] = model_config(args, plan="looped", loop_layers=args.blocks, loop_count=args.depth // args.blocks,
+                                 dense_attention="strided")
     n_layers = args.prelude + args.depth + args.coda
-    cfgs["dense"] = model_config(args, plan="dense", num_blocks=args.depth, dense_attention="full")
+    cfgs["dense"] = model_config(args, plan="dense", core_layers=args.depth, dense_attention="full")
     for name in names:
         torch.manual_seed(1234)
         if name == "dense":
@@ -160,7 +165,7 @@ def main(argv=None) -> int:
     if args.threads != 1:
         print("note: with more than one thread, process CPU time is summed over threads; compare wall times")
     setup_megatron(args.threads)
-    from megatron_lol.kernels.cpu import routing_kernels
+    from megatron_lol.backends.cpu.kernels import routing_kernels
 
     fused = routing_kernels() is not None  # built (or found in the cache) before anything is timed
 
@@ -197,7 +202,7 @@ def main(argv=None) -> int:
           f"{torch.get_num_threads()} threads, {args.steps} steps")
     print("times: process CPU seconds per step (median, min) and wall seconds (median, min); ratios from "
           "median CPU time")
-    print("routed depth's gated combine: " + ("fused CPU kernel (megatron_lol/kernels)" if fused else
+    print("routed depth's gated combine: " + ("fused CPU kernel (megatron_lol/backends/cpu)" if fused else
                                               "torch operations (CPU kernel off or not built)"))
     base = "lol" if "lol" in med else next(iter(med))
     print(f"{'model':8s} {'cpu med':>8s} {'cpu min':>8s} {'wall med':>9s} {'wall min':>9s} {'lol/this':>9s}"

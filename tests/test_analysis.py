@@ -36,9 +36,9 @@ def test_packed_routes_equal_routes_alone(routed_model):
     assert [r.length for r in routes] == [6, 21, 32, 8, 32, 13]  # EOD added, truncated at seq_length
     for tk, route in zip(toks, routes):
         ex = prepare_examples([tk], 32, 0)[0]
-        routed_model(torch.tensor([ex]), record=True)
+        _, routed_model_core = routed_model(torch.tensor([ex]), record=True, return_core=True)
         assert len(route.records) == 4
-        for rec, mine in zip(routed_model.last_core.records, route.records):
+        for rec, mine in zip(routed_model_core.records, route.records):
             assert rec.choice.tolist() == mine.choice.tolist()
             assert mine.window_ordinal.tolist() == list(range(len(mine.choice)))
             torch.testing.assert_close(rec.probs.float(), mine.probs, atol=1e-5, rtol=1e-5)

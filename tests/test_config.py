@@ -23,7 +23,7 @@ TINY = os.path.join(REPO, "examples", "configs", "tiny-cpu.yaml")
     ({"routed_depth": 0}, "model.routed_depth: must be > 0 (got 0)"),
     ({"num_blocks": 0}, "model.num_blocks: must be > 0 (got 0)"),
     ({"hidden_size": 130, "num_attention_heads": 4}, "model.num_attention_heads: 4 does not divide model.hidden_size=130"),
-    ({"plan": "moe"}, "model.plan: must be one of lol, dense, looped, accordion (got 'moe')"),
+    ({"plan": "moe"}, "model.plan: must be one of dense, looped, foil, lol, accordion (got 'moe')"),
     ({"window_size": "big"}, "model.window_size must be int (got 'big')"),
 ])
 def test_bad_model_values(model, message):

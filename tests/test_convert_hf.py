@@ -64,6 +64,10 @@ def _experiment(save: str, tokenizer_model: str, parallel: dict, model: dict):
              n_prelude=1, n_coda=1, num_blocks=4, routed_depth=4, window_size=8, window_shift=4,
              make_vocab_size_divisible_by=64, bias_update_speed=0.02)
     m.update(model)
+    if m["plan"] != "lol":  # the base's library shape is LoL's own keys
+        for key in ("num_blocks", "routed_depth"):
+            if key not in model:
+                m.pop(key)
     return config_from_dict({
         "model": m, "parallel": parallel,
         "data": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": tokenizer_model},
@@ -83,10 +87,6 @@ def train_and_save(save: str, tokenizer_model: str, parallel: dict, model: dict,
     tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=tokenizer_model)
     _, docs = _spm_and_docs(os.path.dirname(tokenizer_model))
     trainer = Trainer(cfg, tokenizer=tok, datasets=(TokenRows(tokenizer_model, docs[:-4], 16), None, None)).setup()
-    for chunk in trainer.model_chunks:  # workaround: Trainer._balancers reads core.balancer, absent for plan: dense
-        core = getattr(chunk.module, "core", None)
-        if core is not None and not hasattr(core, "balancer"):
-            core.balancer = None
     data = trainer.data_iterator(trainer.train_ds, 0)
     for _ in range(steps):
         trainer.train_step(data)
@@ -134,7 +134,7 @@ FILM_VARIANT = dict(film="depth_block", input_injection=True, router_tied=False,
 @pytest.fixture(scope="module")
 def single(corpus):
     """One 1-process launch: the LoL model, a dense model, a FiLM / injection / untied-router variant."""
-    return _train(corpus, 1, [("lol_1proc", {}, {}), ("dense_1proc", {}, {"plan": "dense", "num_blocks": 2}),
+    return _train(corpus, 1, [("lol_1proc", {}, {}), ("dense_1proc", {}, {"plan": "dense", "core_layers": 2}),
                               ("lol_film", {}, FILM_VARIANT)])
 
 

@@ -25,12 +25,12 @@ MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2)
 VARIANTS = {
     "moe_fixed": ({}, dict(MOE, moe_layers="fixed")),
     "moe_all_shared": ({}, dict(MOE, moe_layers="all", moe_shared_expert_intermediate_size=40)),
-    "moe_dense_all": ({}, dict(MOE, moe_layers="all", plan="dense", num_blocks=2)),
+    "moe_dense_all": ({}, dict(MOE, moe_layers="all", plan="dense", core_layers=2)),
 }
 EP2 = {
     "moe_ep2_lol_fixed": ({"expert_model_parallel_size": 2}, dict(MOE, moe_layers="fixed")),
     "moe_ep2_dense_all": ({"expert_model_parallel_size": 2},
-                          dict(MOE, moe_layers="all", plan="dense", num_blocks=2,
+                          dict(MOE, moe_layers="all", plan="dense", core_layers=2,
                                moe_shared_expert_intermediate_size=40)),
 }
 BF16_TOL = 0.05
@@ -121,10 +121,10 @@ def test_moe_is_not_a_llama_stack(moe_single, tmp_path):
 
 
 # ------------------------------------------------------------------ Foil and Accordion
-FOIL = dict(plan="looped", num_blocks=2, routed_depth=4, num_experts=4, core_num_experts=6, moe_ffn_hidden_size=48,
+FOIL = dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=6, moe_ffn_hidden_size=48,
             moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3,
             moe_loss_average_over_executions=True)
-ACCORDION = dict(plan="accordion", n_prelude=1, num_blocks=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=48,
+ACCORDION = dict(plan="accordion", n_prelude=1, loop_window=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=48,
                  moe_router_topk=2, moe_layers="all", moe_shared_expert_intermediate_size=40,
                  loop_budgets=[0, 1, 3], second_pass_router="separate")
 SYSTEMS = {
@@ -212,7 +212,8 @@ def _dense_twin(native, m):
 
     from megatron_lol.model.lol_model import LoLGPTModel
 
-    dense = LoLGPTModel(replace(m, plan="dense", loop_budgets=[0], loop_budget=None, second_pass_router="shared"),
+    dense = LoLGPTModel(replace(m, plan="dense", core_layers=m.loop_window, loop_window=None, loop_budgets=[0],
+                                loop_budget=None, second_pass_router="shared"),
                         native.vocab_size, native.eod_id)
     state = {k: v for k, v in native.state_dict().items()
              if not k.startswith(("core.loop_gates", "core.second_pass_routers"))}

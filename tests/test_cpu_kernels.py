@@ -1,4 +1,4 @@
-"""Building, caching and falling back from the fused CPU routing kernels (megatron_lol/kernels)."""
+"""Building, caching and falling back from the CPU backend's fused routing kernels (megatron_lol/backends/cpu)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import logging
 import pytest
 import torch
 
-from megatron_lol.kernels import cpu as cpu_kernels
+from megatron_lol.backends.cpu import kernels as cpu_kernels
 
 
 @pytest.fixture

@@ -182,14 +182,15 @@ def test_shared_expert_and_core_expert_count_by_hand():
 
 def test_accordion_budgets_by_hand():
     V, n, d = 50, 16, 32
-    m = _model(plan="accordion", num_blocks=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
+    m = _model(plan="accordion", loop_window=3, num_blocks=None, routed_depth=None, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
                moe_ffn_hidden_size=16, moe_router_topk=2, moe_shared_expert_intermediate_size=24,
                second_pass_router="separate")
     # one layer: attention projections, full causal scores, top-2 + shared expert, router
     layer = n * 8192 + 4 * fl.causal_pairs(n) * 32 + (2 * 6 * n * d * 16 + 6 * n * d * 24) + 2 * n * d * 4
     head = 2 * n * d * V
-    assert fl.accordion_depth(m, 1) == 4
-    f1 = fl.forward_flops(m, V, n, depth=fl.accordion_depth(m, 1))
+    plan = m.execution_plan()
+    assert plan.depth_for(1) == 4
+    f1 = fl.forward_flops(m, V, n, depth=plan.depth_for(1))
     assert f1.parts["core"]["forward"].total == 4 * layer  # window layers 1..3, then layer 1 again
     assert f1.forward.total == (1 + 4 + 1) * layer + head
     assert fl.training_flops(m, V, n, depth=4).total == 3 * f1.forward.total
@@ -198,8 +199,10 @@ def test_accordion_budgets_by_hand():
     assert fl.forward_flops(replace(m, loop_budget=0), V, n).forward.total == (1 + 3 + 1) * layer + head
     with pytest.raises(ValueError):
         fl.forward_flops(m, V, n, depth=2)  # below the unlooped window
-    with pytest.raises(ValueError):
-        fl.accordion_depth(m, 2)  # not a configured budget
+    from megatron_lol.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="2 is not one of the model's loop_budgets"):
+        plan.depth_for(2)  # not a configured budget
     # a step: the sum over its micro-batches' budgets; without them, the mean over uniform sampling
     from megatron_lol.config import config_from_dict
 

@@ -1,6 +1,6 @@
-"""Foil (seed 002: looped MoE, untied attention) and Accordion (seed 003: budgets by
-fixed-prefix looping): each trains, and each has a test of its defining property.
-The routing metrics U_t / B2 / MMR are checked against the properties the seed states."""
+"""Foil (looped MoE, untied attention) and Accordion (budgets by fixed-prefix looping):
+each trains, and each has a test of its defining property. The routing metrics U_t / B2 /
+MMR are checked against the properties their definitions state (docs/model.md, "Foil")."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from conftest import ensure_megatron
 
 VOCAB, EOD = 96, 0
 
-FOIL = dict(plan="looped", num_blocks=2, routed_depth=4, num_experts=4, core_num_experts=8, moe_ffn_hidden_size=32,
+FOIL = dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=8, moe_ffn_hidden_size=32,
             moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3,
             moe_loss_average_over_executions=True)
-ACCORDION = dict(plan="accordion", n_prelude=1, num_blocks=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=32,
+ACCORDION = dict(plan="accordion", n_prelude=1, loop_window=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=32,
                  moe_router_topk=2, moe_layers="all", moe_shared_expert_intermediate_size=32,
                  loop_budgets=[0, 1, 3], num_query_groups=2, kv_channels=16)
 
@@ -73,10 +73,10 @@ def test_foil_trains(megatron_env, untie):
 def test_foil_attention_per_pass_experts_shared(megatron_env):
     model, cfg = _model(**FOIL)
     core = model.core
-    passes = cfg.loop_passes
-    assert passes == 2 and set(core.pass_attention.keys()) == {"0_1", "1_1"}
+    plan = cfg.execution_plan()
+    assert plan.loop_passes == 2 and set(core.pass_attention.keys()) == {"0_1", "1_1"}
     # distinct attention parameters per (block, pass); experts and routers exist once per block
-    for i in range(cfg.num_blocks):
+    for i in range(plan.num_stored_blocks):
         own = core.block(i).self_attention.linear_qkv.weight
         other = core.pass_attention[f"{i}_1"].self_attention.linear_qkv.weight
         assert own is not other and not torch.equal(own, other)
@@ -121,13 +121,12 @@ def test_foil_losses_averaged_over_executions(megatron_env):
 
 
 def test_foil_routing_records_and_metrics(megatron_env):
-    from megatron_lol.analysis.moe_routing import summarise
+    from megatron_lol.model.moe_metrics import summarise
 
     model, cfg = _model(**FOIL)
-    model.core.moe_records = []
     with torch.no_grad():
-        model.eval()(_tokens())
-    recs = model.core.moe_records
+        _, core = model.eval()(_tokens(), record_moe=True, return_core=True)
+    recs = core.moe_records
     assert [(r.block, r.pass_index) for r in recs] == [(0, 0), (1, 0), (0, 1), (1, 1)]
     assert all(r.logits.shape == (64, 8) and (r.routing_map.sum(1) == 2).all() for r in recs)
     s = summarise(recs, 8, 2)
@@ -145,7 +144,7 @@ def _rec(block, p, logits, k=2):
 
 
 def test_mmr_properties_stated_by_the_seed():
-    from megatron_lol.analysis.moe_routing import load_balance_b2, median_margin_ratio
+    from megatron_lol.model.moe_metrics import load_balance_b2, median_margin_ratio
 
     c = 3.0
     # top m = E/2 logits coincide -> R = 1, even though the router is not indifferent
@@ -166,7 +165,7 @@ def test_mmr_properties_stated_by_the_seed():
 
 
 def test_b2_and_distinct_experts_by_hand():
-    from megatron_lol.analysis.moe_routing import distinct_experts_per_token, load_balance_b2
+    from megatron_lol.model.moe_metrics import distinct_experts_per_token, load_balance_b2
 
     E = 4
     uniform = torch.tensor([[1, 1, 0, 0], [0, 0, 1, 1]], dtype=torch.bool)
@@ -206,13 +205,13 @@ def test_accordion_budget_k_runs_n_plus_k_layers(megatron_env):
         assert len(calls) == 1 + 3 + k + 1
         assert calls == ["prelude", "0", "1", "2"] + [str(i) for i in range(k)] + ["coda"]
     assert not torch.allclose(outs[0], outs[3])
-    with pytest.raises(Exception, match="budget: 2 is not one of model.loop_budgets"):
+    with pytest.raises(Exception, match="budget: 2 is not one of the model's loop_budgets"):
         model(_tokens(), budget=2)
 
 
 def test_accordion_k0_is_the_unlooped_model(megatron_env):
     acc, _ = _model(**dict(ACCORDION, second_pass_router="separate"))
-    dense, _ = _model(**dict(ACCORDION, plan="dense", loop_budgets=[0]))
+    dense, _ = _model(**dict(ACCORDION, plan="dense", loop_window=None, core_layers=3, loop_budgets=[0]))
     shared = {n: p for n, p in dense.named_parameters()}
     for n, p in acc.named_parameters():  # the unlooped model's parameters are the same tensors' values
         if n in shared:
@@ -223,7 +222,7 @@ def test_accordion_k0_is_the_unlooped_model(megatron_env):
 
 def test_accordion_second_pass_gates_and_router(megatron_env):
     from megatron_lol.model.attention import SegmentMask
-    from megatron_lol.model.library import run_layer
+    from megatron_lol.model.block_call import call_block
     from megatron_lol.model.windows import DocumentLayout
 
     model, cfg = _model(**dict(ACCORDION, second_pass_router="separate"))
@@ -246,7 +245,7 @@ def test_accordion_second_pass_gates_and_router(megatron_env):
     with torch.no_grad():
         h = plain.embedding(input_ids=x, position_ids=None)
         for layer in [plain.prelude["0"]] + [plain.core.block(i) for i in (0, 1, 2, 0)] + [plain.coda["0"]]:
-            h = run_layer(layer, h, mask, rope, False)
+            h, _ = call_block(layer, h, mask, rope)
         want = plain.output_layer(plain.final_norm(h))[0].transpose(0, 1)
         got = plain.eval()(x, budget=1)
         assert torch.allclose(got, want, atol=1e-5)
@@ -282,7 +281,7 @@ def test_accordion_config_errors():
         with pytest.raises(ConfigError, match=match):
             config_from_dict(raw).validate(check_data=False)
 
-    check({"loop_budgets": [0, 4]}, r"model.loop_budgets: every budget must be in \[0, num_blocks=3\]")
+    check({"loop_budgets": [0, 4]}, r"model.loop_budgets: every budget must be in \[0, loop_window=3\]")
     check({"loop_budgets": [3, 0]}, "model.loop_budgets: must be increasing")
     check({"loop_budget": 2}, "model.loop_budget: 2 is not one of loop_budgets")
     check({"second_pass_router": "own"}, "model.second_pass_router: must be one of shared, separate")
@@ -298,8 +297,12 @@ def test_accordion_config_errors():
     with pytest.raises(ConfigError, match="model.untie_attention: only a looped plan"):
         config_from_dict({"model": dict(plan="dense", untie_attention=True)}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.core_num_experts: needs moe_layers: all"):
-        config_from_dict({"model": dict(plan="looped", num_blocks=2, routed_depth=4, num_experts=4,
+        config_from_dict({"model": dict(plan="looped", loop_layers=2, loop_count=2, num_experts=4,
                                         moe_layers="fixed", core_num_experts=8)}).validate(check_data=False)
+    with pytest.raises(ConfigError, match="model.moe_layers: plan foil loops a block of MoE layers"):
+        config_from_dict({"model": dict(FOIL, moe_layers="fixed")}).validate(check_data=False)
+    with pytest.raises(ConfigError, match="model.routed_depth: not used by plan foil"):
+        config_from_dict({"model": dict(FOIL, routed_depth=4)}).validate(check_data=False)
 
 
 # ------------------------------------------------------------------ training command + analyses
@@ -337,16 +340,16 @@ training:
   save: {save}
 """
 FOIL_YAML = """\
-  plan: looped
-  num_blocks: 2
-  routed_depth: 4
-  core_num_experts: 8
+  plan: foil
+  foil_layers: 2
+  foil_loops: 2
+  foil_experts: 8
   untie_attention: true
   moe_z_loss_coeff: 1.0e-3
   moe_loss_average_over_executions: true"""
 ACCORDION_YAML = """\
   plan: accordion
-  num_blocks: 3
+  loop_window: 3
   loop_budgets: [0, 1, 3]
   moe_shared_expert_intermediate_size: 32"""
 
@@ -422,16 +425,16 @@ def test_accordion_train_command_budgets_and_analyze(corpus, tmp_path, capsys):
 
 def test_budget_sampling_is_deterministic_and_covers_all():
     from megatron_lol.config import config_from_dict
-    from megatron_lol.training.trainer import Trainer
 
     cfg = config_from_dict({"model": dict(ACCORDION, hidden_size=32, num_attention_heads=4,
-                                          loop_budgets=[0, 3, 6, 9, 12], num_blocks=12)})
-    t = Trainer.__new__(Trainer)
-    t.cfg = cfg
-    draws = [t.budget_for(it, mb) for it in range(200) for mb in range(4)]
-    assert draws == [t.budget_for(it, mb) for it in range(200) for mb in range(4)]  # same on every rank
+                                          loop_budgets=[0, 3, 6, 9, 12], loop_window=12)})
+    plan = cfg.model.execution_plan()
+    draws = [plan.sample_budget(cfg.training.seed, it, mb) for it in range(200) for mb in range(4)]
+    # the same on every rank and in a resumed run
+    assert draws == [cfg.model.execution_plan().sample_budget(cfg.training.seed, it, mb)
+                     for it in range(200) for mb in range(4)]
     counts = {k: draws.count(k) for k in (0, 3, 6, 9, 12)}
     assert all(120 < c < 200 for c in counts.values()), counts  # uniform: 160 each
-    assert len({t.budget_for(7, mb) for mb in range(16)}) > 1  # per micro-batch, not per step
+    assert len({plan.sample_budget(cfg.training.seed, 7, mb) for mb in range(16)}) > 1  # per micro-batch
     cfg.model.loop_budget = 6
-    assert {t.budget_for(it, 0) for it in range(20)} == {6}
+    assert {cfg.model.execution_plan().sample_budget(cfg.training.seed, it, 0) for it in range(20)} == {6}

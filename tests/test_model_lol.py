@@ -1,4 +1,4 @@
-"""LoLGPTModel end to end (SPEC 1.1-1.4): causality, packed documents, grouped dispatch
+"""LoLGPTModel end to end (docs/model.md): causality, packed documents, grouped dispatch
 against a naive per-window loop, path forcing, truncated backprop, FiLM, input injection."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def _forward(model, x, seed=None, **kw):
 
 
 def _block(core, index):
-    """Library block ``index`` (blocks may be keyed by global index, see RoutedCore.block)."""
+    """Library block ``index`` (blocks may be keyed by global index, see Core.block)."""
     return core.block(index) if hasattr(core, "block") else core.blocks[index]
 
 
@@ -37,8 +37,9 @@ def _all_blocks(core):
     return list(core.blocks.values()) if isinstance(core.blocks, torch.nn.ModuleDict) else list(core.blocks)
 
 
-def _blocks_used(model):
-    return set(torch.cat([r.choice for r in model.last_core.records]).tolist())
+def _blocks_used(core):
+    """Blocks any window chose in a forward (its ``CoreOutput``, recorded)."""
+    return set(torch.cat([r.choice for r in core.records]).tolist())
 
 
 # ------------------------------------------------------------------------ causality
@@ -49,8 +50,8 @@ def test_causality_changing_token_t_changes_nothing_before_t(make_model, mode):
     x = _tokens(2, 48)
     x[1, 13] = 0  # a second document in row 1
     with torch.no_grad():
-        base = _forward(model, x, seed=11, record=True)
-        assert len(_blocks_used(model)) >= 2  # routing is not trivial
+        base, core = _forward(model, x, seed=11, record=True, return_core=True)
+        assert len(_blocks_used(core)) >= 2  # routing is not trivial
         for t in (1, 7, 8, 21, 30, 47):
             y = x.clone()
             y[:, t] = (y[:, t] + 17) % (V - 1) + 1
@@ -77,8 +78,8 @@ def test_packed_documents_equal_documents_alone(make_model, mode):
     model.train(mode == "train")
     row, b_alone, c_alone, b0, c0 = _packed_rows()
     with torch.no_grad():
-        packed = model(row, record=True)
-        assert len(_blocks_used(model)) >= 2
+        packed, core = model(row, record=True, return_core=True)
+        assert len(_blocks_used(core)) >= 2
         out_b = model(b_alone)
         out_c = model(c_alone)
     torch.testing.assert_close(packed[:, b0:c0], out_b, rtol=0, atol=1e-5)
@@ -104,7 +105,8 @@ def test_packed_documents_see_no_previous_document(make_model):
 
 
 # ---------------------------------------------------- grouped dispatch == naive loop
-def _naive_routed_update(self, depth, flat, windows, decision, token_rope, truncated, first_window_full):
+def _naive_routed_update(self, step, flat, windows, decision, token_rope, rope_table, s_len, truncated,
+                         first_window_full, backend, moe_records):
     """Each window alone: its chosen block on [len, 1, h] with a plain causal mask, gated."""
     assert not truncated
     pieces, expect_first = [], 0
@@ -113,8 +115,8 @@ def _naive_routed_update(self, depth, flat, windows, decision, token_rope, trunc
         assert first == expect_first  # windows tile the flat tokens in order
         expect_first += n
         x = flat[first:first + n]
-        y = self._call_block(int(decision.choice[w]), depth, x.unsqueeze(1), SegmentMask(),
-                             token_rope[first:first + n]).squeeze(1)
+        y = self._call(step, int(decision.choice[w]), x.unsqueeze(1), SegmentMask(), token_rope[first:first + n],
+                       None, None).squeeze(1)
         pieces.append(x + decision.gate[w].to(x.dtype) * (y - x))
     assert expect_first == flat.shape[0]
     return torch.cat(pieces, 0)
@@ -136,13 +138,14 @@ def test_grouped_dispatch_equals_naive_window_loop(make_model, extra):
     x = _tokens(2, 40, seed=5)
     x[0, 18] = 0
     labels = _tokens(2, 40, seed=6)
-    losses = []
+    losses, cores = [], []
     for m in (grouped, naive):
-        loss = _forward(m, x, seed=9, labels=labels, record=True)
+        loss, core = _forward(m, x, seed=9, labels=labels, record=True, return_core=True)
         loss.sum().backward()
         losses.append(loss.detach())
-    assert len(_blocks_used(grouped)) >= 2
-    for rg, rn in zip(grouped.last_core.records, naive.last_core.records):
+        cores.append(core)
+    assert len(_blocks_used(cores[0])) >= 2
+    for rg, rn in zip(cores[0].records, cores[1].records):
         assert torch.equal(rg.choice, rn.choice)
     torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-5)
     pn = dict(naive.named_parameters())
@@ -156,33 +159,36 @@ def test_grouped_dispatch_equals_naive_window_loop(make_model, extra):
         checked += 1
     assert checked > 20
     for blk in range(3):  # every used block received gradient
-        if blk in _blocks_used(grouped):
+        if blk in _blocks_used(cores[0]):
             assert _block(grouped.core, blk).mlp.linear_fc1.weight.grad.abs().sum() > 0
     assert grouped.core.routers[0].logits.weight.grad.abs().sum() > 0  # through the gate
 
 
-def test_dispatch_plan_groups_whole_windows_in_order():
-    from megatron_lol.model.dispatch import plan_dispatch, run_grouped, scatter_updates
+def test_grouping_runs_whole_windows_in_order():
+    from megatron_lol.model.dispatch import block_updates, gated_update, group_by_block
 
     token_window = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4])
     choice_w = torch.tensor([2, 0, 2, 1, 0])
-    plan = plan_dispatch(choice_w[token_window], token_window, 3)
-    assert plan.counts == [3, 4, 4]
-    assert plan.order.tolist() == [3, 4, 10, 6, 7, 8, 9, 0, 1, 2, 5]
-    assert plan.segments.tolist() == [1, 1, 4, 3, 3, 3, 3, 0, 0, 0, 2]
+    grouping = group_by_block(choice_w[token_window], token_window, 3)
+    assert grouping.counts == [3, 4, 4] and grouping.covers_all
+    assert grouping.order.tolist() == [3, 4, 10, 6, 7, 8, 9, 0, 1, 2, 5]
+    assert grouping.segments.tolist() == [1, 1, 4, 3, 3, 3, 3, 0, 0, 0, 2]
     flat = torch.arange(11.0).view(11, 1)
     calls = []
 
     def call(block, packed, segments, idx):
         calls.append(block)
-        assert torch.equal(packed, flat[idx])
+        assert torch.equal(packed, flat[idx]) and torch.equal(segments, token_window[idx])
         return packed * (block + 2)
 
-    upd = scatter_updates(plan, run_grouped(plan, flat, call), 11)
+    upd = torch.zeros(11, 1).index_copy(0, grouping.order, block_updates(grouping, flat, call))
     assert calls == [0, 1, 2]  # one call per block
     torch.testing.assert_close(upd, flat * (choice_w[token_window] + 1).view(11, 1).float())
-    sub = plan_dispatch(choice_w[token_window], token_window, 3, subset=torch.tensor([0, 1, 2, 10]))
-    assert sub.order.tolist() == [10, 0, 1, 2] and sub.counts == [1, 0, 3]
+    gate = torch.tensor([0.5, 0.25, 1.0, 0.0, 2.0])
+    new = gated_update(flat, grouping, gate, call)
+    torch.testing.assert_close(new, flat + gate[token_window].view(11, 1) * upd)
+    sub = group_by_block(choice_w[token_window], token_window, 3, subset=torch.tensor([0, 1, 2, 10]))
+    assert sub.order.tolist() == [10, 0, 1, 2] and sub.counts == [1, 0, 3] and not sub.covers_all
 
 
 # -------------------------------------------------------------------- path forcing
@@ -203,16 +209,16 @@ def test_forcing_own_choices_reproduces_logits_per_document(make_model):
     x[0, 14] = 0
     x[1, 25] = 0  # 4 documents
     with torch.no_grad():
-        base = model(x, record=True)
-        rec = model.last_core.records
-        assert len(_blocks_used(model)) >= 2
+        base, core = model(x, record=True, return_core=True)
+        rec = core.records
+        assert len(_blocks_used(core)) >= 2
         ids, gates = _per_doc_path(rec, 4)
         forced = model(x, forced_path=ForcedPath(ids, gates), record=True)
         assert torch.equal(forced, base)
         # other blocks: different logits, and the records show the forced blocks
-        other = model(x, forced_path=ForcedPath((ids + 1) % 3, gates), record=True)
+        other, core = model(x, forced_path=ForcedPath((ids + 1) % 3, gates), record=True, return_core=True)
         assert (other - base).abs().max() > 1e-4
-        for d, r in enumerate(model.last_core.records):
+        for d, r in enumerate(core.records):
             assert torch.equal(r.choice, (ids[d] + 1)[r.window_doc, r.window_ordinal] % 3)
         # per-document: change only document 2's path; documents 0, 1, 3 are unchanged
         ids2 = ids.clone()
@@ -231,8 +237,8 @@ def test_forcing_shared_path_and_missing_entries(make_model):
         model.core.balancer.bias.copy_(bias)
     x = _tokens(1, 48, seed=8)  # one document: a [D, K] path
     with torch.no_grad():
-        base = model(x, record=True)
-        rec = model.last_core.records
+        base, core = model(x, record=True, return_core=True)
+        rec = core.records
         ids, gates = (t[:, 0] for t in _per_doc_path(rec, 1))
         assert ids.dim() == 2
         assert torch.equal(model(x, forced_path=ForcedPath(ids, gates)), base)
@@ -247,9 +253,9 @@ def test_forcing_shared_path_and_missing_entries(make_model):
         part_g[:, 1] = 0.3
         part[0, 3] = 2
         part_g[0, 3] = 0.9
-        out = model(x, forced_path=ForcedPath(part, part_g), record=True)
+        out, core = model(x, forced_path=ForcedPath(part, part_g), record=True, return_core=True)
         assert (out - base).abs().max() > 1e-4
-        for d, r in enumerate(model.last_core.records):
+        for d, r in enumerate(core.records):
             entry = torch.where(r.window_ordinal < K, part[d, r.window_ordinal.clamp(max=K - 1)], -1)
             is_forced = entry >= 0
             assert is_forced.any() and (~is_forced).any()
@@ -267,8 +273,8 @@ def test_mode_path_from_model_records_forces_the_model(make_model):
     examples = []
     with torch.no_grad():
         for seed in range(3):
-            model(_tokens(2, 40, seed=20 + seed), record=True)
-            examples.append(model.last_core.records)
+            _, core = model(_tokens(2, 40, seed=20 + seed), record=True, return_core=True)
+            examples.append(core.records)
         ids, gates = mode_path_from_records(examples)
         D = CAUSAL["routed_depth"]
         assert ids.shape == (D, 6)
@@ -276,8 +282,8 @@ def test_mode_path_from_model_records_forces_the_model(make_model):
         assert torch.equal(ids[:, 5] >= 0, torch.tensor([False, True, False, True]))  # shifted depths reach 5
         probs = torch.stack([torch.stack([r.probs[r.window_ordinal == 1].mean(0) for r in ex]) for ex in examples])
         torch.testing.assert_close(gates[:, 1], probs.mean(0).max(-1).values)  # 2 windows per example
-        model(_tokens(1, 40, seed=30), forced_path=ForcedPath(ids, gates), record=True)
-        for d, r in enumerate(model.last_core.records):
+        _, core = model(_tokens(1, 40, seed=30), forced_path=ForcedPath(ids, gates), record=True, return_core=True)
+        for d, r in enumerate(core.records):
             assert torch.equal(r.choice, ids[d, r.window_ordinal])
             assert torch.equal(r.gate, gates[d, r.window_ordinal])
 
@@ -287,13 +293,13 @@ def test_shallower_core_runs_first_depths_with_full_offsets(make_model):
     model = make_model(router_std=10.0, seed=3, **CAUSAL)
     x = _tokens(1, 40, seed=3)
     with torch.no_grad():
-        model(x, depth=2, record=True)
-    rec = model.last_core.records
+        _, core = model(x, depth=2, record=True, return_core=True)
+    rec = core.records
     assert [r.depth for r in rec] == [1, 2]
     docs = DocumentLayout.from_tokens(x, 0)
     for r in rec:
         assert torch.equal(r.window_ordinal, WindowLayout.build(docs, r.depth, 8, 4).window_ordinal)
-    loads = model.last_core.block_loads
+    loads = core.block_loads
     assert loads[:2].sum(1).tolist() == [r.choice.numel() for r in rec]
     assert loads[2:].sum() == 0  # depths 3, 4 did not run (rows may be absent)
 
@@ -380,8 +386,8 @@ def test_film_parameters_init_gradients_and_identity_at_init(make_model, film, s
         core.film_gamma[2] += 0.5
         assert (model(x, depth=3) - before3).abs().max() > 1e-4
         assert torch.equal(model(x, depth=2), before2)
-    # FiLM is cleared after each block call: fixed layers never see it
-    assert all(n.film is None for blk in _all_blocks(core) for n in (blk.input_layernorm, blk.pre_mlp_layernorm))
+    # FiLM is an argument of each block call, never state on the norms: fixed layers cannot see it
+    assert not any(hasattr(n, "film") for blk in _all_blocks(core) for n in (blk.input_layernorm, blk.pre_mlp_layernorm))
 
 
 def test_input_injection_parameter_and_effect(make_model):

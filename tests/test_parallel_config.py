@@ -56,13 +56,14 @@ def test_fp8_and_te_need_transformer_engine_here():
 
 def test_spec_selection_and_thd_params(megatron_env):
     from megatron_lol.model.attention import SegmentCausalAttention
-    from megatron_lol.model.library import FiLMRMSNorm, block_spec, packed_seq_params, use_te_for
+    from megatron_lol.model.block_call import LoLTransformerLayer
+    from megatron_lol.model.library import LocalRMSNorm, block_spec, packed_seq_params, use_te_for
 
     cfg = config_from_dict(_cfg())
     assert use_te_for(cfg.model) is (torch.cuda.is_available() and _te_imports())
     spec = block_spec(use_te=False)
     assert spec.submodules.self_attention.submodules.core_attention is SegmentCausalAttention
-    assert spec.submodules.input_layernorm is FiLMRMSNorm
+    assert spec.submodules.input_layernorm is LocalRMSNorm and spec.module is LoLTransformerLayer
     # windows of length 3, 4, 1, 2 packed back to back
     psp = packed_seq_params(torch.tensor([5, 5, 5, 9, 9, 9, 9, 2, 7, 7]))
     assert psp.qkv_format == "thd"

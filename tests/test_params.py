@@ -59,7 +59,7 @@ def test_moe_counts_and_active_conventions():
     expert = 3 * 16 * 8
     dense_mlp = 3 * 16 * 32
     # dense plan, every layer MoE: 2 fixed + 3 core layers
-    c = count_parameters(ModelConfig(plan="dense", num_blocks=3, moe_layers="all", **base), 100)
+    c = count_parameters(ModelConfig(plan="dense", core_layers=3, moe_layers="all", **base), 100)
     assert c.experts == 5 * 4 * expert and c.mlp == 0 and c.moe_router == 5 * 4 * 16
     assert c.linear_total == 5 * (att + 4 * expert)
     assert c.linear_active == c.linear_active_compute == 5 * (att + 2 * expert)
@@ -132,33 +132,33 @@ def _category(name: str) -> str:
     raise AssertionError(f"unexpected parameter {name}")
 
 
-SMALL = dict(hidden_size=32, num_attention_heads=4, n_prelude=1, n_coda=2, num_blocks=3, routed_depth=4,
-             window_size=8, window_shift=4)
+SMALL = dict(hidden_size=32, num_attention_heads=4, n_prelude=1, n_coda=2, window_size=8, window_shift=4)
+LOL = dict(num_blocks=3, routed_depth=4)
 CASES = {
-    "lol-tied": {},
-    "lol-untied-router": dict(router_tied=False),
-    "lol-film-depth": dict(film="depth"),
-    "lol-film-depth-block-untied": dict(film="depth_block", router_tied=False),
-    "lol-injection": dict(input_injection=True),
-    "lol-tied-embeddings": dict(untie_embeddings_and_output_weights=False),
-    "lol-gqa-kv-channels": dict(num_query_groups=2, kv_channels=16, ffn_hidden_size=96),
+    "lol-tied": LOL,
+    "lol-untied-router": dict(LOL, router_tied=False),
+    "lol-film-depth": dict(LOL, film="depth"),
+    "lol-film-depth-block-untied": dict(LOL, film="depth_block", router_tied=False),
+    "lol-injection": dict(LOL, input_injection=True),
+    "lol-tied-embeddings": dict(LOL, untie_embeddings_and_output_weights=False),
+    "lol-gqa-kv-channels": dict(LOL, num_query_groups=2, kv_channels=16, ffn_hidden_size=96),
     "lol-no-fixed-layers-L-gt-D": dict(n_prelude=0, n_coda=0, num_blocks=5, routed_depth=3),
-    "dense": dict(plan="dense"),
-    "dense-strided-film-injection": dict(plan="dense", dense_attention="strided", film="depth",
+    "dense": dict(plan="dense", core_layers=3),
+    "dense-strided-film-injection": dict(plan="dense", core_layers=3, dense_attention="strided", film="depth",
                                          input_injection=True),
-    "looped": dict(plan="looped", num_blocks=2, routed_depth=6),
-    "moe-dense-fixed": dict(plan="dense", moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16),
-    # Foil (seed 002): looped MoE core with its own expert count, 2 passes, attention untied / tied
-    "foil-untied": dict(plan="looped", num_blocks=2, routed_depth=4, moe_layers="all", num_experts=4,
-                        core_num_experts=6, moe_ffn_hidden_size=16, untie_attention=True, moe_z_loss_coeff=1e-3,
+    "looped": dict(plan="looped", loop_layers=2, loop_count=3),
+    "moe-dense-fixed": dict(plan="dense", core_layers=3, moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16),
+    # Foil: looped MoE core with its own expert count, 2 passes, attention untied / tied
+    "foil-untied": dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4,
+                        foil_experts=6, moe_ffn_hidden_size=16, untie_attention=True, moe_z_loss_coeff=1e-3,
                         moe_loss_average_over_executions=True),
-    "foil-tied": dict(plan="looped", num_blocks=2, routed_depth=4, moe_layers="all", num_experts=4,
-                      core_num_experts=6, moe_ffn_hidden_size=16, moe_z_loss_coeff=1e-3),
-    # Accordion (seed 003): shared expert, separate second-pass router, loop gates, GQA
-    "accordion": dict(plan="accordion", num_blocks=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
+    "foil-tied": dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4,
+                      foil_experts=6, moe_ffn_hidden_size=16, untie_attention=False, moe_z_loss_coeff=1e-3),
+    # Accordion: shared expert, separate second-pass router, loop gates, GQA
+    "accordion": dict(plan="accordion", loop_window=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
                       moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24,
                       second_pass_router="separate", loop_gates=True, num_query_groups=2, kv_channels=16),
-    "accordion-shared-router-no-gates": dict(plan="accordion", num_blocks=3, loop_budgets=[0, 2], moe_layers="all",
+    "accordion-shared-router-no-gates": dict(plan="accordion", loop_window=3, loop_budgets=[0, 2], moe_layers="all",
                                              num_experts=4, moe_ffn_hidden_size=16,
                                              moe_shared_expert_intermediate_size=24, loop_gates=False),
 }
@@ -189,7 +189,7 @@ def test_counter_matches_instantiated_model(build_model, case):
     assert counts.linear_total == (real["attention"] + real["mlp"] + real["experts"] + real["shared_experts"]
                                    + pass_linear)
     if cfg.moe_layers == "all":
-        E = cfg.core_num_experts or cfg.num_experts
+        E = cfg.core_experts
         assert model.core.blocks["0"].mlp.router.weight.shape == (E, cfg.hidden_size)
 
 
@@ -211,7 +211,7 @@ def test_lol_360m_and_huginn(L, figure):
     assert lol.film == 65_536
     assert (lol.non_embedding - lol.film - lol.linear_total) / lol.linear_total < 5e-4
     hcfg, hug = paper_counts(f"huginn-360m-{L}x{16 // L}")
-    assert (hcfg.model.plan, hcfg.model.num_blocks, hcfg.model.routed_depth) == ("looped", L, 16)
+    assert (hcfg.model.plan, hcfg.model.loop_layers, hcfg.model.loop_count) == ("looped", L, 16 // L)
     assert hug.linear_total == lol.linear_total
     assert near(hug.linear_total, figure)
     # stored-once active = stored for both; per execution both run 8 + 16 layers
@@ -222,7 +222,7 @@ def test_lol_360m_and_huginn(L, figure):
 def test_moe_baseline():
     cfg, c = paper_counts("moe-baseline")
     m = cfg.model
-    assert m.n_prelude + m.num_blocks + m.n_coda == 24 and m.plan == "dense" and m.moe_layers == "all"
+    assert m.n_prelude + m.core_layers + m.n_coda == 24 and m.plan == "dense" and m.moe_layers == "all"
     assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk) == (3, 1408, 2)
     assert near(c.linear_total, 412.1)
     assert near(c.linear_active, 308.3)
@@ -295,7 +295,10 @@ def test_foil_configs(name):
     (E, D, L), untied, figure = FOIL_TABLE[name]
     cfg, c = paper_counts(name, vocab=49152)
     m = cfg.model
-    assert (m.plan, m.core_experts, m.num_blocks, m.loop_passes, m.untie_attention) == ("looped", E, D, L, untied)
+    plan = m.execution_plan()
+    assert (m.plan, m.core_experts, plan.num_stored_blocks, plan.loop_passes, plan.untie_attention) == \
+        ("foil", E, D, L, untied)
+    assert (m.foil_experts, m.foil_layers, m.foil_loops) == (E, D, L)
     assert (m.hidden_size, m.num_attention_heads, m.moe_ffn_hidden_size, m.moe_router_topk) == (1024, 16, 1536, 2)
     assert (m.n_prelude, m.n_coda, m.num_experts, m.moe_layers) == (1, 1, 8, "all")
     assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_loss_average_over_executions) == (0.01, 0.001, True)
@@ -355,7 +358,7 @@ def test_accordion_configs(name):
     h, nq, nkv, f, vocab, total_b, active_b = ACCORDION_TABLE[name]
     cfg, c = paper_counts(name, vocab=vocab)
     m = cfg.model
-    assert (m.plan, m.n_prelude, m.num_blocks, m.n_coda, m.loop_budgets) == ("accordion", 6, 12, 6, [0, 3, 6, 9, 12])
+    assert (m.plan, m.n_prelude, m.loop_window, m.n_coda, m.loop_budgets) == ("accordion", 6, 12, 6, [0, 3, 6, 9, 12])
     assert (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels) == (h, nq, nkv, 128)
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == \
         (128, 8, f, f)

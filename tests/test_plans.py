@@ -18,20 +18,22 @@ def _model(seed=3, **model):
     from megatron_lol.model.lol_model import LoLGPTModel
 
     ensure_megatron(seed)
-    base = dict(hidden_size=32, num_attention_heads=4, num_blocks=3, routed_depth=3, window_size=8,
-                window_shift=4, n_prelude=1, n_coda=1)
+    base = dict(hidden_size=32, num_attention_heads=4, window_size=8, window_shift=4, n_prelude=1, n_coda=1)
     base.update(model)
+    if base.get("plan", "lol") == "lol":
+        base.setdefault("num_blocks", 3)
+        base.setdefault("routed_depth", 3)
     cfg = config_from_dict({"model": base}).model
     return LoLGPTModel(cfg, VOCAB, EOD, init_seed=seed), cfg
 
 
 PLANS = {
-    "dense-full": dict(plan="dense", dense_attention="full"),
-    "dense-sliding": dict(plan="dense", dense_attention="sliding"),
-    "dense-strided": dict(plan="dense", dense_attention="strided"),
-    "looped-2x2": dict(plan="looped", num_blocks=2, routed_depth=4),
+    "dense-full": dict(plan="dense", core_layers=3, dense_attention="full"),
+    "dense-sliding": dict(plan="dense", core_layers=3, dense_attention="sliding"),
+    "dense-strided": dict(plan="dense", core_layers=3, dense_attention="strided"),
+    "looped-2x2": dict(plan="looped", loop_layers=2, loop_count=2),
     "lol-moe-fixed": dict(plan="lol", num_experts=4, moe_ffn_hidden_size=48, moe_layers="fixed"),
-    "dense-moe": dict(plan="dense", num_experts=4, moe_ffn_hidden_size=48, moe_layers="all"),
+    "dense-moe": dict(plan="dense", core_layers=3, num_experts=4, moe_ffn_hidden_size=48, moe_layers="all"),
 }
 
 
@@ -56,7 +58,8 @@ def test_plan_trains_and_matches_param_count(megatron_env, name):
 
 def _block_calls(model, tokens, **kw):
     calls = []
-    hooks = [blk.register_forward_hook(lambda m, i, o, k=k: calls.append(int(k)))
+    # the attention norm runs once per block call, as a module, on every path
+    hooks = [blk.input_layernorm.register_forward_hook(lambda m, i, o, k=k: calls.append(int(k)))
              for k, blk in model.core.blocks.items()]
     model(tokens, **kw)
     for h in hooks:
@@ -66,9 +69,9 @@ def _block_calls(model, tokens, **kw):
 
 def test_dense_runs_blocks_in_order_and_looped_cycles_shared_blocks(megatron_env):
     x = torch.randint(1, VOCAB, (1, 16))
-    dense, _ = _model(plan="dense", num_blocks=3)
+    dense, _ = _model(plan="dense", core_layers=3)
     assert _block_calls(dense.eval(), x) == [0, 1, 2]
-    looped, cfg = _model(plan="looped", num_blocks=2, routed_depth=6)
+    looped, cfg = _model(plan="looped", loop_layers=2, loop_count=3)
     assert len(looped.core.blocks) == 2  # stored once, shared by the loops
     assert _block_calls(looped.eval(), x) == [0, 1, 0, 1, 0, 1]
     assert not hasattr(looped.core, "routers")
@@ -86,14 +89,14 @@ def _changes(model, tokens, t):
 def test_sliding_and_strided_attention_reach(megatron_env):
     x = torch.randint(1, VOCAB, (1, 32), generator=torch.Generator().manual_seed(1))
     # one block, no prelude/coda: sliding window W=8 means token 3 reaches positions 3..10 only
-    sliding, _ = _model(plan="dense", dense_attention="sliding", num_blocks=1, n_prelude=0, n_coda=0)
+    sliding, _ = _model(plan="dense", dense_attention="sliding", core_layers=1, n_prelude=0, n_coda=0)
     changed = _changes(sliding.eval(), x, 3)
     assert changed[3:11].all() and not changed[11:].any() and not changed[:3].any()
     # strided: depth 1 windows [0,8) [8,16) ...: token 3 reaches 3..7 only
-    strided, _ = _model(plan="dense", dense_attention="strided", num_blocks=1, n_prelude=0, n_coda=0)
+    strided, _ = _model(plan="dense", dense_attention="strided", core_layers=1, n_prelude=0, n_coda=0)
     changed = _changes(strided.eval(), x, 3)
     assert changed[3:8].all() and not changed[8:].any()
-    full, _ = _model(plan="dense", dense_attention="full", num_blocks=1, n_prelude=0, n_coda=0)
+    full, _ = _model(plan="dense", dense_attention="full", core_layers=1, n_prelude=0, n_coda=0)
     assert _changes(full.eval(), x, 3)[3:].all()
 
 
@@ -103,5 +106,5 @@ def test_moe_layers_sit_where_configured(megatron_env):
     lol, _ = _model(plan="lol", num_experts=4, moe_ffn_hidden_size=48, moe_layers="fixed")
     assert all(isinstance(l.mlp, MoELayer) for l in list(lol.prelude.values()) + list(lol.coda.values()))
     assert not any(isinstance(b.mlp, MoELayer) for b in lol.core.blocks.values())
-    dense, _ = _model(plan="dense", num_experts=4, moe_ffn_hidden_size=48, moe_layers="all")
+    dense, _ = _model(plan="dense", core_layers=3, num_experts=4, moe_ffn_hidden_size=48, moe_layers="all")
     assert all(isinstance(b.mlp, MoELayer) for b in dense.core.blocks.values())

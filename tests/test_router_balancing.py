@@ -94,8 +94,8 @@ def test_untied_routers_route_each_depth_separately(make_model):
         model.core.routers[1].logits.bias.copy_(torch.tensor([0.0, 0.0, 5.0]))
     x = torch.randint(1, 97, (2, 40))
     with torch.no_grad():
-        model(x, record=True)
-    rec = model.last_core.records
+        _, core = model(x, record=True, return_core=True)
+    rec = core.records
     assert (rec[0].choice == 0).all() and (rec[2].choice == 0).all()  # zero routers tie -> block 0
     assert (rec[1].choice == 2).all()
 
@@ -168,15 +168,15 @@ def test_model_loads_count_windows_not_tokens(make_model, per_depth):
     model = make_model(per_depth_bias=per_depth, routed_depth=3, router_std=10.0, seed=3).train()
     x = torch.randint(1, 97, (2, 44))
     x[0, 17] = 0  # two documents in row 0
-    model(x, record=True)
-    rec = model.last_core.records
+    _, core = model(x, record=True, return_core=True)
+    rec = core.records
     counts = torch.stack([torch.bincount(r.choice, minlength=3) for r in rec])  # [D, L] windows
     docs = DocumentLayout.from_tokens(x, 0)
     n_windows = [WindowLayout.build(docs, l, 8, 4).num_windows for l in (1, 2, 3)]
     assert counts.sum(1).tolist() == n_windows  # every window counted once, whatever its length
     want = counts.double() if per_depth else counts.sum(0, keepdim=True).double()
     assert torch.equal(model.core.balancer.loads, want)
-    assert torch.equal(model.last_core.block_loads, counts)
+    assert torch.equal(core.block_loads, counts)
     assert int(counts.sum()) < x.numel() * 3  # windows, not tokens
     bias = model.core.balancer
     bias.update(0, 100)
@@ -190,8 +190,8 @@ def test_model_bias_used_only_to_choose(make_model):
         model.core.balancer.bias.copy_(torch.tensor([[0.0, 0.0, 2.0]]))  # beats any prob difference
     x = torch.randint(1, 97, (2, 40))
     with torch.no_grad():
-        model(x, record=True)
-    for r in model.last_core.records:
+        _, core = model(x, record=True, return_core=True)
+    for r in core.records:
         assert (r.choice == 2).all()
         torch.testing.assert_close(r.gate, r.probs[:, 2], rtol=0, atol=0)
         assert (r.probs.sum(-1) - 1).abs().max() < 1e-5
@@ -247,27 +247,26 @@ def test_model_sequence_aux_loss_summed_over_depths_averaged_over_documents(make
     x = torch.randint(1, 97, (2, 40))
     x[1, 9] = 0  # 3 documents in the batch
     torch.manual_seed(5)
-    model(x, record=True)
-    core = model.last_core
+    _, core = model(x, record=True, return_core=True)
     assert int(core.records[0].window_doc.max()) + 1 == 3
     want = 1e-4 * _hand_seq_aux(core.records, 3)
     assert core.aux_loss.item() == pytest.approx(want, rel=1e-5)
     model.eval()
     with torch.no_grad():
-        model(x)
-    assert model.last_core.aux_loss is None  # training only
+        _, core = model(x, return_core=True)
+    assert core.aux_loss is None  # training only
 
 
 def test_model_global_aux_loss(make_model):
     model = make_model(router_std=10.0, seed=3, balancing="aux_loss", aux_loss_coeff=0.02).train()
     assert model.core.balancer is None
     x = torch.randint(1, 97, (2, 40))
-    model(x, record=True)
+    _, core = model(x, record=True, return_core=True)
     want = 0.0
-    for r in model.last_core.records:
+    for r in core.records:
         f = torch.bincount(r.choice, minlength=3).double() / r.choice.numel()
         want += 3 * float((f * r.probs.double().mean(0)).sum())
-    assert model.last_core.aux_loss.item() == pytest.approx(0.02 * want, rel=1e-5)
+    assert core.aux_loss.item() == pytest.approx(0.02 * want, rel=1e-5)
 
 
 # ---------------------------------------------------------------- mode path (1.4)
@@ -301,7 +300,7 @@ def test_mode_path_shapes_ties_and_missing_ordinals():
 
 # ------------------------------------------------------------- growing depth (1.4)
 def test_golden_growing_depth_exact():
-    from megatron_lol.model.schedule import depth_at_step
+    from megatron_lol.plan import depth_at_step
 
     assert depth_at_step(5, 9, 1, 16) == 6
     assert math.ceil(1 + 15 * (1 - math.sqrt(1 - 5 / 9))) == 7  # why exact arithmetic matters
@@ -314,7 +313,7 @@ def test_golden_growing_depth_exact():
 def test_growing_depth_matches_exact_formula():
     from fractions import Fraction
 
-    from megatron_lol.model.schedule import depth_at_step
+    from megatron_lol.plan import depth_at_step
 
     def exact(t, T, d0, d):
         # smallest integer k with k >= d0 + (d-d0)(1 - sqrt(1 - t/T)), i.e. (d - k) <= (d-d0) sqrt((T-t)/T)

@@ -77,20 +77,21 @@ def _load(args):
     from megatron_lol.analysis.loading import load_checkpoint
 
     ckpt = load_checkpoint(args.load, args.iteration)
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
+    has_budgets = plan.budgets != [None]
     if args.analysis == "moe-routing":
-        if m.plan not in ("looped", "accordion") or m.core_experts is None:
-            raise CliError(f"{ckpt.path}: moe-routing needs a looped or accordion plan with MoE blocks "
+        if plan.routed or plan.core_experts is None:
+            raise CliError(f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
                            f"(model.moe_layers: all); this model is plan {m.plan!r}, moe_layers {m.moe_layers!r}")
     elif args.analysis == "budgets":
-        if m.plan != "accordion":
+        if not has_budgets:
             raise CliError(f"{ckpt.path}: budgets needs plan: accordion (this model is plan {m.plan!r})")
-    elif m.plan != "lol":
+    elif not plan.routed:
         raise CliError(f"{ckpt.path}: the model's plan is {m.plan!r}; routing analyses need plan: lol")
     budget = getattr(args, "budget", None)
-    if budget is not None and (m.plan != "accordion" or budget not in m.loop_budgets):
+    if budget is not None and budget not in plan.budgets:
         raise CliError(f"--budget: {budget} is not one of the model's loop_budgets "
-                       f"{m.loop_budgets if m.plan == 'accordion' else '(not an accordion model)'}")
+                       f"{plan.budgets if has_budgets else '(not an accordion model)'}")
     return ckpt
 
 
@@ -124,9 +125,9 @@ def _write_json(path: str, obj) -> None:
 
 
 def _meta(ckpt, args, n: int) -> dict:
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
     return {"checkpoint": ckpt.path, "iteration": ckpt.iteration, "examples": n,
-            "num_blocks": m.num_blocks, "depth": m.core_depth, "window_size": m.window_size,
+            "num_blocks": plan.num_stored_blocks, "depth": plan.depth, "window_size": m.window_size,
             "window_shift": m.window_shift, "router_tied": m.router_tied,
             "data": args.data_path or args.jsonl, "part": args.part if args.data_path else None}
 
@@ -136,9 +137,9 @@ def run_utilisation(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, utilisation_counts
 
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
-    counts = utilisation_counts(routes, m.core_depth, m.num_blocks)
+    counts = utilisation_counts(routes, plan.depth, plan.num_stored_blocks)
     share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
     png = os.path.join(args.output, "utilisation.png")
     plots.utilisation_heatmap(counts, png, f"block utilisation, {os.path.basename(ckpt.path)} "
@@ -147,7 +148,7 @@ def run_utilisation(args, ckpt, toks, labels) -> dict:
                share=[[round(v, 6) for v in row] for row in share.tolist()],
                top_block_share=[round(v, 6) for v in share.max(1).values.tolist()])
     _write_json(os.path.join(args.output, "utilisation.json"), out)
-    print(f"utilisation: {counts.sum().item()} windows over {m.core_depth} depths x {m.num_blocks} blocks; "
+    print(f"utilisation: {counts.sum().item()} windows over {plan.depth} depths x {plan.num_stored_blocks} blocks; "
           f"busiest block per depth {[f'{100 * v:.0f}%' for v in out['top_block_share']]}")
     return {"png": png, "json": os.path.join(args.output, "utilisation.json")}
 
@@ -156,9 +157,9 @@ def run_paths(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, nearest_centroid_accuracy, path_vectors, pca
 
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
-    vec = path_vectors(routes, m.core_depth, m.num_blocks, args.max_windows)
+    vec = path_vectors(routes, plan.depth, plan.num_stored_blocks, args.max_windows)
     coords, ratio = pca(vec, 2)
     labs = labels if labels is not None else ["all"] * len(routes)
     acc = nearest_centroid_accuracy(vec, labs)
@@ -187,12 +188,12 @@ def run_distinct(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, distinct_summary
 
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
-    summary = distinct_summary(routes, m.core_depth, m.num_blocks, m.window_size, m.window_shift)
+    summary = distinct_summary(routes, plan.depth, plan.num_stored_blocks, m.window_size, m.window_shift)
     png = os.path.join(args.output, "distinct.png")
     plots.distinct_histogram(summary["histogram"], summary["expected_distinct_uniform"], summary["mean_distinct"],
-                             png, f"distinct blocks per token path (L={m.num_blocks}, D={m.core_depth})")
+                             png, f"distinct blocks per token path (L={plan.num_stored_blocks}, D={plan.depth})")
     out = dict(_meta(ckpt, args, len(routes)), **summary)
     _write_json(os.path.join(args.output, "distinct.json"), out)
     print(f"distinct: mean {summary['mean_distinct']:.2f} distinct blocks per token path "
@@ -203,26 +204,25 @@ def run_distinct(args, ckpt, toks, labels) -> dict:
 
 def run_moe_routing(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
-    from megatron_lol.analysis.moe_routing import summarise
     from megatron_lol.analysis.routing import collect_moe_records
+    from megatron_lol.model.moe_metrics import summarise
 
-    m = ckpt.cfg.model
-    kw = {"budget": args.budget} if m.plan == "accordion" else {}
+    m, plan = ckpt.cfg.model, ckpt.model.plan
+    kw = {"budget": args.budget} if plan.budgets != [None] else {}
     batches = collect_moe_records(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch, **kw)
     records = [r for batch in batches for r in batch]
     if not records:
         raise CliError("moe-routing: no example was long enough to route (see --seq-length / --max-examples)")
-    summary = summarise(records, m.core_experts, m.moe_router_topk)
-    passes = m.loop_passes if m.plan == "looped" else 2
-    shape = {"E": m.core_experts, "D": m.num_blocks, "L": passes, "k": m.moe_router_topk,
-             "E_real": m.core_experts * m.num_blocks, "D_eff": m.num_blocks * passes,
-             "E_eq": m.core_experts * m.num_blocks * passes, "E_comp": m.moe_router_topk * m.num_blocks * passes}
+    E, D, passes, k = plan.core_experts, plan.num_stored_blocks, plan.loop_passes, m.moe_router_topk
+    summary = summarise(records, E, k)
+    shape = {"E": E, "D": D, "L": passes, "k": k, "E_real": E * D, "D_eff": D * passes, "E_eq": E * D * passes,
+             "E_comp": k * D * passes}
     png = os.path.join(args.output, "moe_routing.png")
     plots.per_pass_metrics(summary["by_pass"], png, f"(E, D, L) = ({shape['E']}, {shape['D']}, {shape['L']}), "
                                                     f"{os.path.basename(ckpt.path)}")
     out = dict(_meta(ckpt, args, len(toks)), shape=shape, **summary)
     if kw:
-        out["budget"] = ckpt.model.resolve_budget(args.budget)
+        out["budget"] = plan.resolve_budget(args.budget)
     _write_json(os.path.join(args.output, "moe_routing.json"), out)
     print(f"moe-routing: U_t {summary['distinct_experts_per_token']:.2f} of at most {summary['distinct_experts_cap']} "
           f"| B2 {summary['b2']:.3f} | MMR {summary['mmr']:.3f} | per pass MMR "
@@ -234,7 +234,7 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import greedy_generate, lm_loss
 
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
     if not toks and args.generate is None:
         raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
     prompt = _prompt_ids(args, ckpt) if args.generate is not None else None
@@ -283,7 +283,7 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis.routing import (collect_routes, forced_path, greedy_generate, group_by_label,
                                                lm_loss, mode_path)
 
-    m = ckpt.cfg.model
+    m, plan = ckpt.cfg.model, ckpt.model.plan
     seq = _seq_length(args, ckpt)
     out = dict(_meta(ckpt, args, len(toks)))
     per_label = {}
@@ -306,10 +306,10 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
                 ids = torch.tensor(per_label[args.label]["ids"])
                 gates = torch.tensor(per_label[args.label]["gates"])
                 out["source"] = f"mode path of label {args.label!r}"
-    if ids.dim() not in (2, 3) or ids.shape[0] != m.core_depth:
-        raise CliError(f"path ids of shape {tuple(ids.shape)}: expected [{m.core_depth}, K] (one row per routed depth)")
-    if int(ids.max()) >= m.num_blocks:
-        raise CliError(f"path names block {int(ids.max())} but the library has {m.num_blocks}")
+    if ids.dim() not in (2, 3) or ids.shape[0] != plan.depth:
+        raise CliError(f"path ids of shape {tuple(ids.shape)}: expected [{plan.depth}, K] (one row per routed depth)")
+    if int(ids.max()) >= plan.num_stored_blocks:
+        raise CliError(f"path names block {int(ids.max())} but the library has {plan.num_stored_blocks}")
     out.update(ids=ids.tolist(), gates=[[round(float(g), 6) for g in row] for row in gates.reshape(ids.shape[0], -1)]
                if ids.dim() == 2 else gates.tolist())
     if per_label:

@@ -14,7 +14,7 @@ Choices written down here (the SPEC is silent):
 * ties in the argmax of the average go to the lowest block index, as in routing.
 
 The records come from ``model(..., record=True)`` in eval mode
-(``model.last_core.records``); their ``probs`` are the router's softmax, before
+(``CoreOutput.records`` of ``model(..., record=True, return_core=True)``); their ``probs`` are the router's softmax, before
 the balancing bias (the bias is used only to choose).
 """
 

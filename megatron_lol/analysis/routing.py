@@ -72,18 +72,14 @@ def collect_moe_records(model, token_lists: Sequence[Sequence[int]], seq_length:
     device = next(model.parameters()).device
     batches = []
     for batch in pack_examples(examples, seq_length, eod_id, rows_per_batch):
-        model.core.moe_records = []
-        try:
-            model(batch.tokens.to(device), **forward_kwargs)
-            batches.append(model.core.moe_records)
-        finally:
-            model.core.moe_records = None
+        _, core = model(batch.tokens.to(device), record_moe=True, return_core=True, **forward_kwargs)
+        batches.append(core.moe_records)
     return batches
 
 
 def _core_cfg(model):
     cfg = model.cfg
-    if cfg.plan != "lol":
+    if not model.plan.routed:
         raise ValueError(f"the model's plan is {cfg.plan!r}: nothing is routed (routing analyses need plan: lol)")
     return cfg
 
@@ -155,8 +151,8 @@ def collect_routes(model, token_lists: Sequence[Sequence[int]], seq_length: int,
     routes = [ExampleRoute(length=len(ex)) for ex in examples]
     device = next(model.parameters()).device
     for batch in pack_examples(examples, seq_length, eod_id, rows_per_batch):
-        model(batch.tokens.to(device), record=True, forced_path=forced)
-        for rec in model.last_core.records:
+        _, core = model(batch.tokens.to(device), record=True, forced_path=forced, return_core=True)
+        for rec in core.records:
             ex_of_window = batch.example_of_doc[rec.window_doc.cpu()]
             for i in batch.example_ids:
                 sel = (ex_of_window == i).nonzero(as_tuple=True)[0]

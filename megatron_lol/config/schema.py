@@ -19,10 +19,10 @@ from fractions import Fraction
 from typing import Any, Optional
 
 from megatron_lol.errors import ConfigError
+from megatron_lol.plan import PLANS, ExecutionPlan, build_plan
+from megatron_lol.plan.stages import check_pipeline_layout
 
 
-PLANS = ("lol", "dense", "looped", "accordion")
-SECOND_PASS_ROUTER = ("shared", "separate")
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 DENSE_ATTENTION = ("full", "sliding", "strided")
@@ -30,18 +30,22 @@ DENSE_ATTENTION = ("full", "sliding", "strided")
 
 @dataclass
 class ModelConfig:
-    """What the network computes (SPEC section 1).
+    """What the network computes (docs/model.md).
 
-    ``plan`` picks how the stored blocks are executed: ``lol`` routes each
-    window to one of ``num_blocks`` blocks at each of ``routed_depth`` depths;
-    ``dense`` runs ``num_blocks`` distinct blocks in order (``routed_depth`` is
-    ignored, the core depth is ``num_blocks``); ``looped`` cycles through the
-    ``num_blocks`` blocks ``routed_depth / num_blocks`` times (Huginn-style;
-    with ``moe_layers: all`` and ``untie_attention: true`` it is Foil, seed
-    002: experts and routers shared across passes, one attention per (layer,
-    pass)); ``accordion`` (seed 003) runs the ``num_blocks`` layers of the
-    loopable window once and then re-runs the first ``k`` of them, ``k`` the
-    budget (``loop_budgets``; ``k = 0`` is the unlooped model).
+    ``plan`` picks how the stored blocks are executed (see
+    :mod:`megatron_lol.plan.execution`); each plan has its own shape keys:
+
+    * ``lol``: ``num_blocks`` (L) blocks in the library, ``routed_depth`` (D)
+      routed depths, windows ``window_size`` (W) shifted by ``window_shift`` (S);
+    * ``dense``: ``core_layers`` distinct layers in order;
+    * ``looped``: ``loop_layers`` layers looped ``loop_count`` times (Huginn);
+    * ``foil``: a looped block of ``foil_layers`` MoE layers with ``foil_experts``
+      experts, looped ``foil_loops`` times, attention untied per pass;
+    * ``accordion``: the ``loop_window`` layers once, then the first ``k`` again
+      (``loop_budgets``; ``k = 0`` is the unlooped model).
+
+    The older spelling (``num_blocks`` / ``routed_depth`` for every plan, Foil as
+    ``plan: looped`` with MoE blocks) is still read, with a deprecation warning.
     """
 
     plan: str = "lol"
@@ -52,8 +56,15 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     n_prelude: int = 1
     n_coda: int = 1
-    num_blocks: int = 4  # L: blocks stored in the library
-    routed_depth: int = 4  # D: blocks executed per token in the core
+    num_blocks: Optional[int] = None  # lol: L, blocks stored in the library (default 4)
+    routed_depth: Optional[int] = None  # lol: D, routed depths (default 4)
+    core_layers: Optional[int] = None  # dense: layers of the core
+    loop_layers: Optional[int] = None  # looped: layers of the recurrent block
+    loop_count: Optional[int] = None  # looped: passes over it
+    foil_experts: Optional[int] = None  # foil: E, experts per MoE layer of the looped block
+    foil_layers: Optional[int] = None  # foil: D, layers of the looped block
+    foil_loops: Optional[int] = None  # foil: L, passes over it
+    loop_window: Optional[int] = None  # accordion: layers of the loopable window
     window_size: int = 32  # W
     window_shift: int = 16  # S: depth l is shifted by ((l-1)*S) mod W
     # dense-plan attention inside the core: full causal, sliding window W, or
@@ -94,7 +105,8 @@ class ModelConfig:
     # instead of megatron-core's sum over layers
     moe_loss_average_over_executions: bool = False
     # looped plans: one attention (and its input norm) per (block, pass); MLP/experts stay shared
-    untie_attention: bool = False
+    # (default: true for foil, false for looped)
+    untie_attention: Optional[bool] = None
     # accordion: budgets k (second-pass executions of the window's first k layers)
     loop_budgets: list = field(default_factory=lambda: [0])
     loop_budget: Optional[int] = None  # fixed budget for training/eval/inference; None: sample in training
@@ -111,27 +123,34 @@ class ModelConfig:
             return self.ffn_hidden_size
         return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
 
+    def __post_init__(self) -> None:
+        self.normalize()
+
+    def normalize(self) -> "ModelConfig":
+        """Read the older shape keys into the plan's own (deprecation warning) and fill LoL's
+        defaults; idempotent, so it also runs after ``--set`` overrides."""
+        from megatron_lol.plan.legacy import migrate_model_keys
+
+        migrate_model_keys(self)
+        return self
+
+    def execution_plan(self, prefix: str = "model") -> ExecutionPlan:
+        """The plan's steps for this config (one-line ConfigError on bad shape keys)."""
+        return build_plan(self, prefix)
+
     @property
     def core_depth(self) -> int:
-        """Number of block executions in the core for the full model (accordion: at its largest budget)."""
-        if self.plan == "accordion":
-            return self.num_blocks + max(self.loop_budgets)
-        return self.num_blocks if self.plan == "dense" else self.routed_depth
+        """Steps of the full core (Accordion: at its largest budget)."""
+        return self.execution_plan().depth
 
     @property
     def core_experts(self) -> Optional[int]:
         """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
-        if self.moe_layers != "all":
-            return None
-        return self.core_num_experts or self.num_experts
-
-    @property
-    def loop_passes(self) -> int:
-        """Looped plans: how often each stored block runs (Foil's L)."""
-        return self.routed_depth // self.num_blocks if self.plan == "looped" else 1
+        return self.execution_plan().core_experts
 
     def validate(self, prefix: str = "model") -> None:
-        _choice(f"{prefix}.plan", self.plan, PLANS)
+        self.normalize()
+        _choice(f"{prefix}.plan", self.plan, tuple(PLANS))
         _choice(f"{prefix}.balancing", self.balancing, BALANCING)
         _choice(f"{prefix}.film", self.film, FILM_MODES)
         _choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
@@ -154,24 +173,13 @@ class ModelConfig:
             _positive(f"{prefix}.ffn_hidden_size", self.ffn_hidden_size)
         _nonnegative(f"{prefix}.n_prelude", self.n_prelude)
         _nonnegative(f"{prefix}.n_coda", self.n_coda)
-        _positive(f"{prefix}.num_blocks", self.num_blocks)
-        _positive(f"{prefix}.routed_depth", self.routed_depth)
         _positive(f"{prefix}.window_size", self.window_size)
         if not 0 <= self.window_shift < self.window_size:
             raise ConfigError(
                 f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) "
                 f"(got {self.window_shift})"
             )
-        if self.plan == "looped" and self.routed_depth % self.num_blocks:
-            raise ConfigError(
-                f"{prefix}.routed_depth: a looped plan needs routed_depth ({self.routed_depth}) "
-                f"to be a multiple of num_blocks ({self.num_blocks})"
-            )
-        if self.untie_attention and self.plan != "looped":
-            raise ConfigError(f"{prefix}.untie_attention: only a looped plan runs a block more than once "
-                              f"(plan is {self.plan})")
-        if self.plan == "accordion":
-            self._validate_accordion(prefix)
+        self.execution_plan(prefix)  # the plan's own shape keys and options
         if self.vocab_size is not None:
             _positive(f"{prefix}.vocab_size", self.vocab_size)
         _positive(f"{prefix}.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
@@ -233,32 +241,10 @@ class ModelConfig:
                 if getattr(self, key) is not None:
                     raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
 
-    def _validate_accordion(self, prefix: str) -> None:
-        budgets = self.loop_budgets
-        if (not isinstance(budgets, list) or not budgets
-                or any(not isinstance(k, int) or isinstance(k, bool) for k in budgets)):
-            raise ConfigError(f"{prefix}.loop_budgets: must be a non-empty list of integers (got {budgets!r})")
-        if len(set(budgets)) != len(budgets) or budgets != sorted(budgets):
-            raise ConfigError(f"{prefix}.loop_budgets: must be increasing without repeats (got {budgets})")
-        if not 0 <= budgets[0] or budgets[-1] > self.num_blocks:
-            raise ConfigError(f"{prefix}.loop_budgets: every budget must be in [0, num_blocks={self.num_blocks}] "
-                              f"(the loopable window) (got {budgets})")
-        if self.loop_budget is not None and self.loop_budget not in budgets:
-            raise ConfigError(f"{prefix}.loop_budget: {self.loop_budget} is not one of loop_budgets {budgets}")
-        _choice(f"{prefix}.second_pass_router", self.second_pass_router, SECOND_PASS_ROUTER)
-        if self.second_pass_router == "separate" and self.moe_layers != "all":
-            raise ConfigError(f"{prefix}.second_pass_router: separate needs MoE blocks (moe_layers: all)")
-        if self.dense_attention != "full":
-            raise ConfigError(f"{prefix}.dense_attention: accordion uses full causal attention "
-                              f"(got {self.dense_attention})")
-        if self.film != "off" or self.input_injection:
-            raise ConfigError(f"{prefix}.{'film' if self.film != 'off' else 'input_injection'}: "
-                              f"not defined for plan accordion")
-
 
 @dataclass
 class CurriculumConfig:
-    """Growing depth and truncated backprop through depth (SPEC 1.4)."""
+    """Growing depth and truncated backprop through depth (docs/model.md, "Growing depth")."""
 
     initial_depth: Optional[int] = None  # D0; None = no growing, full depth from step 0
     growth_fraction: float = 0.75  # growth period T = growth_fraction * train_iters
@@ -276,9 +262,10 @@ class CurriculumConfig:
             raise ConfigError(f"{prefix}.growth_fraction: must be in (0, 1] (got {self.growth_fraction})")
         if self.backprop_depth is not None:
             _positive(f"{prefix}.backprop_depth", self.backprop_depth)
-        if model.plan == "accordion" and (self.initial_depth is not None or self.backprop_depth is not None):
+        plan = model.execution_plan()
+        if not plan.growable and (self.initial_depth is not None or self.backprop_depth is not None):
             key = "initial_depth" if self.initial_depth is not None else "backprop_depth"
-            raise ConfigError(f"{prefix}.{key}: plan accordion sets its depth by the budget (model.loop_budgets)")
+            raise ConfigError(f"{prefix}.{key}: plan {plan.name} sets its depth by the budget (model.loop_budgets)")
 
 
 @dataclass
@@ -303,35 +290,30 @@ class ParallelConfig:
                 f"{prefix}.tensor_model_parallel_size: {tp} does not divide "
                 f"model.num_attention_heads={model.num_attention_heads}"
             )
-        if model.plan == "lol" and model.num_blocks % self.expert_model_parallel_size:
-            raise ConfigError(
-                f"{prefix}.expert_model_parallel_size: {self.expert_model_parallel_size} does not "
-                f"divide model.num_blocks={model.num_blocks}"
-            )
+        plan = model.execution_plan()
         ep = self.expert_model_parallel_size
-        if model.plan != "lol" and model.moe_layers != "none":
-            for key, n in (("num_experts", model.num_experts), ("core_num_experts", model.core_num_experts)):
+        if plan.shards_library and plan.num_stored_blocks % ep:
+            raise ConfigError(
+                f"{prefix}.expert_model_parallel_size: {ep} does not divide the {plan.num_stored_blocks} "
+                f"stored blocks of plan {plan.name} (model.num_blocks)")
+        if not plan.shards_library and model.moe_layers != "none":
+            for key, n in (("num_experts", model.num_experts), ("core experts", plan.core_experts)):
                 if n is not None and n % ep:
                     raise ConfigError(f"{prefix}.expert_model_parallel_size: {ep} does not divide model.{key}={n}")
-        if model.plan == "lol" and model.moe_layers == "all" and ep > 1:
+        if plan.shards_library and model.moe_layers == "all" and ep > 1:
             # EP would shard the block library and every block's experts over the same ranks,
             # leaving some (block, expert) pairs on no rank
-            raise ConfigError(f"{prefix}.expert_model_parallel_size: plan lol shards its block library over "
-                              f"EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
+            raise ConfigError(f"{prefix}.expert_model_parallel_size: plan {plan.name} shards its block library "
+                              f"over EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
                               f"moe_layers: fixed or expert_model_parallel_size: 1")
-        pp = self.pipeline_model_parallel_size
-        if pp > 1 and (model.plan == "accordion" or model.untie_attention):
-            what = "plan accordion" if model.plan == "accordion" else "untie_attention"
-            raise ConfigError(f"{prefix}.pipeline_model_parallel_size: {what} is not supported with pipeline "
-                              f"parallelism yet (got {pp}); use tensor/expert/data parallelism")
         if model.moe_layers != "none" and tp > 1:
             # megatron-core refuses to train MoE layers under TP without SP
             if not self.sequence_parallel:
                 raise ConfigError(f"{prefix}.sequence_parallel: megatron-core MoE layers with "
                                   f"tensor_model_parallel_size={tp} need sequence_parallel: true")
-            if model.moe_layers == "all" and (model.plan == "lol" or model.dense_attention == "strided"):
+            if model.moe_layers == "all" and plan.gathers_sequence:
                 raise ConfigError(f"{prefix}.tensor_model_parallel_size: MoE blocks in a core that gathers the "
-                                  f"sequence (plan lol or strided attention) cannot use TP={tp}; use "
+                                  f"sequence (routed or strided attention) cannot use TP={tp}; use "
                                   f"expert_model_parallel_size instead")
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel: needs tensor_model_parallel_size > 1")
@@ -368,7 +350,6 @@ class DataConfig:
     vocab_file: Optional[str] = None
     merge_file: Optional[str] = None
     cache_dir: Optional[str] = None
-    num_workers: int = 0
 
     def validate(self, prefix: str = "data", check_files: bool = True) -> None:
         import os
@@ -492,11 +473,9 @@ class ExperimentConfig:
         self.model.validate()
         self.curriculum.validate(self.model)
         self.parallel.validate(self.model)
-        from megatron_lol.parallel.layout import check_pipeline_layout
-
-        par = self.parallel
-        check_pipeline_layout(self.model, par.pipeline_model_parallel_size,
-                              par.virtual_pipeline_model_parallel_size)
+        par, plan = self.parallel, self.model.execution_plan()
+        check_pipeline_layout(self.model, plan.depth, par.pipeline_model_parallel_size,
+                              par.virtual_pipeline_model_parallel_size, plan.name, plan.pipeline_ok)
         self.optimizer.validate()
         self.training.validate()
         if self.optimizer.lr_warmup_iters >= self.training.train_iters:

@@ -1,7 +1,7 @@
 """``megatron-lol import-hf``: a Llama-architecture HF checkpoint -> a megatron-lol checkpoint.
 
 The result is a dense-plan ``LoLGPTModel`` (``plan: dense``, full attention):
-the HF layers become ``n_prelude`` prelude layers, ``num_blocks`` core blocks
+the HF layers become ``n_prelude`` prelude layers, ``core_layers`` core layers
 and ``n_coda`` coda layers, in order. A directory written by ``convert-hf``
 records the original split in ``config.json`` and gets it back. The checkpoint
 has the training layout (:mod:`megatron_lol.training.checkpointing`):
@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     out = import_hf(args.hf_dir, args.save, n_prelude=args.n_prelude, n_coda=args.n_coda, config=args.config,
                     dtype=args.dtype, force=args.force)
-    print(f"wrote {out['path']} ({out['num_layers']} layers: {out['n_prelude']} prelude, {out['num_blocks']} "
+    print(f"wrote {out['path']} ({out['num_layers']} layers: {out['n_prelude']} prelude, {out['core_layers']} "
           f"blocks, {out['n_coda']} coda; vocab {out['vocab_size']})")
     return 0
 
@@ -185,7 +185,7 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
         num_query_groups=int(conf.get("num_key_value_heads") or heads),
         kv_channels=head_dim if head_dim * heads != hidden else None,
         ffn_hidden_size=int(conf["intermediate_size"]), n_prelude=n_prelude, n_coda=n_coda,
-        num_blocks=blocks, routed_depth=blocks, vocab_size=int(conf["vocab_size"]),
+        core_layers=blocks, vocab_size=int(conf["vocab_size"]),
         untie_embeddings_and_output_weights=not conf.get("tie_word_embeddings", False),
         rotary_base=theta, rotary_scaling_factor=factor, norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)),
         init_method_std=float(conf.get("initializer_range", 0.02)), params_dtype=dtype)
@@ -214,7 +214,7 @@ def native_tensor(name: str, hf: HFCheckpoint, m: ModelConfig) -> torch.Tensor:
 
 
 def _check_hf_tensors(hf: HFCheckpoint, m: ModelConfig) -> None:
-    layers = m.n_prelude + m.num_blocks + m.n_coda
+    layers = m.n_prelude + m.core_layers + m.n_coda
     expected = {f"model.layers.{layers}.input_layernorm.weight": None}  # must NOT exist
     if hf.has(next(iter(expected))):
         raise CliError(f"{hf.dir} has more than num_hidden_layers={layers} layers")
@@ -321,8 +321,8 @@ def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda
     with open(os.path.join(save, TRACKER + ".tmp"), "w") as f:
         f.write(f"{iteration}\n")
     os.replace(os.path.join(save, TRACKER + ".tmp"), os.path.join(save, TRACKER))
-    return {"path": final, "num_layers": m.n_prelude + m.num_blocks + m.n_coda, "n_prelude": m.n_prelude,
-            "num_blocks": m.num_blocks, "n_coda": m.n_coda, "vocab_size": m.vocab_size}
+    return {"path": final, "num_layers": m.n_prelude + m.core_layers + m.n_coda, "n_prelude": m.n_prelude,
+            "core_layers": m.core_layers, "n_coda": m.n_coda, "vocab_size": m.vocab_size}
 
 
 def _asdict(m: ModelConfig) -> dict:

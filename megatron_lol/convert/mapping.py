@@ -68,10 +68,8 @@ def fixed_experts(m: ModelConfig) -> int | None:
 
 
 def core_experts(m: ModelConfig) -> int | None:
-    """Experts of the core blocks' MLPs (None: dense MLPs); Foil's ``core_num_experts`` when set."""
-    if m.moe_layers != "all":
-        return None
-    return m.core_num_experts or m.num_experts
+    """Experts of the core blocks' MLPs (None: dense MLPs); Foil's ``foil_experts``."""
+    return m.execution_plan().core_experts
 
 
 def layer_experts(prefix: str, m: ModelConfig) -> int | None:
@@ -110,29 +108,26 @@ def layer_shapes(d: Dims, experts: int | None = None) -> dict[str, tuple]:
 
 
 def layer_prefixes(m: ModelConfig) -> list[str]:
-    return ([f"prelude.{i}." for i in range(m.n_prelude)] + [f"core.blocks.{i}." for i in range(m.num_blocks)]
+    blocks = m.execution_plan().num_stored_blocks
+    return ([f"prelude.{i}." for i in range(m.n_prelude)] + [f"core.blocks.{i}." for i in range(blocks)]
             + [f"coda.{i}." for i in range(m.n_coda)])
 
 
 def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
     """Every tensor a ``LoLGPTModel`` with this config saves, with its global shape, in export order."""
     d = Dims.of(m)
-    h, L, D = m.hidden_size, m.num_blocks, m.core_depth
+    plan = m.execution_plan()
+    h, L, D = m.hidden_size, plan.num_stored_blocks, plan.depth
     out: dict[str, tuple] = {"embedding.word_embeddings.weight": (vocab, h)}
     for prefix in layer_prefixes(m):
         out.update({prefix + k: v for k, v in layer_shapes(d, layer_experts(prefix, m)).items()})
-    if m.plan == "looped" and m.untie_attention:
-        # Foil: input norm + attention of block i in pass p >= 1
-        for p in range(1, m.loop_passes):
-            for i in range(L):
-                out.update({f"core.pass_attention.{i}_{p}.{k}": v for k, v in attention_shapes(d).items()})
-    if m.plan == "accordion":
-        if m.loop_gates:
-            out["core.loop_gates"] = (L, 2, h)
-        if m.second_pass_router == "separate":
-            for i in range(L):
-                out[f"core.second_pass_routers.{i}.weight"] = (core_experts(m), h)
-    if m.plan == "lol":
+    for i, p in plan.untied_attention_sets():  # Foil: input norm + attention of block i in pass p >= 1
+        out.update({f"core.pass_attention.{i}_{p}.{k}": v for k, v in attention_shapes(d).items()})
+    if plan.gated_blocks():
+        out["core.loop_gates"] = (L, 2, h)
+    for i in plan.separate_router_blocks():
+        out[f"core.second_pass_routers.{i}.weight"] = (core_experts(m), h)
+    if plan.routed:
         out["core.depth_vectors"] = (D, h)
         for r in range(1 if m.router_tied else D):
             out[f"core.routers.{r}.logits.weight"] = (L, h)
@@ -266,4 +261,4 @@ def llama_layer_index(prefix: str, m: ModelConfig) -> int:
         return int(parts[1])
     if parts[0] == "core":
         return m.n_prelude + int(parts[2])
-    return m.n_prelude + m.num_blocks + int(parts[1])
+    return m.n_prelude + m.execution_plan().num_stored_blocks + int(parts[1])

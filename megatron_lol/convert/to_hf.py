@@ -89,7 +89,8 @@ def parse_size(text: str) -> int:
 
 def is_plain_stack(m: ModelConfig) -> bool:
     """An ordinary decoder stack that Llama computes exactly (within one document)."""
-    every_block_once = m.plan == "dense" or (m.plan == "looped" and m.routed_depth == m.num_blocks)
+    steps = m.execution_plan().steps()
+    every_block_once = all(step.block == i and step.pass_index == 0 for i, step in enumerate(steps))
     return (every_block_once and m.dense_attention == "full" and m.film == "off" and not m.input_injection
             and m.rotary_scaling_factor >= 1.0 and m.moe_layers == "none")
 
@@ -159,7 +160,7 @@ def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, sou
         key = mapping.checkpoint_key(name, available)
         if key is None:
             raise CliError(f"{source}: tensor model.{name} is missing: the checkpoint was not saved from a "
-                           f"model with this config (plan={m.plan}, num_blocks={m.num_blocks}, "
+                           f"model with this config (plan={m.plan}, {m.execution_plan().describe()}, "
                            f"n_prelude={m.n_prelude}, n_coda={m.n_coda})")
         if reader.shape(key) != tuple(shape):
             raise CliError(f"{source}: tensor {key} has shape {list(reader.shape(key))} but the config implies "
@@ -176,22 +177,19 @@ def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, sou
 # ------------------------------------------------------------------ configs
 def resolve_loop_budget(m: ModelConfig, loop_budget: Optional[int]) -> Optional[int]:
     """The exported default budget of an accordion model: ``--loop-budget``, else the run's, else the largest."""
-    if m.plan != "accordion":
-        if loop_budget is not None:
-            raise CliError(f"--loop-budget: only plan accordion has a loop budget (this model's plan is {m.plan})")
-        return None
-    budgets = list(m.loop_budgets)
-    if loop_budget is not None and loop_budget not in budgets:
-        raise CliError(f"--loop-budget: {loop_budget} is not one of the model's loop_budgets {budgets}")
-    if loop_budget is not None:
-        return loop_budget
-    return m.loop_budget if m.loop_budget is not None else max(budgets)
+    from megatron_lol.errors import ConfigError
+
+    try:
+        return m.execution_plan().resolve_budget(loop_budget)
+    except ConfigError as err:
+        raise CliError(f"--loop-{err}") from None
 
 
 def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict,
                     loop_budget: Optional[int] = None) -> dict:
     m, d = cfg.model, mapping.Dims.of(cfg.model)
-    accordion = m.plan == "accordion"
+    plan = m.execution_plan()
+    accordion = plan.budgets != [None]
     return {
         "architectures": ["LoLForCausalLM"],
         "model_type": "lol",
@@ -205,9 +203,10 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "head_dim": d.head_dim,
         "n_prelude": m.n_prelude,
         "n_coda": m.n_coda,
-        "plan": m.plan,
-        "num_blocks": m.num_blocks,
-        "routed_depth": m.routed_depth,
+        "plan": plan.name,
+        "num_blocks": plan.num_stored_blocks,  # blocks stored
+        "routed_depth": plan.depth,  # core steps (the largest budget's for accordion)
+        "execution_plan": plan.to_dict(),  # the schedule the remote code runs (not re-derived there)
         "window_size": m.window_size,
         "window_shift": m.window_shift,
         "dense_attention": m.dense_attention,
@@ -221,7 +220,7 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "num_experts_per_tok": m.moe_router_topk if m.moe_layers != "none" else None,
         "moe_intermediate_size": d.moe_ffn or None,
         "shared_expert_intermediate_size": d.shared_ffn or None,
-        "untie_attention": m.untie_attention and m.plan == "looped",
+        "untie_attention": bool(plan.untied_attention_sets()),
         "loop_budgets": list(m.loop_budgets) if accordion else [0],
         "loop_budget": loop_budget if accordion else 0,
         "second_pass_router": m.second_pass_router if accordion else "shared",
@@ -236,7 +235,7 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "bos_token_id": tokens.get("bos_id"),
         "eos_token_id": tokens.get("eod_id"),
         "pad_token_id": tokens.get("pad_id"),
-        "use_cache": m.plan != "lol",  # the fixed plans keep a KV cache
+        "use_cache": not plan.routed,  # the fixed plans keep a KV cache
         "torch_dtype": DTYPE_NAMES[dtype],
     }
 
@@ -249,7 +248,7 @@ def llama_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tok
         "vocab_size": vocab,
         "hidden_size": m.hidden_size,
         "intermediate_size": d.ffn,
-        "num_hidden_layers": m.n_prelude + m.num_blocks + m.n_coda,
+        "num_hidden_layers": m.n_prelude + m.execution_plan().num_stored_blocks + m.n_coda,
         "num_attention_heads": d.heads,
         "num_key_value_heads": d.groups,
         "head_dim": d.head_dim,
@@ -343,7 +342,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
         gen = {"bos_token_id": tokens.get("bos_id"), "eos_token_id": tokens["eod_id"],
                "pad_token_id": tokens.get("pad_id"), "do_sample": False}
         if not llama:
-            gen["use_cache"] = m.plan != "lol"
+            gen["use_cache"] = not m.execution_plan().routed
         _write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
         if not llama:
             for f in ("configuration_lol.py", "modeling_lol.py"):

@@ -1,7 +1,7 @@
 """Segment-causal core attention for documents and packed windows.
 
 Every attention in a LoL model is causal *inside a segment*: a document in the
-prelude and coda, a window in the routed core (SPEC 1.1). This module is the
+prelude and coda, a window in the routed core (docs/model.md, "Windows"). This module is the
 ``core_attention`` of megatron-core's ``SelfAttention`` (the QKV and output
 projections, RoPE and tensor parallelism stay megatron-core's); it receives a
 :class:`SegmentMask` through the ``attention_mask`` argument.
@@ -37,16 +37,22 @@ class SegmentMask:
     ``segments``: ``[b, s]`` segment ids (None: one segment per row, plain
     causal). ``chunk``: every segment is at most this long and the tensor is a
     packed stream (b == 1): use the chunked algorithm. ``sliding``: also require
-    ``i - j < sliding`` (dense sliding-window baseline).
+    ``i - j < sliding`` (dense sliding-window baseline). ``bias``: the chunked
+    algorithm's additive mask when the caller built it already (for several
+    blocks' streams at once, see ``WindowGrouping.chunk_biases``).
     """
 
     segments: Optional[torch.Tensor] = None
     chunk: Optional[int] = None
     sliding: Optional[int] = None
+    bias: Optional[torch.Tensor] = None
 
 
 class SegmentCausalAttention(MegatronModule):
     """Drop-in ``core_attention`` (same constructor as megatron's DotProductAttention)."""
+
+    #: takes a :class:`SegmentMask` as ``attention_mask`` (backends check this before calling it directly)
+    accepts_segment_mask = True
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -72,7 +78,7 @@ class SegmentCausalAttention(MegatronModule):
             from megatron.core import tensor_parallel
 
             def run(q, k, v, segments):
-                m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
+                m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias)
                 return self._attend(q, k, v, m)
 
             return tensor_parallel.checkpoint(run, False, query, key, value, mask.segments)
@@ -121,23 +127,18 @@ class SegmentCausalAttention(MegatronModule):
         with itself shifted by one chunk: one ``cat`` per tensor, whose backward
         is two slices (an overlapping ``unfold`` view gives the same values, but
         its backward costs about twice as much on CPU, most of it per call); the
-        mask is an additive ``0 / -inf`` bias. When the call comes
-        from :func:`~megatron_lol.model.dispatch.run_grouped`, the bias of every
-        block of the depth was built once, for the whole depth
-        (:meth:`DispatchPlan.chunk_bias`); otherwise it is built here. Adding a
-        ``0 / -inf`` bias is the same as ``masked_fill`` bit for bit, and the
-        scores are the same dot products, so outputs and gradients are identical
-        to the plain pad-and-concatenate formulation.
+        mask is an additive ``0 / -inf`` bias (``mask.bias`` when the caller built
+        it, else built here). Adding a ``0 / -inf`` bias is the same as
+        ``masked_fill`` bit for bit, and the scores are the same dot products.
         """
         t_len, b, h, d = q.shape
         assert b == 1, "chunked segment attention expects a packed stream [T, 1, heads, dim]"
         c = mask.chunk
         n = -(-t_len // c)
         pad = n * c - t_len
-        bias = _planned_bias(mask.segments, c, t_len)
+        bias = mask.bias
         if bias is None:
-            seg = mask.segments.reshape(-1)
-            bias = chunk_bias(seg, c, [0], [t_len])
+            bias = chunk_bias(mask.segments.reshape(-1), c, [0], [t_len])
         q = q.reshape(t_len, h, d)
         if pad:
             q = F.pad(q, (0, 0, 0, 0, 0, pad))  # zero rows at the end (one op: no zeros + cat)
@@ -184,18 +185,3 @@ def chunk_bias(segments: torch.Tensor, c: int, starts, lengths) -> torch.Tensor:
     allowed = (queries.unsqueeze(2) == keys.unsqueeze(1)) & causal
     bias = torch.zeros(allowed.shape, dtype=torch.float32, device=device)
     return bias.masked_fill_(~allowed, float("-inf")).unsqueeze(1)
-
-
-def _planned_bias(segments: torch.Tensor, c: int, t_len: int) -> Optional[torch.Tensor]:
-    """This call's slice of the depth-wide bias, when run inside ``run_grouped`` on its slice."""
-    from megatron_lol.model.dispatch import current_slice
-
-    active = current_slice()
-    if active is None:
-        return None
-    plan, block, lo, hi = active
-    seg = plan.segments
-    if (hi - lo != t_len or segments.numel() != t_len or seg.device != segments.device
-            or segments.data_ptr() != seg.data_ptr() + lo * seg.element_size()):
-        return None  # not the planned slice (e.g. recomputation, another caller)
-    return plan.chunk_bias(c, block)

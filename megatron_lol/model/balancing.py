@@ -1,4 +1,4 @@
-"""Load balancing of the block library (SPEC 1.3).
+"""Load balancing of the block library (docs/model.md, "Load balancing").
 
 * loss-free bias (default): after each optimizer step
   ``b_m -= u * sign(load_m - mean(load))``, clamped to ``[-16, 16]``; ``load_m``
@@ -51,17 +51,14 @@ class BalancingBias(nn.Module):
         self.loads[row] += torch.bincount(choice, minlength=self.bias.shape[1]).to(self.loads.dtype)
 
     @torch.no_grad()
-    def update(self, step: int, train_iters: int, group=None, loads: Optional[torch.Tensor] = None) -> bool:
+    def update(self, step: int, train_iters: int, loads: Optional[torch.Tensor] = None) -> bool:
         """Apply the sign rule after 0-based optimizer step ``step``; returns whether it did.
 
-        ``group``: the process group over which windows differ (data parallel,
-        and expert parallel where windows are split); loads are summed over it.
-        ``loads``: already-reduced loads to use instead of this module's own
-        (pipeline stages sharing the library sum theirs first).
+        ``loads``: the loads summed over every rank that saw different windows
+        (the trainer reduces them over pipeline stages and data-parallel ranks);
+        default: this module's own, for a single process.
         """
         loads = self.loads if loads is None else loads
-        if group is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size(group) > 1:
-            torch.distributed.all_reduce(loads, group=group)
         applied = False
         if self.speed > 0 and bias_updates_allowed(step, train_iters, self.stop_fraction):
             mean = loads.mean(dim=1, keepdim=True)
@@ -98,17 +95,3 @@ def global_aux_loss(decision: RoutingDecision) -> torch.Tensor:
     f = torch.bincount(decision.choice, minlength=num_blocks).float() / n
     abar = decision.probs.float().mean(dim=0)
     return num_blocks * (f * abar).sum()
-
-
-def balancing_group(data_parallel_group: Optional[object] = None):
-    """The group over which windows differ: data parallel (with context parallel)."""
-    if data_parallel_group is not None:
-        return data_parallel_group
-    try:
-        from megatron.core import parallel_state
-
-        if parallel_state.model_parallel_is_initialized():
-            return parallel_state.get_data_parallel_group(with_context_parallel=True)
-    except Exception:  # pragma: no cover - megatron not initialised
-        return None
-    return None

@@ -7,9 +7,10 @@ change only what LoL needs:
 * ``core_attention`` becomes :class:`SegmentCausalAttention` (document- and
   window-blocked causal attention) on the local path; on GPUs with Transformer
   Engine, TE's fused attention is kept and fed THD ``PackedSeqParams``;
-* the two norms become :class:`FiLMRMSNorm`, so that per-depth FiLM can modulate
-  a block shared by all depths (SPEC 1.4) and sequence parallelism works with
-  the local norm (its weight is marked ``sequence_parallel``).
+* the two norms become :class:`LocalRMSNorm` (separate modules, so that a
+  step's FiLM can modulate their output, see ``block_call``; its weight is
+  marked ``sequence_parallel``, so sequence parallelism works with the local
+  norm).
 
 Which implementation (TE or local) is decided here, once, from the config and
 the platform; where it sits is the spec's business, as in megatron-core.
@@ -17,7 +18,6 @@ the platform; where it sits is the spec's business, as in megatron-core.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Optional
 
@@ -28,13 +28,8 @@ from torch import nn
 from megatron_lol.config.schema import ConfigError, ModelConfig, ParallelConfig
 
 
-class FiLMRMSNorm(nn.Module):
-    """RMSNorm with an optional FiLM modulation ``gamma * Norm(h) + beta`` (after its own gain).
-
-    The routed core sets :attr:`film` to the ``(gamma, beta)`` of the current
-    depth before it runs a block and clears it afterwards; fixed layers never
-    set it.
-    """
+class LocalRMSNorm(nn.Module):
+    """RMSNorm whose weight megatron's sequence-parallel gradient reduction recognises."""
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__()
@@ -42,14 +37,9 @@ class FiLMRMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # megatron's grad all-reduce for sequence-parallel norms keys on this attribute
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
-        self.film: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
-        if self.film is not None:
-            gamma, beta = self.film
-            y = gamma.to(y.dtype) * y + beta.to(y.dtype)
-        return y
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
 def transformer_engine_usable() -> bool:
@@ -77,7 +67,7 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
     parallel = parallel or ParallelConfig()
     dtype = torch.bfloat16 if model.params_dtype == "bf16" else torch.float32
     kwargs = dict(
-        num_layers=num_layers or max(1, model.n_prelude + model.n_coda + model.num_blocks),
+        num_layers=num_layers or max(1, model.n_prelude + model.n_coda + model.execution_plan().num_stored_blocks),
         hidden_size=model.hidden_size,
         num_attention_heads=model.num_attention_heads,
         num_query_groups=model.num_query_groups,
@@ -155,7 +145,7 @@ def packed_seq_params(segments: torch.Tensor):
     Windows (or documents) are the packed sequences: ``cu_seqlens`` are the
     offsets where the segment id changes. TE's fused attention then applies the
     causal mask inside each segment and RoPE restarts per segment (relative
-    positions inside a window or document are all RoPE sees, SPEC 1.1).
+    positions inside a window or document are all RoPE sees).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -177,28 +167,21 @@ def block_spec(use_te: bool = False, num_experts: Optional[int] = None):
     )
 
     from megatron_lol.model.attention import SegmentCausalAttention
+    from megatron_lol.model.block_call import LoLTransformerLayer
 
     if use_te:
-        # TE linears and fused attention (fed THD PackedSeqParams for windows);
-        # FiLM and SP norms need the norms as separate modules, so we use the
-        # unfused TENorm + TE linear layout of the spec.
+        # TE linears (the attention and MLP norms fused into them) and fused attention fed
+        # THD PackedSeqParams for windows; config validation refuses FiLM with this spec
         spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=False)
-        return spec
+        return dataclasses.replace(spec, module=LoLTransformerLayer)
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
     sub = spec.submodules
     attn = sub.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SegmentCausalAttention)
     attn = dataclasses.replace(attn, submodules=attn_sub)
-    sub = dataclasses.replace(sub, self_attention=attn, input_layernorm=FiLMRMSNorm,
-                              pre_mlp_layernorm=FiLMRMSNorm)
-    # megatron-core's TransformerLayer with a short call path where nothing needs its
-    # generality (bit-identical; LoL makes L block calls per depth: see lean_layer.py)
-    from megatron.core.transformer.transformer_layer import TransformerLayer
-
-    from megatron_lol.model.lean_layer import LeanTransformerLayer
-
-    module = LeanTransformerLayer if spec.module is TransformerLayer else spec.module
-    return dataclasses.replace(spec, module=module, submodules=sub)
+    sub = dataclasses.replace(sub, self_attention=attn, input_layernorm=LocalRMSNorm,
+                              pre_mlp_layernorm=LocalRMSNorm)
+    return dataclasses.replace(spec, module=LoLTransformerLayer, submodules=sub)
 
 
 def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None):
@@ -229,12 +212,6 @@ def _te_attention_types() -> tuple:
     return (TEDotProductAttention,) if isinstance(TEDotProductAttention, type) else ()
 
 
-def layer_norms(layer) -> list[FiLMRMSNorm]:
-    """The two FiLM-able norms of a block, in order (attention, MLP)."""
-    return [m for m in (getattr(layer, "input_layernorm", None), getattr(layer, "pre_mlp_layernorm", None))
-            if isinstance(m, FiLMRMSNorm)]
-
-
 def build_attention_set(spec, config, layer_number: int, vp_stage: Optional[int] = None) -> nn.Module:
     """An attention sub-layer (input norm + self-attention) shaped like ``spec``'s.
 
@@ -251,66 +228,3 @@ def build_attention_set(spec, config, layer_number: int, vp_stage: Optional[int]
     holder.input_layernorm = layer.input_layernorm
     holder.self_attention = layer.self_attention
     return holder
-
-
-@contextlib.contextmanager
-def swapped_modules(module: nn.Module, **replacements: nn.Module):
-    """Temporarily run ``module`` with some of its sub-modules replaced.
-
-    How a shared block runs with pass-specific parts (Foil's untied attention,
-    Accordion's separate second-pass router) without copying the block: the
-    parameters stay where they live, only the call is redirected.
-    """
-    old = {name: module._modules[name] for name in replacements}
-    module._modules.update(replacements)
-    try:
-        yield module
-    finally:
-        module._modules.update(old)
-
-
-def run_layer(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], use_te: bool,
-              recompute: bool = False, gates: Optional[tuple] = None) -> torch.Tensor:
-    """Run a megatron layer with segment-causal attention, on either backend.
-
-    Local spec: ``mask`` (a :class:`SegmentMask`) goes to our core attention.
-    Transformer Engine: the segments become THD ``PackedSeqParams``; a
-    ``[s, b, h]`` batch is flattened row-major to the packed ``[b*s, 1, h]``
-    stream TE expects, and ``rope`` is the position table (TE restarts it per
-    segment). ``recompute``: full activation recomputation of this layer
-    (megatron-core's checkpoint) when training.
-    """
-    if recompute and layer.training and torch.is_grad_enabled():
-        from megatron.core import tensor_parallel
-
-        def run(h, segments, rope_):
-            m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding)
-            return run_layer(layer, h, m, rope_, use_te, gates=gates)
-
-        return tensor_parallel.checkpoint(run, False, hidden, mask.segments, rope)
-    if not use_te:
-        return _call_layer(layer, hidden, gates, attention_mask=mask, rotary_pos_emb=rope)
-    if mask.sliding is not None:
-        raise NotImplementedError("sliding-window dense attention is not wired to Transformer Engine yet")
-    s, b, h = hidden.shape
-    packed = hidden if b == 1 else hidden.transpose(0, 1).reshape(b * s, 1, h)
-    segments = mask.segments.reshape(-1) if mask.segments is not None else torch.arange(b).repeat_interleave(s)
-    out = _call_layer(layer, packed, gates, attention_mask=None, rotary_pos_emb=rope,
-                      packed_seq_params=packed_seq_params(segments))
-    return out if b == 1 else out.view(b, s, h).transpose(0, 1)
-
-
-def _call_layer(layer, hidden: torch.Tensor, gates: Optional[tuple], **kwargs) -> torch.Tensor:
-    """``layer(hidden)``; with ``gates = (g_attn, g_mlp)`` each residual write is scaled per channel.
-
-    Accordion's second pass: ``h1 = h + g_attn * (Attn(h) - h)``, ``h2 = h1 + g_mlp *
-    (MLP(h1) - h1)``, using megatron's own two halves of the layer call.
-    """
-    if gates is None:
-        out, _ = layer(hidden_states=hidden, **kwargs)
-        return out
-    g_attn, g_mlp = gates
-    after_attn, _ = layer._forward_attention(hidden_states=hidden, **kwargs)
-    h1 = hidden + g_attn.to(hidden.dtype) * (after_attn - hidden)
-    after_mlp = layer._forward_mlp(h1)
-    return h1 + g_mlp.to(hidden.dtype) * (after_mlp - h1)

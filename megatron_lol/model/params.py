@@ -174,7 +174,7 @@ class ParamCounts:
     core_depth: int  # D, block executions per token in the core
     active_blocks: int  # distinct blocks a token can touch: min(L, D)
     num_routers: int
-    router_each: int  # d*L + L^2 + 2L for plan lol, else 0
+    router_each: int  # d*L + L^2 + 2L for a routed plan, else 0
     loop_passes: int = 1  # looped plans: passes over the stored blocks
     pass_attention_sets: int = 0  # L*(passes-1) with untie_attention
     prelude_layer: LayerCounts = field(repr=False, default=None)
@@ -189,7 +189,7 @@ class ParamCounts:
 
     @property
     def seed_columns(self) -> Optional[dict]:
-        """Foil's Table 3 columns (seed 002): core experts incl. routers, core attention, head + tail, other."""
+        """Foil's parameter table columns: core experts incl. routers, core attention, head + tail, other."""
         if self.loop_accounting is None:
             return None
         return {
@@ -251,14 +251,14 @@ def layer_counts(model: ModelConfig, moe: bool, num_experts: Optional[int] = Non
 
 
 def loop_accounting(model: ModelConfig) -> Optional[dict]:
-    """Seed 002's identities for a looped block of MoE layers (None for other plans / a dense core).
+    """Foil's identities for a looped block of MoE layers (None for other plans / a dense core).
 
-    With the seed's symbols: ``E`` experts per core layer, ``D`` stored core
-    layers (``num_blocks``), ``L`` passes (``loop_passes``), ``k`` = top-k.
+    ``E`` experts per core layer, ``D`` stored core layers, ``L`` passes, ``k`` = top-k.
     """
-    if model.plan != "looped" or model.core_experts is None:
+    plan = model.execution_plan()
+    if plan.name not in ("looped", "foil") or plan.core_experts is None:
         return None
-    E, D, L = model.core_experts, model.num_blocks, model.loop_passes
+    E, D, L = plan.core_experts, plan.num_stored_blocks, plan.loop_passes
     k = min(model.moe_router_topk, E)
     return {"E": E, "D": D, "L": L, "k": k, "shape": f"({E},{D},{L})", "E_real": E * D, "D_eff": D * L,
             "E_eq": E * D * L, "E_comp": k * D * L, "untie_attention": bool(model.untie_attention)}
@@ -273,16 +273,16 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     if vocab_size is None or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive integer (got {vocab_size!r})")
     d = model.hidden_size
-    L = model.num_blocks
-    D = model.core_depth
+    plan = model.execution_plan()
+    L, D = plan.num_stored_blocks, plan.depth
     n_fixed = model.n_prelude + model.n_coda
     fixed = layer_counts(model, moe=model.moe_layers in ("fixed", "all"))
-    block = layer_counts(model, moe=model.moe_layers == "all", num_experts=model.core_experts)
+    block = layer_counts(model, moe=model.moe_layers == "all", num_experts=plan.core_experts)
 
     embedding = vocab_size * d
     output = vocab_size * d if model.untie_embeddings_and_output_weights else 0
 
-    routed = model.plan == "lol"
+    routed = plan.routed
     num_routers = (1 if model.router_tied else D) if routed else 0
     router_each = router_parameters(d, L) if routed else 0
     router = num_routers * router_each
@@ -299,17 +299,16 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     extras = router + depth_vectors + injection
     final_norm = d
 
-    # looped: Foil's untied attention, one extra (norm gain + attention) set per (block, pass >= 1)
-    passes = model.loop_passes
-    sets = L * (passes - 1) if (model.plan == "looped" and model.untie_attention) else 0
+    # looped / Foil: untied attention, one extra (norm gain + attention) set per (block, pass >= 1)
+    passes = plan.loop_passes
+    sets = len(plan.untied_attention_sets())
     pass_attention_linear = sets * block.attention
     pass_attention = pass_attention_linear + sets * d
-    # accordion: per-channel second-pass gates, optional separate second-pass routers
-    accordion = model.plan == "accordion"
-    gate_each = 2 * d if (accordion and model.loop_gates) else 0
+    # accordion: per-channel second-pass gates (one pair per stored block), optional separate routers
+    accordion = plan.budgets != [None]
+    gate_each = 2 * d if plan.gated_blocks() else 0
     loop_gates = L * gate_each
-    second_router_each = (block.moe_router if (accordion and model.second_pass_router == "separate") else 0)
-    second_pass_router = L * second_router_each
+    second_pass_router = len(plan.separate_router_blocks()) * block.moe_router
 
     attention = n_fixed * fixed.attention + L * block.attention
     mlp = n_fixed * fixed.mlp + L * block.mlp
@@ -337,16 +336,16 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
                     linear_fixed + (L + k) * block.linear_active)
 
         budgets = []
-        for k in model.loop_budgets:
+        for k in plan.budgets:
             act, lin = at_budget(k)
-            budgets.append({"k": k, "layer_executions": n_fixed + L + k, "active_compute": act,
+            budgets.append({"k": k, "layer_executions": n_fixed + plan.depth_for(k), "active_compute": act,
                             "linear_active_compute": lin})
         active_compute, linear_active_compute = at_budget(D - L)
         # the seed's "active": one unlooped (k = 0) forward pass
         active = fixed_active + L * block.active
         linear_active = linear_fixed + L * block.linear_active
     return ParamCounts(
-        plan=model.plan, vocab_size=vocab_size,
+        plan=plan.name, vocab_size=vocab_size,
         total=total, non_embedding=non_embedding,
         active_per_token=active, active_compute=active_compute,
         active_with_embedding=active + embedding + output,
@@ -363,14 +362,3 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
         prelude_layer=fixed, coda_layer=fixed, block=block,
         loop_accounting=loop_accounting(model), budgets=budgets,
     )
-
-
-def count_module_parameters(module) -> int:
-    """``sum(p.numel())`` over a module's parameters (shared tensors counted once)."""
-    seen = set()
-    n = 0
-    for p in module.parameters():
-        if id(p) not in seen:
-            seen.add(id(p))
-            n += p.numel()
-    return n

@@ -56,17 +56,10 @@ def _m(n: int) -> str:
 
 def format_table(counts, cfg, config_path: str, vocab: int) -> str:
     m = cfg.model
-    shape = f"plan {m.plan}, width {m.hidden_size}, {m.n_prelude}+{m.n_coda} fixed layers, "
-    if m.plan == "lol":
-        shape += f"L={m.num_blocks} blocks, D={m.routed_depth}"
-    elif m.plan == "looped":
-        shape += f"{m.num_blocks} x {m.loop_passes} looped"
-        if m.untie_attention:
-            shape += " (attention untied per pass)"
-    elif m.plan == "accordion":
-        shape += f"{m.num_blocks}-layer loopable window, budgets {list(m.loop_budgets)}"
-    else:
-        shape += f"{m.num_blocks} core layers ({m.dense_attention} attention)"
+    plan = m.execution_plan()
+    shape = f"plan {plan.name}, width {m.hidden_size}, {m.n_prelude}+{m.n_coda} fixed layers, {plan.describe()}"
+    if not plan.routed:
+        shape += f" ({m.dense_attention} attention)"
     if m.moe_layers != "none":
         experts = str(m.num_experts)
         if m.core_experts is not None and m.core_experts != m.num_experts:
@@ -76,13 +69,13 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
             shape += f", 1 shared expert of {m.moe_shared_expert_intermediate_size}"
         shape += ")"
     vocab_note = f"vocab {counts.vocab_size:,}" + (f" (padded from {vocab:,})" if vocab != counts.vocab_size else "")
-    accordion = m.plan == "accordion"
+    accordion = plan.budgets != [None]
     rows = [
         ("total", counts.total),
         ("non-embedding", counts.non_embedding),
         ("active per token (non-embedding, unlooped k=0 pass)" if accordion
          else "active per token (non-embedding, stored once)", counts.active_per_token),
-        (f"active per token (non-embedding, per execution, k={counts.core_depth - counts.num_blocks})"
+        (f"active per token (non-embedding, per execution, k={max(plan.budgets) if accordion else 0})"
          if accordion else "active per token (non-embedding, per execution)", counts.active_compute),
         ("active per token incl. embedding + head", counts.active_with_embedding),
         ("linear weights, stored (paper convention)", counts.linear_total),

@@ -1,6 +1,6 @@
 """Keep the copies of the block library in step across pipeline stages.
 
-Under pipeline parallelism every stage that hosts a routed depth holds the
+Under pipeline parallelism every stage that hosts a core step holds the
 library (and the routers, per-depth vectors, FiLM parameters and balancing
 bias). Like megatron-core's tied embeddings, the copies start equal (same
 per-component seeds) and stay equal because their gradients are summed over
@@ -31,14 +31,15 @@ class LibrarySync:
         import torch.distributed as dist
         from megatron.core import parallel_state
 
-        from megatron_lol.parallel.layout import stage_plan, stages_hosting_core
+        from megatron_lol.plan.stages import stage_layout, stages_hosting_core
 
         self.chunks = model_chunks
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         first = model_chunks[0]
         cfg_m = getattr(first, "module", first).config
         vpp = cfg_m.virtual_pipeline_model_parallel_size if pp > 1 else None
-        hosting = stages_hosting_core(model_cfg, pp, vpp)
+        depth = model_cfg.core_depth
+        hosting = stages_hosting_core(model_cfg, depth, pp, vpp)
         self.group: Optional[object] = None
         if pp > 1 and len(hosting) > 1:
             my_ranks = dist.get_process_group_ranks(parallel_state.get_pipeline_model_parallel_group())
@@ -51,7 +52,7 @@ class LibrarySync:
                     self.group = group
         # the copy on the first virtual stage that hosts routed depths counts for the grad norm
         stages = pp * (vpp or 1)
-        v_first = next(v for v in range(stages) if stage_plan(model_cfg, stages, None, v).depths is not None)
+        v_first = next(v for v in range(stages) if stage_layout(model_cfg, depth, stages, None, v).depths is not None)
         pp_rank = parallel_state.get_pipeline_model_parallel_rank()
         self.local_cores = []
         for chunk_index, chunk in enumerate(model_chunks):

@@ -38,7 +38,7 @@ def lol_sharded_state_dict(model, prefix: str = "", metadata: Optional[dict] = N
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     tp_group = ps.get_tensor_model_parallel_group()
     core = getattr(model, "core", None)
-    expert_sharded = (core is not None and core.cfg.plan == "lol"
+    expert_sharded = (core is not None and core.plan.shards_library
                       and ps.get_expert_model_parallel_world_size() > 1)
     block_metadata = (dict(metadata, dp_cp_group=ps.get_expert_data_parallel_group())
                       if expert_sharded else metadata)

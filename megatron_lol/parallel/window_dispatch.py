@@ -4,7 +4,7 @@ Like MoE token dispatch, but the unit is a window (attention runs inside it),
 so a window is never split across ranks. With ``L`` blocks over ``EP`` ranks,
 rank ``e`` holds blocks ``[e*L/EP, (e+1)*L/EP)``. One depth:
 
-1. the local plan (tokens grouped by block, windows contiguous) already groups
+1. the local grouping (tokens grouped by block, windows contiguous) already groups
    tokens by destination rank, because blocks of a rank are contiguous;
 2. per-block token counts are all-gathered over the EP group (one small
    collective), giving every rank the split sizes of both directions;
@@ -12,7 +12,7 @@ rank ``e`` holds blocks ``[e*L/EP, (e+1)*L/EP)``. One depth:
    ids (made unique per source rank) and RoPE positions with a plain one;
 4. the receiver sorts what it got by block (stable: windows stay contiguous)
    and runs each local block once on all of its windows, from every rank;
-5. the updates return by the reverse all-to-all, in the sender's plan order.
+5. the updates return by the reverse all-to-all, in the sender's grouping order.
 
 The router stays replicated: every rank routes its own windows.
 """
@@ -21,32 +21,32 @@ from __future__ import annotations
 
 import torch
 
-from megatron_lol.model.dispatch import BlockCall, DispatchPlan
 
+def run_grouped_expert_parallel(grouping, states: torch.Tensor, run_block, rope_index: torch.Tensor,
+                                group) -> torch.Tensor:
+    """Block updates ``E(s) - s`` of the grouped tokens, in ``grouping.order`` order.
 
-def run_grouped_expert_parallel(plan: DispatchPlan, states: torch.Tensor, call_block: BlockCall,
-                                rope_index: torch.Tensor, group) -> torch.Tensor:
-    """Block updates ``E(s) - s`` of the planned tokens, in ``plan.order`` order.
-
-    ``rope_index``: [T] per flat token, what ``call_block`` uses to look up RoPE
-    (the token's row position). Collective over ``group``: every EP rank calls
-    it at every depth, even with no tokens.
+    ``grouping``: a ``megatron_lol.model.dispatch.WindowGrouping`` (``order``,
+    ``counts``, ``segments``); ``run_block(block, rows, segments, rope_index)``
+    runs a local block. ``rope_index``: [T] per flat token, what ``run_block``
+    uses to look up RoPE (the token's row position). Collective over ``group``:
+    every EP rank calls it at every depth, even with no tokens.
     """
     import torch.distributed as dist
     from megatron.core.tensor_parallel.mappings import all_to_all
 
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
-    num_blocks = len(plan.counts)
+    num_blocks = len(grouping.counts)
     per_rank = num_blocks // ep
-    counts = torch.tensor(plan.counts, dtype=torch.long)
+    counts = torch.tensor(grouping.counts, dtype=torch.long)
     everyone = [torch.zeros_like(counts) for _ in range(ep)]
     dist.all_gather(everyone, counts, group=group)
     table = torch.stack(everyone).view(ep, ep, per_rank)  # [source, destination rank, local block]
     send_splits = table[rank].sum(dim=1).tolist()
     recv_splits = table[:, rank].sum(dim=1).tolist()
 
-    packed = states[plan.order]
-    meta = torch.stack([plan.segments, rope_index[plan.order]], dim=1)
+    packed = states[grouping.order]
+    meta = torch.stack([grouping.segments, rope_index[grouping.order]], dim=1)
     received = all_to_all(group, packed, recv_splits, send_splits)
     meta_in = torch.empty(sum(recv_splits), 2, dtype=torch.long)
     dist.all_to_all_single(meta_in, meta.contiguous(), recv_splits, send_splits, group=group)
@@ -65,7 +65,7 @@ def run_grouped_expert_parallel(plan: DispatchPlan, states: torch.Tensor, call_b
         if count:
             chunk = x[start:start + count]
             seg = window[start:start + count]
-            outputs.append(call_block(rank * per_rank + local, chunk, seg, positions[start:start + count]) - chunk)
+            outputs.append(run_block(rank * per_rank + local, chunk, seg, positions[start:start + count]) - chunk)
         start += count
     updates = torch.cat(outputs, dim=0) if outputs else x.new_zeros(x.shape)
     unpermuted = updates.new_zeros(updates.shape).index_copy(0, perm, updates)

@@ -19,19 +19,17 @@ What is counted (one multiply-add = 2 FLOPs, forward):
 Norms, softmax, RoPE, embeddings, window means, residual updates and Accordion's
 loop gates are not matmuls and are not counted (under 1% at every size we use).
 
-Core executions (the ``depth`` argument, default the config's full depth):
-``routed_depth`` for ``lol`` / ``looped``, ``num_blocks`` for ``dense``; for
-``accordion`` the executed core layers ``num_blocks + k`` at budget ``k``
-(:func:`accordion_depth`; default: ``loop_budget`` when fixed, else the largest
-budget), each a full causal attention layer; the ``l``-th execution runs window
-layer ``l`` (``l <= num_blocks``) or re-runs window layer ``l - num_blocks``.
-Foil's untied attention (one attention per pass) has exactly the FLOPs of the
-tied attention it replaces; a separate second-pass router those of the shared one.
+Core executions: the first ``depth`` steps of the config's execution plan
+(:mod:`megatron_lol.plan`; default the plan's full depth, for Accordion
+``loop_window + k`` at its fixed budget, else the largest); each step is one
+block execution with its attention kind. Foil's untied attention (one
+attention per pass) has exactly the FLOPs of the tied attention it replaces; a
+separate second-pass router those of the shared one.
 
 Attention pairs, two conventions (``attention_pairs=``):
 
 ``"allowed"`` (default; model FLOPs, used for MFU)
-    the (query, key) pairs the model allows (SPEC 1.1): ``n(n+1)/2`` for full
+    the (query, key) pairs the model allows (docs/model.md): ``n(n+1)/2`` for full
     causal attention of a sequence of ``n``; in the routed core, and for the
     ``strided`` dense baseline, ``sum_k |I_{l,k}| (|I_{l,k}| + 1) / 2`` over the
     clipped windows of depth ``l`` (so a shifted depth has fewer pairs than an
@@ -197,20 +195,9 @@ def layer_token_flops(model: ModelConfig, tokens: int, where: str = "fixed") -> 
     return Flops(attention_proj=proj, mlp=6 * tokens * d * model.ffn_hidden)
 
 
-def accordion_depth(model: ModelConfig, budget: int) -> int:
-    """Core layer executions of plan accordion at budget ``k``: ``num_blocks + k``."""
-    if model.plan != "accordion":
-        raise ValueError(f"accordion_depth: plan is {model.plan}, not accordion")
-    if budget not in model.loop_budgets:
-        raise ValueError(f"budget {budget} is not one of loop_budgets {model.loop_budgets}")
-    return model.num_blocks + budget
-
-
 def default_depth(model: ModelConfig) -> int:
-    """The core executions a config runs when no depth is given (accordion: its fixed budget, else the largest)."""
-    if model.plan == "accordion" and model.loop_budget is not None:
-        return model.num_blocks + model.loop_budget
-    return model.core_depth
+    """The core steps a config runs when no depth is given (Accordion: its fixed budget, else the largest)."""
+    return model.execution_plan().depth_for(None)
 
 
 def score_flops(model: ModelConfig, pairs: int) -> Flops:
@@ -263,12 +250,13 @@ def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: i
                               backprop_depth=cur.backprop_depth,
                               first_window_full_backprop=cur.first_window_full_backprop).total * batch
 
-    if m.plan == "accordion" and depth is None:
+    plan = m.execution_plan()
+    if plan.budgets != [None] and depth is None:
         if budgets:
             per = global_batch / len(budgets)
-            return sum(at(accordion_depth(m, k), per) for k in budgets)
+            return sum(at(plan.depth_for(k), per) for k in budgets)
         if m.loop_budget is None:
-            return sum(at(accordion_depth(m, k), global_batch) for k in m.loop_budgets) / len(m.loop_budgets)
+            return sum(at(plan.depth_for(k), global_batch) for k in plan.budgets) / len(plan.budgets)
     return training_flops(m, vocab, seq, global_batch, depth=depth, attention_pairs=attention_pairs,
                           backprop_depth=cur.backprop_depth,
                           first_window_full_backprop=cur.first_window_full_backprop).total
@@ -279,15 +267,16 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, depth: Optional
            streams_per_depth: int) -> StepFlops:
     if mode not in PAIR_MODES:
         raise ValueError(f"attention_pairs must be one of {PAIR_MODES} (got {mode!r})")
-    full_depth = model.core_depth
-    depth = default_depth(model) if depth is None else depth
-    lowest = model.num_blocks if model.plan == "accordion" else 0  # accordion: k = 0 runs the whole window
+    plan = model.execution_plan()
+    full_depth = plan.depth
+    depth = plan.depth_for(None) if depth is None else depth
+    lowest = plan.depth_for(min(plan.budgets)) if plan.budgets != [None] else 0  # budget 0 runs the whole window
     if not lowest <= depth <= full_depth:
         raise ValueError(f"depth must be in [{lowest}, {full_depth}] (got {depth})")
     T = batch * seq
     W = model.window_size
     d = model.hidden_size
-    L = model.num_blocks
+    L = plan.num_stored_blocks
 
     def fixed_layer_scores() -> int:
         return batch * (seq * seq if mode == "executed" else causal_pairs(seq))
@@ -303,14 +292,13 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, depth: Optional
     parts["head"] = {"forward": head, "backward": head.scaled(2 if backward else 0)}
 
     core_f, core_b = Flops(), Flops()
-    routed = model.plan == "lol"
-    for l in range(1, depth + 1):
+    for step in plan.steps(depth):
+        l, routed, windowed = step.depth, step.routed, step.windowed
         delta = window_offset(l, W, model.window_shift)
         truncated = backward and backprop_depth is not None and l <= depth - backprop_depth
-        windowed = routed or model.dense_attention == "strided"
         if windowed:
             allowed = batch * windowed_pairs(seq, W, delta)
-        elif model.dense_attention == "sliding":
+        elif step.attention == "sliding":
             allowed = batch * sliding_pairs(seq, W)
         else:
             allowed = batch * causal_pairs(seq)
@@ -373,8 +361,12 @@ def dense_equivalent(model: ModelConfig, depth: Optional[int] = None) -> ModelCo
     """
     import dataclasses
 
-    depth = default_depth(model) if depth is None else depth
-    over = dict(plan="dense", num_blocks=depth, dense_attention="full", untie_attention=False,
+    plan = model.execution_plan()
+    depth = plan.depth_for(None) if depth is None else depth
+    shape = {key: None for key in ("num_blocks", "routed_depth", "loop_layers", "loop_count", "foil_experts",
+                                   "foil_layers", "foil_loops", "loop_window")}
+    over = dict(shape, plan="dense", core_layers=depth, dense_attention="full", untie_attention=None,
+                core_num_experts=plan.core_experts if model.moe_layers == "all" else None,
                 loop_budgets=[0], loop_budget=None, second_pass_router="shared")
     return dataclasses.replace(model, **over)
 
@@ -412,8 +404,7 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
     shared expert's) plus, per executed score entry and head, the
     fp32 softmax output, its cast copy and the boolean mask. A routed (LoL)
     depth's gated combine also keeps its input and the block outputs (``2 d``;
-    see ``dispatch._FusedGatedCombine``; the torch path keeps one ``d`` buffer
-    of updates). Truncated depths save nothing (their update runs without
+    the CPU backend's fused combine; the reference keeps about as much). Truncated depths save nothing (their update runs without
     autograd); ``recompute: full`` keeps one ``d``-vector per layer and token.
     """
     from megatron_lol.model.params import count_parameters
@@ -434,18 +425,18 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
         f += model.moe_shared_expert_intermediate_size or 0
     per_token = (4 * d + (nq + 2 * nkv) * c + nq * c + 3 * f) * pbytes / tensor_parallel
     T = micro_batch * seq
-    depth = default_depth(model) if depth is None else depth
+    depth = model.execution_plan().depth_for(None) if depth is None else depth
     exec_fixed = micro_batch * seq * seq
     W = model.window_size
-    exec_core = chunked_pairs(T, W) if (model.plan == "lol" or model.dense_attention == "strided") \
-        else micro_batch * seq * seq
+    plan = model.execution_plan()
+    exec_core = chunked_pairs(T, W) if plan.gathers_sequence else micro_batch * seq * seq
     score_bytes = (4 + pbytes + 1) * nq / tensor_parallel
     n_fixed = model.n_prelude + model.n_coda
     grad_depths = depth if backprop_depth is None else min(depth, backprop_depth)
     if recompute == "full":
         acts = (n_fixed + grad_depths) * T * d * pbytes
     else:
-        combine = 2 * d * pbytes / tensor_parallel if model.plan == "lol" else 0
+        combine = 2 * d * pbytes / tensor_parallel if plan.routed else 0
         acts = n_fixed * (T * per_token + exec_fixed * score_bytes) \
             + grad_depths * (T * (per_token + combine) + exec_core * score_bytes)
     logits = T * vocab_size / tensor_parallel * (pbytes + 4 + 4)  # logits, fp32 copy, softmax grad
@@ -462,6 +453,6 @@ def format_flops(x: float) -> str:
 __all__ = [
     "Flops", "StepFlops", "MemoryEstimate", "PAIR_MODES", "causal_pairs", "windowed_pairs", "sliding_pairs",
     "chunked_pairs", "window_lengths", "window_offset", "first_window_tokens", "layer_token_flops",
-    "score_flops", "accordion_depth", "default_depth", "forward_flops", "training_flops", "training_flops_per_step", "dense_equivalent",
+    "score_flops", "default_depth", "forward_flops", "training_flops", "training_flops_per_step", "dense_equivalent",
     "memory_model", "format_flops",
 ]

@@ -322,12 +322,14 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     from megatron_lol.perf.gpu_monitor import start_if_available
     from megatron_lol.perf.peaks import mfu, peak_tflops
 
+    from megatron_lol.backends import select_backend
+
     cfg = trainer.cfg
-    full = cfg.model.core_depth
+    plan = trainer.plan
+    full = plan.depth
     depth = full if depth is None else depth
     if not 1 <= depth <= full:
         raise CliError(f"--depth: must be in [1, {full}] (got {depth})")
-    trainer.depth_at = lambda step: depth  # noqa: E731 - profile one depth
     cuda = torch.cuda.is_available()
     timer = SectionTimer(sync=cuda and sync)
     model = trainer.model
@@ -340,12 +342,15 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         for blk in _layers(getattr(core, "blocks", None)):
             timer.hook_module(blk, "core.blocks")
         # the names core.py calls: bookkeeping alone, and grouped block runs (blocks timed inside)
-        for name in ("plan_dispatch", "apply_gated_updates"):
+        for name in ("group_by_block", "apply_gated_updates"):
             timer.wrap(core_mod, name, "core.dispatch_calls")
-        for name in ("run_grouped", "run_grouped_gated"):
+        for name in ("block_updates", "gated_update"):
             timer.wrap(core_mod, name, "core.run_grouped")
-        if getattr(core, "routed", False):
-            routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, cfg.model.num_blocks)
+        backend = select_backend(next(model.parameters()).device)
+        if backend is not None:  # the CPU backend's fused update (an instance attribute while profiling)
+            timer.wrap(backend, "gated_update", "core.run_grouped")
+        if core.plan.routed:
+            routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, core.plan.num_stored_blocks)
     for layer in _layers(getattr(model, "coda", None)):
         timer.hook_module(layer, "coda_head")
     for name in ("final_norm", "output_layer"):
@@ -362,7 +367,7 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     try:
         timer.enabled = False
         for _ in range(warmup):
-            trainer.train_step(data)
+            trainer.train_step(data, depth=depth)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
@@ -375,7 +380,7 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         step_times, results = [], []
         for _ in range(steps):
             t0 = time.perf_counter()
-            res = trainer.train_step(data)
+            res = trainer.train_step(data, depth=depth)
             if cuda:
                 torch.cuda.synchronize()
             step_times.append(time.perf_counter() - t0)
@@ -396,7 +401,7 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     exec_flops = fl.training_flops(cfg.model, trainer.vocab_size, seq, gbs, depth=depth, attention_pairs="executed",
                                    backprop_depth=cfg.curriculum.backprop_depth,
                                    first_window_full_backprop=cfg.curriculum.first_window_full_backprop,
-                                   streams_per_depth=cfg.model.num_blocks if cfg.model.plan == "lol" else 1).total
+                                   streams_per_depth=plan.num_stored_blocks if plan.routed else 1).total
     dev = _device_info()
     prec = _precision(cfg, precision)
     peak = peak_tflops(dev["name"] if dev["kind"] == "cuda" else None, prec, peak_override)

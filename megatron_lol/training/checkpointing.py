@@ -66,7 +66,7 @@ from typing import Optional
 import torch
 
 from megatron_lol.log import log_rank0
-from megatron_lol.training.hooks import Hook
+from megatron_lol.training.hooks import Hook, Stop
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
@@ -634,7 +634,7 @@ class CheckpointHook(Hook):
             signals.clear_requeue_marker(trainer.cfg.training.save)
         self.stop_check = signals.StopCheck(trainer.cfg.training.exit_duration_in_mins)
 
-    def on_step_end(self, trainer, result) -> bool:
+    def on_step_end(self, trainer, result) -> Optional[Stop]:
         from megatron_lol.training import signals
 
         tr = trainer.cfg.training
@@ -642,7 +642,7 @@ class CheckpointHook(Hook):
         reason = self.stop_check()
         if reason is not None:
             if trainer.iteration >= tr.train_iters:
-                return False  # finished anyway; on_end saves
+                return None  # finished anyway; on_end saves
             log_rank0(f" preemption: {reason} at iteration {trainer.iteration}: saving and exiting "
                       f"with status {signals.EXIT_REQUEUE}")
             if tr.save:
@@ -654,16 +654,15 @@ class CheckpointHook(Hook):
                 _barrier()
             else:
                 log_rank0(" preemption: no training.save directory: nothing saved")
-            trainer.exit_code = signals.EXIT_REQUEUE
-            return True
+            return Stop(signals.EXIT_REQUEUE, reason)
         if tr.save and tr.save_interval and trainer.iteration % tr.save_interval == 0:
             self.ckpt.save()
-        return False
+        return None
 
-    def on_end(self, trainer) -> None:
+    def on_end(self, trainer, stop: Optional[Stop]) -> None:
         tr = trainer.cfg.training
         try:
-            if tr.save and trainer.iteration >= tr.train_iters and getattr(trainer, "exit_code", 0) == 0:
+            if tr.save and trainer.iteration >= tr.train_iters and stop is None:
                 self.ckpt.save(blocking=True)
             self.ckpt.finalize(blocking=True)
         finally:

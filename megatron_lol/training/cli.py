@@ -26,12 +26,11 @@ def run(args: argparse.Namespace) -> int:
 
     trainer = Trainer(cfg).setup()
     try:
-        trainer.train()
+        outcome = trainer.train()
     except FloatingPointError as err:
         log_rank0(f"megatron-lol train: error: {err}")
         return 3
-    exit_code = getattr(trainer, "exit_code", 0)
-    return exit_code
+    return outcome.exit_code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,9 +1,12 @@
-"""Step-boundary hooks of the trainer: checkpoints, preemption signals, time limits.
+"""Step-boundary callbacks of the trainer: logging, checkpoints, preemption signals, time limits.
 
-Each hook has ``on_start(trainer)``, ``on_step_end(trainer, result) -> bool``
-(True asks the loop to stop after this step) and ``on_end(trainer)``. Keeping
-these out of the loop keeps the loop readable (as OLMo-core's callbacks do).
+Each callback has ``on_start(trainer)``, ``on_step_end(trainer, result) ->
+Stop | None`` (a :class:`Stop` asks the loop to end after this step, with the
+process exit status it carries) and ``on_end(trainer, stop)``. Keeping these
+out of the loop keeps the loop readable (as OLMo-core's callbacks do).
 
+* :class:`ProgressLogHook` prints the log line and writes ``metrics.jsonl``
+  every ``log_interval`` steps and on evaluation steps.
 * :class:`NonFiniteReportHook` prints every skipped (NaN/Inf) step.
 * :class:`NaNInjectionHook` (fault injection for tests and drills): with
   ``MEGATRON_LOL_INJECT_NAN_STEPS=5,9`` the model's output (the per-token loss)
@@ -17,30 +20,62 @@ these out of the loop keeps the loop readable (as OLMo-core's callbacks do).
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
+from typing import Optional
 
 from megatron_lol.log import log_rank0
 
 INJECT_NAN_ENV = "MEGATRON_LOL_INJECT_NAN_STEPS"
 
 
+@dataclass(frozen=True)
+class Stop:
+    """A callback's request to end training after this step; the process exits with ``exit_code``."""
+
+    exit_code: int
+    reason: str
+
+
 class Hook:
     def on_start(self, trainer) -> None:  # pragma: no cover - interface
         pass
 
-    def on_step_end(self, trainer, result) -> bool:  # pragma: no cover - interface
-        return False
+    def on_step_end(self, trainer, result) -> Optional[Stop]:  # pragma: no cover - interface
+        return None
 
-    def on_end(self, trainer) -> None:  # pragma: no cover - interface
+    def on_end(self, trainer, stop: Optional[Stop]) -> None:  # pragma: no cover - interface
         pass
 
 
+class ProgressLogHook(Hook):
+    """The console line and ``metrics.jsonl`` record: throughput and TFLOP/s over the steps
+    since the previous line."""
+
+    def __init__(self):
+        self.tokens, self.seconds, self.flops = 0, 0.0, 0.0
+
+    def on_step_end(self, trainer, result) -> Optional[Stop]:
+        import torch
+
+        tr = trainer.cfg.training
+        self.tokens += result.tokens
+        self.seconds += result.seconds
+        self.flops += trainer._step_flops(result)
+        if result.step % tr.log_interval == 0 or result.step == tr.train_iters or result.eval_loss is not None:
+            tokens_per_s = self.tokens / max(self.seconds, 1e-9)
+            tflops = self.flops / max(self.seconds, 1e-9) / torch.distributed.get_world_size() / 1e12
+            trainer._log(result, tokens_per_s, result.eval_loss, tflops)
+            self.tokens, self.seconds, self.flops = 0, 0.0, 0.0
+        return None
+
+
 class NonFiniteReportHook(Hook):
-    def on_step_end(self, trainer, result) -> bool:
+    def on_step_end(self, trainer, result) -> Optional[Stop]:
         if getattr(result, "skipped", False):
             log_rank0(f" non-finite: loss {result.loss} / grad norm {result.grad_norm} at iteration "
                        f"{result.step}: step skipped ({trainer.nonfinite_skipped} of at most "
                        f"{trainer.cfg.training.skip_nonfinite_steps} allowed)")
-        return False
+        return None
 
 
 class NaNInjectionHook(Hook):
@@ -58,13 +93,15 @@ class NaNInjectionHook(Hook):
     def on_start(self, trainer) -> None:
         def poison(module, args, output):
             if module.training and trainer.iteration + 1 in self.steps:
+                if isinstance(output, tuple):  # (loss, core output)
+                    return (output[0] * float("nan"),) + tuple(output[1:])
                 return output * float("nan")
             return output
 
         self.handle = trainer.model.register_forward_hook(poison)
         log_rank0(f" fault injection: NaN loss at iterations {sorted(self.steps)}")
 
-    def on_end(self, trainer) -> None:
+    def on_end(self, trainer, stop: Optional[Stop]) -> None:
         if self.handle is not None:
             self.handle.remove()
             self.handle = None
@@ -75,10 +112,9 @@ def default_hooks(trainer) -> list:
     inject = NaNInjectionHook.from_env()
     if inject is not None:
         hooks.append(inject)
+    hooks.append(ProgressLogHook())
     hooks.append(NonFiniteReportHook())
-    try:
-        from megatron_lol.training.checkpointing import CheckpointHook
-    except ImportError:
-        return hooks
+    from megatron_lol.training.checkpointing import CheckpointHook
+
     hooks.append(CheckpointHook())
     return hooks

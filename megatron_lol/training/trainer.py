@@ -10,10 +10,14 @@ One step:
    optimizer reductions) and the LR schedule;
 4. the loss-free balancing-bias update, with loads summed over the ranks that
    saw different windows;
-5. logging (console + ``metrics.jsonl``), evaluation, checkpoints.
+5. evaluation at ``eval_interval``; then the callbacks (:mod:`.hooks`):
+   logging, checkpoints, preemption signals and time limits. A callback that
+   asks the loop to stop returns a :class:`~megatron_lol.training.hooks.Stop`
+   carrying the process's exit status; :meth:`Trainer.train` returns it.
 
-Cross-cutting concerns (checkpoints, signals) live in their own modules and are
-called at step boundaries.
+What a forward observed (balancing loss, block loads, MoE routing records) is
+returned by the model (``return_core=True``) and collected per step in a
+:class:`StepStats`; nothing is read back from the model's attributes.
 """
 
 from __future__ import annotations
@@ -30,6 +34,36 @@ import torch
 
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
+from megatron_lol.plan import depth_at
+
+
+@dataclass
+class StepStats:
+    """What the micro-batches of one step observed, collected from the model's return values."""
+
+    loads: Optional[torch.Tensor] = None  # [depth, L] windows per block, summed over micro-batches
+    aux: list = field(default_factory=list)  # balancing loss per micro-batch
+    budgets: list = field(default_factory=list)  # accordion: the budget of each micro-batch
+    moe_records: list = field(default_factory=list)  # MoERecord of the step (log steps only)
+
+    def add(self, core) -> None:
+        if core is None:
+            return
+        if core.block_loads is not None:
+            loads = core.block_loads.double()
+            self.loads = loads if self.loads is None else self.loads + loads
+        if core.aux_loss is not None:
+            self.aux.append(float(core.aux_loss.detach()))
+        self.moe_records.extend(core.moe_records)
+
+
+@dataclass
+class TrainOutcome:
+    """What :meth:`Trainer.train` ran: the steps' results and the process's exit status."""
+
+    results: list
+    exit_code: int = 0
+    reason: Optional[str] = None
 
 
 @dataclass
@@ -44,6 +78,7 @@ class StepResult:
     seconds: float
     skipped: bool
     utilisation: list = field(default_factory=list)  # [depth][block] share of windows
+    eval_loss: Optional[float] = None  # set on evaluation steps
     budgets: list = field(default_factory=list)  # accordion: the budget of each micro-batch
     moe_routing: Optional[dict] = None  # looped/accordion MoE cores: U_t, B2, MMR (log steps only)
 
@@ -55,14 +90,10 @@ class Trainer:
         self.cfg = cfg
         self._given_tokenizer = tokenizer
         self._given_datasets = datasets
+        self.plan = cfg.model.execution_plan()
         self.iteration = 0  # optimizer steps completed
         self.consumed_train_samples = 0
         self.nonfinite_skipped = 0
-        self._step_loads: Optional[torch.Tensor] = None
-        self._step_aux: list = []
-        self._step_budgets: list = []  # accordion: budgets of this step's micro-batches
-        self._microbatch = 0  # index of the next micro-batch within the current schedule
-        self._eval_budget: Optional[int] = None
         self.last_eval_by_budget: dict = {}
 
     # ---------------------------------------------------------------- setup
@@ -71,8 +102,11 @@ class Trainer:
 
         from megatron_lol.platform import init_distributed, setup_platform
 
+        from megatron_lol.platform import device
+
         cfg = self.cfg
         self.device_kind = setup_platform()
+        self.device = device()
         init_distributed()
         world = torch.distributed.get_world_size()
         par = cfg.parallel
@@ -218,55 +252,26 @@ class Trainer:
 
     # ---------------------------------------------------------------- steps
     def depth_at(self, step: int) -> int:
-        cur, full = self.cfg.curriculum, self.cfg.model.core_depth
-        if cur.initial_depth is None:
-            return full
-        from megatron_lol.model.schedule import depth_at_step
+        """Core depth at 0-based ``step`` (the growing curriculum; the same on every rank)."""
+        cur = self.cfg.curriculum
+        return depth_at(step, self.plan.depth, cur.initial_depth, cur.growth_fraction, self.cfg.training.train_iters)
 
-        growth_iters = math.floor(cur.growth_fraction * self.cfg.training.train_iters)
-        return depth_at_step(step, growth_iters, cur.initial_depth, full)
-
-    def budget_for(self, iteration: int, microbatch: int) -> Optional[int]:
-        """Accordion: the budget of one training micro-batch (None for other plans).
-
-        Drawn uniformly from ``loop_budgets`` by a generator seeded with (seed,
-        iteration, micro-batch index): every rank of a step — data, tensor and
-        expert parallel alike — draws the same budget without communicating, and
-        a resumed run draws what the uninterrupted one would have.
-        """
-        m = self.cfg.model
-        if m.plan != "accordion":
-            return None
-        if m.loop_budget is not None:
-            return m.loop_budget
-        import numpy as np
-
-        rng = np.random.default_rng([self.cfg.training.seed, iteration, microbatch])
-        return int(m.loop_budgets[int(rng.integers(len(m.loop_budgets)))])
-
-    def _forward_step(self, depth: int, data_iterator, model):
+    def _forward_step(self, depth: int, stats: StepStats, budgets: Optional[list], record_moe: bool,
+                      data_iterator, model):
+        """One micro-batch forward (megatron's ``forward_step_func``); ``budgets``: each micro-batch's
+        Accordion budget in schedule order, consumed one per call."""
         batch = next(data_iterator)
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
         cur = self.cfg.curriculum
         seeds = batch["sample_ids"] + self.cfg.training.seed * 1_000_000_007 if "sample_ids" in batch else None
-        kwargs = {}
-        if self.cfg.model.plan == "accordion":
-            if model.training:
-                budget = self.budget_for(self.iteration, self._microbatch)
-                self._step_budgets.append(budget)
-            else:
-                budget = self._eval_budget
-            kwargs["budget"] = budget
-        self._microbatch += 1
-        output = model(tokens, labels=labels, depth=depth, backprop_depth=cur.backprop_depth,
-                       first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds, **kwargs)
-        core = getattr(model, "module", model).last_core
-        if core is not None and model.training:
-            if core.block_loads is not None:
-                loads = core.block_loads.double()
-                self._step_loads = loads if self._step_loads is None else self._step_loads + loads
-            if core.aux_loss is not None:
-                self._step_aux.append(float(core.aux_loss.detach()))
+        budget = budgets.pop(0) if budgets else None
+        if budget is not None and model.training:
+            stats.budgets.append(budget)
+        output, core = model(tokens, labels=labels, depth=depth, budget=budget, backprop_depth=cur.backprop_depth,
+                             first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds,
+                             aux_loss_scale=1.0 / self.num_microbatches, record_moe=record_moe, return_core=True)
+        if model.training:
+            stats.add(core)
         return output, partial(self._loss_func, loss_mask)
 
     @staticmethod
@@ -278,16 +283,14 @@ class Trainer:
         report = torch.stack([total.detach().clone(), mask.sum().detach()])
         return total, count, {"lm loss": report}
 
-    def _run_schedule(self, data_iterator, depth: int, forward_only: bool):
+    def _run_schedule(self, data_iterator, depth: int, forward_only: bool, stats: StepStats,
+                      budgets: Optional[list] = None, record_moe: bool = False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        from megatron_lol.model.lol_model import AuxLossAttach
-
         tr = self.cfg.training
-        AuxLossAttach.scale = 1.0 / self.num_microbatches
-        self._microbatch = 0
         fb = get_forward_backward_func()
-        return fb(forward_step_func=partial(self._forward_step, depth), data_iterator=data_iterator,
+        step = partial(self._forward_step, depth, stats, list(budgets) if budgets else None, record_moe)
+        return fb(forward_step_func=step, data_iterator=data_iterator,
                   model=self.model_chunks, num_microbatches=self.num_microbatches,
                   seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
                   decoder_seq_length=tr.seq_length, forward_only=forward_only)
@@ -296,7 +299,7 @@ class Trainer:
         """Token-mean LM loss over the global batch (summed over micro-batches and DP ranks)."""
         from megatron.core import parallel_state
 
-        stat = torch.zeros(2, dtype=torch.float64)
+        stat = torch.zeros(2, dtype=torch.float64, device=self.device)
         if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
             for out in outputs:
                 stat += out["lm loss"].double()
@@ -306,21 +309,22 @@ class Trainer:
             torch.distributed.all_reduce(stat, group=parallel_state.get_pipeline_model_parallel_group())
         return float(stat[0] / stat[1].clamp(min=1))
 
-    def train_step(self, data_iterator) -> StepResult:
+    def train_step(self, data_iterator, depth: Optional[int] = None) -> StepResult:
+        """One optimizer step at ``depth`` (default: the curriculum's depth at this iteration)."""
         from megatron.core import parallel_state
 
         t0 = time.perf_counter()
-        depth = self.depth_at(self.iteration)
+        depth = self.depth_at(self.iteration) if depth is None else depth
         for chunk in self.model_chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        self._step_loads, self._step_aux, self._step_budgets = None, [], []
-        record_moe = self._moe_cores() and (self.iteration + 1) % self.cfg.training.log_interval == 0
-        for core in self._moe_cores() if record_moe else ():
-            core.moe_records = []
-        outputs = self._run_schedule(data_iterator, depth, forward_only=False)
-        moe_routing = self._moe_routing_metrics() if record_moe else None
+        stats = StepStats()
+        budgets = [self.plan.sample_budget(self.cfg.training.seed, self.iteration, m)
+                   for m in range(self.num_microbatches)]
+        record_moe = self._records_moe() and (self.iteration + 1) % self.cfg.training.log_interval == 0
+        outputs = self._run_schedule(data_iterator, depth, False, stats, budgets, record_moe)
+        moe_routing = self._moe_routing_metrics(stats.moe_records) if record_moe else None
         loss = self._reduce_loss(outputs)
         finite = math.isfinite(loss)
         if finite:
@@ -343,42 +347,36 @@ class Trainer:
             self._update_balancing_bias(self.iteration)
         lr = self.optimizer.param_groups[0]["lr"]
         utilisation = []
-        if self.cfg.model.plan == "lol":
-            loads = (self._step_loads.clone() if self._step_loads is not None
-                     else torch.zeros(self.cfg.model.core_depth, self.cfg.model.num_blocks, dtype=torch.float64))
+        if self.plan.routed:
+            L = self.plan.num_stored_blocks
+            loads = (stats.loads.clone() if stats.loads is not None
+                     else torch.zeros(self.plan.depth, L, dtype=torch.float64, device=self.device))
             torch.distributed.all_reduce(loads, group=parallel_state.get_data_parallel_group())
             if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # depths live on several stages
                 torch.distributed.all_reduce(loads, group=parallel_state.get_pipeline_model_parallel_group())
             loads = loads[:depth]
             utilisation = (loads / loads.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
-        aux = sum(self._step_aux) / max(1, len(self._step_aux))
+        aux = sum(stats.aux) / max(1, len(stats.aux))
         self.iteration += 1
         self.consumed_train_samples += self.global_batch_size
         tokens = self.global_batch_size * self.cfg.training.seq_length
-        if self._step_budgets:
-            depth = self.cfg.model.num_blocks + max(self._step_budgets)
+        if stats.budgets:
+            depth = self.plan.depth_for(max(stats.budgets))
         return StepResult(step=self.iteration, loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm,
                           depth=depth, tokens=tokens, seconds=time.perf_counter() - t0, skipped=skipped,
-                          utilisation=utilisation, budgets=list(self._step_budgets), moe_routing=moe_routing)
+                          utilisation=utilisation, budgets=list(stats.budgets), moe_routing=moe_routing)
 
-    def _moe_cores(self) -> list:
-        """Cores whose fixed-plan blocks are MoE layers (Foil, Accordion): their routing is measured."""
-        m = self.cfg.model
-        if m.plan == "lol" or m.core_experts is None:
-            return []
-        return [c.module.core for c in self.model_chunks if c.module.core is not None]
+    def _records_moe(self) -> bool:
+        """Whether this model's core has MoE blocks whose routing is measured (U_t, B2, MMR)."""
+        return self.plan.core_experts is not None and not self.plan.routed
 
-    def _moe_routing_metrics(self) -> Optional[dict]:
+    def _moe_routing_metrics(self, records: list) -> Optional[dict]:
         """U_t, B2 and MMR per pass of this step's micro-batches (this rank's tokens)."""
-        from megatron_lol.analysis.moe_routing import summarise
+        from megatron_lol.model.moe_metrics import summarise
 
-        records = []
-        for core in self._moe_cores():
-            records.extend(core.moe_records or [])
-            core.moe_records = None
         if not records:
             return None
-        return summarise(records, self.cfg.model.core_experts, self.cfg.model.moe_router_topk)
+        return summarise(records, self.plan.core_experts, self.cfg.model.moe_router_topk)
 
     def _balancers(self):
         cores = [c.module.core for c in self.model_chunks if c.module.core is not None]
@@ -404,24 +402,16 @@ class Trainer:
         for b in balancers:
             b.update(step, self.cfg.training.train_iters, loads=loads.clone())
 
-    def eval_budgets(self) -> list:
-        """Accordion: the budgets evaluated (the fixed one, else every one); [None] otherwise."""
-        m = self.cfg.model
-        if m.plan != "accordion":
-            return [None]
-        return [m.loop_budget] if m.loop_budget is not None else list(m.loop_budgets)
-
     def evaluate(self, dataset=None, iters: Optional[int] = None) -> float:
         """Validation loss; Accordion: the mean over the evaluated budgets (per budget in
         ``self.last_eval_by_budget``), the same validation batches for each budget."""
-        budgets = self.eval_budgets()
+        budgets = self.plan.eval_budgets()
         losses = {k: self._evaluate_once(dataset, iters, k) for k in budgets}
         self.last_eval_by_budget = {k: v for k, v in losses.items() if k is not None}
         return sum(losses.values()) / len(losses)
 
     @torch.no_grad()
     def _evaluate_once(self, dataset=None, iters: Optional[int] = None, budget: Optional[int] = None) -> float:
-        self._eval_budget = budget
         dataset = dataset if dataset is not None else self.valid_ds
         iters = self.cfg.training.eval_iters if iters is None else iters
         if dataset is None or iters == 0:
@@ -431,54 +421,44 @@ class Trainer:
         it = self.data_iterator(dataset, 0)
         stat = []
         depth = self.depth_at(self.iteration)
+        budgets = None if budget is None else [budget] * self.num_microbatches
         for _ in range(iters):
-            outputs = self._run_schedule(it, depth, forward_only=True)
+            outputs = self._run_schedule(it, depth, True, StepStats(), budgets)
             stat.append(self._reduce_loss(outputs))
         for chunk in self.model_chunks:
             chunk.train()
         return sum(stat) / len(stat)
 
     # ----------------------------------------------------------------- loop
-    def train(self) -> list[StepResult]:
+    def train(self, callbacks: Optional[list] = None) -> TrainOutcome:
+        """The loop: a step, evaluation when due, then every callback (:mod:`.hooks`); a callback
+        may return a :class:`~megatron_lol.training.hooks.Stop` to end training with its exit status."""
+        from megatron_lol.training.hooks import default_hooks
+
         tr = self.cfg.training
-        hooks = self._hooks()
-        for hook in hooks:
-            hook.on_start(self)
+        callbacks = default_hooks(self) if callbacks is None else callbacks
+        for cb in callbacks:
+            cb.on_start(self)
         data = self.data_iterator(self.train_ds, self.consumed_train_samples)
-        results = []
+        outcome = TrainOutcome(results=[])
         log_rank0(f"training: {tr.train_iters} iterations, global batch {self.global_batch_size} "
                   f"({self.num_microbatches} micro-batches of {tr.micro_batch_size} x {tr.seq_length} tokens, "
                   f"data parallel {self.dp_size}), starting at iteration {self.iteration}")
         if tr.eval_at_start and self.iteration == 0 and tr.eval_iters > 0:
             self._log_eval_only(self.evaluate())
-        window_tokens, window_time, window_flops = 0, 0.0, 0.0
-        while self.iteration < tr.train_iters:
+        stop = None
+        while self.iteration < tr.train_iters and stop is None:
             res = self.train_step(data)
-            results.append(res)
-            window_tokens += res.tokens
-            window_time += res.seconds
-            eval_loss = None
             if res.step % tr.eval_interval == 0 or res.step == tr.train_iters:
-                eval_loss = self.evaluate()
-            window_flops += self._step_flops(res)
-            if res.step % tr.log_interval == 0 or res.step == tr.train_iters or eval_loss is not None:
-                tps = window_tokens / max(window_time, 1e-9)
-                tflops = window_flops / max(window_time, 1e-9) / torch.distributed.get_world_size() / 1e12
-                self._log(res, tps, eval_loss, tflops)
-                window_tokens, window_time, window_flops = 0, 0.0, 0.0
-            stop = False
-            for hook in hooks:
-                stop = hook.on_step_end(self, res) or stop
-            if stop:
-                break
-        for hook in hooks:
-            hook.on_end(self)
-        return results
-
-    def _hooks(self) -> list:
-        from megatron_lol.training.hooks import default_hooks
-
-        return default_hooks(self)
+                res.eval_loss = self.evaluate()
+            outcome.results.append(res)
+            for cb in callbacks:
+                stop = cb.on_step_end(self, res) or stop
+        for cb in callbacks:
+            cb.on_end(self, stop)
+        if stop is not None:
+            outcome.exit_code, outcome.reason = stop.exit_code, stop.reason
+        return outcome
 
     def _log_eval_only(self, eval_loss: float) -> None:
         """The evaluation of the untrained model (``training.eval_at_start``): step 0."""

@@ -13,12 +13,14 @@ core block); ``num_experts`` experts in the prelude / coda layers,
 ``moe_intermediate_size`` = one expert's SwiGLU width and
 ``shared_expert_intermediate_size`` an always-on shared expert (None: none).
 
-Fixed plans with several executions of a block: ``plan == "looped"`` runs the
-``num_blocks`` blocks ``routed_depth / num_blocks`` times (``untie_attention``:
-Foil, one attention per (block, pass)); ``plan == "accordion"`` runs them once and
-then the first ``loop_budget`` of them again (``loop_budgets`` the allowed budgets,
-``loop_gates`` the second pass's per-channel write gates, ``second_pass_router``
-``shared`` or ``separate`` MoE routers for the second pass).
+The core's schedule is ``execution_plan``, written by the exporter: ``steps``,
+one per core execution in order, each with the stored ``block`` it runs (None:
+routed per window), its ``pass``, its ``attention`` (``window``, ``full``,
+``sliding``, ``strided``), whether the pass has its own attention
+(``untied_attention``, Foil), gated writes (``gated``) and its own MoE router
+(``separate_router``, Accordion); and, for Accordion, ``depth_for_budget``: how
+many of the steps a loop budget runs. The remote code runs these steps; it
+does not re-derive them from the other fields.
 """
 
 from transformers import PretrainedConfig
@@ -59,6 +61,7 @@ class LoLConfig(PretrainedConfig):
         loop_budget=None,
         second_pass_router="shared",
         loop_gates=True,
+        execution_plan=None,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
         rope_scaling_factor=1.0,
@@ -98,6 +101,7 @@ class LoLConfig(PretrainedConfig):
         self.loop_budget = int(loop_budget) if loop_budget is not None else max(self.loop_budgets)
         self.second_pass_router = second_pass_router
         self.loop_gates = loop_gates
+        self.execution_plan = execution_plan
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.rope_scaling_factor = rope_scaling_factor
@@ -109,19 +113,21 @@ class LoLConfig(PretrainedConfig):
         super().__init__(tie_word_embeddings=tie_word_embeddings, **kwargs)
 
     @property
-    def core_depth(self):
-        """Block executions in the core: ``num_blocks`` for the dense plan, ``num_blocks`` + the largest
-        budget for accordion, else ``routed_depth``."""
-        if self.plan == "dense":
-            return self.num_blocks
-        if self.plan == "accordion":
-            return self.num_blocks + max(self.loop_budgets)
-        return self.routed_depth
+    def steps(self):
+        """The core's steps (``execution_plan["steps"]``); ``[]`` for a config without a plan."""
+        return list((self.execution_plan or {}).get("steps", []))
 
     @property
-    def loop_passes(self):
-        """Looped plan: how often each block runs."""
-        return self.routed_depth // self.num_blocks if self.plan == "looped" else 1
+    def core_depth(self):
+        """Core executions of the full plan (Accordion: at its largest budget)."""
+        return len(self.steps)
+
+    def depth_for_budget(self, budget):
+        """Core steps a loop budget runs (all of them for plans without budgets)."""
+        table = (self.execution_plan or {}).get("depth_for_budget")
+        if not table:
+            return self.core_depth
+        return int(table[str(int(budget))])
 
     @property
     def fixed_layer_experts(self):

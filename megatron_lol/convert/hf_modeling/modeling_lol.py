@@ -10,34 +10,31 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
   ``attention_mask`` (padding), every run of padding is its own document too.
 * **prelude**: ``n_prelude`` pre-norm layers (RMSNorm, bias-free attention with
   RoPE, SwiGLU MLP), causal attention inside the document.
-* **routed core**, depths ``l = 1..D``:
+* **core**: the steps of ``config.execution_plan`` (written by the exporter), in order;
+  step ``l`` (its ``depth``):
 
   - (``input_injection``) ``s <- sigmoid(theta) * s + (1 - sigmoid(theta)) * s0``,
     ``s0`` the output of the prelude;
   - windows: position ``i`` of a document is in window ``floor((i + delta_l) / W)``,
     ``delta_l = ((l - 1) * S) mod W``;
-  - router (``plan == "lol"``), from the depth's input only: ``r_0 = (e_l + s_first) / 2``
+  - a routed step (``block`` None), from the step's input only: ``r_0 = (e_l + s_first) / 2``
     for the first window of a document, ``r_k`` = mean of the window means of windows
     ``0..k-1`` otherwise; ``a = softmax(W r + b)`` in fp32 (no noise: inference);
     the block is ``argmax(a + bias)`` (the balancing bias as saved, used only to
     choose, ties to the lowest index) and the gate ``alpha`` is the unbiased ``a``
-    of that block;
-  - update ``s <- s + alpha * (E(s) - s)`` where ``E`` is the chosen library block run
+    of that block; ``s <- s + alpha * (E(s) - s)`` where ``E`` is the chosen block run
     with attention restricted to the window (causal);
-  - fixed plans (gate 1; attention ``full`` (document), ``sliding`` (the last ``W``
-    tokens of the document) or ``strided`` (the windows above)): ``plan == "dense"``
-    runs block ``l``; ``plan == "looped"`` block ``(l - 1) mod L`` in pass
-    ``(l - 1) div L`` (with ``untie_attention`` -- Foil -- pass ``p >= 1`` of block
-    ``i`` uses its own input norm and attention ``pass_attention["{i}_{p}"]``; the
-    MLP / experts, their router and the MLP norm are the block's own);
-    ``plan == "accordion"`` runs blocks ``0..L-1`` (first pass) and then blocks
-    ``0..k-1`` again (second pass), ``k`` the loop budget (``config.loop_budget``,
-    or ``loop_budget=`` of ``forward`` / ``generate``, one of ``loop_budgets``).
-    In the second pass of block ``i`` the two residual writes are gated per
-    channel (``loop_gates``): ``h1 = h + g[i,0] * (Attn_out - h)``,
-    ``h2 = h1 + g[i,1] * (MLP_out - h1)`` (``*_out`` include their residual), and
-    with ``second_pass_router == "separate"`` the MoE router weights are
-    ``second_pass_routers[i]`` instead of the block's;
+  - a fixed step runs its ``block`` on every token (gate 1; attention ``full``
+    (document), ``sliding`` (the last ``W`` tokens of the document) or ``strided``
+    (the windows above)); with ``untied_attention`` (Foil) the pass uses its own
+    input norm and attention ``pass_attention["{block}_{pass}"]`` (the MLP / experts,
+    their router and the MLP norm are the block's own); with ``gated`` (Accordion's
+    second pass) the two residual writes are gated per channel:
+    ``h1 = h + g[i,0] * (Attn_out - h)``, ``h2 = h1 + g[i,1] * (MLP_out - h1)``
+    (``*_out`` include their residual); with ``separate_router`` the MoE router weights
+    are ``second_pass_routers[i]`` instead of the block's. Accordion's loop budget
+    ``k`` (``config.loop_budget``, or ``loop_budget=`` of ``forward`` / ``generate``)
+    runs the first ``depth_for_budget[k]`` steps;
   - FiLM (``film != "off"``): each block norm's output becomes ``gamma * y + beta``,
     one ``(gamma, beta)`` per depth and norm (``depth``) or per depth, block and norm
     (``depth_block``).
@@ -46,14 +43,13 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
   (``fixed``) and also of the core blocks (``all``) is megatron-core's top-k MoE
   (:class:`MoEMLP`); routing is per token, so it is independent of windows.
 
-KV cache: the fixed plans (``dense``, ``looped``, ``accordion``) cache keys and values,
+KV cache: the fixed plans (``dense``, ``looped``, ``foil``, ``accordion``) cache keys and values,
 one cache layer per layer *execution* (prelude layers, then every core execution --
 a block run twice has two entries -- then the coda); ``generate()`` uses it. With a
 cache, ``forward`` needs every token id of the rows so far to find the documents:
 ``generate()`` passes them as ``context_ids`` (a manual loop may too; otherwise the
 ids seen by earlier calls with this cache are used). The routed plan (``lol``) has no
-cache: ``generate()`` recomputes the whole sequence at every step (routing of a
-window depends on the windows before it, so this is exact).
+cache: ``generate()`` recomputes the whole sequence at every step.
 """
 
 from __future__ import annotations
@@ -325,7 +321,8 @@ class LoLModel(LoLPreTrainedModel):
         self.blocks = nn.ModuleList(Layer(config, core) for _ in range(L))
         self.coda = nn.ModuleList(Layer(config, fixed) for _ in range(config.n_coda))
         self.norm = RMSNorm(h, config.rms_norm_eps)
-        if config.plan == "lol":
+        steps = config.steps
+        if any(step["block"] is None for step in steps):
             self.routing = Routing(config)
         if config.film != "off":
             shape = (D, 2, h) if config.film == "depth" else (D, L, 2, h)
@@ -333,20 +330,23 @@ class LoLModel(LoLPreTrainedModel):
             self.film_beta = nn.Parameter(torch.zeros(shape))
         if config.input_injection:
             self.injection_logit = nn.Parameter(torch.zeros(h))
-        if config.untie_attention and config.plan == "looped":
-            self.pass_attention = nn.ModuleDict({f"{i}_{p}": AttentionSet(config) for p in range(1, config.loop_passes)
-                                                 for i in range(L)})
-        if config.plan == "accordion":
-            if config.loop_gates:
-                self.loop_gates = nn.Parameter(torch.ones(L, 2, h))
-            if config.second_pass_router == "separate":
-                self.second_pass_routers = nn.ModuleList(Router(h, config.block_experts) for _ in range(L))
+        untied = sorted({(st["block"], st["pass"]) for st in steps if st["untied_attention"]})
+        if untied:
+            self.pass_attention = nn.ModuleDict({f"{i}_{p}": AttentionSet(config) for i, p in untied})
+        if any(step["gated"] for step in steps):
+            self.loop_gates = nn.Parameter(torch.ones(L, 2, h))
+        if any(step["separate_router"] for step in steps):
+            self.second_pass_routers = nn.ModuleList(Router(h, config.block_experts) for _ in range(L))
         self.post_init()
 
     @property
     def supports_cache(self) -> bool:
-        """Fixed plans keep a KV cache; the routed plan recomputes (routing depends on whole windows)."""
-        return self.config.plan != "lol"
+        """Fixed plans keep a KV cache; the routed plan recomputes."""
+        return all(step["block"] is not None for step in self.config.steps)
+
+    @property
+    def has_budgets(self) -> bool:
+        return bool((self.config.execution_plan or {}).get("depth_for_budget"))
 
     def resolve_budget(self, loop_budget: Optional[int]) -> int:
         """Accordion's budget ``k`` for a call: the given one, else ``config.loop_budget``."""
@@ -357,16 +357,11 @@ class LoLModel(LoLPreTrainedModel):
         return k
 
     def schedule(self, loop_budget: Optional[int] = None) -> list:
-        """``(block, pass)`` of every core execution of a fixed plan, in order."""
-        cfg = self.config
-        L = cfg.num_blocks
-        if cfg.plan == "dense":
-            return [(i, 0) for i in range(L)]
-        if cfg.plan == "looped":
-            return [(d % L, d // L) for d in range(cfg.routed_depth)]
-        if cfg.plan == "accordion":
-            return [(i, 0) for i in range(L)] + [(i, 1) for i in range(self.resolve_budget(loop_budget))]
-        raise ValueError(f"plan {cfg.plan} has no fixed schedule")
+        """The steps of the core a call runs (``config.execution_plan``; Accordion: its budget's prefix)."""
+        steps = self.config.steps
+        if self.has_budgets:
+            return steps[:self.config.depth_for_budget(self.resolve_budget(loop_budget))]
+        return steps
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -433,52 +428,47 @@ class LoLModel(LoLPreTrainedModel):
         update.scatter_(1, order.unsqueeze(-1).expand(b, width, h), torch.where(valid.unsqueeze(-1), out - x, 0))
         return update
 
-    def _core(self, s, positions, doc, doc_pos):
-        """The routed core (``plan == "lol"``)."""
+    def _core(self, s, positions, doc, doc_pos, steps):
+        """The routed core: every step routes each window to one block."""
         cfg = self.config
         s0 = s
-        for depth in range(1, cfg.core_depth + 1):
+        for step in steps:
+            depth = step["depth"]
             if cfg.input_injection:
                 mix = torch.sigmoid(self.injection_logit).to(s.dtype)
                 s = mix * s + (1 - mix) * s0
-            if cfg.plan == "lol":
-                window, ordinal, flat_first = self._windows(depth, doc_pos)
-                choice, gate = self._route(depth, s, window, ordinal, flat_first, doc)
-                token_choice, token_gate = choice[window], gate[window]
-                update = torch.zeros_like(s)
-                for block in range(cfg.num_blocks):
-                    selected = token_choice == block
-                    if selected.any():
-                        update = update + self._run_block_on(block, depth, s, positions, window, selected)
-                s = s + token_gate.unsqueeze(-1).to(s.dtype) * update
+            window, ordinal, flat_first = self._windows(depth, doc_pos)
+            choice, gate = self._route(depth, s, window, ordinal, flat_first, doc)
+            token_choice, token_gate = choice[window], gate[window]
+            update = torch.zeros_like(s)
+            for block in range(cfg.num_blocks):
+                selected = token_choice == block
+                if selected.any():
+                    update = update + self._run_block_on(block, depth, s, positions, window, selected)
+            s = s + token_gate.unsqueeze(-1).to(s.dtype) * update
         return s
 
-    def _fixed_core(self, s, positions, doc, doc_pos, loop_budget, cache, queries):
-        """dense / looped (Foil) / accordion: one block per execution, on every token."""
+    def _fixed_core(self, s, positions, doc, doc_pos, steps, cache, queries):
+        """dense / looped / Foil / accordion: each step runs its block on every token."""
         cfg = self.config
         s0 = s
         first = cfg.n_prelude  # cache layer of the first core execution
-        for depth, (block, p) in enumerate(self.schedule(loop_budget), start=1):
+        for i, step in enumerate(steps):
+            depth, block, p = step["depth"], step["block"], step["pass"]
             if cfg.input_injection:
                 mix = torch.sigmoid(self.injection_logit).to(s.dtype)
                 s = mix * s + (1 - mix) * s0
-            if cfg.dense_attention == "strided":
+            if step["attention"] == "strided":
                 allowed = causal_same_segment(self._windows(depth, doc_pos)[0])
-            elif cfg.dense_attention == "sliding":
+            elif step["attention"] == "sliding":
                 allowed = causal_same_segment(doc, sliding=cfg.window_size)
             else:
                 allowed = causal_same_segment(doc)
-            attention = gates = router_weight = None
-            if p > 0 and cfg.plan == "looped" and cfg.untie_attention:
-                attention = self.pass_attention[f"{block}_{p}"]
-            if p > 0 and cfg.plan == "accordion":
-                if cfg.loop_gates:
-                    gates = (self.loop_gates[block, 0], self.loop_gates[block, 1])
-                if cfg.second_pass_router == "separate":
-                    router_weight = self.second_pass_routers[block].weight
+            attention = self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None
+            gates = (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None
+            router_weight = self.second_pass_routers[block].weight if step["separate_router"] else None
             s = self.blocks[block](s, positions, allowed[:, queries], self._film(depth, block), attention=attention,
-                                   gates=gates, router_weight=router_weight, cache=cache,
-                                   cache_index=first + depth - 1)
+                                   gates=gates, router_weight=router_weight, cache=cache, cache_index=first + i)
         return s
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
@@ -493,11 +483,10 @@ class LoLModel(LoLPreTrainedModel):
         cfg = self.config
         b, n = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
         if cache is not None and not self.supports_cache:
-            raise ValueError("plan lol has no KV cache (routing of a window depends on the whole window): "
-                             "call without a cache")
-        if loop_budget is not None and cfg.plan != "accordion":
+            raise ValueError("plan lol has no KV cache: call without a cache")
+        if loop_budget is not None and not self.has_budgets:
             raise ValueError(f"loop_budget: only plan accordion has a loop budget (this model's plan is {cfg.plan})")
-        budget = self.resolve_budget(loop_budget) if cfg.plan == "accordion" else None
+        budget = self.resolve_budget(loop_budget) if self.has_budgets else None
         past = 0
         ids = input_ids
         if cache is not None:
@@ -530,12 +519,12 @@ class LoLModel(LoLPreTrainedModel):
         allowed = causal_same_segment(doc)[:, queries]
         for i, layer in enumerate(self.prelude):
             s = layer(s, positions, allowed, cache=cache, cache_index=i)
-        if cfg.plan == "lol":
-            s = self._core(s, positions, doc, doc_pos)
-            executions = cfg.core_depth
+        steps = self.schedule(budget)
+        if not self.supports_cache:
+            s = self._core(s, positions, doc, doc_pos, steps)
         else:
-            s = self._fixed_core(s, positions, doc, doc_pos, budget, cache, queries)
-            executions = len(self.schedule(budget))
+            s = self._fixed_core(s, positions, doc, doc_pos, steps, cache, queries)
+        executions = len(steps)
         first_coda = cfg.n_prelude + executions
         for i, layer in enumerate(self.coda):
             s = layer(s, positions, allowed, cache=cache, cache_index=first_coda + i)

@@ -1,4 +1,4 @@
-"""Growing-depth schedule (SPEC 1.4, "Growing").
+"""Growing-depth schedule (docs/model.md, "Growing depth").
 
 The core starts shallow: at 0-based step ``t`` of a growth period of ``T``
 steps it runs
@@ -16,13 +16,17 @@ is computed exactly, in integer / rational arithmetic: with ``c = D - D0``,
 ``ceil`` gives 7 instead of 6 at ``t=5, T=9, D0=1, D=16``. ``T`` may be a
 non-integer number of steps (e.g. ``0.75 * train_iters``); floats are read as
 the decimal they print as, so every rank computes the same depth.
+
+The growth period of a run is ``floor(growth_fraction * train_iters)`` in the
+same exact arithmetic (:func:`growth_period`): ``0.29 * 100`` is 29, where
+binary floating point gives ``28.999999999999996`` and so 28.
 """
 
 from __future__ import annotations
 
 import math
 from fractions import Fraction
-from typing import Union
+from typing import Optional, Union
 
 Number = Union[int, float, Fraction]
 
@@ -49,3 +53,17 @@ def depth_at_step(step: Number, growth_iters: Number, initial_depth: int, full_d
     c = full_depth - initial_depth
     q = c * c * (T - t) / T  # (c * sqrt(1 - t/T))^2, a non-negative rational
     return full_depth - math.isqrt(q.numerator // q.denominator)
+
+
+def growth_period(growth_fraction: Number, train_iters: int) -> int:
+    """``floor(growth_fraction * train_iters)``, the fraction read as the decimal it prints as."""
+    return math.floor(_exact(growth_fraction) * train_iters)
+
+
+def depth_at(step: int, full_depth: int, initial_depth: Optional[int], growth_fraction: Number,
+             train_iters: int) -> int:
+    """Core depth of a run at 0-based ``step``: ``full_depth`` without growing
+    (``initial_depth`` None), else the growing schedule over :func:`growth_period`."""
+    if initial_depth is None:
+        return full_depth
+    return depth_at_step(step, growth_period(growth_fraction, train_iters), initial_depth, full_depth)

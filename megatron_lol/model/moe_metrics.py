@@ -1,14 +1,11 @@
-"""Routing metrics of a looped MoE core (Foil, seed 002 section 2.3): U_t, B2 and MMR.
+"""Routing metrics of a looped MoE core (Foil): U_t, B2 and MMR (docs/model.md, "Foil").
 
-The seed's text lost its display equations; the definitions below are our
-reading of what it states about them, and each stated property is a test
-(tests/test_moe_routing.py):
+Each property stated below is a test (tests/test_foil_accordion.py):
 
 * **U_t, distinct experts reached per token**: for token ``t`` and block layer
   ``d``, the union over passes of the top-k sets ``S_{t,d}^{(p)}``; summed over
   the layers of the looped block, averaged over tokens. Without looping it is
-  ``k * D`` (the seed: 16 for (8, 8, 1)); its cap is ``D * min(E, k L)``
-  ("the whole-block cap stays D min(E, kL)").
+  ``k * D`` (16 for (E, D, L) = (8, 8, 1)); its cap is ``D * min(E, k L)``.
 * **B2, load balance** of one (layer, pass): with ``q_i`` the share of the
   routing assignments that went to expert ``i``, ``B2 = 1 / (E * sum_i q_i^2)``,
   the effective number of experts (inverse Simpson / Renyi-2) over ``E``: 1 for
@@ -21,7 +18,7 @@ reading of what it states about them, and each stated property is a test
   decisions (per pass, and over all passes for the model-level figure). Then
   MMR >= 1, MMR = 1 exactly when the top ``m`` logits coincide at every decision
   (``z = (0,0,0,0,-c,-c,-c,-c)`` gives 1), and ``a z + b`` sends MMR to ``MMR^a``
-  — the three properties the seed states.
+  — three properties of the definition.
 """
 
 from __future__ import annotations

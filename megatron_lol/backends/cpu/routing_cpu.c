@@ -1,6 +1,6 @@
 /*
- * Fused CPU kernels of a routed depth's gated combine (megatron_lol/kernels/cpu.py builds and
- * loads this file; megatron_lol/model/dispatch.py calls it).
+ * Fused CPU kernels of a routed depth's gated combine (megatron_lol/backends/cpu/kernels.py builds
+ * and loads this file; megatron_lol/backends/cpu/combine.py calls it).
  *
  * A routed depth runs block b on the rows order[lo_b:hi_b] of the flat states and writes
  *
@@ -11,7 +11,7 @@
  * much as a small GEMM (the activations do not stay in cache), so both directions are one pass
  * here. The forward rounds exactly as those torch operations do (one rounding per subtraction,
  * multiplication and addition, in that order: compile without floating-point contraction, see
- * cpu.py), so values are bit for bit the torch path's. The backward's per-token gate gradient
+ * kernels.py), so values are bit for bit the torch path's. The backward's per-token gate gradient
  * is a dot product whose summation order differs from torch's sum (equal up to rounding).
  *
  * Layout: float32, rows of h contiguous floats. outs[b] holds counts[b] rows (block b's output,

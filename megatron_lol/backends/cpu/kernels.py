@@ -5,9 +5,7 @@ back to token order is four torch passes over ``[T, h]`` forward and about as
 many backward, and on CPU each pass costs about as much as a small GEMM. No
 library offers this fused operation for CPUs (Transformer Engine's fused MoE
 permute/unpermute kernels are CUDA-only), so it is one C loop each way here.
-Measured with the routing-only benchmark (blocks replaced by one elementwise op,
-width 256, 4 x 512 tokens, 4 depths, forward + backward): the routed core's own
-work fell from 50 to 34 ms a step (the router-free fixed path: 8 ms).
+(The measured effect is in docs/performance.md.)
 
 The source is compiled once per machine and compiler with the C compiler
 (``$CC``, else ``cc`` or ``gcc``) into a cache directory

@@ -1,0 +1,174 @@
+"""One call of a transformer layer (a library block or a fixed layer), with everything explicit.
+
+A block stored once may run at several steps of the core, each with its own
+per-step parts, all passed as arguments (:class:`BlockParts`), never set on
+the modules around the call:
+
+* ``film``: the step's FiLM ``(gamma [2, h], beta [2, h])``, applied after the
+  attention norm (row 0) and the MLP norm (row 1): ``gamma * Norm(x) + beta``;
+* ``attention``: the pass's own input norm and self-attention (Foil's untied
+  attention; the MLP and its experts stay the block's);
+* ``gates``: ``(g_attn [h], g_mlp [h])``, Accordion's second-pass write gates:
+  ``h1 = x + g_attn * (Attn_out - x)``, ``out = h1 + g_mlp * (MLP_out - h1)``;
+* ``moe_router``: the pass's own MoE router (Accordion's separate router);
+* ``record_moe``: also return what the MoE router decided (U_t / B2 / MMR).
+
+The layer is :class:`LoLTransformerLayer`, megatron-core's ``TransformerLayer``
+(same constructor, submodules, parameters and checkpoints) whose forward takes
+these parts: it calls the submodules (norms, ``self_attention``, ``mlp``) in
+the order megatron-core's own forward does, with the same residual additions,
+so with no parts the result is megatron-core's bit for bit. Being the layer's
+``forward``, it runs through the module call, so forward hooks on a layer fire
+as usual. A backend (``megatron_lol.backends``) may run a half of the call
+faster; it declines where it does not apply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.transformer.transformer_layer import TransformerLayer
+from torch import nn
+
+
+@dataclass
+class BlockParts:
+    """The per-step parts of one block call (see the module docstring)."""
+
+    film: Optional[tuple] = None
+    attention: Optional[nn.Module] = None
+    gates: Optional[tuple] = None
+    moe_router: Optional[nn.Module] = None
+    record_moe: bool = False
+
+
+NO_PARTS = BlockParts()
+
+
+@dataclass
+class MoERoute:
+    """What one MoE router decided in one call: logits ``[T, E]`` (fp32, before the softmax) and the
+    experts each token was sent to (``routing_map`` ``[T, E]`` bool)."""
+
+    logits: torch.Tensor
+    routing_map: torch.Tensor
+
+
+def _modulator(film: Optional[tuple], row: int):
+    if film is None:
+        return None
+    gamma, beta = film[0][row], film[1][row]
+    return lambda y: gamma.to(y.dtype) * y + beta.to(y.dtype)
+
+
+def _attention_half(att, x, mask, rope, film, packed_seq_params, backend) -> torch.Tensor:
+    modulate = _modulator(film, 0)
+    if backend is not None and packed_seq_params is None:
+        out = backend.attention_half(att, x, mask, rope, modulate)
+        if out is not None:
+            return out
+    y = att.input_layernorm(x)
+    if modulate is not None:
+        y = modulate(y)
+    attn, bias = att.self_attention(y, attention_mask=mask, rotary_pos_emb=rope,
+                                    packed_seq_params=packed_seq_params)
+    return x + (attn if bias is None else attn + bias)
+
+
+def moe_forward(moe, x: torch.Tensor, router: nn.Module, record: bool) -> tuple:
+    """megatron-core's ``MoELayer`` forward (shared experts, route, dispatch, experts, combine)
+    with ``router`` choosing the experts; returns ``(output, MoERoute or None)``."""
+    shared = moe.shared_experts_compute(x)
+    probs, routing_map = router(x)
+    route = None
+    if record:
+        with torch.no_grad():
+            flat = x.reshape(-1, x.shape[-1]).float()
+            logits = torch.nn.functional.linear(flat, router.weight.float())
+        route = MoERoute(logits.detach(), routing_map.detach().reshape(logits.shape).bool())
+    hidden, probs = moe.preprocess(x, probs, routing_map)
+    dispatched, probs = moe.dispatch(hidden, probs)
+    out, _ = moe.routed_experts_compute(dispatched, probs)
+    return moe.postprocess(moe.combine(out), shared), route
+
+
+def _mlp_half(layer, h, film, parts: BlockParts, backend) -> tuple:
+    modulate = _modulator(film, 1)
+    if backend is not None:
+        out = backend.mlp_half(layer, h, modulate)
+        if out is not None:
+            return out, None
+    y = layer.pre_mlp_layernorm(h)
+    if modulate is not None:
+        y = modulate(y)
+    mlp = layer.mlp
+    router = parts.moe_router if parts.moe_router is not None else getattr(mlp, "router", None)
+    if router is not None and (parts.moe_router is not None or parts.record_moe):
+        out, route = moe_forward(mlp, y, router, parts.record_moe)
+        return h + out, route
+    out, bias = mlp(y)
+    return h + (out if bias is None else out + bias), None
+
+
+def reference_layer(layer, x, mask, rope, parts: BlockParts = NO_PARTS, packed_seq_params=None,
+                    backend=None) -> tuple:
+    """``(output, MoERoute or None)`` of one layer call on ``x`` ``[s, b, h]``."""
+    att = parts.attention if parts.attention is not None else layer
+    h = _attention_half(att, x, mask, rope, parts.film, packed_seq_params, backend)
+    if parts.gates is not None:
+        h = x + parts.gates[0].to(x.dtype) * (h - x)
+    out, route = _mlp_half(layer, h, parts.film, parts, backend)
+    if parts.gates is not None:
+        out = h + parts.gates[1].to(x.dtype) * (out - h)
+    return out, route
+
+
+class LoLTransformerLayer(TransformerLayer):
+    """megatron-core's ``TransformerLayer`` whose forward takes the step's parts explicitly."""
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb=None,
+                packed_seq_params=None, parts: BlockParts = NO_PARTS, backend=None, **unused) -> tuple:
+        """``(output, MoERoute or None)``; see :func:`reference_layer`."""
+        return reference_layer(self, hidden_states, attention_mask, rotary_pos_emb, parts, packed_seq_params,
+                               backend)
+
+
+def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], parts: BlockParts = NO_PARTS, *,
+               use_te: bool = False, recompute: bool = False, backend=None) -> tuple:
+    """Run one layer with segment-causal attention; returns ``(output [s, b, h], MoERoute or None)``.
+
+    Local spec: ``mask`` (a :class:`~megatron_lol.model.attention.SegmentMask`)
+    goes to the segment-causal core attention. Transformer Engine: the segments
+    become THD ``PackedSeqParams``; a ``[s, b, h]`` batch is flattened row-major
+    to the packed ``[b*s, 1, h]`` stream TE expects and ``rope`` is the position
+    table (TE restarts positions per segment). ``recompute``: full activation
+    recomputation of this call (megatron-core's checkpoint) when training.
+    """
+    if recompute and layer.training and torch.is_grad_enabled():
+        from megatron.core import tensor_parallel
+
+        holder = {}
+
+        def run(h, segments, rope_):
+            m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias)
+            out, holder["route"] = call_block(layer, h, m, rope_, parts, use_te=use_te, backend=backend)
+            return out
+
+        out = tensor_parallel.checkpoint(run, False, hidden, mask.segments, rope)
+        return out, holder.get("route")
+    if not use_te:
+        return layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope, parts=parts, backend=backend)
+    from megatron_lol.model.library import packed_seq_params
+
+    if mask.sliding is not None:
+        raise NotImplementedError("sliding-window attention under Transformer Engine is refused by config "
+                                  "validation; this call should not happen")
+    s, b, h = hidden.shape
+    packed = hidden if b == 1 else hidden.transpose(0, 1).reshape(b * s, 1, h)
+    segments = mask.segments.reshape(-1) if mask.segments is not None else \
+        torch.arange(b, device=hidden.device).repeat_interleave(s)
+    out, route = layer(hidden_states=packed, attention_mask=None, rotary_pos_emb=rope, parts=parts,
+                       packed_seq_params=packed_seq_params(segments))
+    return (out if b == 1 else out.view(b, s, h).transpose(0, 1)), route
