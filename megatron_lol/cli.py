@@ -136,7 +136,9 @@ def version_string() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = Parser(prog="megatron-lol", description=__doc__.splitlines()[0])
+    parser = Parser(prog="megatron-lol",
+                    description="Megatron-style pretraining of Library-of-Layers language models on megatron-core.",
+                    epilog="`megatron-lol VERB --help` lists a verb's own options; every verb takes --verbose.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb, (_, help_text) in VERBS.items():

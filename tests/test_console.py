@@ -183,6 +183,27 @@ def test_console_interval_and_counters():
     assert console.skipped == 0 and console.nan == 0
 
 
+def test_only_rank0_writes(tmp_path, capsys):
+    from types import SimpleNamespace
+
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.training.console import TrainingConsole
+    from megatron_lol.training.trainer import StepResult
+
+    cfg = config_from_dict({"training": {"tensorboard_dir": str(tmp_path / "tb"), "wandb_project": "p",
+                                         "wandb_save_dir": str(tmp_path / "wb")}})
+    console = TrainingConsole(cfg, str(tmp_path / "metrics.jsonl"), global_batch_size=4, world_size=2, rank0=False)
+    console.on_start(SimpleNamespace(iteration=0))
+    res = StepResult(step=1, loss=1.0, aux_loss=0.0, lr=1e-3, grad_norm=1.0, depth=1, tokens=64, seconds=0.1,
+                     skipped=False)
+    console.on_step_end(SimpleNamespace(consumed_train_samples=4), res)
+    assert console.log_step(res, tokens_per_s=640.0, tflops_per_device=0.0, mfu=None, eval_loss=1.0,
+                            eval_by_budget=None, consumed_samples=4) is None
+    console.log_eval(1.0, depth=1)
+    console.on_end(None)
+    assert console.sinks is None and list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
+
+
 def test_format_helpers():
     from megatron_lol.training.console import format_bytes, format_count, format_duration
 
@@ -331,7 +352,7 @@ def test_params_takes_the_vocabulary_from_the_config_tokenizer(corpus, tmp_path)
     assert out.returncode == 0, out.stderr
     assert "vocab 384" in out.stdout and "non-embedding" in out.stdout and "total" in out.stdout
     assert len(out.stderr.splitlines()) <= 1, out.stderr
-    out = _params(tmp_path, "--json", "--tensor-model-parallel-size", "2")
+    out = _params(tmp_path, "--json", "--tensor-model-parallel-size", "2", "--verbose")
     d = json.loads(out.stdout)
     assert d["vocab_size_given"] == 384 and d["vocab_size"] == 512  # padded to 128 x TP 2
     assert d["embedding"] == 512 * 128

@@ -235,7 +235,10 @@ class MetricSinks:
         if tr.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            os.makedirs(tr.tensorboard_dir, exist_ok=True)
+            try:
+                os.makedirs(tr.tensorboard_dir, exist_ok=True)
+            except OSError as err:
+                raise CliError(f"--tensorboard-dir {tr.tensorboard_dir}: cannot create it ({err.strerror})") from None
             self.tensorboard = SummaryWriter(log_dir=tr.tensorboard_dir)
             self.tensorboard.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=1) + "\n```", 0)
             print(f" tensorboard: writing to {tr.tensorboard_dir} (view: tensorboard --logdir "
@@ -244,9 +247,14 @@ class MetricSinks:
             import wandb
 
             save_dir = tr.wandb_save_dir or (os.path.join(tr.save, "wandb") if tr.save else "wandb")
-            os.makedirs(save_dir, exist_ok=True)
-            self.wandb = wandb.init(project=tr.wandb_project, name=tr.wandb_exp_name, dir=save_dir,
-                                    config=cfg.to_dict())
+            try:
+                os.makedirs(save_dir, exist_ok=True)
+                self.wandb = wandb.init(project=tr.wandb_project, name=tr.wandb_exp_name, dir=save_dir,
+                                        config=cfg.to_dict())
+            except (OSError, wandb.errors.Error) as err:
+                self.close()
+                raise CliError(f"--wandb-project {tr.wandb_project}: W&B did not start ({err}); log in with "
+                               f"`wandb login`, or set WANDB_MODE=offline to keep the run on disk") from None
 
     @property
     def active(self) -> bool:
