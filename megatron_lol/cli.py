@@ -4,21 +4,36 @@ Each verb lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``. Modules are imported lazily so that ``megatron-lol --help``
 and light verbs (``params``, ``preprocess``) do not pay for importing
 megatron-core (about 6 s per process).
+
+Console hygiene lives here because it is the same for every verb:
+
+* megatron-core warns at import time, once per module, that Apex / Transformer
+  Engine are missing (about a dozen lines on a CPU machine) and, through its own
+  ``TransformerConfig`` default, that ``cuda_graph_scope="full"`` is deprecated.
+  None of these is actionable, so they become one ``note:`` line on rank 0;
+  ``--verbose`` (or ``MEGATRON_LOL_VERBOSE=1``) shows them as they are. Every
+  other warning is shown unchanged.
+* an unknown verb or option gets a "did you mean" from the known ones.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
 import os
+import re
 import sys
+import warnings
+from typing import Callable
 
+from megatron_lol import __version__
 from megatron_lol.errors import CliError
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("megatron_lol.training.cli", "pretrain a model from a YAML config"),
-    "params": ("megatron_lol.model.params_cli", "count total / non-embedding / active parameters"),
+    "params": ("megatron_lol.perf.params_cli", "count total / non-embedding / active parameters"),
     "preprocess": ("megatron_lol.data.preprocess", "tokenize corpora into Megatron indexed datasets"),
     "merge-datasets": ("megatron_lol.data.merge", "merge shard outputs of preprocess into one dataset"),
     "prepare-quickstart": ("megatron_lol.data.quickstart", "fetch the bundled corpus, train its tokenizer, preprocess it"),
@@ -28,23 +43,124 @@ VERBS: dict[str, tuple[str, str]] = {
     "analyze": ("megatron_lol.analysis.cli", "routing analyses: heatmaps, paths, mode paths"),
 }
 
+VERBOSE_ENV = "MEGATRON_LOL_VERBOSE"
+
+# (message pattern, whether it is about a missing optional accelerator); only warnings raised
+# from megatron-core's own files are matched
+KNOWN_WARNINGS = (
+    (re.compile(r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"), True),
+    (re.compile(r"full scope is deprecated\. Use empty cuda_graph_scope"), False),
+)
+ACCELERATOR_NOTE = ("note: Apex / Transformer Engine are not installed; megatron-core uses its torch "
+                    "implementations instead (--verbose shows its warnings)")
+
+
+def quiet_known_warnings(stream=None) -> Callable[[], None]:
+    """Collapse megatron-core's known start-up warnings (see the module docstring) into one
+    ``note:`` line on ``stream`` (default stderr), printed by global rank 0 (``RANK``) only.
+
+    Works at ``warnings.showwarning``, after the warning filters: ``-W error`` or
+    ``PYTHONWARNINGS=ignore`` keep their meaning. Returns a function that restores the
+    previous behaviour.
+    """
+    original = warnings.showwarning
+    noted = [False]
+
+    def show(message, category, filename, lineno, file=None, line=None):
+        text = str(message)
+        if "megatron" in str(filename):
+            for pattern, accelerator in KNOWN_WARNINGS:
+                if pattern.search(text):
+                    if accelerator and not noted[0] and os.environ.get("RANK", "0") == "0":
+                        noted[0] = True
+                        print(ACCELERATOR_NOTE, file=stream or sys.stderr, flush=True)
+                    return
+        original(message, category, filename, lineno, file, line)
+
+    warnings.showwarning = show
+
+    def restore() -> None:
+        warnings.showwarning = original
+
+    return restore
+
+
+class Parser(argparse.ArgumentParser):
+    """``argparse`` that answers an unknown option with the closest known one."""
+
+    def error(self, message: str):
+        match = re.match(r"unrecognized arguments: (.*)", message)
+        if match:
+            known = sorted(_option_strings(self))
+            hints = []
+            for arg in match.group(1).split():
+                if arg.startswith("-"):
+                    close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
+                    if close:
+                        hints.append(f"{arg} -> {close[0]}")
+            if hints:
+                message += f" (did you mean: {', '.join(hints)}?)"
+        super().error(message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> set:
+    out = set()
+    for action in parser._actions:
+        out.update(s for s in action.option_strings if s.startswith("--"))
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                out |= _option_strings(sub)
+    return out
+
+
+def add_general_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--verbose``, accepted by every verb (and every ``analyze`` subcommand)."""
+    group = parser.add_argument_group("general")
+    group.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
+                       help=f"show megatron-core's start-up warnings about missing Apex / Transformer "
+                            f"Engine in full (also {VERBOSE_ENV}=1)")
+
+
+def version_string() -> str:
+    """``megatron-lol X (megatron-core Y, torch Z)`` without importing either."""
+    from importlib import metadata
+
+    parts = []
+    for dist in ("megatron-core", "torch"):
+        try:
+            parts.append(f"{dist} {metadata.version(dist)}")
+        except metadata.PackageNotFoundError:
+            parts.append(f"{dist} not installed")
+    return f"megatron-lol {__version__} ({', '.join(parts)})"
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(prog="megatron-lol", description=__doc__.splitlines()[0])
+    parser = Parser(prog="megatron-lol",
+                    description="Megatron-style pretraining of Library-of-Layers language models on megatron-core.",
+                    epilog="`megatron-lol VERB --help` lists a verb's own options; every verb takes --verbose.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb, (_, help_text) in VERBS.items():
         sub.add_parser(verb, help=help_text, add_help=False)
     if not argv or argv[0] in ("-h", "--help"):
         parser.print_help()
         return 0 if argv else 2
+    if argv[0] == "--version":
+        print(version_string())
+        return 0
     verb = argv[0]
     if verb not in VERBS:
-        parser.error(f"unknown verb {verb!r} (choose from {', '.join(VERBS)})")
+        close = difflib.get_close_matches(verb, list(VERBS), n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        parser.error(f"unknown verb {verb!r} (choose from {', '.join(VERBS)}){hint}")
     module = importlib.import_module(VERBS[verb][0])
-    verb_parser = argparse.ArgumentParser(prog=f"megatron-lol {verb}", description=VERBS[verb][1])
+    verb_parser = Parser(prog=f"megatron-lol {verb}", description=VERBS[verb][1])
     module.add_arguments(verb_parser)
+    add_general_arguments(verb_parser)
     args = verb_parser.parse_args(argv[1:])
+    verbose = getattr(args, "verbose", False) or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
+    restore = None if verbose else quiet_known_warnings()
     try:
         return int(module.run(args) or 0)
     except CliError as err:
@@ -57,6 +173,9 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             pass
         return 141
+    finally:
+        if restore is not None:
+            restore()
 
 
 if __name__ == "__main__":

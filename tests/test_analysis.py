@@ -193,11 +193,14 @@ def _analyze(*argv) -> int:
     return main(["analyze", *map(str, argv)])
 
 
-def test_cli_utilisation_paths_distinct(trained, tmp_path, capsys):
+def test_cli_utilisation_paths_distinct(trained, tmp_path, capsys, monkeypatch):
     torch.set_num_threads(1)
     out = tmp_path / "out"
     common = ["--load", trained["save"], "--data-path", trained["prefix"], "--max-examples", 16, "--output", out]
-    assert _analyze("utilisation", *common) == 0
+    monkeypatch.setenv("MEGATRON_LOL_PROGRESS_INTERVAL", "0")  # not a terminal: a progress line per batch
+    assert _analyze("utilisation", "--rows-per-batch", 2, *common) == 0
+    assert "analyze: routing: batch 1 of " in capsys.readouterr().err
+    monkeypatch.delenv("MEGATRON_LOL_PROGRESS_INTERVAL")
     util = json.loads((out / "utilisation.json").read_text())
     assert len(util["counts"]) == 3 and len(util["counts"][0]) == 4 and util["iteration"] == 8
     assert (out / "utilisation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -210,6 +213,7 @@ def test_cli_utilisation_paths_distinct(trained, tmp_path, capsys):
                     "--output", out) == 0
     paths = json.loads((out / "paths.json").read_text())
     assert paths["labels"] == ["code", "comment"] and len(paths["examples"]) == 24
+    assert 1 <= paths["distinct_paths"] == len({json.dumps(e["path"]) for e in paths["examples"]}) <= 24
     assert all(len(e["pc"]) == 2 and len(e["path"]) == 3 for e in paths["examples"])
     assert (out / "paths_pca.png").stat().st_size > 1000
 

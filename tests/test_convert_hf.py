@@ -340,10 +340,13 @@ def test_truncated_or_corrupted_safetensors_shard_on_import(dense_1proc, tmp_pat
         import_hf(str(out), str(tmp_path / "ck2"))
 
 
-def test_cli_verbs(lol_1proc, tmp_path):
+def test_cli_verbs(lol_1proc, tmp_path, capsys, monkeypatch):
     from megatron_lol.cli import main
 
+    monkeypatch.setenv("MEGATRON_LOL_PROGRESS_INTERVAL", "0")  # not a terminal: a progress line per tensor
     assert main(["convert-hf", "--load", str(lol_1proc), "--save", str(tmp_path / "hf"), "--dtype", "bf16"]) == 0
+    err = capsys.readouterr().err
+    assert "convert-hf: tensor 1 of " in err and "done in" in err, err[-2000:]
     index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))
     assert "model.routing.depth_embeddings" in index["weight_map"]
     # an existing non-empty output is not overwritten without --force: one-line error, exit 2

@@ -31,20 +31,36 @@ from megatron_lol.errors import CliError
 SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 
 
-def _common(p: argparse.ArgumentParser, data_required: bool = True) -> None:
-    p.add_argument("--load", required=True, help="checkpoint directory (a training --save dir or an iter_XXXXXXX dir)")
-    p.add_argument("--iteration", type=int, default=None, help="iteration to read (default: the tracker's)")
-    src = p.add_mutually_exclusive_group(required=data_required)
-    src.add_argument("--data-path", help="Megatron indexed dataset prefix (documents are examples)")
-    src.add_argument("--jsonl", help="JSON-lines file, one example per line")
-    p.add_argument("--text-field", default="text")
-    p.add_argument("--label-field", default=None, help="jsonl field that labels each example (colours, groups)")
-    p.add_argument("--part", default="valid", choices=("train", "valid", "test", "all"),
-                   help="documents of --data-path: this part of the run's split (default valid)")
-    p.add_argument("--max-examples", type=int, default=256)
-    p.add_argument("--seq-length", type=int, default=None, help="tokens per example (default: the run's seq_length)")
-    p.add_argument("--rows-per-batch", type=int, default=8)
-    p.add_argument("--output", required=True, help="directory for the PNG/JSON outputs")
+def _common(p: argparse.ArgumentParser, data_required: bool = True) -> argparse._ArgumentGroup:
+    """The options every analysis takes, grouped; returns the group for the analysis's own options."""
+    from megatron_lol.cli import add_general_arguments
+
+    ck = p.add_argument_group("checkpoint")
+    ck.add_argument("--load", required=True, metavar="DIR",
+                    help="checkpoint directory (a training --save dir or an iter_XXXXXXX dir)")
+    ck.add_argument("--iteration", type=int, default=None, metavar="N",
+                    help="iteration to read (default: the tracker's)")
+    ex = p.add_argument_group("examples")
+    src = ex.add_mutually_exclusive_group(required=data_required)
+    src.add_argument("--data-path", metavar="PREFIX", help="Megatron indexed dataset prefix (documents are examples)")
+    src.add_argument("--jsonl", metavar="FILE", help="JSON-lines file, one example per line")
+    ex.add_argument("--text-field", default="text", metavar="KEY",
+                    help="--jsonl field holding each example's text (default: text)")
+    ex.add_argument("--label-field", default=None, metavar="KEY",
+                    help="--jsonl field that labels each example (colours, groups)")
+    ex.add_argument("--part", default="valid", choices=("train", "valid", "test", "all"),
+                    help="documents of --data-path: this part of the run's split (default valid)")
+    ex.add_argument("--max-examples", type=int, default=256, metavar="N",
+                    help="read at most this many examples (default 256)")
+    ex.add_argument("--seq-length", type=int, default=None, metavar="N",
+                    help="tokens per example, longer ones are truncated (default: the run's seq_length)")
+    ex.add_argument("--rows-per-batch", type=int, default=8, metavar="N",
+                    help="rows of packed examples per forward pass (default 8; memory vs speed)")
+    out = p.add_argument_group("output")
+    out.add_argument("--output", required=True, metavar="DIR", help="directory for the PNG/JSON outputs (created)")
+    own = p.add_argument_group(f"{p.prog.split()[-1]} options")
+    add_general_arguments(p)
+    return own
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -52,24 +68,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("utilisation", help="block utilisation heatmap per routed depth")
     _common(p)
     p = sub.add_parser("paths", help="routing-path vectors and their PCA, coloured by a label")
-    _common(p)
-    p.add_argument("--max-windows", type=int, default=None, help="window ordinals kept per depth (default: all)")
+    own = _common(p)
+    own.add_argument("--max-windows", type=int, default=None, metavar="K",
+                     help="window ordinals kept per depth (default: all)")
     p = sub.add_parser("mode-path", help="mode path (SPEC 1.4); evaluate / generate under it")
-    _common(p, data_required=False)
-    p.add_argument("--path-file", default=None, help="force this ids/gates JSON instead of computing a mode path")
-    p.add_argument("--label", default=None, help="use the mode path of this label (with --label-field)")
-    p.add_argument("--evaluate", action="store_true", help="loss of the examples routed vs under the mode path")
-    p.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation routed and forced")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    own = _common(p, data_required=False)
+    own.add_argument("--path-file", default=None, metavar="JSON",
+                     help="force this ids/gates JSON instead of computing a mode path")
+    own.add_argument("--label", default=None, help="use the mode path of this label (with --label-field)")
+    own.add_argument("--evaluate", action="store_true", help="loss of the examples routed vs under the mode path")
+    own.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation routed and forced")
+    own.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                     help="tokens --generate adds at most (default 32)")
     p = sub.add_parser("distinct", help="distinct blocks per routing path vs E[U]")
     _common(p)
     p = sub.add_parser("moe-routing", help="U_t, B2 and MMR per pass of a looped MoE core (Foil)")
-    _common(p)
-    p.add_argument("--budget", type=int, default=None, help="Accordion: the budget to run (default: the largest)")
+    own = _common(p)
+    own.add_argument("--budget", type=int, default=None, help="Accordion: the budget to run (default: the largest)")
     p = sub.add_parser("budgets", help="Accordion: loss (and generation) at every budget")
-    _common(p, data_required=False)
-    p.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation at every budget")
-    p.add_argument("--max-new-tokens", type=int, default=32)
+    own = _common(p, data_required=False)
+    own.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation at every budget")
+    own.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
+                     help="tokens --generate adds at most (default 32)")
 
 
 # ------------------------------------------------------------------ helpers
@@ -157,6 +177,8 @@ def run_paths(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, nearest_centroid_accuracy, path_vectors, pca
 
+    import torch
+
     m, plan = ckpt.cfg.model, ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
     vec = path_vectors(routes, plan.depth, plan.num_stored_blocks, args.max_windows)
@@ -164,15 +186,18 @@ def run_paths(args, ckpt, toks, labels) -> dict:
     labs = labels if labels is not None else ["all"] * len(routes)
     acc = nearest_centroid_accuracy(vec, labs)
     png = os.path.join(args.output, "paths_pca.png")
-    plots.pca_scatter(coords, labs, png, ratio, f"routing paths, PCA ({len(routes)} examples)")
+    distinct = int(torch.unique(vec, dim=0).shape[0]) if len(routes) else 0
+    plots.pca_scatter(coords, labs, png, ratio,
+                      f"routing paths, PCA ({len(routes)} examples, {distinct} distinct paths)")
     out = dict(_meta(ckpt, args, len(routes)), label_field=args.label_field, vector_size=int(vec.shape[1]),
+               distinct_paths=distinct,
                explained_variance_ratio=ratio.tolist(), nearest_centroid_accuracy=acc,
                labels=sorted(set(labs), key=str),
                examples=[{"index": i, "label": labs[i], "pc": [round(float(c), 6) for c in coords[i]],
                           "path": [r.choice.tolist() for r in routes[i].records]} for i in range(len(routes))])
     _write_json(os.path.join(args.output, "paths.json"), out)
     torch_save_vectors(os.path.join(args.output, "path_vectors.pt"), vec, labs)
-    print(f"paths: {len(routes)} vectors of size {vec.shape[1]}, PC1/PC2 explain "
+    print(f"paths: {len(routes)} vectors of size {vec.shape[1]} ({distinct} distinct), PC1/PC2 explain "
           f"{100 * float(ratio[0]):.1f}% / {100 * float(ratio[1]):.1f}%"
           + (f", nearest-centroid label accuracy {100 * acc:.1f}%" if acc is not None else ""))
     return {"png": png, "json": os.path.join(args.output, "paths.json")}

@@ -36,6 +36,7 @@ import torch
 
 from megatron_lol.analysis.mode_path import mode_path_from_records
 from megatron_lol.analysis.paths import expected_distinct_blocks
+from megatron_lol.progress import progress
 
 
 @dataclass
@@ -71,7 +72,8 @@ def collect_moe_records(model, token_lists: Sequence[Sequence[int]], seq_length:
     examples = prepare_examples(token_lists, seq_length, eod_id)
     device = next(model.parameters()).device
     batches = []
-    for batch in pack_examples(examples, seq_length, eod_id, rows_per_batch):
+    for batch in progress(pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing",
+                          unit="batch"):
         _, core = model(batch.tokens.to(device), record_moe=True, return_core=True, **forward_kwargs)
         batches.append(core.moe_records)
     return batches
@@ -150,7 +152,8 @@ def collect_routes(model, token_lists: Sequence[Sequence[int]], seq_length: int,
     examples = prepare_examples(token_lists, seq_length, eod_id)
     routes = [ExampleRoute(length=len(ex)) for ex in examples]
     device = next(model.parameters()).device
-    for batch in pack_examples(examples, seq_length, eod_id, rows_per_batch):
+    for batch in progress(pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing",
+                          unit="batch"):
         _, core = model(batch.tokens.to(device), record=True, forced_path=forced, return_core=True)
         for rec in core.records:
             ex_of_window = batch.example_of_doc[rec.window_doc.cpu()]
@@ -294,7 +297,8 @@ def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id
     total, count = 0.0, 0
     ex_loss = [0.0] * len(examples)
     ex_count = [0] * len(examples)
-    for batch in pack_examples(examples, seq_length, eod_id, rows_per_batch):
+    for batch in progress(pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: loss",
+                          unit="batch"):
         from megatron_lol.model.windows import DocumentLayout
 
         tokens = batch.tokens.to(device)
@@ -327,7 +331,7 @@ def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eod_id: O
     device = next(model.parameters()).device
     seq = torch.tensor([list(prompt)], dtype=torch.long, device=device)
     new = []
-    for _ in range(max_new_tokens):
+    for _ in progress(range(max_new_tokens), desc="analyze: generating", unit="token"):
         logits = model(seq, forced_path=forced, **forward_kwargs)
         logits = model.gather_logits(logits[:, -1:])[0, -1]
         nxt = int(logits.argmax())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -16,68 +17,121 @@ import yaml
 
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 
-# Megatron-LM flag -> dotted config key. Only settings people change most.
-MEGATRON_FLAGS: dict[str, str] = {
-    "--train-iters": "training.train_iters",
-    "--save": "training.save",
-    "--load": "training.load",
-    "--save-interval": "training.save_interval",
-    "--log-interval": "training.log_interval",
-    "--eval-interval": "training.eval_interval",
-    "--eval-iters": "training.eval_iters",
-    "--seed": "training.seed",
-    "--micro-batch-size": "training.micro_batch_size",
-    "--global-batch-size": "training.global_batch_size",
-    "--seq-length": "training.seq_length",
-    "--exit-duration-in-mins": "training.exit_duration_in_mins",
-    "--lr": "optimizer.lr",
-    "--min-lr": "optimizer.min_lr",
-    "--clip-grad": "optimizer.clip_grad",
-    "--weight-decay": "optimizer.weight_decay",
-    "--lr-warmup-iters": "optimizer.lr_warmup_iters",
-    "--lr-decay-style": "optimizer.lr_decay_style",
-    "--tensor-model-parallel-size": "parallel.tensor_model_parallel_size",
-    "--pipeline-model-parallel-size": "parallel.pipeline_model_parallel_size",
-    "--virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_model_parallel_size",
-    "--expert-model-parallel-size": "parallel.expert_model_parallel_size",
-    "--tokenizer-model": "data.tokenizer_model",
-    "--tokenizer-type": "data.tokenizer_type",
-    "--split": "data.split",
-}
-BOOL_FLAGS: dict[str, tuple[str, bool]] = {
-    "--sequence-parallel": ("parallel.sequence_parallel", True),
-    "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
-    "--no-resume": ("training.resume", False),
-    "--async-save": ("training.async_save", True),
+# Flag groups, in the order ``--help`` lists them: title of each.
+GROUPS: dict[str, str] = {
+    "data": "data",
+    "tokenizer": "tokenizer",
+    "batch": "batch and sequence",
+    "iterations": "iterations and evaluation",
+    "checkpointing": "checkpointing",
+    "optimizer": "optimizer and learning-rate schedule",
+    "parallelism": "parallelism",
+    "logging": "logging (console, metrics.jsonl, TensorBoard, W&B)",
 }
 
+# Megatron-LM flag -> (dotted config key, group, metavar, help). Only settings people change most;
+# any other key goes through --set.
+MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
+    "--split": ("data.split", "data", "W,W,W",
+                "train,valid,test weights of the documents, e.g. 98,1,1"),
+    "--tokenizer-type": ("data.tokenizer_type", "tokenizer", "TYPE",
+                         "Megatron-LM tokenizer type, e.g. SentencePieceTokenizer"),
+    "--tokenizer-model": ("data.tokenizer_model", "tokenizer", "FILE",
+                          "tokenizer file: SentencePiece model, tokenizer.json or tiktoken file"),
+    "--micro-batch-size": ("training.micro_batch_size", "batch", "N",
+                           "sequences per micro-batch and data-parallel rank"),
+    "--global-batch-size": ("training.global_batch_size", "batch", "N",
+                            "sequences per optimizer step, all ranks together"),
+    "--seq-length": ("training.seq_length", "batch", "N", "tokens per sequence"),
+    "--seed": ("training.seed", "batch", "N", "random seed (initialisation, data order, router noise)"),
+    "--train-iters": ("training.train_iters", "iterations", "N", "optimizer steps to train"),
+    "--eval-interval": ("training.eval_interval", "iterations", "N", "iterations between evaluations"),
+    "--eval-iters": ("training.eval_iters", "iterations", "N", "validation batches per evaluation"),
+    "--exit-duration-in-mins": ("training.exit_duration_in_mins", "iterations", "MIN",
+                                "save a checkpoint and stop after this many minutes"),
+    "--save": ("training.save", "checkpointing", "DIR", "checkpoint directory to write (metrics.jsonl goes there too)"),
+    "--load": ("training.load", "checkpointing", "DIR", "checkpoint directory to start from when --save has none"),
+    "--save-interval": ("training.save_interval", "checkpointing", "N", "iterations between checkpoints"),
+    "--lr": ("optimizer.lr", "optimizer", "LR", "peak learning rate"),
+    "--min-lr": ("optimizer.min_lr", "optimizer", "LR", "learning rate at the end of the decay"),
+    "--clip-grad": ("optimizer.clip_grad", "optimizer", "NORM", "gradient-norm clipping threshold"),
+    "--weight-decay": ("optimizer.weight_decay", "optimizer", "WD", "AdamW weight decay"),
+    "--lr-warmup-iters": ("optimizer.lr_warmup_iters", "optimizer", "N", "iterations of linear warm-up"),
+    "--lr-decay-style": ("optimizer.lr_decay_style", "optimizer", "STYLE", "cosine, WSD, linear or constant"),
+    "--tensor-model-parallel-size": ("parallel.tensor_model_parallel_size", "parallelism", "N",
+                                     "tensor-parallel ranks"),
+    "--pipeline-model-parallel-size": ("parallel.pipeline_model_parallel_size", "parallelism", "N", "pipeline stages"),
+    "--virtual-pipeline-model-parallel-size": ("parallel.virtual_pipeline_model_parallel_size", "parallelism", "N",
+                                               "model chunks per pipeline stage, for the interleaved schedule"),
+    "--expert-model-parallel-size": ("parallel.expert_model_parallel_size", "parallelism", "N",
+                                     "ranks the block library (plan lol) or the experts are sharded over"),
+    "--log-interval": ("training.log_interval", "logging", "N",
+                       "iterations between console lines / metrics.jsonl records"),
+    "--tensorboard-dir": ("training.tensorboard_dir", "logging", "DIR",
+                          "write TensorBoard event files here (pip install 'megatron-lol[console]')"),
+    "--tensorboard-log-interval": ("training.tensorboard_log_interval", "logging", "N",
+                                   "iterations between TensorBoard / W&B points (default 1)"),
+    "--wandb-project": ("training.wandb_project", "logging", "NAME",
+                        "log to this Weights & Biases project; WANDB_MODE=offline keeps the run local"),
+    "--wandb-exp-name": ("training.wandb_exp_name", "logging", "NAME", "the W&B run name"),
+    "--wandb-save-dir": ("training.wandb_save_dir", "logging", "DIR",
+                         "where W&B writes its files (default <save>/wandb)"),
+}
+# switch -> (dotted config key, value it sets, group, help)
+BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
+    "--sequence-parallel": ("parallel.sequence_parallel", True, "parallelism",
+                            "sequence parallelism inside the tensor-parallel group"),
+    "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", True, "parallelism",
+                                    "shard the optimizer state over the data-parallel ranks"),
+    "--no-resume": ("training.resume", False, "checkpointing", "start afresh even if --save holds a checkpoint"),
+    "--async-save": ("training.async_save", True, "checkpointing", "write checkpoints in the background"),
+}
 
-def add_config_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="YAML experiment config")
-    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="override a config value by dotted key, e.g. --set model.num_blocks=8")
-    parser.add_argument("--data-path", nargs="+", default=None,
-                        help="Megatron blend: PREFIX or W1 PREFIX1 W2 PREFIX2 ... (data.paths)")
-    for flag, key in MEGATRON_FLAGS.items():
-        parser.add_argument(flag, dest=_dest(flag), default=None, help=f"sets {key}")
-    for flag, (key, _) in BOOL_FLAGS.items():
-        parser.add_argument(flag, dest=_dest(flag), action="store_true", help=f"sets {key}")
+# which groups each verb shows (``--config`` and ``--set`` always)
+PARAMS_GROUPS = ("tokenizer", "parallelism")
+PROFILE_GROUPS = ("data", "tokenizer", "batch", "parallelism")
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
+    """``--config``, ``--set`` and the Megatron-LM flags of ``groups`` (default: all), each
+    group under its own heading in ``--help``: a verb lists only the settings it uses."""
+    wanted = list(GROUPS) if groups is None else [g for g in GROUPS if g in groups]
+    unknown = set(groups or ()) - set(GROUPS)
+    if unknown:
+        raise ValueError(f"add_config_arguments: unknown groups {sorted(unknown)}")
+    cfg = parser.add_argument_group("configuration")
+    cfg.add_argument("--config", required=True, metavar="YAML", help="YAML experiment config")
+    cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a config value by dotted key, e.g. --set model.num_blocks=8 (repeatable)")
+    heads = {g: parser.add_argument_group(GROUPS[g]) for g in wanted}
+    if "data" in heads:
+        heads["data"].add_argument("--data-path", nargs="+", default=None, metavar="PATH",
+                                   help="Megatron blend: PREFIX or W1 PREFIX1 W2 PREFIX2 ... (data.paths)")
+    for flag, (key, group, metavar, text) in MEGATRON_FLAGS.items():
+        if group in heads:
+            heads[group].add_argument(flag, dest=_dest(flag), default=None, metavar=metavar,
+                                      help=f"{text} ({key})")
+    for flag, (key, value, group, text) in BOOL_FLAGS.items():
+        if group in heads:
+            heads[group].add_argument(flag, dest=_dest(flag), action="store_true",
+                                      help=f"{text} ({key}={str(value).lower()})")
 
 
 def config_from_args(args: argparse.Namespace, check_data: bool = True) -> ExperimentConfig:
+    """The validated config of ``--config`` with ``--set`` and the flags a verb declared applied."""
     overrides: list[tuple[str, Any, str]] = []
-    for item in args.overrides:
+    for item in getattr(args, "overrides", None) or []:
         if "=" not in item:
             raise ConfigError(f"--set {item!r}: expected KEY=VALUE")
         key, raw = item.split("=", 1)
         overrides.append((key.strip(), yaml.safe_load(raw), f"--set {item}"))
-    if args.data_path:
+    if getattr(args, "data_path", None):
         overrides.append(("data.paths", list(args.data_path), "--data-path"))
-    for flag, key in MEGATRON_FLAGS.items():
+    for flag, (key, *_) in MEGATRON_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is not None:
             overrides.append((key, yaml.safe_load(value), flag))
-    for flag, (key, value) in BOOL_FLAGS.items():
+    for flag, (key, value, *_) in BOOL_FLAGS.items():
         if getattr(args, _dest(flag), False):
             overrides.append((key, value, flag))
     return load_config(args.config, overrides, check_data=check_data)
@@ -117,7 +171,7 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
     kwargs = {}
     for key, value in raw.items():
         if key not in names:
-            raise ConfigError(f"{source}: unknown key '{prefix}{key}'")
+            raise ConfigError(f"{source}: unknown key '{prefix}{key}'{_did_you_mean(prefix, str(key), names)}")
         kwargs[key] = _coerce(hints[key], value, source, f"{prefix}{key}")
     return cls(**kwargs)
 
@@ -126,8 +180,11 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
     parts = key.split(".")
     obj = cfg
     for i, part in enumerate(parts):
-        if not dataclasses.is_dataclass(obj) or part not in {f.name for f in dataclasses.fields(obj)}:
-            raise ConfigError(f"{source}: unknown key '{key}'")
+        names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
+        if part not in names:
+            rest = "".join("." + p for p in parts[i + 1:])
+            hint = _did_you_mean(".".join(parts[:i]) + "." if i else "", part, names, rest) if names else ""
+            raise ConfigError(f"{source}: unknown key '{key}'{hint}")
         if i == len(parts) - 1:
             hint = typing.get_type_hints(type(obj))[part]
             setattr(obj, part, _coerce(hint, value, source, key))
@@ -173,6 +230,20 @@ def _coerce(hint, value, source: str, key: str):
         return value
     name = getattr(hint, "__name__", str(hint))
     raise ConfigError(f"{source}: {key} must be {name} (got {value!r})")
+
+
+def _did_you_mean(prefix: str, name: str, names, rest: str = "") -> str:
+    """`` (did you mean 'section.key'?)`` for a mistyped key: a section's key in the wrong
+    place (``training.lr`` -> ``optimizer.lr``), else the closest name of the same section."""
+    hints = typing.get_type_hints(ExperimentConfig)
+    elsewhere = [f"{section}.{name}" for section in hints
+                 if name in {f.name for f in dataclasses.fields(hints[section])}]
+    if elsewhere and f"{prefix}{name}" not in elsewhere:
+        return f" (did you mean {' or '.join(repr(e) for e in elsewhere)}?)"
+    close = difflib.get_close_matches(name, sorted(names), n=1, cutoff=0.6)
+    if close:
+        return f" (did you mean '{prefix}{close[0]}{rest}'?)"
+    return ""
 
 
 def _dest(flag: str) -> str:

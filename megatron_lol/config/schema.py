@@ -436,6 +436,12 @@ class TrainingConfig:
     reset_optimizer: bool = False  # fresh optimizer state (Adam moments) instead of the loaded one
     reset_schedule: bool = False  # iteration, LR schedule and data position restart at 0
     metrics_file: Optional[str] = None  # default: <save>/metrics.jsonl
+    # metric sinks beside metrics.jsonl (Megatron-LM's flags; megatron_lol/training/console.py)
+    tensorboard_dir: Optional[str] = None  # TensorBoard event files go here
+    tensorboard_log_interval: int = 1  # iterations between TensorBoard / W&B points
+    wandb_project: Optional[str] = None  # W&B logging on when set (WANDB_MODE=offline: no network)
+    wandb_exp_name: Optional[str] = None  # the W&B run name
+    wandb_save_dir: Optional[str] = None  # default: <save>/wandb, else ./wandb
 
     def validate(self, prefix: str = "training") -> None:
         _positive(f"{prefix}.train_iters", self.train_iters)
@@ -449,6 +455,7 @@ class TrainingConfig:
                 )
         _positive(f"{prefix}.seq_length", self.seq_length)
         _positive(f"{prefix}.log_interval", self.log_interval)
+        _positive(f"{prefix}.tensorboard_log_interval", self.tensorboard_log_interval)
         _positive(f"{prefix}.eval_interval", self.eval_interval)
         _nonnegative(f"{prefix}.eval_iters", self.eval_iters)
         if self.save_interval is not None:

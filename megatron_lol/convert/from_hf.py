@@ -27,6 +27,7 @@ import torch
 from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.convert import mapping
+from megatron_lol.progress import progress
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -283,7 +284,7 @@ def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda
     model = _build_native_model(cfg, m.vocab_size, eod)
     params = dict(model.named_parameters())
     with torch.no_grad():
-        for name in mapping.native_shapes(m, m.vocab_size):
+        for name in progress(mapping.native_shapes(m, m.vocab_size), desc="import-hf", unit="tensor"):
             target = params.get(name)
             if target is None:
                 raise CliError(f"internal: native model has no parameter {name}")

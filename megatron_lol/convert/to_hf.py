@@ -31,6 +31,7 @@ from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ExperimentConfig, ModelConfig
 from megatron_lol.convert import mapping
 from megatron_lol.convert.checkpoint import DistCheckpointReader, iteration_dir, read_run_config
+from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -327,7 +328,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
 
         writer = ShardWriter(tmp, max_bytes)
         d = mapping.Dims.of(m)
-        for name in mapping.native_shapes(m, vocab):
+        for name in progress(mapping.native_shapes(m, vocab), desc="convert-hf", unit="tensor"):
             tensor = reader.read(keys[name])
             for hf_name, t in _hf_tensors(name, tensor, m, d, llama):
                 keep32 = not llama and keep_fp32(hf_name)

@@ -340,8 +340,10 @@ def preprocess(args) -> dict:
                 if os.path.exists(pre + ext):
                     raise ValueError(f"{pre + ext} exists (pass --overwrite to replace it)")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
-    if not os.path.isdir(out_dir):
-        raise ValueError(f"output directory {out_dir} does not exist")
+    try:
+        os.makedirs(out_dir, exist_ok=True)
+    except OSError as err:
+        raise ValueError(f"--output-prefix: cannot create the output directory {out_dir} ({err.strerror})") from None
     if args.partitions > 1 and not args.no_progress:
         print("note: --partitions is accepted for compatibility; documents keep input order, "
               "parallelism comes from --workers", file=sys.stderr)

@@ -29,11 +29,15 @@ DOC_TARGET = 16_000  # characters per document, split at paragraph breaks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", default="data/quickstart")
-    parser.add_argument("--vocab-size", type=int, default=8000)
+    parser.add_argument("--output-dir", default="data/quickstart",
+                        help="where the corpus, tokenizer and dataset go (default data/quickstart, "
+                             "what examples/configs/tiny-cpu.yaml reads)")
+    parser.add_argument("--vocab-size", type=int, default=8000,
+                        help="pieces of the SentencePiece tokenizer trained on the corpus (default 8000)")
     parser.add_argument("--cache-dir", default=None,
                         help="where the downloaded sdist is kept (default ~/.cache/megatron-lol)")
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1))
+    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
+                        help="tokenizer processes of the preprocessing (default: up to 4, one per core)")
     parser.add_argument("--force", action="store_true", help="rebuild even if the output is complete")
 
 

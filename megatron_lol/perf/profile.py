@@ -55,8 +55,9 @@ SECTION_KEYS = ("prelude", "core", "core.blocks", "core.dispatch", "core.routing
 # ----------------------------------------------------------------------- arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_lol.config import add_config_arguments
+    from megatron_lol.config.loader import PROFILE_GROUPS
 
-    add_config_arguments(parser)
+    add_config_arguments(parser, groups=PROFILE_GROUPS)
     for action in parser._actions:  # --config is not needed with --merge
         if "--config" in action.option_strings:
             action.required = False

@@ -21,6 +21,9 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)  # validates everything before any process group work
     cfg.parallel.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))  # layout vs world size
+    from megatron_lol.training.console import announce_startup
+
+    announce_startup(cfg, args.config)  # before the heavy imports (megatron-core: 5-25 s)
     from megatron_lol.log import log_rank0
     from megatron_lol.training.trainer import Trainer
 

@@ -5,8 +5,8 @@ Stop | None`` (a :class:`Stop` asks the loop to end after this step, with the
 process exit status it carries) and ``on_end(trainer, stop)``. Keeping these
 out of the loop keeps the loop readable (as OLMo-core's callbacks do).
 
-* :class:`ProgressLogHook` prints the log line and writes ``metrics.jsonl``
-  every ``log_interval`` steps and on evaluation steps.
+* ``TrainingConsole`` (:mod:`megatron_lol.training.console`) prints the log line and
+  writes ``metrics.jsonl`` and the metric sinks.
 * :class:`NonFiniteReportHook` prints every skipped (NaN/Inf) step.
 * :class:`NaNInjectionHook` (fault injection for tests and drills): with
   ``MEGATRON_LOL_INJECT_NAN_STEPS=5,9`` the model's output (the per-token loss)
@@ -45,28 +45,6 @@ class Hook:
 
     def on_end(self, trainer, stop: Optional[Stop]) -> None:  # pragma: no cover - interface
         pass
-
-
-class ProgressLogHook(Hook):
-    """The console line and ``metrics.jsonl`` record: throughput and TFLOP/s over the steps
-    since the previous line."""
-
-    def __init__(self):
-        self.tokens, self.seconds, self.flops = 0, 0.0, 0.0
-
-    def on_step_end(self, trainer, result) -> Optional[Stop]:
-        import torch
-
-        tr = trainer.cfg.training
-        self.tokens += result.tokens
-        self.seconds += result.seconds
-        self.flops += trainer._step_flops(result)
-        if result.step % tr.log_interval == 0 or result.step == tr.train_iters or result.eval_loss is not None:
-            tokens_per_s = self.tokens / max(self.seconds, 1e-9)
-            tflops = self.flops / max(self.seconds, 1e-9) / torch.distributed.get_world_size() / 1e12
-            trainer._log(result, tokens_per_s, result.eval_loss, tflops)
-            self.tokens, self.seconds, self.flops = 0, 0.0, 0.0
-        return None
 
 
 class NonFiniteReportHook(Hook):
@@ -112,7 +90,7 @@ def default_hooks(trainer) -> list:
     inject = NaNInjectionHook.from_env()
     if inject is not None:
         hooks.append(inject)
-    hooks.append(ProgressLogHook())
+    hooks.append(trainer._console())
     hooks.append(NonFiniteReportHook())
     from megatron_lol.training.checkpointing import CheckpointHook
 

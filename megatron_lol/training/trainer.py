@@ -22,7 +22,6 @@ returned by the model (``return_core=True``) and collected per step in a
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -460,19 +459,18 @@ class Trainer:
             outcome.exit_code, outcome.reason = stop.exit_code, stop.reason
         return outcome
 
+    def _console(self):
+        """The console line, ``metrics.jsonl`` and the metric sinks (:mod:`.console`), made on first use."""
+        if getattr(self, "console", None) is None:
+            from megatron_lol.training.console import TrainingConsole
+
+            self.console = TrainingConsole(self.cfg, self.metrics_path, self.global_batch_size,
+                                           torch.distributed.get_world_size(), torch.distributed.get_rank() == 0)
+        return self.console
+
     def _log_eval_only(self, eval_loss: float) -> None:
         """The evaluation of the untrained model (``training.eval_at_start``): step 0."""
-        if torch.distributed.get_rank() != 0:
-            return
-        print(f" iteration {0:6d}/{self.cfg.training.train_iters} | eval loss {eval_loss:.4f} "
-              f"(initial model)", flush=True)
-        if self.metrics_path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
-            with open(self.metrics_path, "a") as f:
-                record = {"step": 0, "eval_loss": eval_loss, "depth": self.depth_at(0), "consumed_samples": 0}
-                if self.last_eval_by_budget:
-                    record["eval_loss_by_budget"] = {str(k): v for k, v in self.last_eval_by_budget.items()}
-                f.write(json.dumps(record) + "\n")
+        self._console().log_eval(eval_loss, self.depth_at(0), self.last_eval_by_budget)
 
     def _step_flops(self, res: StepResult) -> float:
         """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together;
@@ -496,48 +494,11 @@ class Trainer:
 
     def _log(self, res: StepResult, tokens_per_s: float, eval_loss: Optional[float],
              tflops_per_device: float = 0.0) -> None:
-        rank0 = torch.distributed.get_rank() == 0
-        if not rank0:
-            return
+        from megatron_lol.training.console import bias_spread
+
         peak = self._device_peak_tflops()
-        mfu = tflops_per_device / peak if peak else None
-        util = " ".join("[" + ",".join(f"{u:.2f}" for u in row) + "]" for row in res.utilisation)
-        msg = (f" iteration {res.step:6d}/{self.cfg.training.train_iters} | loss {res.loss:.4f} | "
-               f"lr {res.lr:.3e} | grad norm {res.grad_norm:.3f} | depth {res.depth} | "
-               f"tokens/s {tokens_per_s:,.0f} | TFLOP/s/device {tflops_per_device:.3f}")
-        if mfu is not None:
-            msg += f" | MFU {100 * mfu:.1f}%"
-        if res.aux_loss:
-            msg += f" | balance loss {res.aux_loss:.2e}"
-        if res.skipped:
-            msg += " | SKIPPED (non-finite)"
-        if eval_loss is not None:
-            msg += f" | eval loss {eval_loss:.4f}"
-        if util:
-            msg += f" | blocks {util}"
-        if res.budgets:
-            msg += f" | budgets {res.budgets}"
-        by_budget = self.last_eval_by_budget if eval_loss is not None else None
-        if by_budget:
-            msg += " | eval by budget " + " ".join(f"k={k}:{v:.4f}" for k, v in by_budget.items())
-        if res.moe_routing:
-            r = res.moe_routing
-            msg += (f" | U_t {r['distinct_experts_per_token']:.2f} | B2 {r['b2']:.3f} | MMR {r['mmr']:.3f}")
-        print(msg, flush=True)
-        if self.metrics_path:
-            record = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
-                      "tokens_per_s": tokens_per_s, "tflops_per_device": tflops_per_device,
-                      "mfu": mfu, "depth": res.depth, "aux_loss": res.aux_loss,
-                      "block_utilisation": res.utilisation, "skipped": res.skipped,
-                      "consumed_samples": self.consumed_train_samples}
-            if eval_loss is not None:
-                record["eval_loss"] = eval_loss
-                if by_budget:
-                    record["eval_loss_by_budget"] = {str(k): v for k, v in by_budget.items()}
-            if res.budgets:
-                record["budgets"] = res.budgets
-            if res.moe_routing:
-                record["moe_routing"] = res.moe_routing
-            os.makedirs(os.path.dirname(os.path.abspath(self.metrics_path)), exist_ok=True)
-            with open(self.metrics_path, "a") as f:
-                f.write(json.dumps(record) + "\n")
+        self._console().log_step(
+            res, tokens_per_s=tokens_per_s, tflops_per_device=tflops_per_device,
+            mfu=tflops_per_device / peak if peak else None, eval_loss=eval_loss,
+            eval_by_budget=self.last_eval_by_budget if eval_loss is not None else None,
+            consumed_samples=self.consumed_train_samples, bias_spread=bias_spread(self._balancers()))

@@ -2,9 +2,11 @@
 
 Counts are analytic (:mod:`megatron_lol.model.params`): nothing is built and
 megatron-core is not imported, so it runs in well under a second. The
-vocabulary is ``--vocab-size``, else ``model.vocab_size``; it is padded to a
-multiple of ``model.make_vocab_size_divisible_by x tensor_model_parallel_size``
-as Megatron-LM pads it (``--no-pad-vocab`` to count it as given).
+vocabulary is ``--vocab-size``, else ``model.vocab_size``, else the size of the
+config's tokenizer (``data.tokenizer_model`` / ``vocab_file``, as training
+derives it); it is padded to a multiple of ``model.make_vocab_size_divisible_by
+x tensor_model_parallel_size`` as Megatron-LM pads it (``--no-pad-vocab`` to
+count it as given).
 
 Beyond the headline rows and the breakdown, a looped MoE core (Foil, seed
 002) prints the seed's accounting ``E_real = E*D``, ``D_eff = D*L``,
@@ -18,18 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 
-from megatron_lol.errors import CliError
 from megatron_lol.config import add_config_arguments, config_from_args
+from megatron_lol.config.loader import PARAMS_GROUPS
+from megatron_lol.errors import CliError
 from megatron_lol.model.params import count_parameters
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser)
-    parser.add_argument("--vocab-size", type=int, default=None,
-                        help="vocabulary size (default: model.vocab_size of the config)")
-    parser.add_argument("--no-pad-vocab", action="store_true",
-                        help="count the vocabulary as given, without Megatron-LM's padding")
-    parser.add_argument("--json", action="store_true", help="print the counts as one JSON object")
+    add_config_arguments(parser, groups=PARAMS_GROUPS)
+    group = parser.add_argument_group("counting")
+    group.add_argument("--vocab-size", type=int, default=None, metavar="N",
+                       help="vocabulary size (default: model.vocab_size, else the config's tokenizer)")
+    group.add_argument("--no-pad-vocab", action="store_true",
+                       help="count the vocabulary as given, without Megatron-LM's padding")
+    group.add_argument("--json", action="store_true", help="print the counts as one JSON object")
 
 
 def _padded(vocab: int, divisible_by: int, tp: int) -> int:
@@ -37,11 +41,41 @@ def _padded(vocab: int, divisible_by: int, tp: int) -> int:
     return ((vocab + multiple - 1) // multiple) * multiple
 
 
+def tokenizer_vocab(cfg) -> int | None:
+    """The vocabulary of the config's tokenizer (None when the config names no tokenizer file)."""
+    import os
+
+    d = cfg.data
+    named = (("data.tokenizer_model", d.tokenizer_model), ("data.vocab_file", d.vocab_file),
+             ("data.merge_file", d.merge_file))
+    files = [(key, path) for key, path in named if path]
+    if not files:
+        return None
+    for key, path in files:
+        if not os.path.exists(path):
+            hint = (" (the quickstart's tokenizer is built by `megatron-lol prepare-quickstart`)"
+                    if "quickstart" in path else "")
+            raise CliError(f"model.vocab_size: not set, and {key} {path} does not exist{hint}; "
+                           f"set model.vocab_size or pass --vocab-size N")
+    from megatron_lol.data.tokenizers import build_tokenizer
+
+    try:
+        tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
+                              merge_file=d.merge_file)
+    except (ValueError, OSError, RuntimeError) as err:
+        raise CliError(f"data.tokenizer_type {d.tokenizer_type}: cannot read the tokenizer ({err}); "
+                       f"set model.vocab_size or pass --vocab-size N") from None
+    return int(tok.vocab_size)
+
+
 def resolve_vocab(args, cfg) -> tuple[int, int]:
     """(vocabulary as given, vocabulary the model is built with)."""
     vocab = args.vocab_size if args.vocab_size is not None else cfg.model.vocab_size
     if vocab is None:
-        raise CliError("model.vocab_size: not set in the config; set it or pass --vocab-size N")
+        vocab = tokenizer_vocab(cfg)
+    if vocab is None:
+        raise CliError("model.vocab_size: not set in the config (and no data.tokenizer_model to take it from); "
+                       "set it or pass --vocab-size N")
     if vocab <= 0:
         raise CliError(f"--vocab-size: must be > 0 (got {vocab})")
     if args.no_pad_vocab:
