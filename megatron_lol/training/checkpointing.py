@@ -628,8 +628,7 @@ class CheckpointHook(Hook):
         if trainer.cfg.training.save:
             prepare_writer_processes()
         self.ckpt.resolve_and_load()
-        signals.clear()
-        signals.install_handlers()
+        signals.install_handlers()  # a signal caught during start-up (train's CLI listens early) stays set
         if _rank() == 0:
             signals.clear_requeue_marker(trainer.cfg.training.save)
         self.stop_check = signals.StopCheck(trainer.cfg.training.exit_duration_in_mins)
@@ -668,3 +667,6 @@ class CheckpointHook(Hook):
             self.ckpt.finalize(blocking=True)
         finally:
             self.ckpt.close()
+            from megatron_lol.training import signals
+
+            signals.clear()  # handled: a later run in this process starts without it
