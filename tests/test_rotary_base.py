@@ -62,6 +62,10 @@ def test_fractional_rope_theta_survives_import_model_and_export(tmp_path):
     import_hf(str(src), str(ckpt), n_prelude=1, n_coda=1)
     native, cfg = _native(ckpt)
     assert cfg.model.rotary_base == THETA
+    # import-hf's run_config.yaml (with its `checkpoint:` record) is a valid --config
+    from megatron_lol.config import load_config
+
+    assert load_config(str(ckpt / "iter_0000000" / "run_config.yaml"), check_data=False).model.rotary_base == THETA
     head_dim = 32 // 4
     want = 1.0 / (THETA ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
     assert torch.equal(native.rotary.inv_freq.cpu(), want)

@@ -12,10 +12,11 @@ stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
   growing depth), context extension (one task per process) from the
   pretraining checkpoint;
 * four pretraining drills preempted by SIGUSR1 -- to the job steps after 3
-  steps, to the batch shell after 3 steps (``scancel --batch``), to the batch
-  shell by its time limit (``--signal=B:USR1@T``), and to the steps while the
-  trainer is still starting -- each must save, requeue, resume and end with
-  exactly the pipeline's losses;
+  steps and to the steps while the trainer is still starting (both under
+  torchrun, whose workers start with SIGUSR1 ignored), to the batch shell
+  after 3 steps (``scancel --batch``) and by its time limit
+  (``--signal=B:USR1@T``) (both one task per process) -- each must save,
+  requeue, resume and end with exactly the pipeline's losses;
 * failures: a config typo in a save directory holding an earlier job's
   ``REQUEUE_REQUESTED`` (must fail with status 2 and its one-line error, no
   requeue), a non-finite loss under the srun launcher (status 3), a

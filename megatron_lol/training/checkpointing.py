@@ -41,7 +41,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
 ``run_config.yaml`` is ``ExperimentConfig.to_dict()`` with ``model.vocab_size``
 set to the padded vocabulary the weights have (so ``load_config(...,
 check_data=False)`` rebuilds the model), plus a top-level ``checkpoint:``
-section (not a config key: pop it first, :func:`read_run_config` does) with
+section (the checkpoint's record, not a setting: ``load_config`` and
+:func:`read_run_config` set it aside) with
 ``iteration``, ``consumed_train_samples``, ``padded_vocab_size``,
 ``tokenizer`` (type, file paths, copied file names, ``vocab_size``, ``eod_id``),
 ``layout``, ``key_prefix: model.`` and ``format: torch_dist``.

@@ -2,8 +2,8 @@
 
 * :func:`resolve_threads`: torch's intra-op threads. Its default (every core of
   the machine per process) collapses throughput on a shared node: eight ranks
-  of a node each start as many threads as the node has cores, or a job on a
-  2-core slice of a busy machine runs 30x slower than with one thread. The
+  of a node each start as many threads as the node has cores, and a job on a
+  slice of a busy machine spends its time in contended OpenMP barriers. The
   default here is the process's share of what Slurm allocated (or of the CPUs
   it may run on outside Slurm).
 * :func:`record_exit`: the exit status and one-line error of a rank, written
