@@ -37,7 +37,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "preprocess": ("megatron_lol.data.preprocess", "tokenize corpora into Megatron indexed datasets"),
     "merge-datasets": ("megatron_lol.data.merge", "merge shard outputs of preprocess into one dataset"),
     "prepare-quickstart": ("megatron_lol.data.quickstart", "fetch the bundled corpus, train its tokenizer, preprocess it"),
-    "profile": ("megatron_lol.perf.profile", "measure throughput, TFLOP/s and MFU of a config"),
+    "profile": ("megatron_lol.training.profile", "measure throughput, TFLOP/s and MFU of a config"),
     "convert-hf": ("megatron_lol.convert.to_hf", "convert a checkpoint to a HuggingFace model directory"),
     "import-hf": ("megatron_lol.convert.from_hf", "import a Llama-architecture HF checkpoint"),
     "analyze": ("megatron_lol.analysis.cli", "routing analyses: heatmaps, paths, mode paths"),

@@ -3,29 +3,49 @@
 #   LAUNCHER=torchrun: torchrun for PROCS_PER_NODE processes of this node;
 #   LAUNCHER=srun:     this task is one rank (RANK/WORLD_SIZE/LOCAL_RANK from Slurm).
 # Usage: launch_task.sh VERB ARGS...  (runs `megatron-lol VERB ARGS`)
-set -euo pipefail
+#
+# Slurm signals every process of the step (--signal=USR1@T, scancel -s USR1). The
+# launcher runs with SIGUSR1 ignored -- torchrun would die of it and take its workers
+# down mid-save -- and so do the training processes until the trainer installs its
+# handler, which takes seconds (imports, model, checkpoint). This shell stays alive
+# meanwhile and writes any SIGUSR1 it gets to $MEGATRON_LOL_STOP_FILE, which the
+# trainer reads at every step end: a signal during start-up is not lost. SIGTERM is
+# not ignored: torchrun forwards it to its workers and waits 30 s for them.
+set -uo pipefail
 PY="${MEGATRON_LOL_PYTHON:-python}"
+STOP_FILE="${MEGATRON_LOL_STOP_FILE:-}"
+
+on_usr1() {
+    if [ -n "$STOP_FILE" ]; then echo "SIGUSR1" > "$STOP_FILE" 2>/dev/null || true; fi
+}
+trap on_usr1 USR1
+trap ':' TERM  # stay until the launcher has finished (it gets SIGTERM from Slurm too)
+
 case "${LAUNCHER:-torchrun}" in
     torchrun)
-        # Slurm signals every process of the step (--signal=USR1@T, scancel -s USR1): the
-        # training processes catch SIGUSR1 and save; torchrun itself would die of it (default
-        # action) and take its workers down mid-save, so it ignores it (the workers install
-        # their own handler). SIGTERM is forwarded by torchrun, which waits 30 s.
-        trap '' USR1
-        exec "$PY" -m torch.distributed.run \
-            --nnodes="${SLURM_JOB_NUM_NODES:-1}" --node-rank="${SLURM_NODEID:-0}" \
-            --nproc-per-node="${PROCS_PER_NODE:-1}" \
-            --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT" \
-            -m megatron_lol "$@"
+        cmd=("$PY" -m torch.distributed.run
+             --nnodes="${SLURM_JOB_NUM_NODES:-1}" --node-rank="${SLURM_NODEID:-0}"
+             --nproc-per-node="${PROCS_PER_NODE:-1}"
+             --master-addr="$MASTER_ADDR" --master-port="$MASTER_PORT"
+             -m megatron_lol "$@")
         ;;
     srun)
         export RANK="$SLURM_PROCID" WORLD_SIZE="$SLURM_NTASKS" LOCAL_RANK="$SLURM_LOCALID"
         export LOCAL_WORLD_SIZE="${SLURM_NTASKS_PER_NODE:-1}"
         LOCAL_WORLD_SIZE="${LOCAL_WORLD_SIZE%%(*}"
-        exec "$PY" -m megatron_lol "$@"
+        cmd=("$PY" -m megatron_lol "$@")
         ;;
     *)
         echo "launch_task.sh: LAUNCHER must be torchrun or srun (got $LAUNCHER)" >&2
         exit 2
         ;;
 esac
+
+( trap '' USR1; exec "${cmd[@]}" ) &
+child=$!
+while :; do
+    rc=0
+    wait "$child" || rc=$?
+    kill -0 "$child" 2>/dev/null || break  # else a trapped signal interrupted the wait
+done
+exit "$rc"

@@ -1,13 +1,19 @@
 #!/usr/bin/env bash
 # Submit the whole pipeline, each stage starting only when the previous one succeeded
-# (--dependency=afterok):
+# (--dependency=afterok, --kill-on-invalid-dep=yes: a failed stage cancels the stages after
+# it instead of leaving them pending forever on clusters without kill_invalid_depend):
 #
 #   preprocess (array over NUM_SHARDS shards) -> merge -> pretrain -> context extension
 #
+# Every stage's configuration is validated first (`megatron-lol train --dry-run=config`:
+# every key, the parallel layout against NODES x PROCS_PER_NODE, the batch sizes, the
+# tokenizer), as are INPUT and TOKENIZER_MODEL; nothing is submitted unless all pass.
+# Run it from any directory: relative paths are relative to it, and the jobs run there.
+#
 #   INPUT='/data/raw/*.jsonl.zst' TOKENIZER_MODEL=/data/tok.model NUM_SHARDS=64 \
-#   PARTITION=h100 ACCOUNT=myproj NODES=16 GPUS_PER_NODE=8 \
-#   PRETRAIN_CONFIG=examples/configs/paper/lol-360m-L4.yaml CONTEXT_CONFIG=my-ctx.yaml \
-#   WORK_DIR=/lustre/me/lol360m bash slurm/submit_pipeline.sh
+#   PARTITION=h100 ACCOUNT=myproj NODES=16 GPUS_PER_NODE=8 CPUS_PER_NODE=96 \
+#   PRETRAIN_CONFIG=/repo/examples/configs/paper/lol-360m-L4.yaml CONTEXT_CONFIG=my-ctx.yaml \
+#   WORK_DIR=/lustre/me/lol360m bash /repo/slurm/submit_pipeline.sh
 #
 # Variables (defaults):
 #   INPUT             corpus files / glob / directory for preprocess      (required)
@@ -15,32 +21,44 @@
 #   NUM_SHARDS        preprocess array size                                (4)
 #   PREPROCESS_CPUS   CPUs per preprocess task (= tokenizer workers)       (4)
 #   WORK_DIR          data/, pretrain/, context_ext/, logs/, jobs.env go here (runs/pipeline)
-#   PRETRAIN_CONFIG   (examples/configs/tiny-slurm.yaml)
-#   CONTEXT_CONFIG    (examples/configs/tiny-context-ext.yaml); empty = no context-extension stage
+#   PRETRAIN_CONFIG   ($REPO/examples/configs/tiny-slurm.yaml)
+#   CONTEXT_CONFIG    ($REPO/examples/configs/tiny-context-ext.yaml); empty = no context-extension stage
 #   NODES             nodes for pretrain and context extension           (2)
 #   GPUS_PER_NODE     GPUs per node, 0 = CPU nodes with gloo                (0 without nvidia-smi, else 8)
 #   PROCS_PER_NODE    training processes per node                         (GPUS_PER_NODE, or 1)
-#   CPUS_PER_TASK     CPUs per training task                              (empty: Slurm's default)
+#   CPUS_PER_NODE     CPUs for training on each node, whatever the launch style: torchrun's
+#                     one task per node gets them all, srun's PROCS_PER_NODE tasks a share each
+#                                                                         (empty: Slurm's default)
+#   CPUS_PER_PROCESS  CPUs per training process instead (torchrun: x PROCS_PER_NODE per task)
+#                     (CPUS_PER_TASK is refused: it meant different things for the two styles)
 #   LAUNCHER          torchrun | srun (see slurm/common.sh)               (torchrun)
 #   PARTITION ACCOUNT QOS   Slurm partition / account / QoS               (empty: cluster defaults)
 #   PREPROCESS_TIME PRETRAIN_TIME CONTEXT_TIME   --time limits            (empty: partition default)
 #   SBATCH_EXTRA      more sbatch flags for every job, e.g. "--exclusive --mem=0" (empty)
 #   PRETRAIN_LAUNCHER / CONTEXT_LAUNCHER   per-stage LAUNCHER override    (LAUNCHER)
 #   PRETRAIN_ARGS / CONTEXT_ARGS           extra `megatron-lol train` flags per stage (empty)
+#   VALIDATE          1 = dry-run every stage's config before submitting  (1; needs a local python)
 #   CONTAINER_IMAGE, CONTAINER_MOUNTS, MEGATRON_LOL_PYTHON, NCCL_*: see slurm/common.sh
 # Prints the job ids and writes them to $WORK_DIR/jobs.env.
 set -euo pipefail
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cd "$REPO"
 export MEGATRON_LOL_ROOT="$REPO"
+RUN_DIR="$PWD"
+
+die() { echo "submit_pipeline.sh: $*" >&2; exit 2; }
+abspath() { case "$1" in /*) echo "$1" ;; *) echo "$RUN_DIR/$1" ;; esac; }
+
+# the submitting shell's rendezvous variables would reach the jobs (sbatch exports everything)
+unset MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GROUP_RANK NODE_RANK
 
 : "${INPUT:?set INPUT to the corpus files}"
 NUM_SHARDS="${NUM_SHARDS:-4}"
 PREPROCESS_CPUS="${PREPROCESS_CPUS:-4}"
-WORK_DIR="${WORK_DIR:-runs/pipeline}"
-case "$WORK_DIR" in /*) ;; *) WORK_DIR="$REPO/$WORK_DIR" ;; esac
-PRETRAIN_CONFIG="${PRETRAIN_CONFIG:-examples/configs/tiny-slurm.yaml}"
-CONTEXT_CONFIG="${CONTEXT_CONFIG-examples/configs/tiny-context-ext.yaml}"
+WORK_DIR="$(abspath "${WORK_DIR:-runs/pipeline}")"
+PRETRAIN_CONFIG="$(abspath "${PRETRAIN_CONFIG:-$REPO/examples/configs/tiny-slurm.yaml}")"
+CONTEXT_CONFIG="${CONTEXT_CONFIG-$REPO/examples/configs/tiny-context-ext.yaml}"
+[ -n "$CONTEXT_CONFIG" ] && CONTEXT_CONFIG="$(abspath "$CONTEXT_CONFIG")"
+[ -n "${TOKENIZER_MODEL:-}" ] && TOKENIZER_MODEL="$(abspath "$TOKENIZER_MODEL")"
 NODES="${NODES:-2}"
 if [ -z "${GPUS_PER_NODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1; then GPUS_PER_NODE=8; else GPUS_PER_NODE=0; fi
@@ -51,23 +69,77 @@ fi
 LAUNCHER="${LAUNCHER:-torchrun}"
 export GPUS_PER_NODE PROCS_PER_NODE
 
+# ------------------------------------------------------------------ checks (nothing submitted yet)
+[ -n "${CPUS_PER_TASK:-}" ] && die "CPUS_PER_TASK=$CPUS_PER_TASK is ambiguous (one torchrun task per node, or one srun" \
+                                   "task per process): set CPUS_PER_NODE or CPUS_PER_PROCESS"
+[ -n "${CPUS_PER_NODE:-}" ] && [ -n "${CPUS_PER_PROCESS:-}" ] && die "set CPUS_PER_NODE or CPUS_PER_PROCESS, not both"
+if [ -n "${CPUS_PER_NODE:-}" ] && [ "$CPUS_PER_NODE" -lt "$PROCS_PER_NODE" ]; then
+    die "CPUS_PER_NODE=$CPUS_PER_NODE is fewer than PROCS_PER_NODE=$PROCS_PER_NODE"
+fi
+for l in "$LAUNCHER" "${PRETRAIN_LAUNCHER:-$LAUNCHER}" "${CONTEXT_LAUNCHER:-$LAUNCHER}"; do
+    case "$l" in torchrun|srun) ;; *) die "LAUNCHER must be torchrun or srun (got $l)" ;; esac
+done
+# shellcheck disable=SC2086
+if ! compgen -G "$INPUT" >/dev/null && [ ! -e "$INPUT" ]; then die "INPUT=$INPUT matches no file"; fi
+[ -n "${TOKENIZER_MODEL:-}" ] && [ ! -e "$TOKENIZER_MODEL" ] && die "TOKENIZER_MODEL=$TOKENIZER_MODEL does not exist"
+
 mkdir -p "$WORK_DIR/logs" "$WORK_DIR/data"
 DATA_PREFIX_BASE="$WORK_DIR/data/corpus"
 DATA_PREFIX="${DATA_PREFIX_BASE}_text_document"
 
-common=(--parsable --chdir="$REPO")
+# stage_args STAGE: the `megatron-lol train` arguments of the pretrain / context stage
+stage_args() {
+    local args
+    if [ "$1" = pretrain ]; then
+        args=(--config "$PRETRAIN_CONFIG" --save "$WORK_DIR/pretrain")
+    else
+        args=(--config "$CONTEXT_CONFIG" --save "$WORK_DIR/context_ext" --load "$WORK_DIR/pretrain")
+    fi
+    args+=(--data-path "$DATA_PREFIX")
+    [ -n "${TOKENIZER_MODEL:-}" ] && args+=(--tokenizer-model "$TOKENIZER_MODEL")
+    printf '%s\n' "${args[@]}"
+}
+
+if [ "${VALIDATE:-1}" = 1 ]; then
+    PY="${MEGATRON_LOL_PYTHON:-$REPO/.venv/bin/python}"
+    command -v "$PY" >/dev/null 2>&1 || [ -x "$PY" ] || \
+        die "cannot validate the configs: $PY not found (set MEGATRON_LOL_PYTHON, or VALIDATE=0 to skip)"
+    stages=(pretrain); [ -n "$CONTEXT_CONFIG" ] && stages+=(context)
+    for stage in "${stages[@]}"; do
+        mapfile -t a < <(stage_args "$stage")
+        if [ "$stage" = pretrain ]; then extra="${PRETRAIN_ARGS:-}"; else extra="${CONTEXT_ARGS:-}"; fi
+        # shellcheck disable=SC2086,SC2206
+        a+=($extra)
+        if ! out=$(cd "$RUN_DIR" && WORLD_SIZE=$((NODES * PROCS_PER_NODE)) PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
+                   "$PY" -m megatron_lol train --dry-run=config "${a[@]}" 2>&1); then
+            die "$stage stage: $(grep -v '^usage:\|^  ' <<<"$out" | tail -n 1) -- nothing submitted"
+        fi
+        echo "$stage stage: ${out##*$'\n'}"
+    done
+fi
+
+# ------------------------------------------------------------------ submission
+common=(--parsable --chdir="$RUN_DIR")
 [ -n "${PARTITION:-}" ] && common+=(--partition="$PARTITION")
 [ -n "${ACCOUNT:-}" ] && common+=(--account="$ACCOUNT")
 [ -n "${QOS:-}" ] && common+=(--qos="$QOS")
 # shellcheck disable=SC2206
 common+=(${SBATCH_EXTRA:-})
+after() { echo "--dependency=afterok:$1" --kill-on-invalid-dep=yes; }
 
 train_flags() {  # train_flags LAUNCHER TIME
-    local flags=(--nodes="$NODES")
-    if [ "$1" = srun ]; then flags+=(--ntasks-per-node="$PROCS_PER_NODE")
-    else flags+=(--ntasks-per-node=1); fi
+    local flags=(--nodes="$NODES") cpus=""
+    if [ "$1" = srun ]; then
+        flags+=(--ntasks-per-node="$PROCS_PER_NODE")
+        if [ -n "${CPUS_PER_PROCESS:-}" ]; then cpus=$CPUS_PER_PROCESS
+        elif [ -n "${CPUS_PER_NODE:-}" ]; then cpus=$(( CPUS_PER_NODE / PROCS_PER_NODE )); fi
+    else
+        flags+=(--ntasks-per-node=1)
+        if [ -n "${CPUS_PER_NODE:-}" ]; then cpus=$CPUS_PER_NODE
+        elif [ -n "${CPUS_PER_PROCESS:-}" ]; then cpus=$(( CPUS_PER_PROCESS * PROCS_PER_NODE )); fi
+    fi
+    [ -n "$cpus" ] && flags+=(--cpus-per-task="$cpus")
     [ "$GPUS_PER_NODE" -gt 0 ] && flags+=(--gpus-per-node="$GPUS_PER_NODE")
-    [ -n "${CPUS_PER_TASK:-}" ] && flags+=(--cpus-per-task="$CPUS_PER_TASK")
     [ -n "${2:-}" ] && flags+=(--time="$2")
     echo "${flags[@]}"
 }
@@ -77,19 +149,20 @@ pre_flags=(--array=0-$((NUM_SHARDS - 1)) --cpus-per-task="$PREPROCESS_CPUS"
            --output="$WORK_DIR/logs/%x-%A_%a.out")
 [ -n "${PREPROCESS_TIME:-}" ] && pre_flags+=(--time="$PREPROCESS_TIME")
 PRE=$(INPUT="$INPUT" NUM_SHARDS="$NUM_SHARDS" OUTPUT_PREFIX="$DATA_PREFIX_BASE" \
-      sbatch "${common[@]}" "${pre_flags[@]}" slurm/preprocess.sbatch | jobid)
+      sbatch "${common[@]}" "${pre_flags[@]}" "$REPO/slurm/preprocess.sbatch" | jobid)
 
-merge_flags=(--dependency=afterok:"$PRE" --cpus-per-task=1 --output="$WORK_DIR/logs/%x-merge-%j.out")
+# shellcheck disable=SC2046
+merge_flags=($(after "$PRE") --cpus-per-task=1 --output="$WORK_DIR/logs/%x-merge-%j.out")
 [ -n "${PREPROCESS_TIME:-}" ] && merge_flags+=(--time="$PREPROCESS_TIME")
 MERGE=$(PREPROCESS_STEP=merge NUM_SHARDS="$NUM_SHARDS" OUTPUT_PREFIX="$DATA_PREFIX_BASE" \
-        sbatch "${common[@]}" "${merge_flags[@]}" slurm/preprocess.sbatch | jobid)
+        sbatch "${common[@]}" "${merge_flags[@]}" "$REPO/slurm/preprocess.sbatch" | jobid)
 
 pl="${PRETRAIN_LAUNCHER:-$LAUNCHER}"
 # shellcheck disable=SC2046
 PRETRAIN=$(LAUNCHER="$pl" CONFIG="$PRETRAIN_CONFIG" SAVE_DIR="$WORK_DIR/pretrain" DATA_PREFIX="$DATA_PREFIX" \
            TRAIN_ARGS="${PRETRAIN_ARGS:-}" \
-           sbatch "${common[@]}" $(train_flags "$pl" "${PRETRAIN_TIME:-}") --dependency=afterok:"$MERGE" \
-           --output="$WORK_DIR/logs/%x-%j.out" slurm/pretrain.sbatch | jobid)
+           sbatch "${common[@]}" $(train_flags "$pl" "${PRETRAIN_TIME:-}") $(after "$MERGE") \
+           --output="$WORK_DIR/logs/%x-%j.out" "$REPO/slurm/pretrain.sbatch" | jobid)
 
 CONTEXT=""
 if [ -n "$CONTEXT_CONFIG" ]; then
@@ -97,8 +170,8 @@ if [ -n "$CONTEXT_CONFIG" ]; then
     # shellcheck disable=SC2046
     CONTEXT=$(LAUNCHER="$cl" CONFIG="$CONTEXT_CONFIG" LOAD_DIR="$WORK_DIR/pretrain" \
               SAVE_DIR="$WORK_DIR/context_ext" DATA_PREFIX="$DATA_PREFIX" TRAIN_ARGS="${CONTEXT_ARGS:-}" \
-              sbatch "${common[@]}" $(train_flags "$cl" "${CONTEXT_TIME:-}") --dependency=afterok:"$PRETRAIN" \
-              --output="$WORK_DIR/logs/%x-%j.out" slurm/context_extension.sbatch | jobid)
+              sbatch "${common[@]}" $(train_flags "$cl" "${CONTEXT_TIME:-}") $(after "$PRETRAIN") \
+              --output="$WORK_DIR/logs/%x-%j.out" "$REPO/slurm/context_extension.sbatch" | jobid)
 fi
 
 cat > "$WORK_DIR/jobs.env" <<EOT

@@ -355,8 +355,8 @@ def test_params_takes_the_vocabulary_from_the_config_tokenizer(corpus, tmp_path)
     assert len(out.stderr.splitlines()) <= 1, out.stderr
     out = _params(tmp_path, "--json", "--tensor-model-parallel-size", "2", "--verbose")
     d = json.loads(out.stdout)
-    assert d["vocab_size_given"] == 384 and d["vocab_size"] == 512  # padded to 128 x TP 2
-    assert d["embedding"] == 512 * 128
+    assert d["vocab_size_given"] == 384 and d["vocab_size"] == 384  # the same padding at every TP size
+    assert d["embedding"] == 384 * 128
 
 
 def test_preprocess_creates_the_output_directory(corpus, tmp_path, capsys):

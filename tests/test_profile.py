@@ -118,7 +118,7 @@ def _node(host, step, tps, tfl, mfu, clock=None):
 
 def test_merge_reports():
     from megatron_lol.errors import CliError
-    from megatron_lol.perf.profile import format_nodes, merge_reports
+    from megatron_lol.training.profile import format_nodes, merge_reports
 
     a = {"nodes": [_node("n1", 1.0, 1000.0, 100.0, 0.1, 1900)]}
     b = {"nodes": [_node("n0", 2.0, 500.0, 50.0, 0.05, 1500), _node("n2", 1.0, 1000.0, 100.0, 0.1, 1980)]}

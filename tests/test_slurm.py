@@ -1,18 +1,39 @@
-"""The sbatch scripts on a real (local, two-node) Slurm cluster.
+"""The sbatch scripts on a real (local, two-node) Slurm cluster, used as on a production cluster.
 
-Starts ``../shared/tools/local-slurm`` (root only), then runs the whole pipeline
-of ``slurm/submit_pipeline.sh`` on a tiny config -- preprocess as a job array
-over 2 shards, merge, pretrain on 2 nodes x 1 process (torchrun, gloo, growing
-depth), context extension (one task per process) from the pretraining
-checkpoint -- and, next to it, a pretraining job that receives its preemption
-signal (SIGUSR1 to the job steps, as ``--signal=USR1@T`` sends it), saves,
-requeues itself, resumes and must end with exactly the pipeline's losses.
+Starts ``../shared/tools/local-slurm`` (root only) and switches off its
+``DependencyParameters=kill_invalid_depend`` (Slurm's default is off), then runs
+one campaign of concurrent jobs on tiny configs, all submitted from a run
+directory outside the repository with the scripts' absolute paths and with a
+stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
+``LOCAL_RANK`` in the submitting environment:
+
+* the whole pipeline of ``slurm/submit_pipeline.sh``: preprocess as a job array
+  over 2 shards, merge, pretrain on 2 nodes x 1 process (torchrun, gloo,
+  growing depth), context extension (one task per process) from the
+  pretraining checkpoint;
+* four pretraining drills preempted by SIGUSR1 -- to the job steps after 3
+  steps and to the steps while the trainer is still starting (both under
+  torchrun, whose workers start with SIGUSR1 ignored), to the batch shell
+  after 3 steps (``scancel --batch``) and by its time limit
+  (``--signal=B:USR1@T``) (both one task per process) -- each must save,
+  requeue, resume and end with exactly the pipeline's losses;
+* failures: a config typo in a save directory holding an earlier job's
+  ``REQUEUE_REQUESTED`` (must fail with status 2 and its one-line error, no
+  requeue), a non-finite loss under the srun launcher (status 3), a
+  preprocess that fails (its dependents must be cancelled, not left pending),
+  ``submit_pipeline.sh`` with a typo (nothing submitted) and held submissions
+  that show the CPUs each launch style asks for;
+* ``profile.sbatch`` on 2 nodes that share one hostname: a JSON report with a
+  row per node.
+
+The campaign runs once (module fixture); each test checks one behaviour.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,16 +43,23 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"
+SLURM_CONF = Path("/etc/slurm/slurm.conf")
 PRETRAIN_ITERS = 16
 CONTEXT_ITERS = 6
-TIMEOUT = 420
+TIMEOUT = 900  # the whole campaign; a hang (a job pending forever) fails here
+STRAY_ENV = {"MASTER_ADDR": "10.255.255.1", "MASTER_PORT": "1", "RANK": "3", "WORLD_SIZE": "7", "LOCAL_RANK": "5"}
+ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
+          "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "SPECIAL_EXIT", "STOPPED"}
 
 pytestmark = pytest.mark.slow
 
 
-def _sh(*cmd, env=None, timeout=120, check=True) -> str:
-    res = subprocess.run(list(map(str, cmd)), cwd=str(REPO), env=env, capture_output=True, text=True,
-                         timeout=timeout)
+def _run(*cmd, env=None, cwd=REPO, timeout=120):
+    return subprocess.run(list(map(str, cmd)), cwd=str(cwd), env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def _sh(*cmd, env=None, cwd=REPO, timeout=120, check=True) -> str:
+    res = _run(*cmd, env=env, cwd=cwd, timeout=timeout)
     if check and res.returncode:
         raise AssertionError(f"{cmd} failed ({res.returncode}):\n{res.stdout}\n{res.stderr}")
     return res.stdout
@@ -39,14 +67,26 @@ def _sh(*cmd, env=None, timeout=120, check=True) -> str:
 
 @pytest.fixture(scope="module")
 def cluster():
+    """The local cluster, configured like a default Slurm: no kill_invalid_depend."""
     if os.geteuid() != 0:
         pytest.skip("local-slurm needs root")
     if not (LOCAL_SLURM / "start.sh").exists():
         pytest.skip(f"{LOCAL_SLURM} not present")
-    _sh("bash", LOCAL_SLURM / "start.sh", timeout=600)
-    return LOCAL_SLURM
+    # 8 CPUs per node declared: the campaign's jobs run side by side (they mostly wait)
+    _sh("bash", LOCAL_SLURM / "start.sh", env=dict(os.environ, LOCAL_SLURM_CPUS="8"), timeout=600)
+    original = SLURM_CONF.read_text()
+    SLURM_CONF.write_text("".join(line for line in original.splitlines(keepends=True)
+                                  if not line.startswith("DependencyParameters=")))
+    try:
+        _sh("scontrol", "reconfigure")
+        assert "kill_invalid_depend" not in _sh("scontrol", "show", "config")
+        yield LOCAL_SLURM
+    finally:
+        SLURM_CONF.write_text(original)
+        _sh("scontrol", "reconfigure", check=False)
 
 
+# ------------------------------------------------------------------ helpers
 def _metrics(save: Path) -> dict:
     out = {}
     path = save / "metrics.jsonl"
@@ -60,27 +100,61 @@ def _metrics(save: Path) -> dict:
     return out
 
 
-def _logs(work: Path) -> str:
-    text = []
-    for f in sorted((work / "logs").glob("*")):
-        body = "\n".join(l for l in f.read_text(errors="replace").splitlines() if "warn" not in l.lower())
-        text.append(f"==== {f.name}\n{body[-4000:]}")
-    return "\n".join(text)
+def _read(path: Path) -> str:
+    return path.read_text(errors="replace") if path.exists() else ""
 
 
-def _job_state(job: str) -> str:
-    out = _sh("scontrol", "-o", "show", "job", job, check=False)
-    for part in out.split():
-        if part.startswith("JobState="):
-            return part.split("=", 1)[1]
-    return "?"
+def _field(line: str, key: str) -> str:
+    m = re.search(rf"(?:^| ){key}=(\S*)", line)
+    return m.group(1) if m else ""
 
 
-def test_pipeline_and_preemption_requeue(cluster, tmp_path):
+def _all_jobs() -> dict:
+    """JobId -> the one-line ``scontrol show job`` record, for every job the controller knows."""
+    out = _sh("scontrol", "-o", "show", "job", check=False)
+    return {_field(line, "JobId"): line for line in out.splitlines() if "JobId=" in line}
+
+
+class Campaign:
+    def __init__(self, root: Path):
+        self.root = root
+        self.run_dir = root / "run"  # submissions happen here, outside the repository
+        self.logs = self.run_dir / "logs"
+        self.logs.mkdir(parents=True)
+        self.jobs: dict = {}  # name -> job id
+        self.final: dict = {}  # name -> scontrol line at the end
+        self.done: dict = {}  # one-shot actions taken -> what they saw
+        self.submit_checks: dict = {}
+
+    def log(self, name: str, logs: Path = None) -> str:
+        return "\n".join(_read(p) for p in sorted((logs or self.logs).glob(f"{name}-*.out")))
+
+    def sbatch(self, name: str, script: str, *flags, env: dict, after: str = None) -> str:
+        cmd = ["sbatch", "--parsable", f"--output={self.logs}/{name}-%j.out", *flags]
+        if after:
+            cmd += [f"--dependency=afterok:{after}", "--kill-on-invalid-dep=yes"]
+        job = _sh(*cmd, REPO / "slurm" / script, env=env, cwd=self.run_dir).strip().split(";")[0]
+        self.jobs[name] = job
+        return job
+
+    def state(self, name: str) -> str:
+        return _field(self.final.get(name, ""), "JobState")
+
+    def report(self) -> str:
+        parts = [f"{n}: {self.final.get(n, '(not finished)')[:400]}" for n in self.jobs]
+        for f in sorted(self.logs.glob("*.out")) + sorted(self.run_dir.glob("*/logs/*.out")):
+            body = "\n".join(l for l in _read(f).splitlines() if "warn" not in l.lower())
+            parts.append(f"==== {f.name}\n{body[-3000:]}")
+        return "\n".join(parts)
+
+
+@pytest.fixture(scope="module")
+def campaign(cluster, tmp_path_factory):
     from corpus_fixtures import stdlib_documents, train_sentencepiece
 
-    work = tmp_path / "work"
-    raw = tmp_path / "raw"
+    root = tmp_path_factory.mktemp("slurm")
+    c = Campaign(root)
+    raw = root / "raw"
     raw.mkdir()
     docs = stdlib_documents(max_bytes=300_000, max_doc=8000)
     tokenizer = train_sentencepiece(docs, str(raw / "sp"), vocab_size=512)
@@ -88,74 +162,247 @@ def test_pipeline_and_preemption_requeue(cluster, tmp_path):
         with open(raw / f"part{i}.jsonl", "w") as f:
             for d in docs[i::2]:
                 f.write(json.dumps({"text": d}) + "\n")
+    (raw / "broken.jsonl").write_text("this is not json\n")
 
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LOL_ROOT"}
+    env.update(STRAY_ENV)
     env.update(MEGATRON_LOL_PYTHON=sys.executable, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
                GPUS_PER_NODE="0", TOKENIZER_MODEL=tokenizer)
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
-    pipe_env = dict(env, INPUT=str(raw / "*.jsonl"), NUM_SHARDS="2", PREPROCESS_CPUS="1", WORK_DIR=str(work),
-                    NODES="2", CONTEXT_LAUNCHER="srun")
+    pipe_env = dict(env, INPUT=str(raw / "part*.jsonl"), NUM_SHARDS="2", PREPROCESS_CPUS="1", NODES="2",
+                    CONTEXT_LAUNCHER="srun")
+    submit = str(REPO / "slurm" / "submit_pipeline.sh")
     t0 = time.time()
-    print(_sh("bash", "slurm/submit_pipeline.sh", env=pipe_env))
-    jobs = dict(line.split("=", 1) for line in (work / "jobs.env").read_text().split())
+    try:
+        _submission_checks(c, submit, pipe_env)
+        # the pipeline, with a relative WORK_DIR (relative to the run directory)
+        print(_sh("bash", submit, env=dict(pipe_env, WORK_DIR="work", CPUS_PER_NODE="2"), cwd=c.run_dir))
+        ids = dict(line.split("=", 1) for line in (c.run_dir / "work" / "jobs.env").read_text().split())
+        c.jobs.update(merge=ids["MERGE_JOB"], pretrain=ids["PRETRAIN_JOB"], context=ids["CONTEXT_JOB"])
+        c.data_prefix = ids["DATA_PREFIX"]
+        # a pipeline whose preprocess fails, on a cluster without kill_invalid_depend
+        _sh("bash", submit, env=dict(pipe_env, INPUT=str(raw / "broken.jsonl"), NUM_SHARDS="1",
+                                     WORK_DIR="broken"), cwd=c.run_dir)
+        ids = dict(line.split("=", 1) for line in (c.run_dir / "broken" / "jobs.env").read_text().split())
+        c.jobs.update(broken_pre=ids["PREPROCESS_JOB"], broken_merge=ids["MERGE_JOB"],
+                      broken_pretrain=ids["PRETRAIN_JOB"], broken_context=ids["CONTEXT_JOB"])
+        _submit_drills(c, env)
+        _drive(c, t0)
+    finally:
+        left = [j for n, j in c.jobs.items() if n not in c.final]
+        if left:
+            _sh("scancel", *left, check=False)
+    print(f"slurm campaign: {time.time() - t0:.0f} s")
+    return c
 
-    # the preemption drill: the same pretraining, next to the pipeline's
-    preempt = work / "preempt"
-    preempt_job = _sh(
-        "sbatch", "--parsable", f"--chdir={REPO}", "--nodes=2", "--ntasks-per-node=1",
-        f"--dependency=afterok:{jobs['MERGE_JOB']}", f"--output={work}/logs/preempt-%j.out",
-        "slurm/pretrain.sbatch",
-        env=dict(env, SAVE_DIR=str(preempt), DATA_PREFIX=jobs["DATA_PREFIX"], MEGATRON_LOL_ROOT=str(REPO)),
-    ).strip().split(";")[0]
-    signalled_at = None
+
+def _submission_checks(c: Campaign, submit: str, pipe_env: dict) -> None:
+    """submit_pipeline.sh refusals (nothing submitted) and held submissions (CPUs per launch style)."""
+    before = set(_all_jobs())
+    res = _run("bash", submit, env=dict(pipe_env, WORK_DIR="typo", PRETRAIN_ARGS="--set training.bogus_key=1"),
+               cwd=c.run_dir)
+    c.submit_checks["typo"] = (res.returncode, res.stdout, res.stderr, set(_all_jobs()) - before,
+                               (c.run_dir / "typo" / "jobs.env").exists())
+    res = _run("bash", submit, env=dict(pipe_env, WORK_DIR="ambiguous", CPUS_PER_TASK="4"), cwd=c.run_dir)
+    c.submit_checks["cpus_per_task"] = (res.returncode, res.stderr, set(_all_jobs()) - before)
+    held_env = dict(pipe_env, WORK_DIR="held", SBATCH_EXTRA="--hold", PROCS_PER_NODE="2", CPUS_PER_NODE="4",
+                    PRETRAIN_ARGS="--global-batch-size 8", CONTEXT_ARGS="--global-batch-size 4")
+    _sh("bash", submit, env=held_env, cwd=c.run_dir)
+    ids = dict(line.split("=", 1) for line in (c.run_dir / "held" / "jobs.env").read_text().split())
+    jobs = _all_jobs()
+    c.submit_checks["held"] = {k: jobs.get(ids[k], "") for k in ("PRETRAIN_JOB", "CONTEXT_JOB")}
+    _sh("scancel", *[ids[k] for k in ("PREPROCESS_JOB", "MERGE_JOB", "PRETRAIN_JOB", "CONTEXT_JOB")])
+
+
+def _submit_drills(c: Campaign, env: dict) -> None:
+    run = c.run_dir
+    (run / "stale").mkdir()
+    (run / "stale" / "REQUEUE_REQUESTED").write_text("12 received SIGUSR1 job=4242\n")
+    two = ["--nodes=2", "--ntasks-per-node=1"]
+    data = dict(env, DATA_PREFIX=c.data_prefix)
+    # relative SAVE_DIRs: relative to the run directory the jobs are submitted from
+    c.sbatch("stale", "pretrain.sbatch", *two, env=dict(env, SAVE_DIR="stale",
+                                                        TRAIN_ARGS="--set training.bogus_key=1"))
+    merge = c.jobs["merge"]
+    c.sbatch("steps_usr1", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="steps_usr1"), after=merge)
+    # the batch-shell drills do not depend on the launch style: one task per process (no torchrun) is cheaper
+    c.sbatch("batch_usr1", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="batch_usr1", LAUNCHER="srun"),
+             after=merge)
+    # SIGUSR1 to the batch shell 170 s before a 3-minute limit: Slurm sends it up to 30 s early,
+    # at its first periodic check, 0-30 s into the run; the save of iteration 4 pauses 30 s,
+    # so the run is certainly still going when it arrives
+    c.sbatch("time_limit", "pretrain.sbatch", *two, "--time=3", "--signal=B:USR1@170",
+             env=dict(data, SAVE_DIR="time_limit", LAUNCHER="srun", MEGATRON_LOL_CKPT_PAUSE="4:30"), after=merge)
+    c.sbatch("startup", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="startup"), after=merge)
+    c.sbatch("nonfinite", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="nonfinite", LAUNCHER="srun",
+                                                            MEGATRON_LOL_INJECT_NAN_STEPS="2"), after=merge)
+    profile_env = {k: v for k, v in data.items() if k != "OMP_NUM_THREADS"}
+    c.sbatch("profile", "profile.sbatch", *two, "--cpus-per-task=2",
+             env=dict(profile_env, LAUNCHER="srun", PROFILE_ARGS="--steps 2 --warmup 1"), after=merge)
+
+
+def _drive(c: Campaign, t0: float) -> None:
+    """Poll the jobs; send the drills' signals at their moments; record every job's final state."""
+    run = c.run_dir
+    step_seen = None
     while time.time() - t0 < TIMEOUT:
-        done = max(_metrics(preempt), default=0)
-        if done >= 3:
-            assert done < PRETRAIN_ITERS, "the drill finished before it could be signalled"
-            _sh("scancel", "--signal=USR1", preempt_job)  # to the job steps, as --signal=USR1@T does
-            signalled_at = done
-            break
-        if _job_state(preempt_job) in ("FAILED", "CANCELLED", "COMPLETED", "TIMEOUT"):
-            break
-        time.sleep(0.2)
-    assert signalled_at is not None, _logs(work)
+        jobs = _all_jobs()
+        for name, job in c.jobs.items():
+            line = jobs.get(job)
+            if name not in c.final and line and _field(line, "JobState") not in ACTIVE:
+                c.final[name] = line
+        if all(n in c.final for n in c.jobs):
+            return
+        for name in ("steps_usr1", "batch_usr1"):  # after 3 steps: to the steps / to the batch shell
+            done = max(_metrics(run / name), default=0)
+            if name not in c.done and done >= 3:
+                flags = ["--batch"] if name == "batch_usr1" else []
+                _sh("scancel", *flags, "--signal=USR1", c.jobs[name])
+                c.done[name] = done
+        if "time_limit" not in c.done and "requeueing job" in c.log("time_limit"):
+            # the restarted run gets a longer limit, else its warning would stop it again
+            _sh("scontrol", "update", f"JobId={c.jobs['time_limit']}", "TimeLimit=30")
+            c.done["time_limit"] = True
+        if "startup" not in c.done:
+            job = c.jobs["startup"]
+            steps = _sh("squeue", "-h", "-s", "-j", job, "-o", "%i", check=False).split()
+            if f"{job}.0" in steps and step_seen is None:
+                step_seen = time.time()
+            if step_seen is not None and time.time() - step_seen >= 1.0:
+                # the tasks are up (their launcher traps SIGUSR1); the trainer is still importing
+                log = c.log("startup")
+                c.done["startup"] = {"training_started": "training:" in log or bool(_metrics(run / "startup"))}
+                _sh("scancel", "--signal=USR1", job)
+        time.sleep(0.3)
+    raise AssertionError(f"campaign not finished after {TIMEOUT} s\n" + c.report())
 
-    res = subprocess.run(["bash", str(cluster / "wait.sh"), jobs["MERGE_JOB"], jobs["PRETRAIN_JOB"],
-                          jobs["CONTEXT_JOB"], preempt_job], cwd=str(REPO), capture_output=True, text=True,
-                         env=dict(env, SLURM_WAIT_TIMEOUT=str(TIMEOUT)), timeout=TIMEOUT + 60)
-    print(res.stdout, f"pipeline + drill: {time.time() - t0:.0f} s")
-    assert res.returncode == 0, res.stdout + res.stderr + _logs(work)
 
-    # preprocess array + merge
-    data = Path(jobs["DATA_PREFIX"])
+def _assert_resumed_like_pipeline(c: Campaign, name: str) -> dict:
+    assert c.state(name) == "COMPLETED" and _field(c.final[name], "ExitCode") == "0:0", c.report()
+    assert _field(c.final[name], "Restarts") == "1", c.final[name]
+    log = c.log(name)
+    assert "requeueing job" in log and "restart 1" in log, log[-5000:]
+    pre, got = _metrics(c.run_dir / "work" / "pretrain"), _metrics(c.run_dir / name)
+    assert sorted(got) == list(range(1, PRETRAIN_ITERS + 1))
+    for s in range(1, PRETRAIN_ITERS + 1):
+        assert got[s]["loss"] == pre[s]["loss"], (name, s, got[s], pre[s])
+    save = c.run_dir / name
+    assert not (save / "REQUEUE_REQUESTED").exists()
+    assert not list(save.glob(".slurm-job-*"))  # the per-launch stop/status files are cleaned up
+    return {"log": log}
+
+
+# ------------------------------------------------------------------ tests
+def test_pipeline_finishes_from_another_directory(campaign):
+    c = campaign
+    work = c.run_dir / "work"
+    for name in ("merge", "pretrain", "context"):
+        assert c.state(name) == "COMPLETED", c.report()
+    data = Path(c.data_prefix)
     assert data.with_suffix(".bin").exists() and data.with_suffix(".idx").exists()
     assert len(list(data.parent.glob("*.shard-0000?-of-00002.idx"))) == 2
-    # pretrain: 2 nodes x 1 process, growing depth, checkpoints
     pre = _metrics(work / "pretrain")
     assert sorted(pre) == list(range(1, PRETRAIN_ITERS + 1))
     assert pre[1]["depth"] == 1 and pre[PRETRAIN_ITERS]["depth"] == 3
     assert (work / "pretrain" / "latest_checkpointed_iteration.txt").read_text().strip() == str(PRETRAIN_ITERS)
-    logs = _logs(work)
-    assert "data parallel 2" in logs
-    # context extension read the pretraining checkpoint: longer sequences, new RoPE base
+    pre_log = c.log("lol-pretrain", work / "logs")
+    assert "data parallel 2" in pre_log and "threads: 1 per process (OMP_NUM_THREADS)" in pre_log
+    assert "CPUs/Task=2" in c.final["pretrain"]  # CPUS_PER_NODE=2, one torchrun task per node
     from megatron_lol.training.checkpointing import read_run_config
 
     ctx = work / "context_ext"
     assert (ctx / "latest_checkpointed_iteration.txt").read_text().strip() == str(CONTEXT_ITERS)
-    cfg, info = read_run_config(str(ctx / f"iter_{CONTEXT_ITERS:07d}"))
+    cfg, _ = read_run_config(str(ctx / f"iter_{CONTEXT_ITERS:07d}"))
     assert cfg.training.seq_length == 128 and cfg.model.rotary_base == 40000
-    ctx_log = next((work / "logs").glob("lol-context-ext-*.out")).read_text()
-    assert f"loaded {work}/pretrain/iter_{PRETRAIN_ITERS:07d}" in ctx_log
-    assert "launch: srun" in ctx_log
-    ctx_metrics = _metrics(ctx)
-    assert ctx_metrics[1]["loss"] < pre[1]["loss"] - 0.2  # starts from trained weights
-    # the drill: signalled, saved, requeued by Slurm, resumed, same losses as uninterrupted
-    drill_log = next((work / "logs").glob(f"preempt-{preempt_job}.out")).read_text()
-    assert "received SIGUSR1" in drill_log and "requeueing job" in drill_log, drill_log[-5000:]
-    assert f"restart 1" in drill_log
-    got = _metrics(preempt)
-    assert sorted(got) == list(range(1, PRETRAIN_ITERS + 1))
-    for s in range(1, PRETRAIN_ITERS + 1):
-        assert got[s]["loss"] == pre[s]["loss"], (s, got[s], pre[s])
-    assert not (preempt / "REQUEUE_REQUESTED").exists()
+    ctx_log = c.log("lol-context-ext", work / "logs")
+    assert f"loaded {work}/pretrain/iter_{PRETRAIN_ITERS:07d}" in ctx_log and "launch: srun" in ctx_log
+    assert _metrics(ctx)[1]["loss"] < pre[1]["loss"] - 0.2  # starts from trained weights
+
+
+def test_stray_rendezvous_environment_is_ignored(campaign):
+    c = campaign
+    log = c.log("steps_usr1")
+    for key, value in STRAY_ENV.items():
+        assert f"ignoring {key}={value} from the submitting environment" in log, log[-3000:]
+    assert "rendezvous node1:" in log
+    assert c.state("steps_usr1") == "COMPLETED", c.report()
+
+
+def test_step_usr1_saves_requeues_and_resumes_bit_identically(campaign):
+    out = _assert_resumed_like_pipeline(campaign, "steps_usr1")
+    it = int(re.search(r"preemption: received SIGUSR1 at iteration (\d+)", out["log"]).group(1))
+    assert it >= campaign.done["steps_usr1"]
+
+
+def test_batch_shell_usr1_saves_requeues_and_resumes(campaign):
+    out = _assert_resumed_like_pipeline(campaign, "batch_usr1")
+    assert "batch shell received SIGUSR1" in out["log"]
+    it = int(re.search(r"preemption: received SIGUSR1 at iteration (\d+)", out["log"]).group(1))
+    assert it >= campaign.done["batch_usr1"]
+
+
+def test_batch_signal_before_time_limit_saves_requeues_and_resumes(campaign):
+    out = _assert_resumed_like_pipeline(campaign, "time_limit")
+    assert "batch shell received SIGUSR1" in out["log"] and "preemption: received SIGUSR1" in out["log"]
+    assert campaign.done.get("time_limit") is True
+
+
+def test_signal_during_startup_is_honoured_after_the_first_step(campaign):
+    c = campaign
+    assert c.done["startup"] == {"training_started": False}, "the signal went out after training had started"
+    out = _assert_resumed_like_pipeline(c, "startup")
+    assert "preemption: received SIGUSR1 at iteration 1:" in out["log"], out["log"][-5000:]
+
+
+def test_stale_marker_never_requeues_and_the_job_carries_the_exit_status(campaign):
+    c = campaign
+    line, log = c.final["stale"], c.log("stale")
+    assert _field(line, "JobState") == "FAILED" and _field(line, "ExitCode") == "2:0", line
+    assert _field(line, "Restarts") == "0" and "requeueing" not in log, log[-3000:]
+    assert "REQUEUE_REQUESTED left by an earlier run" in log
+    assert "training failed with status 2: megatron-lol train: error: --set training.bogus_key=1: " \
+           "unknown key 'training.bogus_key'" in log, log[-3000:]
+    assert "Comment=megatron-lol: status 2: " in line
+    assert not (c.run_dir / "stale" / "REQUEUE_REQUESTED").exists()
+
+
+def test_runtime_failure_under_srun_launcher_carries_its_status(campaign):
+    c = campaign
+    line, log = c.final["nonfinite"], c.log("nonfinite")
+    assert _field(line, "JobState") == "FAILED" and _field(line, "ExitCode") == "3:0", line + log[-3000:]
+    assert "launch: srun" in log and "requeueing" not in log
+    assert re.search(r"training failed with status 3: megatron-lol train: error: non-finite loss .* at iteration 2",
+                     log), log[-3000:]
+
+
+def test_failed_stage_cancels_its_dependents_without_kill_invalid_depend(campaign):
+    c = campaign
+    assert c.state("broken_pre") == "FAILED", c.report()
+    for name in ("broken_merge", "broken_pretrain", "broken_context"):
+        assert c.state(name) == "CANCELLED", (name, c.final.get(name))
+
+
+def test_submit_pipeline_validates_every_stage_before_submitting(campaign):
+    rc, out, err, new_jobs, wrote = campaign.submit_checks["typo"]
+    assert rc == 2 and not new_jobs and not wrote, (rc, out, err, new_jobs)
+    assert "pretrain stage: megatron-lol train: error: --set training.bogus_key=1: unknown key " \
+           "'training.bogus_key' -- nothing submitted" in err, err
+    rc, err, new_jobs = campaign.submit_checks["cpus_per_task"]
+    assert rc == 2 and not new_jobs and "CPUS_PER_TASK=4 is ambiguous" in err, err
+
+
+def test_launch_styles_ask_for_their_own_cpus(campaign):
+    held = campaign.submit_checks["held"]
+    # CPUS_PER_NODE=4, 2 processes per node on 2 nodes: torchrun = 1 task x 4 CPUs per node,
+    # srun (context extension) = 2 tasks x 2 CPUs per node
+    assert "NumTasks=2 " in held["PRETRAIN_JOB"] and "CPUs/Task=4 " in held["PRETRAIN_JOB"], held
+    assert "NumTasks=4 " in held["CONTEXT_JOB"] and "CPUs/Task=2 " in held["CONTEXT_JOB"], held
+
+
+def test_profile_sbatch_writes_a_report_with_a_row_per_node(campaign):
+    c = campaign
+    assert c.state("profile") == "COMPLETED", c.report()
+    report = json.loads((c.run_dir / f"profile-lol-profile-{c.jobs['profile']}.json").read_text())
+    nodes = report["nodes"]
+    assert [(n["node"], n["host"], n["ranks"]) for n in nodes] == [(0, "node1", [0]), (1, "node2", [1])], nodes
+    assert report["device"]["threads"] == 2  # the task's 2 CPUs, one process per task
+    assert "node1" in c.log("profile") and "node2" in c.log("profile")

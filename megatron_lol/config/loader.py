@@ -2,6 +2,11 @@
 
 Unknown keys and values of the wrong type are errors naming the file and the
 dotted key: a typo in a config must never silently fall back to a default.
+
+A checkpoint's ``run_config.yaml`` is a valid config: its top-level
+``checkpoint:`` section (what the saving run recorded: iteration, tokenizer,
+layout, padded vocabulary) describes the checkpoint, not the next run, and is
+set aside after a check that it is a mapping.
 """
 
 from __future__ import annotations
@@ -117,6 +122,14 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
                                       help=f"{text} ({key}={str(value).lower()})")
 
 
+def add_threads_argument(parser: argparse.ArgumentParser) -> None:
+    """``--threads N``: torch intra-op threads per process (default: this process's share of the
+    Slurm allocation or of the usable CPUs, see :mod:`megatron_lol.training.runtime`)."""
+    parser.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="CPU threads per process (default: SLURM_CPUS_PER_TASK or the usable CPUs, "
+                             "divided among the processes sharing them; OMP_NUM_THREADS wins if set)")
+
+
 def config_from_args(args: argparse.Namespace, check_data: bool = True) -> ExperimentConfig:
     """The validated config of ``--config`` with ``--set`` and the flags a verb declared applied."""
     overrides: list[tuple[str, Any, str]] = []
@@ -151,11 +164,25 @@ def load_config(path: str | Path, overrides: Optional[list] = None, check_data: 
         raise ConfigError(f"{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
+    raw = without_checkpoint_record(raw, str(path))
     cfg = build_dataclass(ExperimentConfig, raw, source=str(path), prefix="")
     for key, value, source in overrides or []:
         set_dotted(cfg, key, value, source)
     # relative data/tokenizer paths are taken from the current directory, as Megatron-LM does
     return cfg.validate(check_data=check_data)
+
+
+CHECKPOINT_SECTION = "checkpoint"
+
+
+def without_checkpoint_record(raw: dict, source: str) -> dict:
+    """``raw`` minus the ``checkpoint:`` section a checkpoint's run_config.yaml carries."""
+    if CHECKPOINT_SECTION not in raw:
+        return raw
+    if not isinstance(raw[CHECKPOINT_SECTION], dict):
+        raise ConfigError(f"{source}: {CHECKPOINT_SECTION} must be a mapping (the record a checkpoint's "
+                          f"run_config.yaml carries)")
+    return {k: v for k, v in raw.items() if k != CHECKPOINT_SECTION}
 
 
 def config_from_dict(raw: dict, check_data: bool = False) -> ExperimentConfig:

@@ -162,8 +162,6 @@ def _rope(conf: dict) -> tuple[float, float]:
         factor = float(params.get("factor", scaling.get("factor", 1.0)))
     elif kind != "default":
         raise CliError(f"config.json: rope type {kind!r} is not supported (default or linear only)")
-    if float(theta) != int(theta):
-        raise CliError(f"config.json: rope_theta={theta} is not an integer (megatron's RotaryEmbedding uses an int)")
     return float(theta), factor
 
 

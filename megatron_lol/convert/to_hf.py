@@ -227,7 +227,7 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "second_pass_router": m.second_pass_router if accordion else "shared",
         "loop_gates": bool(m.loop_gates) if accordion else False,
         "rms_norm_eps": m.norm_epsilon,
-        "rope_theta": float(int(m.rotary_base)),  # megatron's RotaryEmbedding takes an int base
+        "rope_theta": float(m.rotary_base),
         "rope_scaling_factor": m.rotary_scaling_factor,
         "max_position_embeddings": cfg.training.seq_length,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,
@@ -256,7 +256,7 @@ def llama_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tok
         "hidden_act": "silu",
         "max_position_embeddings": cfg.training.seq_length,
         "rms_norm_eps": m.norm_epsilon,
-        "rope_theta": float(int(m.rotary_base)),
+        "rope_theta": float(m.rotary_base),
         "attention_bias": False,
         "mlp_bias": False,
         "tie_word_embeddings": not m.untie_embeddings_and_output_weights,

@@ -49,9 +49,13 @@ class AuxLossAttach(torch.autograd.Function):
 
 
 def padded_vocab_size(vocab_size: int, divisible_by: int, tensor_parallel: int = 1) -> int:
-    """Megatron-LM's padding of the vocabulary to a multiple of ``divisible_by * TP``."""
-    multiple = divisible_by * tensor_parallel
-    return ((vocab_size + multiple - 1) // multiple) * multiple
+    """The vocabulary padded to a multiple of ``divisible_by``, whatever the TP size: unlike
+    Megatron-LM (a multiple of ``divisible_by * TP``) the model does not change with the layout.
+    ``tensor_parallel`` must divide the result (see :mod:`megatron_lol.training.vocab`)."""
+    padded = ((vocab_size + divisible_by - 1) // divisible_by) * divisible_by
+    if padded % tensor_parallel:
+        raise ValueError(f"a vocabulary of {padded} rows cannot be split over {tensor_parallel} tensor-parallel ranks")
+    return padded
 
 
 def _language_module():
@@ -120,7 +124,7 @@ class LoLGPTModel(_language_module()):
                 self.embedding = LanguageModelEmbedding(self.config, vocab_size, max_sequence_length,
                                                         position_embedding_type="none")
         self.rotary = RotaryEmbedding(
-            kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=int(model.rotary_base),
+            kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=float(model.rotary_base),
             seq_len_interpolation_factor=(model.rotary_scaling_factor if model.rotary_scaling_factor != 1 else None),
             use_cpu_initialization=True)
         self.prelude = nn.ModuleDict()

@@ -4,14 +4,13 @@ Counts are analytic (:mod:`megatron_lol.model.params`): nothing is built and
 megatron-core is not imported, so it runs in well under a second. The
 vocabulary is ``--vocab-size``, else ``model.vocab_size``, else the size of the
 config's tokenizer (``data.tokenizer_model`` / ``vocab_file``, as training
-derives it); it is padded to a multiple of ``model.make_vocab_size_divisible_by
-x tensor_model_parallel_size`` as Megatron-LM pads it (``--no-pad-vocab`` to
-count it as given).
+derives it); it is padded to a multiple of ``model.make_vocab_size_divisible_by``
+as the trainer pads it, at every TP size (``--no-pad-vocab`` to count it as given).
 
-Beyond the headline rows and the breakdown, a looped MoE core (Foil, seed
-002) prints the seed's accounting ``E_real = E*D``, ``D_eff = D*L``,
-``E_eq = E*D*L``, ``E_comp = k*D*L`` and its Table 3 columns; plan
-``accordion`` (seed 003) prints the active parameters per budget. ``--json``
+Beyond the headline rows and the breakdown, a looped MoE core (Foil) prints
+its accounting ``E_real = E*D``, ``D_eff = D*L``, ``E_eq = E*D*L``,
+``E_comp = k*D*L`` and its parameter-table columns; plan ``accordion`` prints
+the active parameters per budget. ``--json``
 carries the same as ``loop_accounting``, ``seed_columns`` and ``budgets``.
 """
 
@@ -32,13 +31,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-size", type=int, default=None, metavar="N",
                        help="vocabulary size (default: model.vocab_size, else the config's tokenizer)")
     group.add_argument("--no-pad-vocab", action="store_true",
-                       help="count the vocabulary as given, without Megatron-LM's padding")
+                       help="count the vocabulary as given, without the trainer's padding")
     group.add_argument("--json", action="store_true", help="print the counts as one JSON object")
 
 
-def _padded(vocab: int, divisible_by: int, tp: int) -> int:
-    multiple = divisible_by * tp
-    return ((vocab + multiple - 1) // multiple) * multiple
+def _padded(vocab: int, divisible_by: int) -> int:
+    """The trainer's padding (``lol_model.padded_vocab_size``, which imports megatron-core)."""
+    return ((vocab + divisible_by - 1) // divisible_by) * divisible_by
 
 
 def tokenizer_vocab(cfg) -> int | None:
@@ -80,8 +79,7 @@ def resolve_vocab(args, cfg) -> tuple[int, int]:
         raise CliError(f"--vocab-size: must be > 0 (got {vocab})")
     if args.no_pad_vocab:
         return vocab, vocab
-    return vocab, _padded(vocab, cfg.model.make_vocab_size_divisible_by,
-                          cfg.parallel.tensor_model_parallel_size)
+    return vocab, _padded(vocab, cfg.model.make_vocab_size_divisible_by)
 
 
 def _m(n: int) -> str:

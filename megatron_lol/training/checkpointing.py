@@ -41,7 +41,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
 ``run_config.yaml`` is ``ExperimentConfig.to_dict()`` with ``model.vocab_size``
 set to the padded vocabulary the weights have (so ``load_config(...,
 check_data=False)`` rebuilds the model), plus a top-level ``checkpoint:``
-section (not a config key: pop it first, :func:`read_run_config` does) with
+section (the checkpoint's record, not a setting: ``load_config`` and
+:func:`read_run_config` set it aside) with
 ``iteration``, ``consumed_train_samples``, ``padded_vocab_size``,
 ``tokenizer`` (type, file paths, copied file names, ``vocab_size``, ``eod_id``),
 ``layout``, ``key_prefix: model.`` and ``format: torch_dist``.
@@ -628,8 +629,7 @@ class CheckpointHook(Hook):
         if trainer.cfg.training.save:
             prepare_writer_processes()
         self.ckpt.resolve_and_load()
-        signals.clear()
-        signals.install_handlers()
+        signals.install_handlers()  # a signal caught during start-up (train's CLI listens early) stays set
         if _rank() == 0:
             signals.clear_requeue_marker(trainer.cfg.training.save)
         self.stop_check = signals.StopCheck(trainer.cfg.training.exit_duration_in_mins)
@@ -667,3 +667,6 @@ class CheckpointHook(Hook):
             self.ckpt.finalize(blocking=True)
         finally:
             self.ckpt.close()
+            from megatron_lol.training import signals
+
+            signals.clear()  # handled: a later run in this process starts without it

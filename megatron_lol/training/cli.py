@@ -2,38 +2,106 @@
 
 Launch with ``torchrun --nproc-per-node N -m megatron_lol train --config ...``
 (or the console script); the backend (gloo on CPU, NCCL on GPU) follows the device.
+
+``--dry-run`` validates the config (every key, the parallel layout against
+``WORLD_SIZE``, the batch sizes, data and tokenizer files) and exits without
+importing torch: ``slurm/submit_pipeline.sh`` runs it for every stage before it
+submits anything. ``--dry-run=config`` skips the data files (a pipeline builds
+them later).
+
+The preemption handlers are installed before anything else, so a SIGUSR1 that
+arrives during start-up is honoured at the first step boundary; every exit
+status other than 0 is also recorded for the Slurm scripts
+(:mod:`megatron_lol.training.runtime`).
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from megatron_lol.config import add_config_arguments, config_from_args
+from megatron_lol.config.loader import add_threads_argument
+from megatron_lol.errors import CliError, ConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
+    add_threads_argument(parser)
+    parser.add_argument("--dry-run", nargs="?", const="all", default=None, choices=("all", "config"),
+                        help="validate and exit: the config, the layout against WORLD_SIZE, data and tokenizer "
+                             "files (=config: not the data files)")
+
+
+def _rank0() -> bool:
+    return os.environ.get("RANK", "0") == "0"
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
+    from megatron_lol.training import signals
+    from megatron_lol.training.runtime import record_exit
 
-    cfg = config_from_args(args)  # validates everything before any process group work
-    cfg.parallel.data_parallel_size(int(os.environ.get("WORLD_SIZE", "1")))  # layout vs world size
+    signals.install_handlers()  # before the slow part: a signal during start-up is kept for the first step
+    try:
+        code, message = _run(args)
+    except CliError as err:
+        record_exit(2, f"megatron-lol train: error: {err}")
+        raise
+    except Exception as err:
+        first = (str(err).strip().splitlines() or [""])[0]
+        record_exit(1, f"megatron-lol train: {type(err).__name__}: {first}")
+        raise
+    record_exit(code, message)
+    return code
+
+
+def _run(args: argparse.Namespace) -> tuple[int, str]:
+    check_data = args.dry_run != "config"
+    cfg = config_from_args(args, check_data=check_data)  # validates everything before any process group work
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dp = cfg.parallel.data_parallel_size(world)  # layout vs world size
+    if args.dry_run:
+        return _dry_run(cfg, world, dp, check_data), ""
     from megatron_lol.training.console import announce_startup
 
     announce_startup(cfg, args.config)  # before the heavy imports (megatron-core: 5-25 s)
     from megatron_lol.log import log_rank0
+    from megatron_lol.training.runtime import apply_threads
+
+    threads, why = apply_threads(args.threads)
     from megatron_lol.training.trainer import Trainer
 
     trainer = Trainer(cfg).setup()
+    log_rank0(f"threads: {threads} per process ({why})")
     try:
         outcome = trainer.train()
     except FloatingPointError as err:
         log_rank0(f"megatron-lol train: error: {err}")
-        return 3
-    return outcome.exit_code
+        return 3, f"megatron-lol train: error: {err}"
+    if outcome.exit_code:
+        return outcome.exit_code, (f"megatron-lol train: saved iteration {trainer.iteration} before stopping "
+                                   f"({outcome.reason}, status {outcome.exit_code}): relaunch to continue")
+    return 0, ""
+
+
+def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
+    tr, d = cfg.training, cfg.data
+    if not check_data:
+        d.validate(check_files=False)
+        if d.tokenizer_model and not os.path.exists(d.tokenizer_model):
+            raise ConfigError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
+    gbs = tr.global_batch_size or tr.micro_batch_size * dp
+    if gbs % (tr.micro_batch_size * dp):
+        raise ConfigError(f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
+                          f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})")
+    if _rank0():
+        par = cfg.parallel
+        print(f"megatron-lol train: config OK: {cfg.model.execution_plan().name} model, world size {world} = TP "
+              f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x DP {dp}, "
+              f"{tr.train_iters} iterations of {gbs} x {tr.seq_length} tokens"
+              f"{'' if check_data else ' (data files not checked)'}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":  # pragma: no cover

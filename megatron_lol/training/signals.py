@@ -1,7 +1,15 @@
 """Preemption signals and wall-clock limits, agreed on by every rank at step boundaries.
 
 * :func:`install_handlers` makes SIGTERM and SIGUSR1 set a flag (nothing else:
-  no I/O, no collective inside a signal handler).
+  no I/O, no collective inside a signal handler). ``megatron-lol train``
+  installs them first thing, so a signal that arrives while the run is still
+  importing, building the model or loading a checkpoint is remembered and acted
+  on at the first step boundary; nothing clears the flag before it is used.
+* A stop request can also come as a file, :data:`STOP_FILE_ENV` names it: the
+  Slurm scripts write the signal's name there when the batch shell or a task's
+  launcher receives it (``--signal=B:USR1@T``, ``scancel --batch``, or a signal
+  that reached the task before the trainer listened). Rank 0 looks for the file
+  at every step end (one ``stat``).
 * :class:`StopCheck` is called at *every* step end on every rank: it all-reduces
   (MAX) the local flags -- "a signal arrived" and "``exit_duration_in_mins`` has
   passed" -- so that all ranks stop after the same step, save a checkpoint and
@@ -20,8 +28,10 @@ Exit codes of ``megatron-lol train``:
 =====  ==============================================================
 
 ``torchrun`` turns any non-zero worker status into its own status 1, so rank 0
-also writes :data:`REQUEUE_MARKER` into the save directory; the sbatch
-wrappers requeue on status 85 *or* that file (and delete it).
+also writes :data:`REQUEUE_MARKER` into the save directory, and every rank
+records its status for the batch script (:mod:`megatron_lol.training.runtime`).
+The sbatch scripts delete a marker left by an earlier job before they launch,
+so only this launch's marker or status can cause a requeue.
 """
 
 from __future__ import annotations
@@ -35,6 +45,7 @@ EXIT_REQUEUE = 85
 EXIT_NONFINITE = 3
 REQUEUE_MARKER = "REQUEUE_REQUESTED"
 HANDLED_SIGNALS = ("SIGTERM", "SIGUSR1")
+STOP_FILE_ENV = "MEGATRON_LOL_STOP_FILE"
 
 _received: dict = {"signum": None, "count": 0}
 _installed: dict = {}
@@ -80,6 +91,27 @@ def clear() -> None:
     _received["count"] = 0
 
 
+def stop_file_request(path: Optional[str] = None) -> Optional[int]:
+    """The signal recorded in the stop file (``$MEGATRON_LOL_STOP_FILE``), or None.
+
+    The file holds a signal name (``SIGUSR1``); an empty or unreadable name
+    counts as SIGUSR1, the scripts' preemption signal.
+    """
+    path = os.environ.get(STOP_FILE_ENV) if path is None else path
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            words = f.read().split()
+    except OSError:
+        return None
+    name = words[0].upper() if words else "SIGUSR1"
+    if not name.startswith("SIG"):
+        name = "SIG" + name
+    sig = getattr(signal, name, None)
+    return int(sig) if sig is not None and name in HANDLED_SIGNALS else int(signal.SIGUSR1)
+
+
 def process_start_time() -> float:
     """Wall-clock start of this process (what ``exit_duration_in_mins`` counts from)."""
     try:
@@ -99,6 +131,8 @@ class StopCheck:
 
     def local_flags(self) -> list:
         sig = signal_received()
+        if not sig and _is_rank0():
+            sig = stop_file_request()
         timed_out = self.exit_duration_s is not None and time.time() - self.start_time >= self.exit_duration_s
         return [int(sig or 0), int(timed_out)]
 
@@ -123,11 +157,19 @@ class StopCheck:
         return None
 
 
+def _is_rank0() -> bool:
+    import torch
+
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+
+
 def write_requeue_marker(save_dir: str, iteration: int, reason: str) -> None:
+    """``ITERATION REASON [job=ID]``: what the saved run stopped for (Slurm's job id when there is one)."""
     os.makedirs(save_dir, exist_ok=True)
     path = os.path.join(save_dir, REQUEUE_MARKER)
+    job = os.environ.get("SLURM_JOB_ID")
     with open(path + ".tmp", "w") as f:
-        f.write(f"{iteration} {reason}\n")
+        f.write(f"{iteration} {reason}{f' job={job}' if job else ''}\n")
     os.replace(path + ".tmp", path)
 
 

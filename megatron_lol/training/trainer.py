@@ -150,14 +150,11 @@ class Trainer:
     def _build_model(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
-        from megatron_lol.model.lol_model import LoLGPTModel, padded_vocab_size
+        from megatron_lol.model.lol_model import LoLGPTModel
+        from megatron_lol.training.vocab import resolve_vocab_size
 
         cfg = self.cfg
-        vocab = cfg.model.vocab_size or padded_vocab_size(
-            self.tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by,
-            cfg.parallel.tensor_model_parallel_size)
-        if vocab < self.tokenizer.vocab_size:
-            raise ConfigError(f"model.vocab_size: {vocab} is smaller than the tokenizer's {self.tokenizer.vocab_size}")
+        vocab = resolve_vocab_size(cfg, self.tokenizer.vocab_size)  # the same at every TP; a checkpoint's wins
         self.vocab_size = vocab
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
         chunks = []

@@ -30,23 +30,31 @@ depth, whatever the growing curriculum would use). It reports:
 
 Multi-process runs (torchrun / srun, several nodes) gather every rank's
 measurements on rank 0, which writes one report with a row per node
-(``nodes``); ``--merge`` combines reports written by separate runs (e.g. one
-per node) into one, with :func:`merge_reports`. The table goes to stdout, the
-report to ``--json``.
+(``nodes``, keyed by the node's index in the job, see
+:func:`~megatron_lol.training.profile_report.node_identity`); ``--merge`` combines
+reports written by separate runs (e.g. one per node) into one, with
+:func:`~megatron_lol.training.profile_report.merge_reports`. The table goes to
+stdout, the report to ``--json``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
-import socket
 import statistics
 import time
 from typing import Optional
 
 from megatron_lol.errors import CliError
+from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
+    format_nodes,
+    format_report,
+    merge_reports,
+    node_identity,
+    node_rows,
+    write_json,
+)
 
 SECTION_KEYS = ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head",
                 "forward_other", "backward", "optimizer", "data", "other")
@@ -55,9 +63,10 @@ SECTION_KEYS = ("prelude", "core", "core.blocks", "core.dispatch", "core.routing
 # ----------------------------------------------------------------------- arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_lol.config import add_config_arguments
-    from megatron_lol.config.loader import PROFILE_GROUPS
+    from megatron_lol.config.loader import PROFILE_GROUPS, add_threads_argument
 
     add_config_arguments(parser, groups=PROFILE_GROUPS)
+    add_threads_argument(parser)
     for action in parser._actions:  # --config is not needed with --merge
         if "--config" in action.option_strings:
             action.required = False
@@ -72,8 +81,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-data", action="store_true",
                         help="random tokens (with EOD-separated documents) instead of data.paths")
     parser.add_argument("--no-sync", action="store_true", help="do not synchronise the GPU in section timers")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch.set_num_threads on CPU (one thread per process is fastest on a busy machine)")
     parser.add_argument("--sample-interval", type=float, default=0.5, help="NVML sampling period in seconds")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="merge these profile reports (JSON) into one; no training")
@@ -442,14 +449,16 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     if util_steps:
         utilisation = [[sum(s[d][b] for s in util_steps) / len(util_steps) for b in range(len(util_steps[0][d]))]
                        for d in range(len(util_steps[0]))]
+    node, host = node_identity()
     report = {
-        "host": socket.gethostname(),
+        "host": host,
+        "node": node,
         "rank": torch.distributed.get_rank() if torch.distributed.is_initialized() else 0,
         "world_size": world,
         "devices_per_node": local,
         "device": dev,
         "config": {"plan": cfg.model.plan, "hidden_size": cfg.model.hidden_size,
-                   "num_blocks": cfg.model.num_blocks, "core_depth": full, "depth": depth,
+                   "num_blocks": plan.num_stored_blocks, "core_depth": full, "depth": depth,
                    "window_size": cfg.model.window_size, "window_shift": cfg.model.window_shift,
                    "seq_length": seq, "global_batch_size": gbs, "micro_batch_size": cfg.training.micro_batch_size,
                    "params_dtype": cfg.model.params_dtype, "vocab_size": trainer.vocab_size},
@@ -478,134 +487,6 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     return report
 
 
-def _node_rows(rank_reports: list) -> list:
-    """One row per host from per-rank reports (rank order)."""
-    by_host: dict = {}
-    for rep in rank_reports:
-        by_host.setdefault(rep["host"], []).append(rep)
-    rows = []
-    for host, reps in by_host.items():
-        first = min(reps, key=lambda r: r["rank"])
-        slowest = max(r["step_time_s"]["median"] for r in reps)
-        gpus = [g for r in reps if r.get("gpu") for g in r["gpu"]["gpus"]]
-        rows.append({
-            "host": host, "ranks": sorted(r["rank"] for r in reps), "devices": first["devices_per_node"],
-            "step_time_s": slowest,
-            "tokens_per_s_per_node": first["tokens_per_s_per_device"] * first["devices_per_node"]
-            * first["step_time_s"]["median"] / slowest,
-            "tflops_per_device": first["tflops_per_device"] * first["step_time_s"]["median"] / slowest,
-            "mfu": (first["mfu"] * first["step_time_s"]["median"] / slowest) if first["mfu"] is not None else None,
-            "peak_memory_bytes": max(r["peak_memory"]["bytes"] for r in reps),
-            "gpus": gpus,
-        })
-    return rows
-
-
-def merge_reports(reports: list) -> dict:
-    """Merge profile reports (each with a ``nodes`` list) into one per-node report.
-
-    The merged report keeps every node row (sorted by host) and adds
-    ``summary``: number of nodes, total tokens/s, mean / min TFLOP/s per device
-    and MFU, the slowest node, and the minimum SM clock and utilisation seen
-    on any GPU.
-    """
-    if not reports:
-        raise CliError("--merge: no reports given")
-    nodes = []
-    for rep in reports:
-        if "nodes" not in rep:
-            raise CliError("--merge: a report without 'nodes' (not written by megatron-lol profile)")
-        nodes.extend(rep["nodes"])
-    nodes.sort(key=lambda r: r["host"])
-    tfl = [n["tflops_per_device"] for n in nodes]
-    mfus = [n["mfu"] for n in nodes if n.get("mfu") is not None]
-    gpus = [g for n in nodes for g in n.get("gpus", []) if g.get("samples")]
-    slow = max(nodes, key=lambda n: n["step_time_s"])
-    summary = {
-        "nodes": len(nodes),
-        "tokens_per_s_total": sum(n["tokens_per_s_per_node"] for n in nodes),
-        "tflops_per_device_mean": sum(tfl) / len(tfl),
-        "tflops_per_device_min": min(tfl),
-        "mfu_mean": sum(mfus) / len(mfus) if mfus else None,
-        "mfu_min": min(mfus) if mfus else None,
-        "slowest_node": slow["host"],
-        "slowest_step_time_s": slow["step_time_s"],
-        "gpu_sm_clock_mhz_min": min((g["sm_clock_mhz"]["min"] for g in gpus), default=None),
-        "gpu_utilization_pct_min": min((g["utilization_pct"]["min"] for g in gpus), default=None),
-    }
-    return {"merged_from": len(reports), "nodes": nodes, "summary": summary}
-
-
-# --------------------------------------------------------------------------- output
-def _fmt_s(x: float) -> str:
-    return f"{x * 1e3:9.1f} ms"
-
-
-def format_report(rep: dict) -> str:
-    lines = []
-    c = rep["config"]
-    lines.append(f"profile: plan {c['plan']}, width {c['hidden_size']}, L={c['num_blocks']}, depth {c['depth']}"
-                 f"/{c['core_depth']}, W={c['window_size']}, S={c['window_shift']}, "
-                 f"{c['global_batch_size']} x {c['seq_length']} tokens per step, {rep['world_size']} device(s) "
-                 f"[{rep['device']['name']}], {rep['steps']} steps")
-    st = rep["step_time_s"]
-    lines.append(f"  step time        median {st['median'] * 1e3:.1f} ms  (mean {st['mean'] * 1e3:.1f}, "
-                 f"min {st['min'] * 1e3:.1f}, max {st['max'] * 1e3:.1f})")
-    lines.append(f"  tokens/s         {rep['tokens_per_s_per_device']:,.0f} per device, "
-                 f"{rep['tokens_per_s_per_node']:,.0f} per node")
-    lines.append(f"  TFLOP/s/device   {rep['tflops_per_device']:.4g} model (allowed pairs), "
-                 f"{rep['tflops_per_device_executed']:.4g} executed")
-    if rep["mfu"] is not None:
-        lines.append(f"  MFU              {100 * rep['mfu']:.1f}% of {rep['peak_tflops']:.0f} TFLOP/s "
-                     f"({rep['precision']})")
-    else:
-        lines.append("  MFU              - (no peak for this device; --peak-tflops sets one)")
-    lines.append("  breakdown per step:")
-    b = rep["breakdown_s"]
-    for key in ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head", "forward_other",
-                "backward", "optimizer", "data"):
-        label = ("    " + key.split(".", 1)[1]) if "." in key else key
-        lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
-    m = rep["peak_memory"]
-    lines.append(f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
-                 f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB")
-    r = rep.get("routing")
-    if r:
-        lines.append(f"  distinct blocks per path {r['distinct_blocks_per_path']:.2f} "
-                     f"(uniform routing: {r['distinct_blocks_uniform_expectation']:.2f})")
-        for d, row in enumerate(r["block_utilisation"], 1):
-            lines.append(f"    depth {d:2d} utilisation " + " ".join(f"{x:.2f}" for x in row))
-    g = rep.get("gpu")
-    if g:
-        for gpu in g["gpus"]:
-            if not gpu.get("samples"):
-                continue
-            lines.append(f"  GPU {gpu['index']} {gpu['name']}: util {gpu['utilization_pct']['mean']:.0f}% "
-                         f"(min {gpu['utilization_pct']['min']:.0f}), power {gpu['power_w']['mean']:.0f} W "
-                         f"(min {gpu['power_w']['min']:.0f}), SM clock {gpu['sm_clock_mhz']['mean']:.0f} MHz "
-                         f"(min {gpu['sm_clock_mhz']['min']:.0f}), memory "
-                         f"{gpu['memory_used_bytes']['max'] / 2**30:.1f} GiB, throttle "
-                         f"{gpu['throttle_reasons'] or 'none'}")
-    return "\n".join(lines)
-
-
-def format_nodes(merged: dict) -> str:
-    lines = [f"{'host':24s} {'step ms':>9s} {'tokens/s/node':>14s} {'TFLOP/s/dev':>12s} {'MFU':>6s} "
-             f"{'peak mem MiB':>13s} {'min SM MHz':>11s}"]
-    for n in merged["nodes"]:
-        mfu_txt = "-" if n["mfu"] is None else f"{100 * n['mfu']:.1f}%"
-        clock = min((g["sm_clock_mhz"]["min"] for g in n.get("gpus", []) if g.get("samples")), default=None)
-        lines.append(f"{n['host'][:24]:24s} {n['step_time_s'] * 1e3:9.1f} {n['tokens_per_s_per_node']:14,.0f} "
-                     f"{n['tflops_per_device']:12.3f} "
-                     f"{mfu_txt:>6s} {n['peak_memory_bytes'] / 2**20:13,.0f} "
-                     f"{'-' if clock is None else format(clock, '.0f'):>11s}")
-    s = merged["summary"]
-    lines.append(f"{s['nodes']} node(s): {s['tokens_per_s_total']:,.0f} tokens/s in all; TFLOP/s per device mean "
-                 f"{s['tflops_per_device_mean']:.3f}, min {s['tflops_per_device_min']:.3f}; slowest node "
-                 f"{s['slowest_node']} ({s['slowest_step_time_s'] * 1e3:.1f} ms per step)")
-    return "\n".join(lines)
-
-
 def run(args: argparse.Namespace) -> int:
     if args.merge:
         reports = []
@@ -618,7 +499,7 @@ def run(args: argparse.Namespace) -> int:
         merged = merge_reports(reports)
         print(format_nodes(merged))
         if args.json_out:
-            _write_json(args.json_out, merged)
+            write_json(args.json_out, merged)
         return 0
     if not args.config:
         raise CliError("--config is required (or --merge REPORT ...)")
@@ -629,10 +510,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_lol.config import config_from_args
 
     cfg = config_from_args(args, check_data=not args.synthetic_data)
-    if args.threads:
-        import torch
+    from megatron_lol.training.runtime import apply_threads
 
-        torch.set_num_threads(args.threads)
+    apply_threads(args.threads)
     # enough iterations for the LR schedule to cover the profiled steps
     cfg.training.train_iters = max(cfg.training.train_iters, args.warmup + args.steps)
     trainer = build_trainer(cfg, args.synthetic_data)
@@ -649,26 +529,14 @@ def run(args: argparse.Namespace) -> int:
     if local["rank"] != 0:
         return 0
     report = dict(local)
-    report["nodes"] = _node_rows(gathered)
-    report["ranks"] = [{k: r[k] for k in ("host", "rank", "step_time_s", "tokens_per_s_per_device",
+    report["nodes"] = node_rows(gathered)
+    report["ranks"] = [{k: r[k] for k in ("host", "node", "rank", "step_time_s", "tokens_per_s_per_device",
                                           "tflops_per_device", "peak_memory")} for r in gathered]
     print(format_report(report))
     if len(report["nodes"]) > 1:
         print(format_nodes(merge_reports([report])))
     if args.json_out:
-        _write_json(args.json_out, report)
+        write_json(args.json_out, report)
     return 0
 
 
-def _write_json(path: str, obj: dict) -> None:
-    d = os.path.dirname(os.path.abspath(path))
-    os.makedirs(d, exist_ok=True)
-    with open(path, "w") as f:
-        json.dump(obj, f, indent=2, default=_json_default)
-    print(f"wrote {path}")
-
-
-def _json_default(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
-    return str(x)
