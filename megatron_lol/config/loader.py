@@ -36,6 +36,18 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--weight-decay": "optimizer.weight_decay",
     "--lr-warmup-iters": "optimizer.lr_warmup_iters",
     "--lr-decay-style": "optimizer.lr_decay_style",
+    "--optimizer": "optimizer.name",
+    "--adam-beta1": "optimizer.adam_beta1",
+    "--adam-beta2": "optimizer.adam_beta2",
+    "--adam-eps": "optimizer.adam_eps",
+    "--muon-momentum": "optimizer.muon_momentum",
+    "--muon-scale-mode": "optimizer.muon_scale_mode",
+    "--muon-fp32-matmul-prec": "optimizer.muon_fp32_matmul_prec",
+    "--muon-num-ns-steps": "optimizer.muon_num_ns_steps",
+    "--muon-tp-mode": "optimizer.muon_tp_mode",
+    "--muon-extra-scale-factor": "optimizer.muon_extra_scale_factor",
+    "--muon-adam-lr": "optimizer.muon_adam_lr",
+    "--muon-adam-min-lr": "optimizer.muon_adam_min_lr",
     "--tensor-model-parallel-size": "parallel.tensor_model_parallel_size",
     "--pipeline-model-parallel-size": "parallel.pipeline_model_parallel_size",
     "--virtual-pipeline-model-parallel-size": "parallel.virtual_pipeline_model_parallel_size",
@@ -49,6 +61,8 @@ BOOL_FLAGS: dict[str, tuple[str, bool]] = {
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
     "--no-resume": ("training.resume", False),
     "--async-save": ("training.async_save", True),
+    "--muon-use-nesterov": ("optimizer.muon_use_nesterov", True),
+    "--muon-no-split-qkv": ("optimizer.muon_split_qkv", False),
 }
 
 

@@ -28,7 +28,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
   ``megatron.core.dist_checkpointing.load_plain_tensors(dir)`` (or
   ``torch.distributed.checkpoint``), whatever TP/PP/EP layout saved them.
 * ``optimizer.*`` -- megatron's optimizer state (distributed optimizer:
-  ``fully_reshardable``), keyed from the model keys.
+  ``fully_reshardable``), keyed from the model keys; a chain of several optimizers (Muon + AdamW)
+  prefixes each one's keys with ``chained_<i>.``.
 * ``rng_state`` -- a ShardedObject, one entry per global rank: python, numpy,
   torch CPU, CUDA (when present) and megatron's tensor-parallel RNG tracker
   states. Restored only when the parallel layout is unchanged.
@@ -36,7 +37,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
   python/numpy/torch generators, restored on a resharded resume), ``iteration``,
   ``consumed_train_samples``, ``nonfinite_skipped``, ``scheduler`` (the LR
   schedule's state dict), ``curriculum`` (``{"depth": ...}``), ``layout``
-  (tp/pp/ep/dp/world of the saving run), ``format_version``.
+  (tp/pp/ep/dp/world of the saving run), ``optimizer_name`` (``optimizer.name``:
+  a run resumes only the optimizer state of the same optimizer), ``format_version``.
 
 ``run_config.yaml`` is ``ExperimentConfig.to_dict()`` with ``model.vocab_size``
 set to the padded vocabulary the weights have (so ``load_config(...,
@@ -294,6 +296,7 @@ def build_save_state(trainer) -> dict:
         "nonfinite_skipped": int(getattr(trainer, "nonfinite_skipped", 0)),
         "curriculum": {"depth": int(trainer.depth_at(trainer.iteration))},
         "layout": parallel_layout(trainer),
+        "optimizer_name": trainer.cfg.optimizer.name,
         "format_version": FORMAT_VERSION,
     }
     return state
@@ -546,9 +549,16 @@ class Checkpointer:
         load_rng = resume and common.get("layout") == layout
         model_sd = _model_sharded_state_dict(trainer)
         request = {"model": model_sd}
-        has_optimizer = load_optimizer and any(k.startswith("optimizer") for k in _ckpt_keys(path))
+        # a chain of several optimizers (Muon + AdamW, expert groups) prefixes its keys with chained_<i>.
+        has_optimizer = load_optimizer and any(k.startswith(("optimizer", "chained_")) for k in _ckpt_keys(path))
         if load_optimizer and not has_optimizer:
             log_rank0(f" checkpoint: {path} has no optimizer state; starting it fresh")
+        saved_optimizer, name = common.get("optimizer_name", "adam"), trainer.cfg.optimizer.name
+        if has_optimizer and saved_optimizer != name:
+            from megatron_lol.errors import CliError
+
+            raise CliError(f"{path}: its optimizer state is {saved_optimizer}'s, this run's optimizer.name is {name}; "
+                           f"to switch, start a new --save from --load {directory} with training.reset_optimizer: true")
         if has_optimizer:
             request["optimizer"] = _optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
         if load_rng:
