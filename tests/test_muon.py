@@ -369,11 +369,6 @@ def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
 
     keys = load_tensors_metadata(str(ref_save / "iter_0000004")).keys()
     assert any("momentum_buffer" in k for k in keys) and any("exp_avg" in k for k in keys)
-    # the same run resumed with Adam: a one-line error, nothing trained, nothing saved
-    assert run(config, ref_save, "--optimizer", "adam", log=root / "switch.log") == 2
-    assert "error: " + str(ref_save / "iter_0000012") + ": its optimizer state is muon's, this run's " \
-        "optimizer.name is adam" in (root / "switch.log").read_text()
-    assert metrics(ref_save) == ref and tracker(ref_save) == TRAIN_ITERS
     # kill -9 past the checkpoint of 4, resume: every step bit-identical to the uninterrupted run
     save, log = root / "kill", root / "kill.log"
     proc = launch(config, save, *MUON_ARGS, log=log)
@@ -395,6 +390,40 @@ def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
     for s in got:
         assert abs(got[s]["loss"] - ref[s]["loss"]) < 1e-5 * ref[s]["loss"], (s, got[s]["loss"], ref[s]["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_layer_wise_checkpoint_reshards_over_data_parallel(corpus):
+    """DP=2 with the layer-wise distributed optimizer saves; its checkpoint resumes on one
+    process; resuming it without the layer-wise optimizer is a one-line error."""
+    from test_checkpointing import TRAIN_ITERS, metrics, run
+
+    root, config = corpus
+    args = (*MUON_ARGS, "--use-distributed-optimizer")
+    save, log = root / "layer_wise", root / "layer_wise.log"
+    assert run(config, save, *args, log=log, nproc=2) == 0, log.read_text()[-3000:]
+    assert "layer-wise distributed optimizer" in log.read_text()
+    ref = metrics(save)
+    assert sorted(ref) == list(range(1, TRAIN_ITERS + 1))
+    one = root / "layer_wise_to_1"
+    one.mkdir()
+    shutil.copytree(save / "iter_0000004", one / "iter_0000004")
+    (one / "latest_checkpointed_iteration.txt").write_text("4\n")
+    assert run(config, one, *args, log=root / "to_1.log") == 0, (root / "to_1.log").read_text()[-3000:]
+    assert "optimizer loaded" in (root / "to_1.log").read_text()
+    got = metrics(one)
+    assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
+    for s in got:
+        assert abs(got[s]["loss"] - ref[s]["loss"]) < 1e-6 * ref[s]["loss"], (s, got[s]["loss"], ref[s]["loss"])
+    # the same checkpoint without the layer-wise optimizer: refused in one line, nothing overwritten
+    before = sorted(p.name for p in one.iterdir())
+    assert run(config, one, *MUON_ARGS, log=root / "switch.log") == 2
+    errors = [line for line in (root / "switch.log").read_text().splitlines() if "error:" in line]
+    assert errors == [f"megatron-lol train: error: {one / 'iter_0000012'}: holds the optimizer state of muon with the "
+                      f"layer-wise distributed optimizer, this run uses muon; to switch, start a new --save from "
+                      f"--load {one} with training.reset_optimizer: true"]
+    assert sorted(p.name for p in one.iterdir()) == before
 
 
 # ------------------------------------------------------------------ benchmark

@@ -37,8 +37,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
   python/numpy/torch generators, restored on a resharded resume), ``iteration``,
   ``consumed_train_samples``, ``nonfinite_skipped``, ``scheduler`` (the LR
   schedule's state dict), ``curriculum`` (``{"depth": ...}``), ``layout``
-  (tp/pp/ep/dp/world of the saving run), ``optimizer_name`` (``optimizer.name``:
-  a run resumes only the optimizer state of the same optimizer), ``format_version``.
+  (tp/pp/ep/dp/world of the saving run), ``optimizer_kind`` (``adam``, ``muon``, or Muon with
+  the layer-wise distributed optimizer: only the same kind resumes the optimizer state), ``format_version``.
 
 ``run_config.yaml`` is ``ExperimentConfig.to_dict()`` with ``model.vocab_size``
 set to the padded vocabulary the weights have (so ``load_config(...,
@@ -69,6 +69,7 @@ import torch
 
 from megatron_lol.log import log_rank0
 from megatron_lol.training.hooks import Hook
+from megatron_lol.training.optimizer import optimizer_state_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
@@ -296,7 +297,7 @@ def build_save_state(trainer) -> dict:
         "nonfinite_skipped": int(getattr(trainer, "nonfinite_skipped", 0)),
         "curriculum": {"depth": int(trainer.depth_at(trainer.iteration))},
         "layout": parallel_layout(trainer),
-        "optimizer_name": trainer.cfg.optimizer.name,
+        "optimizer_kind": optimizer_state_kind(trainer.cfg),
         "format_version": FORMAT_VERSION,
     }
     return state
@@ -553,12 +554,12 @@ class Checkpointer:
         has_optimizer = load_optimizer and any(k.startswith(("optimizer", "chained_")) for k in _ckpt_keys(path))
         if load_optimizer and not has_optimizer:
             log_rank0(f" checkpoint: {path} has no optimizer state; starting it fresh")
-        saved_optimizer, name = common.get("optimizer_name", "adam"), trainer.cfg.optimizer.name
-        if has_optimizer and saved_optimizer != name:
+        saved_kind, kind = common.get("optimizer_kind", "adam"), optimizer_state_kind(trainer.cfg)
+        if has_optimizer and saved_kind != kind:
             from megatron_lol.errors import CliError
 
-            raise CliError(f"{path}: its optimizer state is {saved_optimizer}'s, this run's optimizer.name is {name}; "
-                           f"to switch, start a new --save from --load {directory} with training.reset_optimizer: true")
+            raise CliError(f"{path}: holds the optimizer state of {saved_kind}, this run uses {kind}; to switch, "
+                           f"start a new --save from --load {directory} with training.reset_optimizer: true")
         if has_optimizer:
             request["optimizer"] = _optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
         if load_rng:

@@ -192,6 +192,33 @@ def _safe_expert_group_split(muon_module: types.ModuleType) -> None:
     muon_module._get_param_groups = _get_param_groups
 
 
+def nest_fp32_member_states(layer_wise_optimizer) -> None:
+    """Checkpoints of megatron-core's layer-wise optimizer with fp32 parameters.
+
+    ``LayerWiseDistributedOptimizer.sharded_state_dict`` reads each member's
+    state as ``{'optimizer': {'state', 'param_groups'}}``, the layout of its
+    bf16 members (``Float16OptimizerWithFloat16Params``); an fp32 member
+    (``FP32Optimizer``) has torch's ``{'state', 'param_groups'}``, so every
+    save fails (``KeyError: 'optimizer'``). Each fp32 member here writes and
+    reads its state one level down, in the bf16 members' layout.
+    """
+    from megatron.core.optimizer.optimizer import FP32Optimizer
+
+    for member in layer_wise_optimizer.chained_optimizers:
+        if not isinstance(member, FP32Optimizer) or getattr(member, "_megatron_lol_nested", False):
+            continue
+        sharded, load = member.sharded_state_dict, member.load_state_dict
+
+        def sharded_state_dict(*args, _sharded=sharded, **kwargs):
+            return {"optimizer": _sharded(*args, **kwargs)}
+
+        def load_state_dict(state_dict, _load=load):
+            return _load(state_dict["optimizer"])
+
+        member.sharded_state_dict, member.load_state_dict = sharded_state_dict, load_state_dict
+        member._megatron_lol_nested = True
+
+
 def load_megatron_muon() -> types.ModuleType:
     """``megatron.core.optimizer.muon``, ready to build Muon (CliError with the fix when it cannot be).
 

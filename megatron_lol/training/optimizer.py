@@ -81,6 +81,17 @@ def ddp_uses_distributed_optimizer(cfg: ExperimentConfig) -> bool:
     return cfg.parallel.use_distributed_optimizer and cfg.optimizer.name == "adam"
 
 
+def optimizer_state_kind(cfg: ExperimentConfig) -> str:
+    """What a checkpoint's optimizer state belongs to; only the same kind resumes it.
+
+    Muon's state is laid out differently with and without the layer-wise
+    distributed optimizer (either reshards over TP/PP/EP/DP by itself).
+    """
+    if cfg.optimizer.name == "muon" and cfg.parallel.use_distributed_optimizer:
+        return "muon with the layer-wise distributed optimizer"
+    return cfg.optimizer.name
+
+
 def megatron_optimizer_config(cfg: ExperimentConfig):
     """megatron-core's ``OptimizerConfig`` for ``cfg`` (both optimizers; Muon reads the ``muon_*`` fields)."""
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
@@ -120,7 +131,7 @@ def build_optimizer(cfg: ExperimentConfig, model_chunks: list):
 def _build_muon(cfg: ExperimentConfig, mcfg, model_chunks: list):
     from megatron.core.optimizer import ParamKey, ParamPredicate, get_standard_config_overrides
 
-    from megatron_lol.training.muon_compat import load_megatron_muon
+    from megatron_lol.training.muon_compat import load_megatron_muon, nest_fp32_member_states
 
     muon = load_megatron_muon()
     named = [(n, p) for chunk in model_chunks for n, p in chunk.named_parameters() if p.requires_grad]
@@ -136,10 +147,12 @@ def _build_muon(cfg: ExperimentConfig, mcfg, model_chunks: list):
     with _kept_on_adamw(p for p in on_adamw if p.dim() == 2):
         optimizer = muon.get_megatron_muon_optimizer(
             mcfg, model_chunks, config_overrides=overrides, layer_wise_distributed_optimizer=layer_wise)
-    if layer_wise and _data_parallel_backend() == "gloo":
-        # the layer-wise optimizer gathers the updated tensors with one all_gather of unequal
-        # sizes per group, which gloo refuses; its own per-tensor broadcasts do the same job
-        optimizer.allgather_params = optimizer.broadcast_params
+    if layer_wise:
+        nest_fp32_member_states(optimizer)
+        if _data_parallel_backend() == "gloo":
+            # the layer-wise optimizer gathers the updated tensors with one all_gather of unequal
+            # sizes per group, which gloo refuses; its own per-tensor broadcasts do the same job
+            optimizer.allgather_params = optimizer.broadcast_params
     o = cfg.optimizer
     log_rank0(f" optimizer: megatron-core Muon (TensorParallelMuon, tp mode {o.muon_tp_mode}, momentum "
               f"{o.muon_momentum}, {o.muon_num_ns_steps} Newton-Schulz steps, scale {o.muon_scale_mode}) for "
