@@ -224,6 +224,15 @@ def test_compat_shim_and_install_pin():
 
     if importlib.util.find_spec("triton") is None:
         assert kernels.HAS_TRITON_340 is False and "Stand-in" in kernels.__doc__
+    # megatron-core's loop that moves expert groups out of the Muon groups, on our list
+    groups = muon_compat._GroupList([{"is_expert_parallel": e, "params": [torch.zeros(2), torch.ones(2)]}
+                                     for e in (False, True, True, False)])
+    moved = []
+    for group in groups:
+        if group["is_expert_parallel"]:
+            moved.append(group)
+            groups.remove(group)
+    assert [g["is_expert_parallel"] for g in groups] == [False, False] and len(moved) == 2
     pin = (REPO / "tools" / "requirements-muon.txt").read_text()
     assert re.search(r"^emerging-optimizers==0\.3\.0 --hash=sha256:[0-9a-f]{64}$", pin, re.M)
     assert "requirements-muon.txt" in (REPO / "tools" / "setup_env.sh").read_text()

@@ -11,7 +11,7 @@ Python, rather than a Newton-Schulz of our own: the TP modes, the QKV split,
 expert tensor-parallel groups, the layer-wise distributed optimizer and its
 distributed checkpoints would all have to be rewritten and kept equal to it.
 
-What pip can install (checked with ``pip download``): PyPI holds one release,
+What pip can install: PyPI holds one release,
 ``emerging-optimizers 0.3.0`` (a pure-Python wheel, ``Requires-Python >=3.12``),
 plus a ``999.9.9`` placeholder that is not the project and must never be
 installed (on Python 3.11 it is the only version pip offers). Megatron-LM pins
@@ -40,10 +40,11 @@ libraries' code:
 
 Adjustments 3 and 4 are needed on Python 3.12 too (they are about the two
 libraries' versions, not Python), and are skipped for an installation whose
-signatures already match (v0.1.0 from git). A fifth concerns megatron-core
+signatures already match (v0.1.0 from git). Two more concern megatron-core
 alone: its split of expert-parallel Muon groups fails whenever a dense group
 comes first (:class:`_GroupList`), i.e. for every expert-parallel model
-without the layer-wise optimizer.
+without the layer-wise optimizer; and its layer-wise optimizer cannot save
+the state of fp32 parameters (:func:`nest_fp32_member_states`).
 """
 
 from __future__ import annotations
