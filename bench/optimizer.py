@@ -11,15 +11,15 @@ schedule) on the quickstart corpus:
   tiny   ``examples/configs/tiny-cpu.yaml`` as it is (the quickstart): each
          optimizer trains ``--train-iters`` steps (default 800, the quickstart's
          schedule) from the same initialisation on the same batches; reported:
-         median step time, median optimizer-step time, validation loss of the
-         initial model and after the run (``eval_iters`` batches);
+         step and optimizer-step times, validation loss of the initial model and
+         after the run (``eval_iters`` batches);
   big    the same config widened to about 100M parameters (``--big-*`` flags):
          ``--big-steps`` timed steps per optimizer after ``--big-warmup``
          (step time only; the loss is not comparable after a few steps).
 
-Runs are sequential (Adam, then Muon); other load on the machine shifts their
-times alike only if it is steady, so read ratios, not absolute seconds, and
-repeat on a quiet machine for figures.
+Runs are sequential (Adam, then Muon). Times are medians of process CPU
+seconds (one torch thread by default), which other jobs on a shared machine
+barely move; wall seconds are printed beside them.
 
     megatron-lol prepare-quickstart --output-dir data/quickstart
     python bench/optimizer.py                              # ~20 min on 2 CPU cores
@@ -93,29 +93,36 @@ def big_overrides(args) -> list:
 
 
 def run(cfg, timed_steps: int, warmup: int, evaluate: bool) -> dict:
-    """Train ``warmup + timed_steps`` steps; step times, optimizer-step times, losses, eval losses."""
+    """Train ``warmup + timed_steps`` steps: CPU and wall time of each step and of its optimizer step,
+    losses, evaluation losses."""
     from megatron_lol.training.trainer import Trainer
 
     trainer = Trainer(cfg).setup()
-    optimizer_seconds = []
+    optimizer_cpu, optimizer_wall = [], []
     step = trainer.optimizer.step
 
     def timed_optimizer_step():
-        t0 = time.perf_counter()
+        c0, t0 = time.process_time(), time.perf_counter()
         out = step()
-        optimizer_seconds.append(time.perf_counter() - t0)
+        optimizer_cpu.append(time.process_time() - c0)
+        optimizer_wall.append(time.perf_counter() - t0)
         return out
 
     trainer.optimizer.step = timed_optimizer_step
     first_eval = trainer.evaluate() if evaluate else None
     data = trainer.data_iterator(trainer.train_ds, 0)
-    results = [trainer.train_step(data) for _ in range(warmup + timed_steps)]
-    timed = results[warmup:]
+    results, step_cpu = [], []
+    for _ in range(warmup + timed_steps):
+        c0 = time.process_time()
+        results.append(trainer.train_step(data))
+        step_cpu.append(time.process_time() - c0)
     return {
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "tokens": sum(r.tokens for r in results),
-        "step_s": [r.seconds for r in timed],
-        "optimizer_s": optimizer_seconds[warmup:],
+        "step_cpu_s": step_cpu[warmup:],
+        "step_wall_s": [r.seconds for r in results[warmup:]],
+        "optimizer_cpu_s": optimizer_cpu[warmup:],
+        "optimizer_wall_s": optimizer_wall[warmup:],
         "first_loss": results[0].loss,
         "last_loss": results[-1].loss,
         "eval_start": first_eval,
@@ -142,21 +149,22 @@ def main(argv=None) -> int:
 
 
 def print_table(out: dict) -> None:
-    print(f"\n{'model':6s} {'params':>9s} {'optimizer':9s} {'step s':>8s} {'opt. s':>8s} {'x adam':>7s} "
-          f"{'tokens':>10s} {'eval start':>10s} {'eval end':>9s}")
+    med = statistics.median
+    print(f"\n{'model':6s} {'params':>9s} {'optimizer':9s} {'step CPU s':>10s} {'opt. CPU s':>10s} {'x adam':>7s} "
+          f"{'step wall s':>11s} {'tokens':>10s} {'eval start':>10s} {'eval end':>9s}")
     for model, runs in out.items():
         if not runs:
             continue
-        base = statistics.median(runs["adam"]["step_s"])
+        base = med(runs["adam"]["step_cpu_s"])
         for name, r in runs.items():
-            step = statistics.median(r["step_s"])
+            step = med(r["step_cpu_s"])
             ev0 = f"{r['eval_start']:.4f}" if r["eval_start"] is not None else "-"
             ev1 = f"{r['eval_end']:.4f}" if r["eval_end"] is not None else "-"
-            print(f"{model:6s} {r['params'] / 1e6:8.2f}M {name:9s} {step:8.3f} "
-                  f"{statistics.median(r['optimizer_s']):8.3f} {step / base:7.2f} {r['tokens']:10,d} "
-                  f"{ev0:>10s} {ev1:>9s}")
-    print("step s / opt. s: medians of the timed steps (whole training step / the optimizer's step in it); "
-          "x adam: step time over Adam's; eval: validation loss of the initial model and after the run")
+            print(f"{model:6s} {r['params'] / 1e6:8.2f}M {name:9s} {step:10.3f} {med(r['optimizer_cpu_s']):10.3f} "
+                  f"{step / base:7.2f} {med(r['step_wall_s']):11.3f} {r['tokens']:10,d} {ev0:>10s} {ev1:>9s}")
+    print("medians over the timed steps: process CPU seconds of a training step and of the optimizer step in it "
+          "(background load barely moves them), wall seconds of a step; x adam: step CPU time over Adam's; "
+          "eval: validation loss of the initial model and after the run")
 
 
 if __name__ == "__main__":

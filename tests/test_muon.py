@@ -450,7 +450,7 @@ def test_benchmark_runs_and_prints_both_optimizers(corpus, tmp_path):
     for model in ("tiny", "big"):
         assert set(result[model]) == {"adam", "muon"}
         for row in result[model].values():
-            assert row["step_s"] and row["optimizer_s"] and row["params"] > 0
+            assert row["step_cpu_s"] and row["optimizer_cpu_s"] and row["step_wall_s"] and row["params"] > 0
     tiny = result["tiny"]
     assert tiny["adam"]["eval_start"] == tiny["muon"]["eval_start"]  # same initial model
     assert tiny["adam"]["eval_end"] != tiny["muon"]["eval_end"]
