@@ -18,12 +18,12 @@
 
 Learning rates under Muon: the Muon matrices follow ``optimizer.lr`` /
 ``min_lr``; the AdamW part follows ``muon_adam_lr`` / ``muon_adam_min_lr``,
-which default to the same values (Megatron-LM's convention, one ``--lr``:
-megatron-core's default ``spectral`` scale multiplies each orthogonalised
-update by sqrt(max(rows, cols)), which gives it a root-mean-square of about 1,
-the size of an Adam step, so one learning rate suits both). The LoL paper
-tunes the two separately without publishing the values; ``--muon-adam-lr``
-sets the AdamW one. Both follow the same schedule (warmup, decay).
+which default to the same values (Megatron-LM's convention, one ``--lr``).
+One learning rate suits both when the updates have the same size:
+megatron-core's default ``spectral`` scale gives an orthogonalised update a
+root-mean-square of about 1, an AdamW update is typically about 0.2, and
+``muon_extra_scale_factor: 0.2`` closes that gap (the quickstart and the LoL
+paper configs set it; docs/optimizer.md). Both parts follow the same schedule.
 
 A library block's matrix is one parameter whatever the number of depths that
 used it: its gradient is the sum over those depths, and Muon orthogonalises
