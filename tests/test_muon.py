@@ -15,8 +15,10 @@
   ``blockwise`` orthogonalises each TP shard on its own, a different update:
   measured 2.4e-3 relative after 3 steps, asserted below 1e-2;
 * kill -9 and resume with Muon state is bit-identical; a 1-process checkpoint
-  resumes at TP=2 (optimizer state resharded);
-* one-line errors; the benchmark runs.
+  resumes at TP=2 (optimizer state resharded); a DP=2 checkpoint of the
+  layer-wise distributed optimizer resumes on one process;
+* one-line errors (bad values, missing package, a checkpoint of another
+  optimizer); the benchmark runs.
 """
 
 from __future__ import annotations
