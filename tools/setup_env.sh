@@ -13,4 +13,10 @@ if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
 pip install -q -e ".[data,hf,analysis,console,test]"
+# megatron-core's Muon (--optimizer muon) runs on emerging-optimizers 0.3.0, the one release on PyPI.
+# Its metadata asks for Python >= 3.12, where pyproject.toml installs it; older Pythons get the same
+# wheel, pinned by its sha256, without that check (megatron_lol/training/muon_compat.py: why and how).
+if python -c 'import sys; sys.exit(0 if sys.version_info < (3, 12) else 1)'; then
+  pip install -q --no-deps --ignore-requires-python --require-hashes -r tools/requirements-muon.txt
+fi
 python -c "import megatron.core, megatron_lol; print('megatron-core', megatron.core.__version__)" 2>/dev/null

@@ -381,10 +381,25 @@ class DataConfig:
             raise ConfigError(f"{prefix}.split: {self.split!r} is not like '98,1,1'")
 
 
+OPTIMIZERS = ("adam", "muon")
+MUON_SCALE_MODES = ("spectral", "unit_rms_norm", "shape_scaling")
+MUON_TP_MODES = ("blockwise", "duplicated", "distributed")
+MUON_FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")
+
+
 @dataclass
 class OptimizerConfig:
-    """AdamW and the learning-rate schedule (megatron-core's names)."""
+    """The optimizer and the learning-rate schedule (megatron-core's ``OptimizerConfig`` names).
 
+    ``name``: ``adam`` (AdamW everywhere) or ``muon`` (megatron-core's Muon for
+    the attention/MLP matrices, AdamW for the rest; see
+    :mod:`megatron_lol.training.optimizer`). The ``muon_*`` fields are read only
+    with ``muon``; their defaults are megatron-core's. ``muon_adam_lr`` /
+    ``muon_adam_min_lr``: the AdamW part's learning rates under Muon (default:
+    ``lr`` / ``min_lr`` scaled alike).
+    """
+
+    name: str = "adam"
     lr: float = 3e-3
     min_lr: float = 3e-4
     weight_decay: float = 0.1
@@ -396,10 +411,23 @@ class OptimizerConfig:
     lr_warmup_iters: int = 0
     lr_wsd_decay_iters: Optional[int] = None
     lr_wsd_decay_style: str = "linear"
+    muon_momentum: float = 0.95
+    muon_split_qkv: bool = True  # orthogonalise Q, K and V of a fused linear_qkv separately
+    muon_use_nesterov: bool = False
+    muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
+    muon_fp32_matmul_prec: str = "medium"  # Newton-Schulz matmuls: medium = bf16
+    muon_num_ns_steps: int = 5
+    muon_tp_mode: str = "blockwise"  # blockwise | duplicated | distributed
+    muon_extra_scale_factor: float = 1.0
+    muon_adam_lr: Optional[float] = None
+    muon_adam_min_lr: Optional[float] = None
 
     def validate(self, prefix: str = "optimizer") -> None:
+        _choice(f"{prefix}.name", self.name, OPTIMIZERS)
         _positive(f"{prefix}.lr", self.lr)
         _nonnegative(f"{prefix}.min_lr", self.min_lr)
+        if self.min_lr > self.lr:
+            raise ConfigError(f"{prefix}.min_lr: {self.min_lr} is above lr={self.lr}")
         _nonnegative(f"{prefix}.weight_decay", self.weight_decay)
         _nonnegative(f"{prefix}.clip_grad", self.clip_grad)
         _nonnegative(f"{prefix}.lr_warmup_iters", self.lr_warmup_iters)
@@ -408,6 +436,23 @@ class OptimizerConfig:
                 ("linear", "cosine", "exponential", "minus_sqrt"))
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"{prefix}.adam_beta1/adam_beta2: must be in [0, 1)")
+        if not 0 <= self.muon_momentum < 1:
+            raise ConfigError(f"{prefix}.muon_momentum: must be in [0, 1) (got {self.muon_momentum!r})")
+        _choice(f"{prefix}.muon_scale_mode", self.muon_scale_mode, MUON_SCALE_MODES)
+        _choice(f"{prefix}.muon_tp_mode", self.muon_tp_mode, MUON_TP_MODES)
+        _choice(f"{prefix}.muon_fp32_matmul_prec", self.muon_fp32_matmul_prec, MUON_FP32_MATMUL_PRECISIONS)
+        if not isinstance(self.muon_num_ns_steps, int) or self.muon_num_ns_steps < 1:
+            # megatron-core's TensorParallelMuon refuses fewer than one step
+            raise ConfigError(f"{prefix}.muon_num_ns_steps: must be >= 1 (got {self.muon_num_ns_steps!r})")
+        _positive(f"{prefix}.muon_extra_scale_factor", self.muon_extra_scale_factor)
+        if self.muon_adam_lr is not None:
+            _positive(f"{prefix}.muon_adam_lr", self.muon_adam_lr)
+        if self.muon_adam_min_lr is not None:
+            _nonnegative(f"{prefix}.muon_adam_min_lr", self.muon_adam_min_lr)
+            peak = self.lr if self.muon_adam_lr is None else self.muon_adam_lr
+            if self.muon_adam_min_lr > peak:
+                raise ConfigError(f"{prefix}.muon_adam_min_lr: {self.muon_adam_min_lr} is above the AdamW "
+                                  f"peak learning rate {peak}")
 
 
 @dataclass

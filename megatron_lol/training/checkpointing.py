@@ -28,7 +28,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
   ``megatron.core.dist_checkpointing.load_plain_tensors(dir)`` (or
   ``torch.distributed.checkpoint``), whatever TP/PP/EP layout saved them.
 * ``optimizer.*`` -- megatron's optimizer state (distributed optimizer:
-  ``fully_reshardable``), keyed from the model keys.
+  ``fully_reshardable``), keyed from the model keys; a chain of several optimizers (Muon + AdamW)
+  prefixes each one's keys with ``chained_<i>.``.
 * ``rng_state`` -- a ShardedObject, one entry per global rank: python, numpy,
   torch CPU, CUDA (when present) and megatron's tensor-parallel RNG tracker
   states. Restored only when the parallel layout is unchanged.
@@ -36,7 +37,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
   python/numpy/torch generators, restored on a resharded resume), ``iteration``,
   ``consumed_train_samples``, ``nonfinite_skipped``, ``scheduler`` (the LR
   schedule's state dict), ``curriculum`` (``{"depth": ...}``), ``layout``
-  (tp/pp/ep/dp/world of the saving run), ``format_version``.
+  (tp/pp/ep/dp/world of the saving run), ``optimizer_kind`` (``adam``, ``muon``, or Muon with
+  the layer-wise distributed optimizer: only the same kind resumes the optimizer state), ``format_version``.
 
 ``run_config.yaml`` is ``ExperimentConfig.to_dict()`` with ``model.vocab_size``
 set to the padded vocabulary the weights have (so ``load_config(...,
@@ -68,6 +70,7 @@ import torch
 
 from megatron_lol.log import log_rank0
 from megatron_lol.training.hooks import Hook, Stop
+from megatron_lol.training.optimizer import optimizer_state_kind
 
 TRACKER = "latest_checkpointed_iteration.txt"
 RUN_CONFIG = "run_config.yaml"
@@ -295,6 +298,7 @@ def build_save_state(trainer) -> dict:
         "nonfinite_skipped": int(getattr(trainer, "nonfinite_skipped", 0)),
         "curriculum": {"depth": int(trainer.depth_at(trainer.iteration))},
         "layout": parallel_layout(trainer),
+        "optimizer_kind": optimizer_state_kind(trainer.cfg),
         "format_version": FORMAT_VERSION,
     }
     return state
@@ -547,9 +551,16 @@ class Checkpointer:
         load_rng = resume and common.get("layout") == layout
         model_sd = _model_sharded_state_dict(trainer)
         request = {"model": model_sd}
-        has_optimizer = load_optimizer and any(k.startswith("optimizer") for k in _ckpt_keys(path))
+        # a chain of several optimizers (Muon + AdamW, expert groups) prefixes its keys with chained_<i>.
+        has_optimizer = load_optimizer and any(k.startswith(("optimizer", "chained_")) for k in _ckpt_keys(path))
         if load_optimizer and not has_optimizer:
             log_rank0(f" checkpoint: {path} has no optimizer state; starting it fresh")
+        saved_kind, kind = common.get("optimizer_kind", "adam"), optimizer_state_kind(trainer.cfg)
+        if has_optimizer and saved_kind != kind:
+            from megatron_lol.errors import CliError
+
+            raise CliError(f"{path}: holds the optimizer state of {saved_kind}, this run uses {kind}; to switch, "
+                           f"start a new --save from --load {directory} with training.reset_optimizer: true")
         if has_optimizer:
             request["optimizer"] = _optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
         if load_rng:

@@ -6,8 +6,8 @@ One step:
 2. ``get_forward_backward_func()`` over the micro-batches (1F1B / interleaved
    with pipeline parallelism, plain gradient accumulation otherwise); the loss
    is the token-mean LM loss, the balancing loss rides along in the graph;
-3. the megatron optimizer step (AdamW, gradient clipping, DDP/distributed
-   optimizer reductions) and the LR schedule;
+3. the megatron optimizer step (AdamW, or Muon + AdamW: :mod:`.optimizer`;
+   gradient clipping, DDP/distributed optimizer reductions) and the LR schedule;
 4. the loss-free balancing-bias update, with loads summed over the ranks that
    saw different windows;
 5. evaluation at ``eval_interval``; then the callbacks (:mod:`.hooks`):
@@ -151,6 +151,7 @@ class Trainer:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from megatron_lol.model.lol_model import LoLGPTModel
+        from megatron_lol.training.optimizer import ddp_uses_distributed_optimizer
         from megatron_lol.training.vocab import resolve_vocab_size
 
         cfg = self.cfg
@@ -164,7 +165,7 @@ class Trainer:
                                 vp_stage=vp_stage if vpp else None)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
-                use_distributed_optimizer=cfg.parallel.use_distributed_optimizer)
+                use_distributed_optimizer=ddp_uses_distributed_optimizer(cfg))
             chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                                   disable_bucketing=vp_stage > 0))
         self.model_chunks = chunks
@@ -179,27 +180,10 @@ class Trainer:
             chunk.module.config.finalize_model_grads_func = self.library_sync.finalize_model_grads
 
     def _build_optimizer(self) -> None:
-        from megatron.core.optimizer import OptimizerConfig as MOptConfig
-        from megatron.core.optimizer import get_megatron_optimizer
-        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron_lol.training.optimizer import build_optimizer, build_scheduler
 
-        o, tr = self.cfg.optimizer, self.cfg.training
-        bf16 = self.cfg.model.params_dtype == "bf16"
-        mcfg = MOptConfig(optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-                          adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps,
-                          clip_grad=o.clip_grad, bf16=bf16,
-                          params_dtype=torch.bfloat16 if bf16 else torch.float32,
-                          use_distributed_optimizer=self.cfg.parallel.use_distributed_optimizer)
-        self.optimizer = get_megatron_optimizer(mcfg, self.model_chunks)
-        wsd = o.lr_wsd_decay_iters if o.lr_decay_style == "WSD" else None
-        if o.lr_decay_style == "WSD" and wsd is None:
-            wsd = max(1, tr.train_iters // 5)
-        self.scheduler = OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-            lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=tr.train_iters,
-            lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-            wd_incr_steps=tr.train_iters, wd_incr_style="constant", wsd_decay_steps=wsd,
-            lr_wsd_decay_style=o.lr_wsd_decay_style)
+        self.optimizer = build_optimizer(self.cfg, self.model_chunks)
+        self.scheduler = build_scheduler(self.cfg, self.optimizer)
 
     def _build_data(self) -> None:
         tr, d = self.cfg.training, self.cfg.data
