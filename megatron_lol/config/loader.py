@@ -43,12 +43,23 @@ MEGATRON_FLAGS: dict[str, str] = {
     "--tokenizer-model": "data.tokenizer_model",
     "--tokenizer-type": "data.tokenizer_type",
     "--split": "data.split",
+    "--fp8-format": "model.fp8",
+    "--fp8-recipe": "model.fp8_recipe",
+    "--fp8-margin": "model.fp8_margin",
+    "--fp8-amax-history-len": "model.fp8_amax_history_len",
+    "--fp8-amax-compute-algo": "model.fp8_amax_compute_algo",
 }
 BOOL_FLAGS: dict[str, tuple[str, bool]] = {
     "--sequence-parallel": ("parallel.sequence_parallel", True),
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", True),
     "--no-resume": ("training.resume", False),
     "--async-save": ("training.async_save", True),
+    "--bf16": ("model.params_dtype", "bf16"),
+    "--fp16": ("model.params_dtype", "fp16"),  # refused by validation, with the reason
+}
+# Megatron-LM flag -> (dotted key, {flag value: config value})
+CHOICE_FLAGS: dict[str, tuple[str, dict]] = {
+    "--transformer-impl": ("model.use_transformer_engine", {"transformer_engine": True, "local": False}),
 }
 
 
@@ -62,6 +73,8 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
         parser.add_argument(flag, dest=_dest(flag), default=None, help=f"sets {key}")
     for flag, (key, _) in BOOL_FLAGS.items():
         parser.add_argument(flag, dest=_dest(flag), action="store_true", help=f"sets {key}")
+    for flag, (key, values) in CHOICE_FLAGS.items():
+        parser.add_argument(flag, dest=_dest(flag), default=None, choices=sorted(values), help=f"sets {key}")
 
 
 def config_from_args(args: argparse.Namespace, check_data: bool = True) -> ExperimentConfig:
@@ -80,6 +93,10 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Exper
     for flag, (key, value) in BOOL_FLAGS.items():
         if getattr(args, _dest(flag), False):
             overrides.append((key, value, flag))
+    for flag, (key, values) in CHOICE_FLAGS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is not None:
+            overrides.append((key, values[value], flag))
     return load_config(args.config, overrides, check_data=check_data)
 
 
