@@ -126,11 +126,42 @@ def _cuda_to_fake_mode():
     from megatron_lol.platform.device_mode import _CudaToCpuMode
 
     class _CudaToFakeGpu(_CudaToCpuMode):
-        """The CPU platform's device mode, with CUDA device names going to the fake GPU."""
+        """The CPU platform's device mode, with CUDA device names going to the fake GPU.
+
+        ``torch.tensor(data, device=...)`` and ``Tensor.new_tensor(data)`` build their tensor below
+        the Python dispatch key (no mode or subclass sees it): here they are built on the CPU and
+        moved, which is what they do on a real GPU.
+        """
 
         target = fake_gpu_device()
 
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func in _FROM_DATA:
+                # data given as GPU tensors is read to the host (as on a GPU: one sync per element)
+                args = tree_map(lambda t: t.elem if isinstance(t, FakeGpuTensor) else t, args)
+                device = kwargs.get("device")
+                if device is not None and torch.device(self._remap(device)).type == NAME:
+                    kwargs.pop("device")
+                    return func(*args, **kwargs).to(self.target)
+            elif func in (torch.Tensor.type, torch._C.TensorBase.type) and len(args) == 1 and not kwargs \
+                    and isinstance(args[0], FakeGpuTensor):
+                return "torch.cuda." + args[0].elem.type()[len("torch."):]  # what a CUDA tensor reports
+            elif func is torch.Tensor.new_tensor and isinstance(args[0], FakeGpuTensor):
+                kwargs.setdefault("dtype", args[0].dtype)
+                kwargs.pop("device", None)
+                return torch.tensor(*args[1:], **kwargs).to(self.target)
+            return super().__torch_function__(func, types, args, kwargs)
+
+        def _remap(self, device):
+            from megatron_lol.platform.device_mode import _to_target_device
+
+            return _to_target_device(device, self.target)
+
     return _CudaToFakeGpu()
+
+
+_FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 
 
 @contextlib.contextmanager
@@ -138,16 +169,21 @@ def fake_gpu():
     """Run the body as if on a GPU: see the module docstring. Call ``setup_platform()`` first."""
     import megatron_lol.platform as platform
 
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
     dev = fake_gpu_device()
-    saved = (torch.Tensor.cuda, nn.Module.cuda, platform.device)
+    saved = (torch.Tensor.cuda, nn.Module.cuda, platform.device, MoEAuxLossAutoScaler.main_loss_backward_scale)
     torch.Tensor.cuda = lambda self, device=None, non_blocking=False, **kw: self.to(dev, non_blocking=non_blocking)
     nn.Module.cuda = lambda self, device=None: self.to(dev)
     platform.device = lambda: dev
+    # megatron-core keeps the MoE aux-loss scale in a class attribute made on the first run's device:
+    # an earlier CPU run of this process would leave a CPU tensor a real GPU process never has
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
     try:
         with platform.device_mode_suspended(), _cuda_to_fake_mode(), _FactoryMode():
             yield dev
     finally:
-        torch.Tensor.cuda, nn.Module.cuda, platform.device = saved
+        torch.Tensor.cuda, nn.Module.cuda, platform.device, MoEAuxLossAutoScaler.main_loss_backward_scale = saved
 
 
 def to_fake_gpu(module: nn.Module) -> nn.Module:
