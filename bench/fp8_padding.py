@@ -3,8 +3,8 @@
 Under FP8 each block's packed windows at a routed depth are padded with zero rows to a multiple of 16
 (megatron_lol/model/precision.py). This counts those rows for the paper's W=128 configs: the windows of
 every depth (megatron_lol.model.windows, shifted by ((l-1) S) mod W and clipped at document and row
-boundaries) over micro-batches of synthetic documents (the profiler's SyntheticDataset: EOD-separated
-documents of mean length ~seq/2), each window sent to a block uniformly at random (balanced routing's
+boundaries) over micro-batches of synthetic rows of documents (lengths uniform in [seq/4, seq), cut at
+the row's end: the profiler's synthetic data), each window sent to a block uniformly at random (balanced routing's
 expected loads) or all to one block (the least padding) -- and prints, per config, the padding as a share
 of the routed blocks' rows (= of their GEMM FLOPs) and of all layer rows of a step.
 
@@ -31,16 +31,26 @@ def padded_rows(counts: torch.Tensor) -> int:
     return int(((-counts) % MULTIPLE).sum())
 
 
+def document_starts(seq: int, mbs: int, gen: torch.Generator) -> torch.Tensor:
+    """``[mbs, seq]`` bool: where documents start (lengths uniform in [seq/4, seq), cut at the row's end)."""
+    starts = torch.zeros(mbs, seq, dtype=torch.bool)
+    for row in range(mbs):
+        pos = 0
+        while True:
+            pos += int(torch.randint(max(2, seq // 4), max(3, seq), (1,), generator=gen))
+            if pos >= seq:
+                break
+            starts[row, pos] = True
+    return starts
+
+
 def measure(L: int, D: int, W: int, S: int, seq: int, mbs: int, batches: int, seed: int = 0) -> dict:
     from megatron_lol.model.windows import DocumentLayout, WindowLayout
-    from megatron_lol.perf.profile import SyntheticDataset
 
-    data = SyntheticDataset(seq, 32000, eod=0, seed=seed)
     gen = torch.Generator().manual_seed(seed)
     rows = pad_uniform = pad_one = 0
-    for b in range(batches):
-        tokens = torch.stack([data[b * mbs + i]["tokens"] for i in range(mbs)])
-        docs = DocumentLayout.from_tokens(tokens, 0)
+    for _ in range(batches):
+        docs = DocumentLayout.from_starts(document_starts(seq, mbs, gen))
         for depth in range(1, D + 1):
             windows = WindowLayout.build(docs, depth, W, S)
             choice = torch.randint(0, L, (windows.num_windows,), generator=gen)

@@ -17,13 +17,42 @@ import sys
 
 BASE_MODEL = dict(hidden_size=128, num_attention_heads=4, ffn_hidden_size=256, n_prelude=1, n_coda=1,
                   window_size=16, window_shift=8, vocab_size=256)
+EOD = 0
+
+
+class SyntheticTokens:
+    """Deterministic random rows of EOD-separated documents (lengths seq/4 .. seq), the same on every device."""
+
+    def __init__(self, seq: int, vocab: int, seed: int = 3, size: int = 1 << 16):
+        self.seq, self.vocab, self.seed, self.size = seq, vocab, seed, size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, idx: int) -> dict:
+        import torch
+
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(idx))
+        tokens = torch.randint(1, self.vocab, (self.seq + 1,), generator=g)
+        pos = 0
+        while True:
+            pos += int(torch.randint(max(2, self.seq // 4), max(3, self.seq), (1,), generator=g))
+            if pos >= self.seq:
+                break
+            tokens[pos] = EOD
+        return {"tokens": tokens[:-1].clone(), "labels": tokens[1:].clone(),
+                "loss_mask": torch.ones(self.seq, dtype=torch.float32)}
+
+
+class Tokenizer:
+    def __init__(self, vocab: int):
+        self.vocab_size, self.eod = vocab, EOD
 
 
 def run_one(spec: dict) -> dict:
     import torch
 
     from megatron_lol.config import config_from_dict
-    from megatron_lol.perf.profile import SyntheticDataset, _StubTokenizer
     from megatron_lol.training.trainer import Trainer
 
     model = dict(BASE_MODEL, **spec.get("model", {}))
@@ -38,8 +67,8 @@ def run_one(spec: dict) -> dict:
     fp32 = model.get("params_dtype", "fp32") == "fp32"
     torch.backends.cuda.matmul.allow_tf32 = not fp32
     torch.backends.cudnn.allow_tf32 = not fp32
-    data = SyntheticDataset(seq, model["vocab_size"], eod=0, seed=3)
-    trainer = Trainer(cfg, tokenizer=_StubTokenizer(model["vocab_size"], eod=0), datasets=(data, None, None)).setup()
+    data = SyntheticTokens(seq, model["vocab_size"])
+    trainer = Trainer(cfg, tokenizer=Tokenizer(model["vocab_size"]), datasets=(data, None, None)).setup()
     it = trainer.data_iterator(trainer.train_ds, 0)
     results = [trainer.train_step(it) for _ in range(steps)]
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],

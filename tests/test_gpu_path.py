@@ -383,3 +383,20 @@ def test_bf16_model_keeps_routing_fp32_and_ddp_main_grads_fp32(megatron_env):
         grad_reduce_in_fp32=True), module=net)
     loss.sum().backward()
     assert {p.main_grad.dtype for p in ddp.module.parameters()} == {torch.float32}
+
+
+def test_fp8_padding_bench_runs():
+    """bench/fp8_padding.py (the figures in docs/performance.md) runs and stays within its bound:
+    at most 15 padding rows per block per depth."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, str(REPO / "bench" / "fp8_padding.py"), "--batches", "1"],
+                          capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [l for l in proc.stdout.splitlines() if l.startswith("lol-360m")]
+    assert len(rows) == 5
+    for line in rows:
+        import re
+
+        L, tokens, uniform, one_block, _ = re.match(r".+?\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+)%$",
+                                                   line).groups()
+        assert 0 < float(uniform) <= 100 * 15 * int(L) / int(tokens) and float(one_block) == 0.0, line
