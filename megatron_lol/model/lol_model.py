@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from megatron_lol.backends import select_backend
-from megatron_lol.config.schema import ConfigError, ModelConfig
+from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import call_block
 from megatron_lol.model.core import Core, CoreOutput, ForcedPath
@@ -120,7 +120,8 @@ class LoLGPTModel(_language_module()):
         self.use_te = use_te
         self.packed = use_te if packed_sequences is None else packed_sequences
         if use_te and not self.packed:
-            raise ConfigError("packed_sequences: the Transformer Engine spec runs packed (THD) sequences")
+            raise ValueError("LoLGPTModel(packed_sequences=False): the Transformer Engine spec runs packed (THD) "
+                             "sequences only")
         moe = model.num_experts if model.moe_layers != "none" else None
         if moe:
             # megatron-core's MoE loss logging tracker is process-global and sized by the first
