@@ -271,6 +271,8 @@ def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None)
     layer = build_module(spec, config=config, layer_number=layer_number,
                          vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None)
     layer.layer_number = layer_number
+    if hasattr(layer.mlp, "set_layer_number"):  # an MoE layer's router logs its losses by layer number
+        layer.mlp.set_layer_number(layer_number)
     attention = getattr(layer, "self_attention", None)
     if attention is not None and not isinstance(getattr(attention, "core_attention", None), _te_attention_types()):
         # selective recompute is done inside SegmentCausalAttention (see there)
