@@ -57,7 +57,7 @@ def test_fp8_and_te_need_transformer_engine_here():
 def test_spec_selection_and_thd_params(megatron_env):
     from megatron_lol.model.attention import SegmentCausalAttention
     from megatron_lol.model.block_call import LoLTransformerLayer
-    from megatron_lol.model.library import LocalRMSNorm, block_spec, packed_seq_params, use_te_for
+    from megatron_lol.model.library import LocalRMSNorm, block_spec, thd_params, use_te_for
 
     cfg = config_from_dict(_cfg())
     assert use_te_for(cfg.model) is (torch.cuda.is_available() and _te_imports())
@@ -65,9 +65,12 @@ def test_spec_selection_and_thd_params(megatron_env):
     assert spec.submodules.self_attention.submodules.core_attention is SegmentCausalAttention
     assert spec.submodules.input_layernorm is LocalRMSNorm and spec.module is LoLTransformerLayer
     # windows of length 3, 4, 1, 2 packed back to back
-    psp = packed_seq_params(torch.tensor([5, 5, 5, 9, 9, 9, 9, 2, 7, 7]))
-    assert psp.qkv_format == "thd"
+    psp, padded = thd_params(torch.tensor([5, 5, 5, 9, 9, 9, 9, 2, 7, 7]), max_seqlen=4)
+    assert psp.qkv_format == "thd" and padded == 10
     assert psp.cu_seqlens_q.tolist() == [0, 3, 7, 8, 10] and psp.max_seqlen_q == 4
+    # FP8: padded to 16 rows, the 6 padding rows one more sequence
+    psp, padded = thd_params(torch.tensor([5, 5, 5, 9, 9, 9, 9, 2, 7, 7]), max_seqlen=4, pad_to=16)
+    assert padded == 16 and psp.cu_seqlens_q.tolist() == [0, 3, 7, 8, 10, 16] and psp.max_seqlen_q == 6
 
 
 def _te_imports():

@@ -127,6 +127,7 @@ def load_checkpoint(load: str, iteration: Optional[int] = None, with_tokenizer: 
     from megatron.core import dist_checkpointing
 
     from megatron_lol.model.lol_model import LoLGPTModel, padded_vocab_size
+    from megatron_lol.platform import device
 
     tokenizer = build_tokenizer_from_info(info, cfg, config_dir) if with_tokenizer else None
     eod = (info.get("tokenizer") or {}).get("eod_id")
@@ -142,6 +143,7 @@ def load_checkpoint(load: str, iteration: Optional[int] = None, with_tokenizer: 
     cfg.parallel.virtual_pipeline_model_parallel_size = None
     model = LoLGPTModel(cfg.model, int(vocab), eod, max_sequence_length=cfg.training.seq_length,
                         init_seed=cfg.training.seed)
+    model.to(device())  # the weights load straight onto the platform's device (a no-op on CPU)
     try:
         state = dist_checkpointing.load(_sharded_state_dict(model), path)
     except Exception as err:  # noqa: BLE001

@@ -31,6 +31,7 @@ GROUPS: dict[str, str] = {
     "checkpointing": "checkpointing",
     "optimizer": "optimizer and learning-rate schedule",
     "parallelism": "parallelism",
+    "precision": "precision, Transformer Engine and FP8",
     "logging": "logging (console, metrics.jsonl, TensorBoard, W&B)",
 }
 
@@ -89,6 +90,14 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
                                                "model chunks per pipeline stage, for the interleaved schedule"),
     "--expert-model-parallel-size": ("parallel.expert_model_parallel_size", "parallelism", "N",
                                      "ranks the block library (plan lol) or the experts are sharded over"),
+    "--fp8-format": ("model.fp8", "precision", "FORMAT",
+                     "FP8 for the blocks' GEMMs under Transformer Engine: e4m3 or hybrid"),
+    "--fp8-recipe": ("model.fp8_recipe", "precision", "RECIPE", "delayed, tensorwise, mxfp8 or blockwise scaling"),
+    "--fp8-margin": ("model.fp8_margin", "precision", "N", "margin of the FP8 scaling factor (delayed scaling)"),
+    "--fp8-amax-history-len": ("model.fp8_amax_history_len", "precision", "N",
+                               "amax history length (delayed scaling)"),
+    "--fp8-amax-compute-algo": ("model.fp8_amax_compute_algo", "precision", "ALGO",
+                                "max or most_recent amax of the history (delayed scaling)"),
     "--log-interval": ("training.log_interval", "logging", "N",
                        "iterations between console lines / metrics.jsonl records"),
     "--tensorboard-dir": ("training.tensorboard_dir", "logging", "DIR",
@@ -109,14 +118,22 @@ BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
                                     "shard the optimizer state over the data-parallel ranks"),
     "--no-resume": ("training.resume", False, "checkpointing", "start afresh even if --save holds a checkpoint"),
     "--async-save": ("training.async_save", True, "checkpointing", "write checkpoints in the background"),
+    "--bf16": ("model.params_dtype", "bf16", "precision", "BF16 weights with FP32 main gradients"),
+    "--fp16": ("model.params_dtype", "fp16", "precision", "FP16 (refused by validation, with the reason)"),
     "--muon-use-nesterov": ("optimizer.muon_use_nesterov", True, "optimizer", "Nesterov momentum in Muon"),
     "--muon-no-split-qkv": ("optimizer.muon_split_qkv", False, "optimizer",
                             "orthogonalise the fused QKV matrix as one (default: Q, K, V apart)"),
 }
 
+# Megatron-LM flag -> (dotted key, {flag value: config value}, group, help)
+CHOICE_FLAGS: dict[str, tuple[str, dict, str, str]] = {
+    "--transformer-impl": ("model.use_transformer_engine", {"transformer_engine": True, "local": False}, "precision",
+                           "layer implementation: transformer_engine (TE spec) or local"),
+}
+
 # which groups each verb shows (``--config`` and ``--set`` always)
 PARAMS_GROUPS = ("tokenizer", "parallelism")
-PROFILE_GROUPS = ("data", "tokenizer", "batch", "parallelism")
+PROFILE_GROUPS = ("data", "tokenizer", "batch", "parallelism", "precision")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
@@ -142,6 +159,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
         if group in heads:
             heads[group].add_argument(flag, dest=_dest(flag), action="store_true",
                                       help=f"{text} ({key}={str(value).lower()})")
+    for flag, (key, values, group, text) in CHOICE_FLAGS.items():
+        if group in heads:
+            heads[group].add_argument(flag, dest=_dest(flag), default=None, choices=sorted(values),
+                                      help=f"{text} ({key})")
 
 
 def add_threads_argument(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +190,10 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Exper
     for flag, (key, value, *_) in BOOL_FLAGS.items():
         if getattr(args, _dest(flag), False):
             overrides.append((key, value, flag))
+    for flag, (key, values, *_) in CHOICE_FLAGS.items():
+        value = getattr(args, _dest(flag), None)
+        if value is not None:
+            overrides.append((key, values[value], flag))
     return load_config(args.config, overrides, check_data=check_data)
 
 

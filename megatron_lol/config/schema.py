@@ -112,10 +112,15 @@ class ModelConfig:
     loop_budget: Optional[int] = None  # fixed budget for training/eval/inference; None: sample in training
     second_pass_router: str = "shared"  # shared | separate (one extra MoE router per loopable layer)
     loop_gates: bool = True  # per-channel gates on the second pass's attention and MLP writes
-    params_dtype: str = "fp32"  # fp32 | bf16
+    params_dtype: str = "fp32"  # fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md)
     use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
-    fp8: Optional[str] = None  # e4m3 | hybrid (Transformer Engine only)
-    fp8_recipe: str = "delayed"  # delayed | tensorwise | mxfp8 | blockwise
+    # FP8 through Transformer Engine, Megatron-LM's flags (--fp8-format, --fp8-recipe, --fp8-margin,
+    # --fp8-amax-history-len, --fp8-amax-compute-algo); the layers' GEMMs only, see model/precision.py
+    fp8: Optional[str] = None  # e4m3 | hybrid
+    fp8_recipe: str = "delayed"  # delayed | tensorwise (current scaling) | mxfp8 | blockwise
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"  # most_recent | max
 
     @property
     def ffn_hidden(self) -> int:
@@ -154,6 +159,8 @@ class ModelConfig:
         _choice(f"{prefix}.balancing", self.balancing, BALANCING)
         _choice(f"{prefix}.film", self.film, FILM_MODES)
         _choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
+        if self.params_dtype == "fp16":
+            raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")
         _choice(f"{prefix}.params_dtype", self.params_dtype, ("fp32", "bf16"))
         _positive(f"{prefix}.hidden_size", self.hidden_size)
         _positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
@@ -198,25 +205,13 @@ class ModelConfig:
         _positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
         _choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
         if self.fp8 is not None:
-            _choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
-            _choice(f"{prefix}.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
-            from megatron_lol.platform import has_transformer_engine
-
-            if self.use_transformer_engine is False or not has_transformer_engine():
-                raise ConfigError(
-                    f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA "
-                    f"({'disabled by use_transformer_engine: false' if self.use_transformer_engine is False else 'not available on this machine'})")
-            if self.params_dtype != "bf16":
-                raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
+            self._validate_fp8(prefix)
         if self.use_transformer_engine:
             from megatron_lol.platform import has_transformer_engine
 
             if not has_transformer_engine():
                 raise ConfigError(f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
                                   f"is not available on this machine")
-        if self.use_transformer_engine and self.film != "off":
-            raise ConfigError(f"{prefix}.film: per-depth FiLM needs separate norm modules; not available with "
-                              f"the Transformer Engine spec (fused norm+linear): set use_transformer_engine: false")
         if self.moe_layers != "none":
             if self.num_experts is None or self.num_experts < 1:
                 raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
@@ -240,6 +235,35 @@ class ModelConfig:
             for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
                 if getattr(self, key) is not None:
                     raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
+
+
+    def _validate_fp8(self, prefix: str) -> None:
+        """FP8 needs TE on CUDA (and Blackwell for MXFP8); the block GEMMs it runs need rows in
+        multiples of 16 (checked with the batch shape in :meth:`ExperimentConfig.validate`)."""
+        from megatron_lol.platform import cuda_available, has_transformer_engine
+
+        _choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
+        _choice(f"{prefix}.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
+        _choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
+        _positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
+        _nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
+        if self.use_transformer_engine is False or not has_transformer_engine():
+            why = ("disabled by use_transformer_engine: false" if self.use_transformer_engine is False
+                   else "not available on this machine")
+            raise ConfigError(f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA ({why})")
+        if self.params_dtype != "bf16":
+            raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
+        if self.fp8_recipe == "mxfp8" and cuda_available():
+            import torch
+
+            major, _ = torch.cuda.get_device_capability()
+            if major < 10:
+                raise ConfigError(f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
+                                  f"this one has {major}.x); use delayed or tensorwise")
+        plan = self.execution_plan(prefix)
+        if plan.routed and self.moe_layers == "all":
+            raise ConfigError(f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
+                              f"windows to FP8's multiple of 16 to experts; use moe_layers: fixed or no fp8")
 
 
 @dataclass
@@ -533,6 +557,10 @@ class ExperimentConfig:
         if self.optimizer.lr_warmup_iters >= self.training.train_iters:
             raise ConfigError(f"optimizer.lr_warmup_iters: {self.optimizer.lr_warmup_iters} must be smaller than "
                               f"training.train_iters={self.training.train_iters}")
+        tr = self.training
+        if self.model.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % 16:
+            raise ConfigError(f"training.seq_length: FP8 GEMMs need micro_batch_size x seq_length = "
+                              f"{tr.micro_batch_size * tr.seq_length} tokens in multiples of 16")
         if check_data:
             self.data.validate()
         return self

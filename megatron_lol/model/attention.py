@@ -17,6 +17,10 @@ Two algorithms, chosen by the mask:
 
 On GPUs with Transformer Engine the same packing is expressed as THD
 ``PackedSeqParams`` for TE's fused attention instead (see ``library.py``).
+Given such parameters, this module computes what TE's attention does with
+them (each ``cu_seqlens`` sequence causal on its own, a sliding window from
+``config.window_size``), so the packed layout of the TE spec runs, and is
+tested, on the local spec too.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class SegmentCausalAttention(MegatronModule):
 
     def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
                 packed_seq_params=None):
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         mask = attention_mask if isinstance(attention_mask, SegmentMask) else SegmentMask()
         if self.selective_recompute and self.training and torch.is_grad_enabled():
             # megatron's own selective recompute cannot carry a SegmentMask (it saves
@@ -83,6 +89,23 @@ class SegmentCausalAttention(MegatronModule):
 
             return tensor_parallel.checkpoint(run, False, query, key, value, mask.segments)
         return self._attend(query, key, value, mask)
+
+    def _packed(self, query, key, value, params):
+        """THD input ``[T, heads, dim]``: the sequences of ``cu_seqlens_q``, each causal (and sliding
+        when ``config.window_size`` is set); returns ``[T, 1, heads * dim]``."""
+        if params.qkv_format != "thd":
+            raise ValueError(f"SegmentCausalAttention: packed format {params.qkv_format!r} (only thd)")
+        cu = params.cu_seqlens_q.long()
+        total = query.shape[0]
+        segments = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=query.device), cu[1:] - cu[:-1],
+                                           output_size=total)
+        window = getattr(self.config, "window_size", None)
+        sliding = window[0] + 1 if window else None
+        # sequences at most max_seqlen long: the chunked algorithm, unless a sliding window needs the dense one
+        chunk = None if sliding is not None or params.max_seqlen_q >= total else int(params.max_seqlen_q)
+        mask = SegmentMask(segments=segments.view(1, -1), chunk=chunk, sliding=sliding)
+        q, k, v = (t.unsqueeze(1) for t in (query, key, value))
+        return self.forward(q, k, v, mask)
 
     def _attend(self, query, key, value, mask: SegmentMask):
         if self.heads != self.groups:  # grouped-query attention: share each K/V head

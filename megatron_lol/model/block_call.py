@@ -136,14 +136,20 @@ class LoLTransformerLayer(TransformerLayer):
 
 
 def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], parts: BlockParts = NO_PARTS, *,
-               use_te: bool = False, recompute: bool = False, backend=None) -> tuple:
-    """Run one layer with segment-causal attention; returns ``(output [s, b, h], MoERoute or None)``.
+               packed: bool = False, recompute: bool = False, backend=None, pad_to: int = 1) -> tuple:
+    """Run one layer with segment-causal attention; returns ``(output, MoERoute or None)``.
 
-    Local spec: ``mask`` (a :class:`~megatron_lol.model.attention.SegmentMask`)
-    goes to the segment-causal core attention. Transformer Engine: the segments
-    become THD ``PackedSeqParams``; a ``[s, b, h]`` batch is flattened row-major
-    to the packed ``[b*s, 1, h]`` stream TE expects and ``rope`` is the position
-    table (TE restarts positions per segment). ``recompute``: full activation
+    Unpacked (the local spec): ``hidden`` is ``[s, b, h]`` and ``mask`` (a
+    :class:`~megatron_lol.model.attention.SegmentMask`) goes to the
+    segment-causal core attention. Packed (the Transformer Engine spec):
+    ``hidden`` is a row-major token stream ``[T, 1, h]`` (this rank's ``T/tp``
+    rows under sequence parallelism) and the segments of ``mask`` (over the
+    whole stream) become THD ``PackedSeqParams``; their lengths are bounded by
+    ``mask.chunk`` (windows) or the row length (documents), and ``rope`` is the
+    position table (positions restart per sequence). A sliding window is the
+    attention's own ``config.window_size`` there (see ``library.core_config``).
+    ``pad_to``: the stream is padded with zero rows to a multiple of it (FP8)
+    and the padding's outputs dropped. ``recompute``: full activation
     recomputation of this call (megatron-core's checkpoint) when training.
     """
     if recompute and layer.training and torch.is_grad_enabled():
@@ -153,22 +159,33 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
 
         def run(h, segments, rope_):
             m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias)
-            out, holder["route"] = call_block(layer, h, m, rope_, parts, use_te=use_te, backend=backend)
+            out, holder["route"] = call_block(layer, h, m, rope_, parts, packed=packed, backend=backend,
+                                              pad_to=pad_to)
             return out
 
         out = tensor_parallel.checkpoint(run, False, hidden, mask.segments, rope)
         return out, holder.get("route")
-    if not use_te:
+    if not packed:
         return layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope, parts=parts, backend=backend)
-    from megatron_lol.model.library import packed_seq_params
+    from megatron_lol.model.library import pad_rows, thd_params
 
+    if hidden.dim() != 3 or hidden.shape[1] != 1:
+        raise ValueError(f"call_block(packed=True): expected a packed stream [T, 1, h], got {tuple(hidden.shape)}")
     if mask.sliding is not None:
-        raise NotImplementedError("sliding-window attention under Transformer Engine is refused by config "
-                                  "validation; this call should not happen")
-    s, b, h = hidden.shape
-    packed = hidden if b == 1 else hidden.transpose(0, 1).reshape(b * s, 1, h)
-    segments = mask.segments.reshape(-1) if mask.segments is not None else \
-        torch.arange(b, device=hidden.device).repeat_interleave(s)
-    out, route = layer(hidden_states=packed, attention_mask=None, rotary_pos_emb=rope, parts=parts,
-                       packed_seq_params=packed_seq_params(segments))
-    return (out if b == 1 else out.view(b, s, h).transpose(0, 1)), route
+        _check_window_size(parts.attention if parts.attention is not None else layer, mask.sliding)
+    segments = mask.segments.reshape(-1)
+    params, padded = thd_params(segments, mask.chunk or mask.segments.shape[-1], pad_to)
+    rows = hidden.shape[0]
+    if padded > segments.numel():  # never under sequence parallelism: the trunk is a multiple already
+        hidden = pad_rows(hidden, rows + padded - segments.numel())
+    out, route = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope, parts=parts,
+                       packed_seq_params=params)
+    return (out[:rows] if out.shape[0] != rows else out), route
+
+
+def _check_window_size(layer, sliding: int) -> None:
+    """Packed attention takes its sliding window from its config: it must be the mask's."""
+    config = layer.self_attention.config
+    if tuple(config.window_size or ()) != (sliding - 1, 0):
+        raise RuntimeError(f"sliding window {sliding} requested, but the layer's attention was built with "
+                           f"window_size={config.window_size}: build the core with library.core_config(packed=True)")

@@ -38,6 +38,7 @@ from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
+from megatron_lol.model.precision import fp8_disabled, row_multiple
 from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries, window_noise
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
@@ -121,11 +122,16 @@ class Core(nn.Module):
     """Stored blocks, their per-step parts, the router(s) and the balancing bias of one model."""
 
     def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None,
-                 vp_stage: Optional[int] = None, use_te: bool = False):
+                 vp_stage: Optional[int] = None, packed: bool = False):
+        """``packed``: the blocks take THD packed sequences (the Transformer Engine layout, see
+        :func:`~.block_call.call_block`); states then arrive as one packed stream ``[T, 1, h]``."""
         super().__init__()
         self.cfg = model
         self.plan = model.execution_plan()
-        self.use_te = use_te
+        self.packed = packed
+        # rows of a block's packed windows are padded to this multiple (FP8 GEMMs)
+        self.row_multiple = row_multiple(tconfig)
+        self.tconfig = tconfig
         self.recompute_full = tconfig.recompute_granularity == "full"
         plan, h = self.plan, model.hidden_size
         L, D = plan.num_stored_blocks, plan.depth
@@ -234,10 +240,10 @@ class Core(nn.Module):
             moe_router=self.second_pass_routers[str(block)] if step.separate_router else None,
             record_moe=record_moe)
 
-    def _call(self, step: Step, block: int, x, mask, rope, backend, moe_records: Optional[list]):
+    def _call(self, step: Step, block: int, x, mask, rope, backend, moe_records: Optional[list], pad_to: int = 1):
         recompute = self.recompute_full and self.training and torch.is_grad_enabled()
         out, route = call_block(self.block(block), x, mask, rope, self.parts(step, block, moe_records is not None),
-                                use_te=self.use_te, recompute=recompute, backend=backend)
+                                packed=self.packed, recompute=recompute, backend=backend, pad_to=pad_to)
         if route is not None and moe_records is not None:
             moe_records.append(MoERecord(block, step.pass_index, route.logits, route.routing_map))
         return out
@@ -250,7 +256,8 @@ class Core(nn.Module):
         eps = None
         if noise_seeds is not None and self.training and router.noise:
             eps = window_noise(windows, noise_seeds, depth, self.plan.num_stored_blocks, row_length)
-        probs = router.probabilities(summaries, eps)
+        with fp8_disabled(self.tconfig):  # the router stays FP32 (it is no TE module either)
+            probs = router.probabilities(summaries, eps)
         bias = self.balancer.for_depth(depth) if self.balancer is not None else None
         choice, gate = choose_blocks(probs, bias)
         if forced is not None:
@@ -264,7 +271,7 @@ class Core(nn.Module):
         backend runs it outside the platform's CUDA-to-CPU mode otherwise)."""
         from megatron.core import parallel_state
 
-        if self.use_te or self.recompute_full or self.cfg.moe_layers == "all" or _expert_parallel()[0] > 1:
+        if self.packed or self.recompute_full or self.cfg.moe_layers == "all" or _expert_parallel()[0] > 1:
             return True
         return (parallel_state.model_parallel_is_initialized()
                 and parallel_state.get_tensor_model_parallel_world_size() > 1)
@@ -276,8 +283,9 @@ class Core(nn.Module):
                 first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None) -> CoreOutput:
         """Run ``steps`` (this pipeline stage's share of the first ``depth`` steps of the plan).
 
-        ``states``: [s, b, h] output of the prelude (or the previous stage).
-        ``rope``: [s, 1, 1, d] row-position frequencies. ``noise_seeds`` [b]: one
+        ``states``: [s, b, h] output of the prelude (or the previous stage); packed: the
+        micro-batch as one row-major stream [b*s, 1, h]. ``docs`` always has the rows' shape
+        [b, s]. ``rope``: [s, 1, 1, d] row-position frequencies. ``noise_seeds`` [b]: one
         seed per row for the router noise (see ``window_noise``); None draws it
         from the global RNG. ``backprop_depth`` ``k``: only the last ``k`` of the
         ``depth`` steps get gradients (first windows excepted when
@@ -292,10 +300,11 @@ class Core(nn.Module):
     def _forward(self, states, docs, rope, steps, depth, forced, record, record_moe, backprop_depth,
                  first_window_full, noise_seeds, backend) -> CoreOutput:
         cfg, plan = self.cfg, self.plan
-        s_len, b, h = states.shape
+        s_len, b, h = states.shape  # packed: (b*s, 1, h)
+        rows, row_len = docs.shape
         flat = states.transpose(0, 1).reshape(b * s_len, h)
         injected_from = flat
-        token_rope = rope.repeat(b, 1, 1, 1) if rope is not None else None  # [T, 1, 1, d], row-major
+        token_rope = rope.repeat(rows, 1, 1, 1) if rope is not None else None  # [T, 1, 1, d], row-major
         out = CoreOutput(states=states)
         moe_records = out.moe_records if record_moe else None
         aux_terms, loads = [], []
@@ -310,7 +319,7 @@ class Core(nn.Module):
                 flat = self._fixed_update(step, flat, docs, windows, token_rope, rope, b, s_len, truncated, backend,
                                           moe_records)
                 continue
-            decision = self.decide(step.depth, windows, flat, forced, noise_seeds, s_len)
+            decision = self.decide(step.depth, windows, flat, forced, noise_seeds, row_len)
             if self.training:
                 if self.balancer is not None:
                     self.balancer.record(step.depth, decision.choice)
@@ -323,7 +332,7 @@ class Core(nn.Module):
             if record:
                 out.records.append(DepthRecord(step.depth, decision.choice.detach(), decision.gate.detach(),
                                                decision.probs.detach(), windows.window_doc, windows.window_ordinal))
-            flat = self._routed_update(step, flat, windows, decision, token_rope, rope, s_len, truncated,
+            flat = self._routed_update(step, flat, windows, decision, token_rope, rope, row_len, truncated,
                                        first_window_full, backend, moe_records)
         out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
         if aux_terms:
@@ -336,7 +345,7 @@ class Core(nn.Module):
                 out.block_loads[l - 1] = row
         return out
 
-    def _routed_update(self, step, flat, windows, decision, token_rope, rope_table, s_len, truncated,
+    def _routed_update(self, step, flat, windows, decision, token_rope, rope_table, row_len, truncated,
                        first_window_full, backend, moe_records):
         L, W = self.plan.num_stored_blocks, self.cfg.window_size
         token_choice = decision.choice.index_select(0, windows.token_window)
@@ -344,28 +353,29 @@ class Core(nn.Module):
 
         def runner(biases: Optional[dict]):
             def run_block(block, rows, segments, token_index):
-                # token_index: flat token index or row position (< s_len); the row-major token_rope
-                # holds row position t mod s_len at flat index t, so both index it directly.
-                # Transformer Engine restarts positions per packed window itself: it takes the table.
-                rope = rope_table if self.use_te else (
+                # token_index: flat token index or row position (< row_len); the row-major token_rope
+                # holds row position t mod row_len at flat index t, so both index it directly.
+                # Packed (THD) attention restarts positions per window itself: it takes the table.
+                rope = rope_table if self.packed else (
                     token_rope.index_select(0, token_index) if token_rope is not None else None)
                 mask = SegmentMask(segments=segments.view(1, -1), chunk=W,
                                    bias=None if biases is None else biases.get(block))
-                return self._call(step, block, rows.unsqueeze(1), mask, rope, backend, moe_records).squeeze(1)
+                return self._call(step, block, rows.unsqueeze(1), mask, rope, backend, moe_records,
+                                  pad_to=self.row_multiple).squeeze(1)
             return run_block
 
         def updates(grouping):
             """``E(s) - s`` of the grouped tokens (under EP their windows travel to their block's rank)."""
             if ep_group is None:
-                return block_updates(grouping, flat, runner(None if self.use_te else grouping.chunk_biases(W)))
+                return block_updates(grouping, flat, runner(None if self.packed else grouping.chunk_biases(W)))
             from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
 
-            rope_index = torch.arange(flat.shape[0], device=flat.device) % s_len
+            rope_index = torch.arange(flat.shape[0], device=flat.device) % row_len
             return run_grouped_expert_parallel(grouping, flat, runner(None), rope_index, ep_group)
 
         def update(states, grouping, gate):
             if ep_group is None:
-                run_block = runner(None if self.use_te else grouping.chunk_biases(W))
+                run_block = runner(None if self.packed else grouping.chunk_biases(W))
                 new = backend.gated_update(states, grouping, gate, run_block) if backend is not None else None
                 return new if new is not None else gated_update(states, grouping, gate, run_block)
             return apply_gated_updates(states, grouping, updates(grouping), gate)
@@ -398,7 +408,7 @@ class Core(nn.Module):
         with torch.no_grad() if truncated else contextlib.nullcontext():
             if step.attention == "strided":
                 mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
-                rope = rope_table if self.use_te else token_rope
+                rope = rope_table if self.packed else token_rope
                 new = self._call(step, step.block, flat.unsqueeze(1), mask, rope, backend, moe_records).squeeze(1)
             else:
                 x = flat.view(b, s_len, -1).transpose(0, 1)

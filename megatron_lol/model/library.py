@@ -4,16 +4,22 @@ A LoL block is an ordinary pre-norm transformer layer (RMSNorm, bias-free
 attention with RoPE, SwiGLU MLP). We take megatron-core's GPT layer spec and
 change only what LoL needs:
 
-* ``core_attention`` becomes :class:`SegmentCausalAttention` (document- and
-  window-blocked causal attention) on the local path; on GPUs with Transformer
-  Engine, TE's fused attention is kept and fed THD ``PackedSeqParams``;
-* the two norms become :class:`LocalRMSNorm` (separate modules, so that a
-  step's FiLM can modulate their output, see ``block_call``; its weight is
-  marked ``sequence_parallel``, so sequence parallelism works with the local
-  norm).
+* local spec: ``core_attention`` becomes :class:`SegmentCausalAttention`
+  (document- and window-blocked causal attention) and the two norms become
+  :class:`LocalRMSNorm` (separate modules, so that a step's FiLM can modulate
+  their output, see ``block_call``; its weight is marked ``sequence_parallel``,
+  so sequence parallelism works with the local norm);
+* Transformer Engine spec (GPUs): megatron-core's TE layer spec, whose fused
+  attention is fed THD ``PackedSeqParams`` (every document, or every window of
+  a routed depth, is one packed sequence: :func:`thd_params`). Blocks that a
+  step modulates with FiLM get the unfused TE layout (:func:`te_block_spec`):
+  ``TENorm`` modules followed by ``TEColumnParallelLinear``, so the FiLM of the
+  step reaches the norm outputs exactly as on the local spec.
 
 Which implementation (TE or local) is decided here, once, from the config and
-the platform; where it sits is the spec's business, as in megatron-core.
+the platform; where it sits is the spec's business, as in megatron-core. Both
+specs save the same distributed-checkpoint keys (megatron-core's fused TE
+names), so a checkpoint moves between them.
 """
 
 from __future__ import annotations
@@ -59,9 +65,16 @@ def use_te_for(model: ModelConfig) -> bool:
 
 
 def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = None,
-                       num_layers: Optional[int] = None, fp8: Optional[str] = None,
-                       fp8_recipe: Optional[str] = None):
-    """megatron-core ``TransformerConfig`` for the blocks and fixed layers of ``model``."""
+                       num_layers: Optional[int] = None, use_te: bool = False):
+    """megatron-core ``TransformerConfig`` for the blocks and fixed layers of ``model``.
+
+    ``use_te``: the layers are Transformer Engine modules (fused RoPE for THD
+    packed sequences; FP8 recipes, see :mod:`.precision`). Parameters are made
+    in ``params_dtype`` (BF16 on GPUs) with FP32 main gradients in
+    megatron-core's DDP and optimizer, as Megatron-LM's ``--bf16`` does; the
+    router and the window arithmetic stay FP32 whatever the dtype (see
+    :class:`~megatron_lol.model.router.WindowRouter`).
+    """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     parallel = parallel or ParallelConfig()
@@ -99,7 +112,8 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         perform_initialization=True,
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        # TE's fused RoPE takes THD cu_seqlens (megatron's unfused THD RoPE loops over sequences)
+        apply_rope_fusion=use_te,
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
@@ -119,9 +133,14 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
                       moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
                       moe_router_dtype="fp32")
-    fp8 = fp8 or model.fp8
-    if fp8 is not None:
-        kwargs.update(fp8=fp8, fp8_recipe=fp8_recipe or model.fp8_recipe)
+    if model.fp8 is not None:
+        # Megatron-LM's --fp8-format / --fp8-recipe / --fp8-margin / --fp8-amax-* (TransformerConfig's own fields)
+        kwargs.update(fp8=model.fp8, fp8_recipe=model.fp8_recipe, fp8_margin=model.fp8_margin,
+                      fp8_amax_history_len=model.fp8_amax_history_len,
+                      fp8_amax_compute_algo=model.fp8_amax_compute_algo)
+        if model.num_experts and model.moe_layers != "none":
+            # experts receive any number of tokens: megatron pads the routing map to FP8's multiple
+            kwargs.update(moe_router_padding_for_quantization=True)
     return TransformerConfig(**kwargs)
 
 
@@ -131,49 +150,66 @@ def moe_executions(model: ModelConfig) -> int:
     return max(1, fixed + (model.core_depth if model.moe_layers == "all" else 0))
 
 
-def core_config(config, model: ModelConfig):
-    """The core's TransformerConfig: its MoE layers may hold another number of experts (Foil's E)."""
+def core_config(config, model: ModelConfig, packed: bool = False):
+    """The core's TransformerConfig: its MoE layers may hold another number of experts (Foil's E);
+    with packed (THD) sequences a sliding-window core says its window in ``window_size``, which
+    TE's attention (and the local attention on packed input) applies."""
     experts = model.core_experts
-    if experts is None or experts == config.num_moe_experts:
-        return config
-    return dataclasses.replace(config, num_moe_experts=experts)
+    if experts is not None and experts != config.num_moe_experts:
+        config = dataclasses.replace(config, num_moe_experts=experts)
+    if packed and any(step.attention == "sliding" for step in model.execution_plan().steps()):
+        # a query sees itself and the window_size - 1 keys before it (SegmentMask.sliding)
+        config = dataclasses.replace(config, window_size=(model.window_size - 1, 0))
+    return config
 
 
-def packed_seq_params(segments: torch.Tensor):
-    """THD ``PackedSeqParams`` for Transformer Engine from contiguous segment ids ``[T]``.
+def thd_params(segments: torch.Tensor, max_seqlen: int, pad_to: int = 1) -> tuple:
+    """``(PackedSeqParams, padded length)``: THD packing of a stream of contiguous segments ``[T]``.
 
     Windows (or documents) are the packed sequences: ``cu_seqlens`` are the
-    offsets where the segment id changes. TE's fused attention then applies the
-    causal mask inside each segment and RoPE restarts per segment (relative
-    positions inside a window or document are all RoPE sees).
+    offsets where the segment id changes. TE's fused attention applies the
+    causal mask inside each sequence and RoPE restarts per sequence (relative
+    positions inside a window or document are all RoPE sees, so this equals
+    the local spec's row positions). ``max_seqlen`` is an upper bound of the
+    sequence lengths (a window size, a row length): no device-to-host read for
+    it. ``pad_to``: FP8 GEMMs need a row count that is a multiple of 16; the
+    stream is then padded by ``(-T) % pad_to`` rows forming one more sequence of
+    their own, whose outputs the caller drops (:func:`pad_rows`).
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     seg = segments.reshape(-1)
+    n = seg.numel()
     starts = torch.ones_like(seg, dtype=torch.bool)
     starts[1:] = seg[1:] != seg[:-1]
     first = torch.nonzero(starts).squeeze(1)
-    cu = torch.cat([first, first.new_tensor([seg.numel()])]).to(torch.int32)
-    max_len = int((cu[1:] - cu[:-1]).max()) if seg.numel() else 0
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    padded = n + (-n) % pad_to
+    ends = [n, padded] if padded > n else [n]
+    cu = torch.cat([first, first.new_tensor(ends)]).to(torch.int32)
+    longest = max(max_seqlen, padded - n)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    return params, padded
 
 
-def block_spec(use_te: bool = False, num_experts: Optional[int] = None):
-    """The ``ModuleSpec`` of one block / fixed layer (``num_experts``: megatron-core MoE MLP)."""
-    from megatron.core.models.gpt.gpt_layer_specs import (
-        get_gpt_layer_local_spec,
-        get_gpt_layer_with_transformer_engine_spec,
-    )
+def pad_rows(x: torch.Tensor, padded: int) -> torch.Tensor:
+    """``x`` ``[T, ...]`` with zero rows appended up to ``padded`` rows (itself when nothing is added)."""
+    extra = padded - x.shape[0]
+    if extra <= 0:
+        return x
+    return torch.cat([x, x.new_zeros((extra,) + tuple(x.shape[1:]))], dim=0)
+
+
+def block_spec(use_te: bool = False, num_experts: Optional[int] = None, film: bool = False):
+    """The ``ModuleSpec`` of one block / fixed layer (``num_experts``: megatron-core MoE MLP;
+    ``film``: a step modulates the norm outputs, see :func:`te_block_spec`)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     from megatron_lol.model.attention import SegmentCausalAttention
     from megatron_lol.model.block_call import LoLTransformerLayer
 
     if use_te:
-        # TE linears (the attention and MLP norms fused into them) and fused attention fed
-        # THD PackedSeqParams for windows; config validation refuses FiLM with this spec
-        spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=False)
-        return dataclasses.replace(spec, module=LoLTransformerLayer)
+        return te_block_spec(num_experts, film)
     spec = get_gpt_layer_local_spec(num_experts=num_experts, moe_grouped_gemm=False, normalization="RMSNorm")
     sub = spec.submodules
     attn = sub.self_attention
@@ -181,6 +217,45 @@ def block_spec(use_te: bool = False, num_experts: Optional[int] = None):
     attn = dataclasses.replace(attn, submodules=attn_sub)
     sub = dataclasses.replace(sub, self_attention=attn, input_layernorm=LocalRMSNorm,
                               pre_mlp_layernorm=LocalRMSNorm)
+    return dataclasses.replace(spec, module=LoLTransformerLayer, submodules=sub)
+
+
+def te_block_spec(num_experts: Optional[int] = None, film: bool = False):
+    """megatron-core's Transformer Engine layer spec, with FiLM's norms where a step needs them.
+
+    Without FiLM: megatron-core's spec as it is (the attention and dense-MLP
+    norms fused into ``TELayerNormColumnParallelLinear``; MoE layers already
+    have a separate ``TENorm`` before the router). With FiLM the two norms are
+    separate ``TENorm`` modules and the first linears ``TEColumnParallelLinear``
+    (the layout of the local spec, in TE modules), so ``gamma * Norm(x) +
+    beta`` is applied between them and the FiLM parameters get their gradients
+    as under the local spec. Separate norms save under the fused names
+    (megatron-core's own map for its local spec), so the local spec and both TE
+    layouts load each other's checkpoints.
+    """
+    from megatron.core.extensions.transformer_engine import TEColumnParallelLinear, TENorm
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
+
+    from megatron_lol.model.block_call import LoLTransformerLayer
+
+    spec = get_gpt_layer_with_transformer_engine_spec(num_experts=num_experts, qk_layernorm=False)
+    sub = spec.submodules
+    # the local spec's checkpoint names for the separate norms (megatron-core's map for its local spec)
+    keys = dict(sub.sharded_state_dict_keys_map or {})
+    if num_experts:  # MoE: the norm before the router is a separate TENorm in both layouts
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    if film:
+        attn = dataclasses.replace(sub.self_attention, submodules=dataclasses.replace(
+            sub.self_attention.submodules, linear_qkv=TEColumnParallelLinear))
+        keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
+        mlp = sub.mlp
+        if not num_experts:  # a dense MLP's norm leaves its first linear
+            mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
+                                                                          linear_fc1=TEColumnParallelLinear))
+            keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+        sub = dataclasses.replace(sub, input_layernorm=TENorm, self_attention=attn, pre_mlp_layernorm=TENorm,
+                                  mlp=mlp)
+    sub = dataclasses.replace(sub, sharded_state_dict_keys_map=keys)
     return dataclasses.replace(spec, module=LoLTransformerLayer, submodules=sub)
 
 
@@ -196,6 +271,8 @@ def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None)
     layer = build_module(spec, config=config, layer_number=layer_number,
                          vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None)
     layer.layer_number = layer_number
+    if hasattr(layer.mlp, "set_layer_number"):  # an MoE layer's router logs its losses by layer number
+        layer.mlp.set_layer_number(layer_number)
     attention = getattr(layer, "self_attention", None)
     if attention is not None and not isinstance(getattr(attention, "core_attention", None), _te_attention_types()):
         # selective recompute is done inside SegmentCausalAttention (see there)

@@ -7,6 +7,20 @@ pipeline-shared embedding, ``LanguageModelEmbedding``, ``RotaryEmbedding``,
 the EOD token, so attention never crosses a document anywhere and windows,
 window ordinals and router prefixes restart per document (docs/model.md,
 "Documents").
+
+Two layouts of the hidden states between the embedding and the head:
+
+* ``[s, b, h]`` (local spec), megatron-core's usual one;
+* packed (Transformer Engine spec): the micro-batch is one row-major stream
+  ``[b*s, 1, h]`` whose documents are THD packed sequences, as Megatron-LM
+  packs sequences (micro-batch 1, ``cu_seqlens``). Sequence parallelism then
+  shards that stream, so every rank's attention sees whole documents after
+  its all-gather; pipeline stages exchange ``[b*s, 1, h]`` tensors
+  (:meth:`LoLGPTModel.pipeline_shape`).
+
+The model is built on the CPU (the same master weights for every layout) and
+moved to the device policy's device by its user before DDP wraps it; in the
+forward every tensor follows the device of the input ids and parameters.
 """
 
 from __future__ import annotations
@@ -17,13 +31,14 @@ import torch
 from torch import nn
 
 from megatron_lol.backends import select_backend
-from megatron_lol.config.schema import ConfigError, ModelConfig
+from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import call_block
 from megatron_lol.model.core import Core, CoreOutput, ForcedPath
 from megatron_lol.model.init import seed_experts_by_global_index, seeded
 from megatron_lol.model.library import (LocalRMSNorm, block_spec, build_layer, core_config, transformer_config,
                                         use_te_for)
+from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
 
@@ -73,13 +88,15 @@ class LoLGPTModel(_language_module()):
 
     def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], parallel=None,
                  max_sequence_length: int = 4096, tconfig=None, init_seed: Optional[int] = 1234,
-                 vp_stage: Optional[int] = None):
+                 vp_stage: Optional[int] = None, packed_sequences: Optional[bool] = None):
         """Build this rank's share of the model.
 
         Under pipeline parallelism the stage (and virtual stage ``vp_stage``) is
         read from megatron's ``parallel_state``; see :mod:`megatron_lol.plan.stages`.
         Layers are keyed by their global index, so checkpoint keys do not
-        depend on the layout.
+        depend on the layout. ``packed_sequences``: the packed layout (default:
+        with the Transformer Engine spec, which needs it); tests run the local
+        spec packed to check that layout on the CPU.
         """
         import dataclasses
 
@@ -90,7 +107,8 @@ class LoLGPTModel(_language_module()):
 
         plan = model.execution_plan()
         n_layers = model.n_prelude + model.n_coda + plan.num_stored_blocks
-        super().__init__(config=tconfig or transformer_config(model, parallel, num_layers=n_layers))
+        use_te = use_te_for(model)
+        super().__init__(config=tconfig or transformer_config(model, parallel, num_layers=n_layers, use_te=use_te))
         self.model_type = ModelType.encoder_or_decoder
         self.cfg = model
         self.plan = plan
@@ -103,10 +121,11 @@ class LoLGPTModel(_language_module()):
         self.stage = stage_layout(model, plan.depth, pp, vpp, parallel_state.get_pipeline_model_parallel_rank(),
                                   vp_stage)
         self.pre_process, self.post_process = self.stage.first, self.stage.last
-        self.use_te = use_te_for(model)
-        if self.use_te and self.config.sequence_parallel:
-            raise ConfigError("parallel.sequence_parallel: not yet supported with Transformer Engine THD packing "
-                              "of documents; set model.use_transformer_engine: false or sequence_parallel: false")
+        self.use_te = use_te
+        self.packed = use_te if packed_sequences is None else packed_sequences
+        if use_te and not self.packed:
+            raise ValueError("LoLGPTModel(packed_sequences=False): the Transformer Engine spec runs packed (THD) "
+                             "sequences only")
         moe = model.num_experts if model.moe_layers != "none" else None
         if moe:
             # megatron-core's MoE loss logging tracker is process-global and sized by the first
@@ -116,7 +135,9 @@ class LoLGPTModel(_language_module()):
 
             get_moe_layer_wise_logging_tracker().clear()
         fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
-        spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None)
+        # FiLM modulates the core's blocks: under TE they get separate norm modules for it
+        spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None,
+                          film=model.film != "off")
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:
@@ -135,11 +156,11 @@ class LoLGPTModel(_language_module()):
         if self.stage.depths is not None:
             # The core packs windows of the whole sequence, so it runs on the gathered
             # (TP-replicated) sequence: its blocks are tensor parallel without SP.
-            core_cfg = core_config(self.config, model)  # Foil: the core's own expert count
+            core_cfg = core_config(self.config, model, self.packed)  # Foil: the core's own expert count
             if core_cfg.sequence_parallel and plan.gathers_sequence:
                 core_cfg = dataclasses.replace(core_cfg, sequence_parallel=False)
             self.core = Core(model, core_cfg, spec, first_layer_number=model.n_prelude + 1,
-                                   init_seed=init_seed, vp_stage=vp_stage, use_te=self.use_te)
+                             init_seed=init_seed, vp_stage=vp_stage, packed=self.packed)
         first_coda = model.n_prelude + plan.num_stored_blocks + 1
         self.coda = nn.ModuleDict()
         for i in self.stage.coda:
@@ -179,18 +200,32 @@ class LoLGPTModel(_language_module()):
         records (``record``), MoE records (``record_moe``), block loads and
         balancing loss of this stage's core.
         """
-        from megatron.core import tensor_parallel
-
         b, s = input_ids.shape
         if docs is None:
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
-        hidden = self.embedding(input_ids=input_ids, position_ids=None) if self.pre_process else self.input_tensor
+        if self.pre_process:
+            # packed: the micro-batch is one row of b*s tokens (so is the embedding's SP scatter)
+            hidden = self.embedding(input_ids=input_ids.reshape(1, b * s) if self.packed else input_ids,
+                                    position_ids=None)
+        else:
+            hidden = self.input_tensor
         rope = self.rotary(s)  # [s, 1, 1, d]
+        with fp8_autocast(self.config):  # FP8 (when configured) for the layers' GEMMs, not the head
+            hidden, core = self._layers(hidden, docs, rope, depth, budget, forced_path, record, record_moe,
+                                        backprop_depth, first_window_full_backprop, noise_seeds, aux_loss_scale)
+        out = self._head(hidden, labels, return_hidden, b, s)
+        return (out, core) if return_core else out
+
+    def _layers(self, hidden, docs, rope, depth, budget, forced_path, record, record_moe, backprop_depth,
+                first_window_full_backprop, noise_seeds, aux_loss_scale) -> tuple:
+        """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
+        from megatron.core import tensor_parallel
+
         doc_mask = SegmentMask(segments=docs.doc_index)
         backend = select_backend(hidden.device)
         recompute = self.config.recompute_granularity == "full"
         for layer in self.prelude.values():
-            hidden, _ = call_block(layer, hidden, doc_mask, rope, use_te=self.use_te, recompute=recompute,
+            hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
                                    backend=backend)
         core = None
         if self.core is not None:
@@ -215,22 +250,35 @@ class LoLGPTModel(_language_module()):
             if core.aux_loss is not None and torch.is_grad_enabled():
                 hidden = AuxLossAttach.apply(hidden, core.aux_loss, aux_loss_scale)
         for layer in self.coda.values():
-            hidden, _ = call_block(layer, hidden, doc_mask, rope, use_te=self.use_te, recompute=recompute,
+            hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
                                    backend=backend)
-        out = self._head(hidden, labels, return_hidden)
-        return (out, core) if return_core else out
+        return hidden, core
 
-    def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor], return_hidden: bool) -> torch.Tensor:
+    def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor], return_hidden: bool, b: int,
+              s: int) -> torch.Tensor:
         if not self.post_process:
             return hidden
         hidden = self.final_norm(hidden)
         if return_hidden:
+            if self.packed and hidden.shape[0] == b * s:  # [b*s, 1, h] -> [s, b, h]
+                return hidden.view(b, s, -1).transpose(0, 1)
             return hidden
         weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
-        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v/tp]
+        logits, _ = self.output_layer(hidden, weight=weight)  # [s, b, v/tp]; packed: [b*s, 1, v/tp]
         if labels is None:
+            if self.packed:
+                return logits.view(b, s, -1)
             return logits.transpose(0, 1).contiguous()
+        if self.packed:
+            return self.compute_language_model_loss(labels.reshape(1, b * s), logits).view(b, s)
         return self.compute_language_model_loss(labels, logits)
+
+    def pipeline_shape(self, seq_length: int, micro_batch_size: int) -> tuple:
+        """``(seq_length, micro_batch_size)`` of the tensors pipeline stages exchange (the schedules size
+        their receive buffers from them): packed, one stream of ``micro_batch_size * seq_length`` tokens."""
+        if self.packed:
+            return seq_length * micro_batch_size, 1
+        return seq_length, micro_batch_size
 
     # ------------------------------------------------------------ utilities
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None):

@@ -36,27 +36,33 @@ def run_grouped_expert_parallel(grouping, states: torch.Tensor, run_block, rope_
     from megatron.core.tensor_parallel.mappings import all_to_all
 
     ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    dev = states.device  # NCCL: every collective's tensors on the device
     num_blocks = len(grouping.counts)
     per_rank = num_blocks // ep
-    counts = torch.tensor(grouping.counts, dtype=torch.long)
+    counts = torch.tensor(grouping.counts, dtype=torch.long, device=dev)
     everyone = [torch.zeros_like(counts) for _ in range(ep)]
     dist.all_gather(everyone, counts, group=group)
-    table = torch.stack(everyone).view(ep, ep, per_rank)  # [source, destination rank, local block]
+    # split sizes are host integers (all_to_all takes lists): one device-to-host read per depth
+    table = torch.stack(everyone).view(ep, ep, per_rank).cpu()  # [source, destination rank, local block]
     send_splits = table[rank].sum(dim=1).tolist()
     recv_splits = table[:, rank].sum(dim=1).tolist()
 
-    packed = states[grouping.order]
-    meta = torch.stack([grouping.segments, rope_index[grouping.order]], dim=1)
+    packed = states.index_select(0, grouping.order)
+    meta = torch.stack([grouping.segments, rope_index.index_select(0, grouping.order)], dim=1)
     received = all_to_all(group, packed, recv_splits, send_splits)
-    meta_in = torch.empty(sum(recv_splits), 2, dtype=torch.long)
+    meta_in = torch.empty(sum(recv_splits), 2, dtype=torch.long, device=dev)
     dist.all_to_all_single(meta_in, meta.contiguous(), recv_splits, send_splits, group=group)
-    source = torch.repeat_interleave(torch.arange(ep), torch.tensor(recv_splits, dtype=torch.long))
+    source = torch.repeat_interleave(torch.arange(ep, device=dev),
+                                     torch.tensor(recv_splits, dtype=torch.long, device=dev),
+                                     output_size=sum(recv_splits))
 
     # group what arrived by local block; (source, window) pairs stay contiguous and ordered
-    local_counts = table[:, rank]  # [source, local block]
-    block_of = torch.cat([torch.repeat_interleave(torch.arange(per_rank), local_counts[s]) for s in range(ep)])
+    local_counts = table[:, rank]  # [source, local block], host
+    block_ids = torch.arange(per_rank, device=dev)
+    block_of = torch.cat([torch.repeat_interleave(block_ids, local_counts[s].to(dev),
+                                                  output_size=int(local_counts[s].sum())) for s in range(ep)])
     by_block, perm = torch.sort(block_of, stable=True)
-    x = received[perm]
+    x = received.index_select(0, perm)
     window = meta_in[perm, 0] * ep + source[perm]  # unique window key across sources
     positions = meta_in[perm, 1]
     outputs = []

@@ -99,14 +99,12 @@ class Trainer:
     def setup(self) -> "Trainer":
         from megatron.core import parallel_state, tensor_parallel
 
-        from megatron_lol.platform import init_distributed, setup_platform
-
-        from megatron_lol.platform import device
+        from megatron_lol.platform import device, init_distributed, setup_platform
 
         cfg = self.cfg
         self.device_kind = setup_platform()
-        self.device = device()
         init_distributed()
+        self.device = device()  # the policy: cuda:LOCAL_RANK (NCCL) or cpu (gloo)
         world = torch.distributed.get_world_size()
         par = cfg.parallel
         self.dp_size = par.data_parallel_size(world)
@@ -163,6 +161,9 @@ class Trainer:
             model = LoLGPTModel(cfg.model, vocab_size=vocab, eod_id=self.eod_id, parallel=cfg.parallel,
                                 max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed,
                                 vp_stage=vp_stage if vpp else None)
+            # built on the CPU (the same master weights for every layout), moved before DDP allocates
+            # its gradient buffers on the device, as Megatron-LM's get_model does; a no-op on CPU
+            model.to(self.device)
             ddp_config = DistributedDataParallelConfig(
                 grad_reduce_in_fp32=True, overlap_grad_reduce=False,
                 use_distributed_optimizer=ddp_uses_distributed_optimizer(cfg))
@@ -240,7 +241,9 @@ class Trainer:
                       data_iterator, model):
         """One micro-batch forward (megatron's ``forward_step_func``); ``budgets``: each micro-batch's
         Accordion budget in schedule order, consumed one per call."""
-        batch = next(data_iterator)
+        from megatron_lol.platform import to_device
+
+        batch = to_device(next(data_iterator), self.device)
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
         cur = self.cfg.curriculum
         seeds = batch["sample_ids"] + self.cfg.training.seed * 1_000_000_007 if "sample_ids" in batch else None
@@ -270,10 +273,10 @@ class Trainer:
         tr = self.cfg.training
         fb = get_forward_backward_func()
         step = partial(self._forward_step, depth, stats, list(budgets) if budgets else None, record_moe)
+        seq, mbs = self.model.pipeline_shape(tr.seq_length, tr.micro_batch_size)  # packed: [b*s, 1, h]
         return fb(forward_step_func=step, data_iterator=data_iterator,
                   model=self.model_chunks, num_microbatches=self.num_microbatches,
-                  seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size,
-                  decoder_seq_length=tr.seq_length, forward_only=forward_only)
+                  seq_length=seq, micro_batch_size=mbs, decoder_seq_length=seq, forward_only=forward_only)
 
     def _reduce_loss(self, outputs) -> float:
         """Token-mean LM loss over the global batch (summed over micro-batches and DP ranks)."""

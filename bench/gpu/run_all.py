@@ -1,0 +1,232 @@
+"""The one-shot GPU proof behind bench/gpu/run_all.sh: GPU tests, BF16 / FP8 throughput, one JSON report.
+
+    python bench/gpu/run_all.py --out DIR [--dry-run] [--steps N] [--warmup K] [--micro-batch-size B]
+
+Parts (each with its own time budget, the report rewritten after each so a killed run leaves what it had):
+
+* ``environment``: Python, torch, CUDA device, Transformer Engine, megatron-core, the wheelhouse;
+* ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (JUnit XML parsed: passed / failed / skipped);
+* ``throughput_bf16`` / ``throughput_fp8``: ``megatron-lol profile`` of the LoL config and of a dense GPT
+  whose executed FLOPs per step (perf/flops.py) are the LoL model's, at sequence length 2048; FP8 only
+  where Transformer Engine imports;
+* ``goals``: the dense model's BF16 MFU against 40% (Megatron-LM's published ~41% for GPT-2B class models)
+  and LoL tokens/s against 0.9x the dense run.
+
+``--dry-run`` runs the same parts on whatever device there is with a tiny model and one step (CI runs it
+on the CPU, where the GPU tests skip), so the script cannot rot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LOL_CONFIG = "examples/configs/paper/lol-360m-L4.yaml"
+SEQ = 2048
+#: the dry run's model: the same plan and options as LOL_CONFIG, tiny
+TINY = ["model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.n_prelude=1",
+        "model.n_coda=1", "model.num_blocks=2", "model.routed_depth=2", "model.window_size=16",
+        "model.window_shift=8", "model.vocab_size=512"]
+BUDGET_S = {"gpu_tests": 270, "profile": 90}
+
+
+def environment() -> dict:
+    import torch
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available()}
+    if env["cuda"]:
+        env.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count(),
+                   capability=list(torch.cuda.get_device_capability()), cuda_version=torch.version.cuda)
+    from megatron_lol.platform import has_transformer_engine
+
+    env["transformer_engine"] = has_transformer_engine()
+    try:
+        from importlib.metadata import version
+
+        env["megatron_core"] = version("megatron-core")
+    except Exception:  # reported, not fatal: the parts below fail with their own message
+        env["megatron_core"] = None
+    wheels = REPO / "bench" / "gpu" / "wheelhouse"
+    env["wheelhouse_bytes"] = sum(p.stat().st_size for p in wheels.glob("*.whl")) if wheels.is_dir() else None
+    return env
+
+
+def run_gpu_tests(out: Path, timeout: int) -> dict:
+    xml = out / "gpu_tests.xml"
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py",
+           f"--junitxml={xml}", "-rs"]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ran": True, "error": f"timed out after {timeout} s"}
+    (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
+    result = {"ran": True, "exit_code": proc.returncode, "seconds": round(time.time() - t0, 1),
+              "passed": [], "failed": [], "skipped": {}}
+    if not xml.exists():
+        result["error"] = (proc.stdout + proc.stderr)[-2000:]
+        return result
+    for case in ET.parse(xml).getroot().iter("testcase"):
+        name = case.get("name")
+        failure = case.find("failure")
+        if failure is None:
+            failure = case.find("error")
+        skipped = case.find("skipped")
+        if failure is not None:
+            result["failed"].append({"name": name, "message": (failure.get("message") or "")[:500]})
+        elif skipped is not None:
+            result["skipped"][name] = skipped.get("message", "")
+        else:
+            result["passed"].append(name)
+    return result
+
+
+def dense_equal_flops(overrides: list, seq: int, batch: int) -> dict:
+    """The dense GPT (same width and fixed layers, full attention) whose executed training FLOPs per step
+    are closest to the LoL config's."""
+    from megatron_lol.config import load_config
+    from megatron_lol.model.lol_model import padded_vocab_size
+    from megatron_lol.perf.flops import dense_equivalent, training_flops
+
+    cfg = load_config(REPO / LOL_CONFIG, [(k, _yaml(v), "--set") for k, v in (o.split("=", 1) for o in overrides)],
+                      check_data=False)
+    m = cfg.model
+    vocab = m.vocab_size or padded_vocab_size(32000, m.make_vocab_size_divisible_by)
+    plan = m.execution_plan()
+    lol = training_flops(m, vocab, seq, batch, attention_pairs="executed", streams_per_depth=plan.num_stored_blocks)
+    best = None
+    for layers in range(1, 4 * plan.depth + 1):
+        import dataclasses
+
+        dense = dataclasses.replace(dense_equivalent(m), core_layers=layers, film="off")
+        f = training_flops(dense, vocab, seq, batch, attention_pairs="executed").total
+        if best is None or abs(f - lol.total) < abs(best[1] - lol.total):
+            best = (layers, f)
+    return {"core_layers": best[0], "lol_flops_per_step": lol.total, "dense_flops_per_step": best[1],
+            "flops_ratio": best[1] / lol.total}
+
+
+def _yaml(raw: str):
+    import yaml
+
+    return yaml.safe_load(raw)
+
+
+def profile(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool) -> dict:
+    report = out / f"profile_{name}.json"
+    cmd = [sys.executable, "-m", "megatron_lol", "profile", "--config", LOL_CONFIG, "--synthetic-data",
+           "--steps", str(steps), "--warmup", str(warmup), "--json", str(report)]
+    for s in sets:
+        cmd += ["--set", s]
+    if fp8:
+        cmd += ["--precision", "fp8"]
+    t0 = time.time()
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"ran": True, "error": f"timed out after {timeout} s"}
+    (out / f"profile_{name}.log").write_text(proc.stdout + proc.stderr)
+    if proc.returncode != 0 or not report.exists():
+        return {"ran": True, "error": (proc.stderr or proc.stdout)[-2000:], "exit_code": proc.returncode}
+    r = json.loads(report.read_text())
+    return {"ran": True, "seconds": round(time.time() - t0, 1), "device": r["device"], "precision": r["precision"],
+            "step_time_s": r["step_time_s"]["median"], "tokens_per_s_per_gpu": r["tokens_per_s_per_device"],
+            "tflops_per_gpu": r["tflops_per_device"], "tflops_per_gpu_executed": r["tflops_per_device_executed"],
+            "mfu": r["mfu"], "flops_per_step_executed": r["flops_per_step_executed"],
+            "peak_memory_bytes": r["peak_memory"]["bytes"], "loss": r["loss"]}
+
+
+def throughput(out: Path, args, dense: dict, fp8: bool) -> dict:
+    base = [f"training.seq_length={args.seq}", f"training.micro_batch_size={args.micro_batch_size}",
+            f"training.global_batch_size={args.micro_batch_size}", "curriculum.initial_depth=null",
+            "data.tokenizer_model=null",  # synthetic tokens over model.vocab_size
+            "model.params_dtype=bf16" if not args.dry_run or args.cuda else "model.params_dtype=fp32"]
+    base += TINY if args.dry_run else []
+    dense_sets = ["model.plan=dense", "model.num_blocks=null", "model.routed_depth=null",
+                  f"model.core_layers={dense['core_layers']}", "model.dense_attention=full", "model.film='off'"]
+    precision = ["model.fp8=hybrid", "model.fp8_recipe=delayed"] if fp8 else []
+    tag = "fp8" if fp8 else "bf16"
+    runs = {}
+    for name, sets in ((f"lol_{tag}", base + precision), (f"dense_{tag}", base + dense_sets + precision)):
+        runs[name] = profile(name, sets, out, args.steps, args.warmup, BUDGET_S["profile"], fp8)
+    lol, dn = runs[f"lol_{tag}"], runs[f"dense_{tag}"]
+    if "error" not in lol and "error" not in dn:
+        runs["lol_over_dense_tokens_per_s"] = lol["tokens_per_s_per_gpu"] / dn["tokens_per_s_per_gpu"]
+    return {"ran": True, "dense_of_equal_flops": dense, "runs": runs}
+
+
+def goals(report: dict) -> dict:
+    bf16 = report["parts"].get("throughput_bf16", {})
+    runs = bf16.get("runs", {})
+    dense, lol = runs.get("dense_bf16", {}), runs.get("lol_bf16", {})
+    if not report["environment"]["cuda"] or report["dry_run"] or "error" in dense or "error" in lol or not runs:
+        why = "dry run" if report["dry_run"] else ("no GPU" if not report["environment"]["cuda"] else "a run failed")
+        return {"measured": False, "reason": why}
+    ratio = runs.get("lol_over_dense_tokens_per_s")
+    return {"measured": True, "dense_bf16_mfu": dense["mfu"], "dense_mfu_goal": 0.40,
+            "dense_mfu_met": dense["mfu"] is not None and dense["mfu"] >= 0.40,
+            "lol_over_dense_tokens_per_s": ratio, "lol_ratio_goal": 0.9,
+            "lol_ratio_met": ratio is not None and ratio >= 0.9}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--dry-run", action="store_true", help="tiny model, one step: checks the script itself")
+    ap.add_argument("--steps", type=int, default=None, help="timed steps per profile (default 10; dry run 1)")
+    ap.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3; dry run 0)")
+    ap.add_argument("--micro-batch-size", type=int, default=None, help="micro-batch (default 8; dry run 2)")
+    ap.add_argument("--skip-tests", action="store_true", help="throughput only")
+    args = ap.parse_args(argv)
+    import torch
+
+    args.cuda = torch.cuda.is_available()
+    args.steps = args.steps or (1 if args.dry_run else 10)
+    args.warmup = (0 if args.dry_run else 3) if args.warmup is None else args.warmup
+    args.micro_batch_size = args.micro_batch_size or (2 if args.dry_run else 8)
+    args.seq = 64 if args.dry_run else SEQ
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    report = {"dry_run": args.dry_run, "complete": False, "environment": environment(), "parts": {}}
+    path = out / "gpu_report.json"
+
+    def save():
+        report["elapsed_s"] = round(time.time() - t0, 1)
+        path.write_text(json.dumps(report, indent=2, default=str))
+
+    save()
+    env = report["environment"]
+    parts = report["parts"]
+    parts["gpu_tests"] = {"ran": False, "reason": "--skip-tests"} if args.skip_tests else \
+        run_gpu_tests(out, BUDGET_S["gpu_tests"])
+    save()
+    sets = TINY if args.dry_run else []
+    dense = dense_equal_flops(sets, args.seq, args.micro_batch_size)
+    parts["throughput_bf16"] = throughput(out, args, dense, fp8=False)
+    save()
+    if env["transformer_engine"] and env.get("capability", [0])[0:2] >= [8, 9]:
+        parts["throughput_fp8"] = throughput(out, args, dense, fp8=True)
+    else:
+        parts["throughput_fp8"] = {"ran": False, "reason": "needs Transformer Engine on a GPU with FP8 (8.9+)"}
+    report["goals"] = goals(report)
+    report["complete"] = True
+    save()
+    print(json.dumps({k: report[k] for k in ("environment", "goals", "elapsed_s")}, indent=2, default=str))
+    print(f"wrote {path}")
+    tests = parts["gpu_tests"]
+    failed = bool(tests.get("failed")) or "error" in tests
+    failed |= any("error" in r for p in ("throughput_bf16", "throughput_fp8")
+                  for r in parts[p].get("runs", {}).values() if isinstance(r, dict))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

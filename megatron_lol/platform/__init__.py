@@ -1,0 +1,251 @@
+"""The platform: one device policy for every process, and the run-time patches
+that let megatron-core run on CPU with gloo (nothing beyond item 6 below is
+patched when CUDA is present).
+
+Public API
+----------
+``setup_platform() -> str``
+    Idempotent. Returns ``"cuda"`` or ``"cpu"``. Without CUDA it applies the
+    run-time patches listed below. Patches for missing Transformer Engine /
+    apex (item 6) are applied whenever those are absent, even with CUDA.
+``init_distributed(backend=None) -> None``
+    Initialise ``torch.distributed`` from torchrun-style environment variables
+    (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``);
+    a single process on a free localhost port when they are absent. Idempotent.
+``device() -> torch.device``
+    The device policy: ``cuda:LOCAL_RANK`` with CUDA (and NCCL), ``cpu``
+    without (and gloo). Every model chunk, batch, layout, reduction buffer and
+    loaded checkpoint of the process lives there; model code follows the
+    device of its inputs and parameters and never names a device itself.
+``to_device(obj, device=None)``
+    Move the tensors of a batch (nested dicts / lists / tuples) to the policy
+    device; the same objects on CPU.
+``has_transformer_engine() -> bool``
+    Whether Transformer Engine imports (always False without CUDA).
+``cpu_device_mode()``
+    The TorchFunctionMode that rewrites CUDA devices to CPU (item 5). It is
+    thread-local: ``setup_platform()`` enters one for the *calling* thread for
+    the rest of the process (call it from the main thread); other threads that
+    run megatron-core code must wrap their work in ``with cpu_device_mode():``.
+
+Patches (CPU only unless noted); each is a function ``_patch_*`` in
+the submodule named:
+
+1. ``cuda_api._patch_cuda_device_api``: ``torch.cuda.current_device/synchronize/Stream/
+   Event/current_stream/stream/set_device/nvtx/...`` raise on a CPU build
+   (RoPE, global memory buffer, timers, checkpoint save, MoE dispatcher).
+2. ``cuda_api._patch_cuda_rng``: ``torch.cuda.get_rng_state/set_rng_state/manual_seed``
+   and megatron's private ``_get_cuda_rng_state/_set_cuda_rng_state`` are routed
+   to the CPU generator. Without this the RNG tracker's ``fork()`` *silently*
+   stops switching streams (torch queues CUDA RNG sets when CUDA is absent).
+3. ``collectives._patch_moe_split_sizes``: ``moe_utils.maybe_move_tensor_to_cpu`` converts
+   split sizes to numpy only for CUDA tensors; gloo ``all_to_all_single`` then
+   raises TypeError in the alltoall dispatcher.
+4. ``collectives._patch_gloo_batched_p2p``: gloo's ``batch_isend_irecv`` with 2 pipeline
+   stages cross-matches the interleaved schedule's exchanges *silently*; batched
+   p2p is routed through the unbatched even/odd ``_p2p_ops`` on gloo groups.
+5. ``device_mode._patch_cuda_tensors``: hard-coded ``device='cuda'`` / ``current_device()``
+   and ``param.type() == 'torch.cuda.FloatTensor'`` checks (optimizers,
+   clip_grads, schedules, causal mask, broadcast_data); ``Tensor.cuda``,
+   ``Module.cuda``, ``Tensor.pin_memory`` and ``Tensor.record_stream`` become
+   CPU no-ops.
+6. (whenever TE/apex are absent) ``no_te._patch_te_general_gemm``: MoE router reads
+   ``moe_utils.te_general_gemm`` which is only defined when TE imports
+   (NameError); ``_patch_distrib_optimizer_torch_adam_step``: loading a
+   distributed-optimizer checkpoint with the torch AdamW fallback fails on
+   ``assert len(steps) == 1`` and then resumes Adam's step counter at 0.
+
+Patches touch private megatron-core names (pinned ``megatron-core==0.16.1``);
+when one has moved, :class:`PlatformPatchError` names it.
+
+Importing this module is cheap: megatron-core is imported only inside
+``setup_platform()``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import logging
+import os
+import socket
+import threading
+from typing import Any
+
+import torch
+
+from megatron_lol.platform._common import (MEGATRON_CORE_PIN, PlatformPatchError, _require,  # noqa: F401
+                                           _require_source, applied_patches)
+from megatron_lol.platform.device_mode import (_enter_global_cpu_mode, _run_backward_in_mode,  # noqa: F401
+                                               cpu_device_mode, device_mode_suspended)
+
+__all__ = [
+    "PlatformPatchError",
+    "setup_platform",
+    "init_distributed",
+    "device",
+    "to_device",
+    "has_transformer_engine",
+    "has_apex",
+    "cuda_available",
+    "cpu_device_mode",
+    "device_mode_suspended",
+    "applied_patches",
+    "MEGATRON_CORE_PIN",
+]
+
+logger = logging.getLogger(__name__)
+
+_LOCK = threading.RLock()
+_PLATFORM: str | None = None
+
+
+def cuda_available() -> bool:
+    """True when torch sees at least one usable CUDA device."""
+    return torch.cuda.is_available()
+
+
+@functools.lru_cache(maxsize=None)
+def has_transformer_engine() -> bool:
+    """True when Transformer Engine is importable and CUDA is present.
+
+    A broken TE install (e.g. the PyPI meta package on a CPU machine) raises
+    RuntimeError on import; that counts as absent.
+    """
+    if not cuda_available():
+        return False
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def has_apex() -> bool:
+    """True when NVIDIA apex (not PyPI's unrelated ``apex``) is importable."""
+    try:
+        import apex  # noqa: F401
+        from apex.optimizers import FusedAdam  # noqa: F401
+    except (ImportError, RuntimeError, OSError):
+        return False
+    return True
+
+
+def setup_platform() -> str:
+    """Prepare megatron-core for this machine; return ``"cuda"`` or ``"cpu"``.
+
+    Idempotent and cheap after the first call. Without CUDA applies patches
+    1-5 (module docstring) and enters the CUDA->CPU TorchFunctionMode in the
+    calling thread for the rest of the process; call it from the main thread
+    (other threads: ``with cpu_device_mode():``). Whenever TE/apex are absent,
+    applies patch 6, even with CUDA. Raises :class:`PlatformPatchError` when a
+    private megatron-core name a patch needs has moved.
+    """
+    from megatron_lol.platform import collectives, cuda_api, device_mode, no_te
+    from megatron_lol.platform._common import _APPLIED
+
+    global _PLATFORM
+    with _LOCK:
+        if _PLATFORM is not None:
+            if _PLATFORM == "cpu":
+                _enter_global_cpu_mode()  # no-op in the thread that set up
+            return _PLATFORM
+        platform = "cuda" if cuda_available() else "cpu"
+        if platform == "cpu":
+            cuda_api._patch_cuda_device_api()
+            cuda_api._patch_cuda_rng()
+            collectives._patch_moe_split_sizes()
+            collectives._patch_gloo_batched_p2p()
+            device_mode._patch_cuda_tensors()
+        if not has_transformer_engine():
+            no_te._patch_te_general_gemm()
+        if not (has_transformer_engine() or has_apex()):
+            no_te._patch_distrib_optimizer_torch_adam_step()
+        _PLATFORM = platform
+        logger.debug("megatron_lol platform: %s, patches: %s", platform, _APPLIED)
+        return platform
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+
+
+def device() -> torch.device:
+    """The process's device: ``cuda:LOCAL_RANK`` when CUDA is present, else ``cpu``.
+
+    The one place the device is decided (a function of the environment, so
+    the same answer on every call of a process). NCCL needs every tensor of a
+    collective on this device; megatron-core's DDP puts its gradient buffers on
+    ``torch.cuda.current_device()``, which :func:`init_distributed` sets to it.
+    """
+    if cuda_available():
+        return torch.device("cuda", _local_rank())
+    return torch.device("cpu")
+
+
+def to_device(obj: Any, dev: torch.device | None = None) -> Any:
+    """``obj`` with every tensor in it (nested dicts, lists, tuples) on ``dev`` (default :func:`device`).
+
+    Host-to-device copies are ``non_blocking`` (they overlap with queued GPU
+    work when the batch sits in pinned memory); on CPU every tensor is returned
+    as it is, not copied.
+    """
+    dev = device() if dev is None else dev
+    if torch.is_tensor(obj):
+        return obj.to(dev, non_blocking=True)
+    if isinstance(obj, dict):
+        return {k: to_device(v, dev) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(to_device(v, dev) for v in obj)
+    return obj
+
+
+def init_distributed(backend: str | None = None, timeout: datetime.timedelta | None = None) -> None:
+    """Initialise ``torch.distributed`` from torchrun-style environment variables.
+
+    Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
+    ``LOCAL_RANK``. When ``WORLD_SIZE`` is absent (or 1) and no address is set,
+    runs a single process on a free localhost port. ``backend`` defaults to
+    ``"nccl"`` with CUDA and ``"gloo"`` without; with CUDA the current device
+    is set to ``LOCAL_RANK``. Idempotent: returns at once if already initialised.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    lone = world_size == 1 and "RANK" not in os.environ and "MASTER_PORT" not in os.environ
+    if world_size > 1 and ("MASTER_ADDR" not in os.environ or "MASTER_PORT" not in os.environ):
+        raise RuntimeError(
+            f"init_distributed: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set "
+            "(launch with torchrun or set them)"
+        )
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
+    if backend is None:
+        backend = "nccl" if cuda_available() else "gloo"
+    if cuda_available():
+        torch.cuda.set_device(device())
+    kwargs: dict[str, Any] = {}
+    if timeout is not None:
+        kwargs["timeout"] = timeout
+    if lone:
+        # a lone process needs no rendezvous: an in-memory store cannot lose a port race
+        # with other processes on the machine (the free port probed above may be taken
+        # by the time TCPStore binds it)
+        dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+        return
+    dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)

@@ -1,0 +1,131 @@
+"""Patch 6 (whenever Transformer Engine and apex are absent, also with CUDA)."""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from megatron_lol.platform._common import _mark, _require, _require_source
+
+def _patch_te_general_gemm() -> None:
+    """Item 6a: define ``moe_utils.te_general_gemm = None`` when TE is absent.
+
+    Fixes: the MoE router's ``RouterGatingLinearFunction`` reads the module
+    global ``te_general_gemm``, which ``moe_utils`` only imports when TE
+    imports: NameError without TE. ``None`` selects the torch matmul path.
+    """
+    if not _mark("te_general_gemm"):
+        return
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        _require_source(moe_utils.RouterGatingLinearFunction.forward, "te_general_gemm", "te_general_gemm")
+        moe_utils.te_general_gemm = None
+
+
+def _patch_distrib_optimizer_torch_adam_step() -> None:
+    """Item 6b: distributed-optimizer checkpoints with the torch Adam(W) fallback.
+
+    Without TE/apex (``distrib_optimizer.HAVE_APEX_OR_TE`` False) the inner
+    optimizer is ``torch.optim.Adam(W)``, which keeps a per-parameter ``step``:
+
+    * ``DistributedOptimizer.state_dict()`` does ``assert len(steps) == 1``
+      over the per-parameter steps; a freshly built optimizer has none, and
+      ``sharded_state_dict(is_loading=True)`` calls it before loading, so every
+      checkpoint load fails. Now: no state -> the step of the param groups, or 0.
+    * ``_set_main_param_and_optimizer_states`` copies every key of the inner
+      state, including ``step``, from the loaded parameter state, which has no
+      ``step`` (the loaders skip it): KeyError. Now ``step`` is left alone there,
+      and the copy runs under ``no_grad`` (the ``dp_reshardable`` loader lacks
+      it: "a view of a leaf Variable ... in-place" with fp32 params).
+    * Adam then resumes at the wrong step (wrong bias correction): with
+      ``dp_reshardable`` the per-parameter ``step`` stays 0; with
+      ``fully_reshardable`` every parameter shares *one* step tensor, which
+      torch Adam increments in place once per parameter. Now the step saved in
+      the checkpoint's param groups is re-applied after ``load_state_dict`` as
+      one fresh tensor per parameter.
+    """
+    if not _mark("distrib_optimizer_torch_adam_step"):
+        return
+    from megatron.core.optimizer import distrib_optimizer as dopt
+
+    name = "distrib_optimizer_torch_adam_step"
+    if _require(dopt, "HAVE_APEX_OR_TE", name):
+        return
+    cls = _require(dopt, "DistributedOptimizer", name)
+    orig_state_dict = _require(cls, "state_dict", name)
+    orig_load_state_dict = _require(cls, "load_state_dict", name)
+    orig_set_states = _require(cls, "_set_main_param_and_optimizer_states", name)
+    _require_source(orig_state_dict, "assert len(steps) == 1", name)
+    _require_source(orig_load_state_dict, 'param_groups"]]))', name)
+    _require_source(orig_set_states, "dst_tensors[key].copy_(tensors[key])", name)
+
+    def _as_float(v: Any) -> float:
+        return float(v.item() if torch.is_tensor(v) else v)
+
+    @functools.wraps(orig_state_dict)
+    def state_dict(self):
+        if getattr(self.ddp_config, "use_megatron_fsdp", False) or isinstance(
+            self.optimizer, getattr(dopt, "HybridDeviceOptimizer", ())
+        ):
+            return orig_state_dict(self)
+        inner = self.optimizer
+        steps = {_as_float(s["step"]) for s in inner.state.values() if "step" in s}
+        if len(steps) == 1 and all("step" in s for s in inner.state.values()):
+            return orig_state_dict(self)
+        if len(steps) > 1:
+            raise RuntimeError(f"DistributedOptimizer: Adam steps differ across parameters: {sorted(steps)}")
+        group_steps = {_as_float(g["step"]) for g in inner.param_groups if g.get("step") is not None}
+        step = next(iter(group_steps)) if len(group_steps) == 1 else 0.0
+        orig_inner_state_dict = inner.state_dict
+
+        def inner_state_dict_with_step():
+            sd = orig_inner_state_dict()
+            sd["state"] = {k: {**v, "step": torch.tensor(step)} for k, v in sd["state"].items()} or {
+                0: {"step": torch.tensor(step)}
+            }
+            return sd
+
+        inner.state_dict = inner_state_dict_with_step
+        try:
+            return orig_state_dict(self)
+        finally:
+            del inner.state_dict
+
+    @functools.wraps(orig_set_states)
+    @torch.no_grad()
+    def _set_main_param_and_optimizer_states(self, model_param, tensors):
+        # no_grad: load_parameter_state_from_dp_reshardable (unlike the other
+        # loaders) is not decorated with it, and copying into an fp32 model
+        # param's shard view (a view of a leaf requiring grad) then raises.
+        if "step" in tensors or self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return orig_set_states(self, model_param, tensors)
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        dst_tensors = {"param": main_param, **self.optimizer.state[main_param]}
+        for key, dst in dst_tensors.items():
+            if key == "step":
+                continue  # torch Adam's step is restored from the param groups
+            dst.copy_(tensors[key])
+
+    @functools.wraps(orig_load_state_dict)
+    def load_state_dict(self, state_dict):
+        result = orig_load_state_dict(self, state_dict)
+        if getattr(self.ddp_config, "use_megatron_fsdp", False) or "optimizer" not in state_dict:
+            return result
+        steps = {_as_float(g["step"]) for g in state_dict["optimizer"].get("param_groups", []) if g.get("step") is not None}
+        if len(steps) == 1:
+            step = next(iter(steps))
+            for st in self.optimizer.state.values():
+                if "step" in st:
+                    old = st["step"]
+                    st["step"] = torch.tensor(step, dtype=old.dtype if torch.is_tensor(old) else torch.float32)
+        return result
+
+    cls.state_dict = state_dict
+    cls.load_state_dict = load_state_dict
+    cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
+
+

@@ -1,0 +1,126 @@
+"""Tests that need a GPU (marked ``gpu``: skipped without CUDA; bench/gpu/run_all.sh runs them).
+
+Each compares runs made in separate processes with tests/gpu_steps.py (a few trainer steps on
+synthetic tokens):
+
+* every plan on one GPU against the same steps on the CPU, in FP32 (TF32 off): the first step's loss
+  within 1e-5 relative (the same weights and batch; only the order of sums differs), later steps within
+  1e-3 (routing decisions near a tie may flip once weights differ in the last bits);
+* the local spec against the Transformer Engine spec in BF16, 3 steps within 2e-2 relative;
+* FP8 (hybrid, delayed scaling) against BF16: the loss after 50 steps within 2% relative;
+* TP=2 / EP=2 / DP=2 on two GPUs against one GPU, in FP32, within 1e-4 relative per step.
+
+TE tests need Transformer Engine; the two-GPU test needs two GPUs. CUDA alone runs the rest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+REPO = Path(__file__).resolve().parent.parent
+STEPS = str(REPO / "tests" / "gpu_steps.py")
+
+PLANS = {
+    "dense": dict(plan="dense", core_layers=2),
+    "dense-sliding": dict(plan="dense", core_layers=2, dense_attention="sliding"),
+    "looped": dict(plan="looped", loop_layers=2, loop_count=2, film="depth"),
+    "lol": dict(plan="lol", num_blocks=3, routed_depth=4, film="depth"),
+    "lol-grown-truncated": dict(plan="lol", num_blocks=3, routed_depth=4),
+    "foil": dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=8, moe_ffn_hidden_size=64,
+                 moe_router_topk=2, moe_layers="all", untie_attention=True),
+    "accordion": dict(plan="accordion", loop_window=3, num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
+                      moe_layers="all", moe_shared_expert_intermediate_size=64, loop_budgets=[0, 1, 3]),
+}
+CURRICULUM = {"lol-grown-truncated": {"initial_depth": 2, "growth_fraction": 1.0, "backprop_depth": 1}}
+
+
+def _steps(runs: dict, cpu: bool = False, nproc: int = 1, timeout: int = 400) -> dict:
+    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    if cpu:
+        env["CUDA_VISIBLE_DEVICES"] = ""
+    cmd = [sys.executable, STEPS, json.dumps(runs)]
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               STEPS, json.dumps(runs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("GPU_STEPS ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-4000:]
+    out = json.loads(lines[-1][len("GPU_STEPS "):])
+    for name, r in out.items():
+        assert "error" not in r, f"{name}: {r['error']}"
+    return out
+
+
+def _te_available() -> bool:
+    from megatron_lol.platform import has_transformer_engine
+
+    return has_transformer_engine()
+
+
+@pytest.fixture(scope="module")
+def plan_runs():
+    runs = {name: {"model": model, "curriculum": CURRICULUM.get(name, {}), "steps": 3}
+            for name, model in PLANS.items()}
+    return _steps(runs, cpu=True), _steps(runs)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("name", list(PLANS))
+def test_one_gpu_equals_cpu_in_fp32(plan_runs, name):
+    cpu, gpu = plan_runs[0][name], plan_runs[1][name]
+    assert cpu["device"] == "cpu" and gpu["device"].startswith("cuda")
+    assert gpu["losses"][0] == pytest.approx(cpu["losses"][0], rel=1e-5)
+    assert gpu["losses"] == pytest.approx(cpu["losses"], rel=1e-3)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not _te_available(), reason="needs Transformer Engine")
+def test_local_and_te_specs_agree_in_bf16():
+    runs = {}
+    for name in ("lol", "dense-sliding", "foil"):
+        for te in (False, True):
+            runs[f"{name}-{'te' if te else 'local'}"] = {
+                "model": dict(PLANS[name], params_dtype="bf16", use_transformer_engine=te), "steps": 3}
+    out = _steps(runs)
+    for name in ("lol", "dense-sliding", "foil"):
+        local, te = out[f"{name}-local"], out[f"{name}-te"]
+        assert te["use_te"] and not local["use_te"]
+        assert te["losses"] == pytest.approx(local["losses"], rel=2e-2), name
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(not _te_available(), reason="needs Transformer Engine")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="FP8 needs compute capability 8.9+")
+def test_fp8_loss_after_50_steps_is_close_to_bf16():
+    model = dict(plan="lol", num_blocks=4, routed_depth=4, hidden_size=256, ffn_hidden_size=704,
+                 window_size=32, window_shift=16, film="depth", params_dtype="bf16", use_transformer_engine=True)
+    common = {"steps": 50, "seq_length": 256, "micro_batch_size": 8, "global_batch_size": 8, "lr": 1e-3}
+    out = _steps({"bf16": dict(common, model=model),
+                  "fp8": dict(common, model=dict(model, fp8="hybrid", fp8_recipe="delayed",
+                                                 fp8_amax_history_len=16, fp8_amax_compute_algo="max"))})
+    bf16, fp8 = out["bf16"]["losses"], out["fp8"]["losses"]
+    assert bf16[-1] < bf16[0] - 0.5  # both learn
+    assert fp8[-1] == pytest.approx(bf16[-1], rel=0.02)
+
+
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_gpus_tp_ep_dp_equal_one_gpu():
+    layouts = {"tp2": {"tensor_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2},
+               "dp2": {}, "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}
+    model = dict(PLANS["lol"], num_blocks=4)
+    one = _steps({"ref": {"model": model, "steps": 3}})["ref"]
+    two = _steps({name: {"model": model, "parallel": par, "steps": 3} for name, par in layouts.items()}, nproc=2)
+    for name in layouts:
+        assert two[name]["losses"] == pytest.approx(one["losses"], rel=1e-4), name
