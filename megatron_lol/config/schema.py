@@ -381,9 +381,13 @@ class DataConfig:
                 raise ConfigError(f"{prefix}.paths: a blend needs weight/prefix pairs (got {len(self.paths)} items)")
             for w in self.paths[0::2]:
                 try:
-                    float(w)
+                    weight = float(w)
                 except (TypeError, ValueError):
                     raise ConfigError(f"{prefix}.paths: weight {w!r} is not a number") from None
+                if not math.isfinite(weight) or weight < 0:
+                    raise ConfigError(f"{prefix}.paths: weight {w!r} must be a finite number >= 0")
+            if sum(float(w) for w in self.paths[0::2]) <= 0:
+                raise ConfigError(f"{prefix}.paths: the blend weights sum to zero")
         if check_files:
             for p in prefixes:
                 for ext in (".bin", ".idx"):
@@ -455,6 +459,7 @@ class TrainingConfig:
     reset_optimizer: bool = False  # fresh optimizer state (Adam moments) instead of the loaded one
     reset_schedule: bool = False  # iteration, LR schedule and data position restart at 0
     metrics_file: Optional[str] = None  # default: <save>/metrics.jsonl
+    verify_checksums: bool = True  # check checkpoint files against their checksums.json on load
 
     def validate(self, prefix: str = "training") -> None:
         _positive(f"{prefix}.train_iters", self.train_iters)
@@ -499,6 +504,10 @@ class ExperimentConfig:
                               par.virtual_pipeline_model_parallel_size)
         self.optimizer.validate()
         self.training.validate()
+        m = self.model
+        if (m.plan == "lol" or m.dense_attention != "full") and m.window_size > self.training.seq_length:
+            raise ConfigError(f"model.window_size: {m.window_size} is larger than training.seq_length="
+                              f"{self.training.seq_length} (a window must fit in a sequence)")
         if self.optimizer.lr_warmup_iters >= self.training.train_iters:
             raise ConfigError(f"optimizer.lr_warmup_iters: {self.optimizer.lr_warmup_iters} must be smaller than "
                               f"training.train_iters={self.training.train_iters}")
@@ -530,11 +539,15 @@ def _asdict(obj: Any) -> Any:
 def _positive(key: str, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise ConfigError(f"{key}: must be > 0 (got {value!r})")
+    if not math.isfinite(value):  # nan passes the comparison above; inf trains into NaN
+        raise ConfigError(f"{key}: must be a finite number > 0 (got {value!r})")
 
 
 def _nonnegative(key: str, value) -> None:
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
         raise ConfigError(f"{key}: must be >= 0 (got {value!r})")
+    if not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number >= 0 (got {value!r})")
 
 
 def _choice(key: str, value, choices) -> None:

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -22,7 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 
 from megatron_lol.data import readers  # noqa: E402
-from megatron_lol.data.indexed import StreamingIndexWriter, optimal_dtype  # noqa: E402
+from megatron_lol.data.indexed import StreamingIndexWriter, optimal_dtype, remove_stale_tmp  # noqa: E402
 
 LEVEL = "document"
 
@@ -118,8 +119,15 @@ def output_prefixes(output_prefix: str, keys: list, shard: int = 0, num_shards: 
 _W: dict = {}
 
 
-def _worker_init(tok_kwargs: dict, keys: list, append_eod: bool, skip_bad: bool, dtype_name: str) -> None:
+def _worker_init(tok_kwargs: dict, keys: list, append_eod: bool, skip_bad: bool, dtype_name: str,
+                 parent_pid: int | None = None) -> None:
     from megatron_lol.data.tokenizers import build_tokenizer
+
+    if parent_pid is not None:  # a worker process: exit with the main process, even after kill -9
+        from megatron_lol.process_guard import die_with_parent
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the main process's unwinding handler
+        die_with_parent(parent_pid)
 
     _W["tok"] = build_tokenizer(**tok_kwargs)
     _W["keys"] = keys
@@ -140,6 +148,17 @@ def _encode_texts(texts: list) -> list:
             except Exception as err:  # noqa: BLE001
                 out.append(err)
         return out
+
+
+def _surrogate_reason(key: str, text: str):
+    """A ``\\ud800``-style escape decodes to a lone surrogate, which is not Unicode text: no
+    tokenizer can encode it (their bindings fail with messages about C++ casts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"key {key!r} holds a lone surrogate U+{ord(text[err.start]):04X} at character {err.start} "
+                f"(an unpaired \\u escape: not valid Unicode)")
+    return None
 
 
 def _pack(encoded: list) -> tuple:
@@ -203,6 +222,10 @@ def encode_task(task: tuple) -> dict:
                         if not isinstance(obj[k], str):
                             reason = f"key {k!r} is {type(obj[k]).__name__}, expected a string"
                             break
+                        if b"\\u" in raw:
+                            reason = _surrogate_reason(k, obj[k])
+                            if reason is not None:
+                                break
             if reason is not None:
                 bad.append((i, reason))
                 if not _W["skip"]:
@@ -346,6 +369,11 @@ def preprocess(args) -> dict:
         print("note: --partitions is accepted for compatibility; documents keep input order, "
               "parallelism comes from --workers", file=sys.stderr)
 
+    for pre in prefixes.values():  # leftovers of runs killed before they could clean up
+        for path in (pre + ".bin", pre + ".idx", pre + ".lengths"):
+            for name in remove_stale_tmp(path):
+                print(f"preprocess: removed {name} (left by a killed run)", file=sys.stderr)
+
     tok_kwargs = tokenizer_kwargs(args)
     tok = build_tokenizer(**tok_kwargs)
     dtype = optimal_dtype(tok.vocab_size)
@@ -359,6 +387,7 @@ def preprocess(args) -> dict:
     init = (tok_kwargs, keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).name)
     pool = None
     t0 = time.time()
+    previous_sigterm = _raise_on_sigterm()
 
     def handle(res: dict) -> None:
         if "error" in res:
@@ -386,36 +415,41 @@ def preprocess(args) -> dict:
                 handle(res)
         else:
             import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
 
+            # concurrent.futures, not multiprocessing.Pool: a worker killed by the OOM killer
+            # fails its future (BrokenProcessPool) instead of leaving the main process waiting
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-            pool = ctx.Pool(args.workers, initializer=_worker_init, initargs=init)
+            pool = ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_worker_init,
+                                       initargs=init + (os.getpid(),))
             inflight = args.max_inflight or 4 * args.workers
             pending: deque = deque()
             for task in tasks:
-                pending.append((task[:4], pool.apply_async(encode_task, (task,))))
+                pending.append((task[:4], pool.submit(encode_task, task)))
                 while len(pending) >= inflight:
                     meta, fut = pending.popleft()
-                    res = fut.get()
+                    res = _result(pool, fut, meta, paths)
                     _note_bad(res, meta, paths, counts)
                     handle(res)
             while pending:
                 meta, fut = pending.popleft()
-                res = fut.get()
+                res = _result(pool, fut, meta, paths)
                 _note_bad(res, meta, paths, counts)
                 handle(res)
-            pool.close()
-            pool.join()
+            pool.shutdown(wait=True)
             pool = None
         for w in writers.values():
             w.finalize()
     except BaseException:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            _stop_workers(pool)
         for w in writers.values():
             w.abort()
         progress.close()
         raise
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     progress.close()
     elapsed = time.time() - t0
     rss_self, rss_child = _peak_rss_mb()
@@ -445,6 +479,51 @@ def preprocess(args) -> dict:
 
 class BadInputError(ValueError):
     pass
+
+
+class WorkerDiedError(RuntimeError):
+    """A tokenizer worker process died (killed, out of memory) in the middle of a task."""
+
+
+class Terminated(Exception):
+    """SIGTERM arrived: unwind so that partial outputs are removed."""
+
+
+def _raise_on_sigterm():
+    """Make SIGTERM (Slurm's scancel, a timeout) raise :class:`Terminated` in the main thread;
+    returns the previous handler (None when called outside the main thread: nothing changed)."""
+    import threading
+
+    def handler(signum, frame):
+        raise Terminated("stopped by SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def _result(pool, fut, meta: tuple, paths: list) -> dict:
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        return fut.result()
+    except BrokenProcessPool:
+        codes = [p.exitcode for p in (getattr(pool, "_processes", None) or {}).values() if p.exitcode]
+        how = next((f"killed by {signal.Signals(-c).name}" for c in codes if c < 0 and -c in signal.valid_signals()),
+                   f"exit status {codes[0]}" if codes else "died")
+        raise WorkerDiedError(f"a tokenizer worker process {how} while tokenizing {paths[meta[1]]} "
+                              f"(out of memory? try fewer --workers or a smaller --max-inflight)") from None
+
+
+def _stop_workers(pool) -> None:
+    """Cancel what is queued and kill the workers now (a failed run does not wait for them)."""
+    procs = list((getattr(pool, "_processes", None) or {}).values())
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=10)
 
 
 def _note_bad(res: dict, task_meta: tuple, paths: list, counts: dict) -> None:
@@ -485,8 +564,10 @@ def run(args) -> int:
 
     try:
         summary = preprocess(args)
-    except (ValueError, TokenizerError, readers.InputError, OSError) as err:
-        raise CliError(str(err)) from None
+    except (ValueError, TokenizerError, readers.InputError, OSError, WorkerDiedError) as err:
+        raise CliError(f"{err} (partial outputs removed)" if isinstance(err, WorkerDiedError) else str(err)) from None
+    except Terminated as err:
+        raise CliError(f"{err}; partial outputs removed") from None
     print(format_summary(summary))
     if args.summary_json:
         with open(args.summary_json, "w") as f:
