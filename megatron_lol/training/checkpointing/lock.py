@@ -22,6 +22,9 @@ import time
 from typing import Optional
 
 LOCK_FILE = ".writer.lock"
+# locks this process holds, by real path: a run that ended with an exception (in a notebook, a
+# test) did not release its lock, and the next run of the same process takes it over
+_held: dict = {}
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,6 +68,9 @@ class SaveDirLock:
     def acquire(self) -> Optional[str]:
         """Take the lock; returns None, or why not (one line)."""
         os.makedirs(self.root, exist_ok=True)
+        previous = _held.pop(os.path.realpath(self.path), None)
+        if previous is not None:
+            previous.release()
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             import fcntl
@@ -86,6 +92,7 @@ class SaveDirLock:
                 return problem
         self._write(fd)
         self.fd = fd
+        _held[os.path.realpath(self.path)] = self
         return None
 
     def _check_pid_file(self, fd: int) -> Optional[str]:
@@ -104,6 +111,7 @@ class SaveDirLock:
     def release(self) -> None:
         if self.fd is None:
             return
+        _held.pop(os.path.realpath(self.path), None)
         try:
             os.ftruncate(self.fd, 0)
             os.lseek(self.fd, 0, os.SEEK_SET)
