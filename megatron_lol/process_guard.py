@@ -40,6 +40,17 @@ def _prctl_death_signal(sig: int) -> bool:
         return False
 
 
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (a zombie counts as alive)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _watch_parent(parent_pid: int) -> None:
     while True:
         if os.getppid() != parent_pid:

@@ -150,34 +150,43 @@ def check_split_tokens(headers: dict, weights, split_matrix, sizes: list, split:
 def check_token_ids(headers: dict, vocab_size: int, cache_dir: str | None) -> None:
     """Every token id of every dataset is below ``vocab_size`` (the model's embedding rows).
 
-    Scanning a ``.bin`` reads it once; the result is kept in ``cache_dir`` (keyed by
-    the file's path, size and modification time) so later runs skip the scan.
-    Rank 0 scans and tells the others.
+    The ranks share one read of each ``.bin`` (every rank scans its own chunks);
+    the result is kept in ``cache_dir`` (keyed by the file's path, size and
+    modification time) so later runs skip the scan. Rank 0 decides what to scan,
+    so every rank takes the same path through the collectives.
     """
-    import torch
+    import torch.distributed as dist
 
     from megatron_lol.data.indexed import scan_token_ids
 
-    problem = None
-    if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-        for prefix, h in headers.items():
-            max_id = _cached_max_id(prefix, cache_dir)
-            if max_id is not None and max_id < vocab_size:
-                continue
-            max_id, first = scan_token_ids(prefix, h, vocab_size)
+    distributed = dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    todo = []
+    if rank == 0:
+        for prefix in headers:
+            cached = _cached_max_id(prefix, cache_dir)
+            if cached is None or cached >= vocab_size:
+                todo.append(prefix)
+    if distributed:
+        box = [todo]
+        dist.broadcast_object_list(box, src=0)
+        todo = box[0]
+    found = {prefix: scan_token_ids(prefix, headers[prefix], vocab_size, (rank, world)) for prefix in todo}
+    gathered = [found]
+    if distributed:
+        gathered = [None] * world
+        dist.all_gather_object(gathered, found)
+    for prefix in todo:
+        max_id = max(part[prefix][0] for part in gathered)
+        if rank == 0:
             _store_max_id(prefix, cache_dir, max_id)
-            if first is not None:
-                doc, pos = first
-                problem = (f"{prefix}.bin: token id {max_id} (first at document {doc}, position {pos}) is outside "
-                           f"the model's vocabulary of {vocab_size}: the dataset was made with another "
-                           f"tokenizer, or data.tokenizer_model / model.vocab_size is wrong")
-                break
-    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
-        box = [problem]
-        torch.distributed.broadcast_object_list(box, src=0)
-        problem = box[0]
-    if problem is not None:
-        raise DatasetError(problem)
+        firsts = [part[prefix][1] for part in gathered if part[prefix][1] is not None]
+        if firsts:
+            _, doc, pos = min(firsts)
+            raise DatasetError(
+                f"{prefix}.bin: token ids reach {max_id}, outside the model's vocabulary of {vocab_size} "
+                f"(the first at document {doc}, position {pos}): the dataset was made with another "
+                f"tokenizer, or data.tokenizer_model / model.vocab_size is wrong")
 
 
 def _max_id_key(prefix: str) -> str:

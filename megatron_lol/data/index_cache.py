@@ -33,8 +33,9 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
-from megatron_lol.data.indexed import DatasetError, _pid_alive
+from megatron_lol.data.indexed import DatasetError
 from megatron_lol.log import log_rank0
+from megatron_lol.process_guard import pid_alive
 
 
 class _NoPickleCache:
@@ -91,7 +92,7 @@ def _remove_dead_builds(directory: str) -> None:
         if not name.startswith(".build-"):
             continue
         pid, _, owner = name[len(".build-"):].partition("-")
-        if pid.isdigit() and owner == host and not _pid_alive(int(pid)):
+        if pid.isdigit() and owner == host and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
 

@@ -29,6 +29,7 @@ import struct
 import numpy as np
 
 from megatron_lol.errors import CliError
+from megatron_lol.process_guard import pid_alive
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -74,7 +75,7 @@ def remove_stale_tmp(path: str) -> list:
         if not name.startswith(stem):
             continue
         pid_text, _, owner = name[len(stem):].partition("-")
-        if not pid_text.isdigit() or (owner and owner != host) or _pid_alive(int(pid_text)):
+        if not pid_text.isdigit() or (owner and owner != host) or pid_alive(int(pid_text)):
             continue
         try:
             os.unlink(os.path.join(directory, name))
@@ -82,16 +83,6 @@ def remove_stale_tmp(path: str) -> list:
         except OSError:
             pass
     return removed
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class IndexHeader:
@@ -386,14 +377,18 @@ def sequence_lengths(h: IndexHeader) -> np.ndarray:
     return _memmap(h.path, np.int32, h.lengths_offset, h.sequence_count)
 
 
-def scan_token_ids(prefix: str, h: IndexHeader, limit: int | None = None) -> tuple:
-    """``(max_id, first)``: the largest token id of ``prefix.bin`` and, with ``limit``, the
-    ``(document, position)`` of the first id >= limit (None when there is none)."""
-    data = np.memmap(prefix + ".bin", dtype=h.dtype, mode="r") if os.path.getsize(prefix + ".bin") else \
-        np.zeros(0, dtype=h.dtype)
+def scan_token_ids(prefix: str, h: IndexHeader, limit: int | None = None, part: tuple = (0, 1)) -> tuple:
+    """``(max_id, first)`` over part ``part = (i, n)`` of ``prefix.bin`` (every n-th chunk from the
+    i-th, so n processes share one scan): the largest token id, and with ``limit`` the
+    ``(token index, document, position)`` of the first id >= limit (None when there is none)."""
+    size = os.path.getsize(prefix + ".bin") // h.itemsize
+    data = np.memmap(prefix + ".bin", dtype=h.dtype, mode="r", shape=(size,)) if size else None
     best, first = -1, None
     step = 16 * CHUNK
-    for start in range(0, data.size, step):
+    index, parts = part
+    for k, start in enumerate(range(0, size, step)):
+        if k % parts != index:
+            continue
         chunk = np.asarray(data[start:start + step])
         top = int(chunk.max())
         best = max(best, top)
@@ -401,5 +396,5 @@ def scan_token_ids(prefix: str, h: IndexHeader, limit: int | None = None) -> tup
             token = start + int(np.flatnonzero(chunk >= limit)[0])
             pointers = _memmap(h.path, np.int64, h.pointers_offset, h.sequence_count)
             seq = int(np.searchsorted(pointers, token * h.itemsize, side="right")) - 1
-            first = (seq, token - int(pointers[seq]) // h.itemsize)
+            first = (token, seq, token - int(pointers[seq]) // h.itemsize)
     return best, first

@@ -21,20 +21,12 @@ import socket
 import time
 from typing import Optional
 
+from megatron_lol.process_guard import pid_alive
+
 LOCK_FILE = ".writer.lock"
 # locks this process holds, by real path: a run that ended with an exception (in a notebook, a
 # test) did not release its lock, and the next run of the same process takes it over
 _held: dict = {}
-
-
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _describe(info: dict) -> str:
@@ -101,7 +93,7 @@ class SaveDirLock:
             return None
         if info.get("host") == socket.gethostname():
             pid = int(info.get("pid", 0) or 0)
-            if pid and pid != os.getpid() and _pid_alive(pid):
+            if pid and pid != os.getpid() and pid_alive(pid):
                 return (f"{self.root} is in use by another training run ({_describe(info)}; lock "
                         f"{self.path}): two runs must not share one --save directory")
             return None  # stale: its process is gone
