@@ -22,8 +22,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from megatron_lol.data import readers  # noqa: E402
-from megatron_lol.data.indexed import StreamingIndexWriter, optimal_dtype, remove_stale_tmp  # noqa: E402
+from megatron_lol.data import readers, workers  # noqa: E402
+from megatron_lol.data.indexed import (  # noqa: E402
+    StreamingIndexWriter, optimal_dtype, remove_stale_tmp, tmp_name)
 
 LEVEL = "document"
 
@@ -380,14 +381,15 @@ def preprocess(args) -> dict:
     pieces = readers.shard_pieces(paths, shard, num_shards)
     total_bytes = sum(p.size for p in pieces)
 
-    writers = {k: StreamingIndexWriter(prefixes[k], dtype) for k in keys}
+    previous_sigterm = workers.raise_on_sigterm()  # before any temporary file exists
+    writers: dict = {}
     progress = Progress(total_bytes, not args.no_progress, args.log_interval)
     counts = {"bad_lines": 0, "bad_examples": []}
     empty = {k: 0 for k in keys}
     init = (tok_kwargs, keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).name)
     pool = None
+    procs: dict = {}  # pid -> worker Process (the executor forgets them once it is broken)
     t0 = time.time()
-    previous_sigterm = _raise_on_sigterm()
 
     def handle(res: dict) -> None:
         if "error" in res:
@@ -406,6 +408,8 @@ def preprocess(args) -> dict:
         progress.update(res["docs"], tokens, res["bytes"])
 
     try:
+        for k in keys:
+            writers[k] = StreamingIndexWriter(prefixes[k], dtype)
         tasks = readers.iter_tasks(pieces, keys, progress.input_bytes)
         if args.workers == 1:
             _worker_init(*init)
@@ -425,15 +429,15 @@ def preprocess(args) -> dict:
             inflight = args.max_inflight or 4 * args.workers
             pending: deque = deque()
             for task in tasks:
-                pending.append((task[:4], pool.submit(encode_task, task)))
+                pending.append((task[:4], workers.submit(pool, procs, encode_task, task, paths)))
                 while len(pending) >= inflight:
                     meta, fut = pending.popleft()
-                    res = _result(pool, fut, meta, paths)
+                    res = workers.result(procs, fut, meta, paths)
                     _note_bad(res, meta, paths, counts)
                     handle(res)
             while pending:
                 meta, fut = pending.popleft()
-                res = _result(pool, fut, meta, paths)
+                res = workers.result(procs, fut, meta, paths)
                 _note_bad(res, meta, paths, counts)
                 handle(res)
             pool.shutdown(wait=True)
@@ -442,9 +446,15 @@ def preprocess(args) -> dict:
             w.finalize()
     except BaseException:
         if pool is not None:
-            _stop_workers(pool)
+            workers.stop_workers(pool, procs)
         for w in writers.values():
             w.abort()
+        for pre in prefixes.values():  # also a writer a signal interrupted while it was being made
+            for path in (pre + ".bin", pre + ".idx", pre + ".lengths"):
+                try:
+                    os.unlink(tmp_name(path))
+                except FileNotFoundError:
+                    pass
         progress.close()
         raise
     finally:
@@ -479,51 +489,6 @@ def preprocess(args) -> dict:
 
 class BadInputError(ValueError):
     pass
-
-
-class WorkerDiedError(RuntimeError):
-    """A tokenizer worker process died (killed, out of memory) in the middle of a task."""
-
-
-class Terminated(Exception):
-    """SIGTERM arrived: unwind so that partial outputs are removed."""
-
-
-def _raise_on_sigterm():
-    """Make SIGTERM (Slurm's scancel, a timeout) raise :class:`Terminated` in the main thread;
-    returns the previous handler (None when called outside the main thread: nothing changed)."""
-    import threading
-
-    def handler(signum, frame):
-        raise Terminated("stopped by SIGTERM")
-
-    if threading.current_thread() is not threading.main_thread():
-        return None
-    return signal.signal(signal.SIGTERM, handler)
-
-
-def _result(pool, fut, meta: tuple, paths: list) -> dict:
-    from concurrent.futures.process import BrokenProcessPool
-
-    try:
-        return fut.result()
-    except BrokenProcessPool:
-        codes = [p.exitcode for p in (getattr(pool, "_processes", None) or {}).values() if p.exitcode]
-        how = next((f"killed by {signal.Signals(-c).name}" for c in codes if c < 0 and -c in signal.valid_signals()),
-                   f"exit status {codes[0]}" if codes else "died")
-        raise WorkerDiedError(f"a tokenizer worker process {how} while tokenizing {paths[meta[1]]} "
-                              f"(out of memory? try fewer --workers or a smaller --max-inflight)") from None
-
-
-def _stop_workers(pool) -> None:
-    """Cancel what is queued and kill the workers now (a failed run does not wait for them)."""
-    procs = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    for p in procs:
-        p.join(timeout=10)
 
 
 def _note_bad(res: dict, task_meta: tuple, paths: list, counts: dict) -> None:
@@ -564,9 +529,9 @@ def run(args) -> int:
 
     try:
         summary = preprocess(args)
-    except (ValueError, TokenizerError, readers.InputError, OSError, WorkerDiedError) as err:
-        raise CliError(f"{err} (partial outputs removed)" if isinstance(err, WorkerDiedError) else str(err)) from None
-    except Terminated as err:
+    except (ValueError, TokenizerError, readers.InputError, OSError, workers.WorkerDiedError) as err:
+        raise CliError(f"{err} (partial outputs removed)" if isinstance(err, workers.WorkerDiedError) else str(err)) from None
+    except workers.Terminated as err:
         raise CliError(f"{err}; partial outputs removed") from None
     print(format_summary(summary))
     if args.summary_json:
