@@ -146,7 +146,9 @@ def test_missing_tracker_resumes_the_complete_newest_and_never_deletes(corpus, t
     assert snapshot(save / "iter_0000002") == before  # never rewritten
     assert tracker(save) == 6
 
-    # the newest directory cannot be shown complete: refuse, touch nothing
+
+@TIMEOUT
+def test_missing_tracker_and_an_incomplete_newest_checkpoint_stop_the_run(corpus, trained):
     save = copy_run(trained, "no_tracker_partial")
     (save / "latest_checkpointed_iteration.txt").unlink()
     shard = next((save / "iter_0000004").glob("__*.distcp"))
