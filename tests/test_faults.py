@@ -332,9 +332,10 @@ def test_kill9_of_the_trainer_leaves_no_orphans(corpus, tmp_path):
         os.kill(proc.pid, signal.SIGKILL)  # the trainer only, as the OOM killer would
         proc.wait()
     gone, alive = psutil.wait_procs(children, timeout=10)
+    survivors = [p.pid for p in alive]
     for p in alive:
         p.kill()
-    assert not alive, [(p.pid, p.cmdline()[:4]) for p in alive]
+    assert not survivors, f"orphans left by kill -9 of the trainer: {survivors}"
     # a child forked by megatron-core's writer path dies with its parent too
     fork = subprocess.Popen([sys.executable, "-c", _FORK_SCRIPT], env=subprocess_env(), stdout=subprocess.PIPE)
     assert fork.stdout.readline().strip() == b"forked"
