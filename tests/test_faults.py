@@ -597,6 +597,18 @@ def test_crafted_metadata_and_index_cache_are_never_unpickled(corpus, trained, t
                "--output", str(tmp_path / "an"), "--max-examples", "2"])
     err = capsys.readouterr().err
     assert rc == 2 and "refusing to load posix.system" in err and not marker.exists()
+    # objects stored as bytes in the shards (RNG states, _extra_state): torch's planner would
+    # torch.load(weights_only=False) them; every load of the package runs under restricted_unpickling
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    from megatron_lol.training.checkpointing import restricted_unpickling
+
+    dcp.save({"rng_state": _Marker(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"),
+             no_dist=True)
+    with restricted_unpickling(), pytest.raises(BaseException, match="Weights only load failed"):
+        dcp.load({"rng_state": None, "w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    assert not marker.exists()
     # the dataset index cache: a pickle planted as a cached index is not loaded, the cache is rebuilt
     from megatron_lol.data.datasets import build_train_valid_test_datasets
     from megatron_lol.data.tokenizers import build_tokenizer

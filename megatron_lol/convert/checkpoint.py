@@ -30,7 +30,7 @@ import torch
 
 from megatron_lol.errors import CliError
 from megatron_lol.training.checkpointing.files import RUN_CONFIG, TRACKER, read_manifest, verify_files
-from megatron_lol.training.checkpointing.safe_load import read_metadata_file
+from megatron_lol.training.checkpointing.safe_load import read_metadata_file, restricted_unpickling
 
 def check_output_apart(save: str, load: str) -> None:
     """Refuse an output directory that is, contains or lies inside the checkpoint directory,
@@ -156,8 +156,9 @@ class DistCheckpointReader:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
+                with restricted_unpickling():
+                    load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                         no_dist=True)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException

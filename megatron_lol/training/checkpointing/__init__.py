@@ -83,7 +83,7 @@ from megatron_lol.training.checkpointing.files import (  # noqa: F401
     iter_name, latest_checkpoint, list_checkpoints, read_tracker, resume_iteration, tmp_dir, write_tracker)
 from megatron_lol.training.checkpointing.lock import LOCK_FILE, SaveDirLock  # noqa: F401
 from megatron_lol.training.checkpointing.safe_load import (  # noqa: F401
-    RestrictedUnpickler, read_metadata_file, restricted_metadata)
+    RestrictedUnpickler, read_metadata_file, restricted_unpickling)
 from megatron_lol.training.checkpointing.state import (  # noqa: F401
     DISTRIB_OPTIM_METADATA, FORMAT_VERSION, KEY_PREFIX, NonFiniteWeightsError, build_save_state,
     model_sharded_state_dict, parallel_layout, read_run_config, run_config_dict, weights_finite)

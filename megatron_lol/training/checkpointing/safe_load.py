@@ -2,18 +2,20 @@
 
 A ``torch_dist`` checkpoint holds three kinds of serialized data:
 
-* tensor payloads (``__*.distcp``), ``common.pt`` and the sharded objects: torch
-  reads them with ``torch.load(weights_only=True)``, its own restricted
-  unpickler (megatron-core registers the few numpy/megatron classes they hold);
+* tensor payloads (``__*.distcp``) and ``common.pt``: torch reads them with
+  ``torch.load(weights_only=True)``, its own restricted unpickler (megatron-core
+  registers the few numpy/megatron classes they hold);
 * ``.metadata``, the index of the shards, which ``torch.distributed.checkpoint``
-  reads with a plain ``pickle.load``: a crafted file would run code.
+  reads with a plain ``pickle.load``, and the sharded objects stored as bytes
+  in the shards, which its ``DefaultLoadPlanner`` reads with
+  ``torch.load(weights_only=False)``: a crafted file would run code.
 
 :class:`RestrictedUnpickler` admits only the checkpoint-metadata classes of
 ``torch.distributed.checkpoint``. Every load of the package goes through it:
-the converters call :func:`read_metadata_file`, and the trainer's and
-``analyze``'s calls into megatron-core run inside :func:`restricted_metadata`,
-which routes ``torch.distributed.checkpoint.filesystem``'s ``pickle.load``
-through it for the duration.
+the converters call :func:`read_metadata_file`, and the trainer's, ``analyze``'s
+and the converter's calls into megatron-core and torch run inside
+:func:`restricted_unpickling`, which for the duration routes the metadata reads
+through it and the byte objects through torch's weights-only unpickler.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ _ALLOWED_GLOBALS = {
     ("builtins", "set"),
     ("builtins", "frozenset"),
     ("builtins", "slice"),
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of torch's own saves
+    ("pathlib", "PurePosixPath"),
 }
 
 
@@ -87,19 +91,43 @@ def read_metadata_file(path: str):
 _pickle_shim = types.SimpleNamespace(**{k: getattr(pickle, k) for k in dir(pickle) if not k.startswith("__")})
 _pickle_shim.load = restricted_load
 _pickle_shim.loads = restricted_loads
+
+
+class _WeightsOnlyTorch(types.ModuleType):
+    """``torch`` as ``default_planner`` sees it inside :func:`restricted_unpickling`: its
+    ``load`` always runs torch's weights-only unpickler."""
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+    @staticmethod
+    def load(f, *args, **kwargs):
+        kwargs["weights_only"] = True
+        return torch.load(f, *args, **kwargs)
+
+
+_torch_shim = _WeightsOnlyTorch("torch")
 _lock = threading.RLock()
 _active = {"depth": 0, "saved": None}
 
 
 @contextlib.contextmanager
-def restricted_metadata():
-    """Within: ``torch.distributed.checkpoint``'s metadata reads use :class:`RestrictedUnpickler`."""
-    from torch.distributed.checkpoint import filesystem
+def restricted_unpickling():
+    """Within: nothing ``torch.distributed.checkpoint`` reads runs pickled code.
+
+    Its ``.metadata`` reads go through :class:`RestrictedUnpickler`, and the
+    sharded objects stored as bytes in the ``.distcp`` files (RNG states, layers'
+    ``_extra_state``), which ``DefaultLoadPlanner.load_bytes`` would read with
+    ``torch.load(weights_only=False)``, through torch's weights-only unpickler
+    (megatron-core registers the numpy and ``BytesIO`` classes they hold).
+    """
+    from torch.distributed.checkpoint import default_planner, filesystem
 
     with _lock:
         if _active["depth"] == 0:
-            _active["saved"] = filesystem.pickle
+            _active["saved"] = (filesystem.pickle, default_planner.torch)
             filesystem.pickle = _pickle_shim
+            default_planner.torch = _torch_shim
         _active["depth"] += 1
     try:
         yield
@@ -107,7 +135,7 @@ def restricted_metadata():
         with _lock:
             _active["depth"] -= 1
             if _active["depth"] == 0:
-                filesystem.pickle = _active["saved"]
+                filesystem.pickle, default_planner.torch = _active["saved"]
 
 
 def _first_line(err: BaseException, limit: int = 200) -> str:
@@ -125,7 +153,7 @@ def load_common(path: str) -> dict:
     from megatron.core import dist_checkpointing
 
     try:
-        with restricted_metadata():
+        with restricted_unpickling():
             common = dist_checkpointing.load_common_state_dict(path)
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -142,7 +170,7 @@ def load_sharded(request: dict, path: str) -> dict:
     from megatron.core import dist_checkpointing
 
     try:
-        with restricted_metadata():
+        with restricted_unpickling():
             return dist_checkpointing.load(request, path)
     except (KeyboardInterrupt, SystemExit):
         raise
