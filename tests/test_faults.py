@@ -438,20 +438,22 @@ def _corrupt_run(trained, name, corrupt) -> tuple:
     return save, before
 
 
+TRACKER_CASES = {
+    "garbage_tracker": ("not a number\n", "latest_checkpointed_iteration.txt: expected an iteration number, "
+                                          "got 'not a number'"),
+    "missing_iteration": ("7\n", "names iteration 7 but"),
+}
+
+
 @TIMEOUT
-def test_garbage_tracker_and_missing_iteration_give_one_line_errors(corpus, trained):
-    cases = [
-        ("garbage_tracker", lambda s: (s / "latest_checkpointed_iteration.txt").write_text("not a number\n"),
-         "latest_checkpointed_iteration.txt: expected an iteration number, got 'not a number'"),
-        ("missing_iteration", lambda s: (s / "latest_checkpointed_iteration.txt").write_text("7\n"),
-         "names iteration 7 but"),
-    ]
-    for name, corrupt, message in cases:
-        save, before = _corrupt_run(trained, name, corrupt)
-        rc, out = train(corpus["config"], save)
-        line = error_line(out)
-        assert rc == 2 and message in line and str(save) in line, line
-        assert snapshot(save) == before
+@pytest.mark.parametrize("case", sorted(TRACKER_CASES))
+def test_bad_tracker_gives_a_one_line_error(corpus, trained, case):
+    text, message = TRACKER_CASES[case]
+    save, before = _corrupt_run(trained, case, lambda s: (s / "latest_checkpointed_iteration.txt").write_text(text))
+    rc, out = train(corpus["config"], save)
+    line = error_line(out)
+    assert rc == 2 and message in line and str(save) in line, line
+    assert snapshot(save) == before
 
 
 def _cut_common(save: Path) -> None:
@@ -460,17 +462,17 @@ def _cut_common(save: Path) -> None:
 
 
 @TIMEOUT
-def test_truncated_common_pt_gives_one_line_errors(corpus, trained):
-    save, before = _corrupt_run(trained, "truncated_common", _cut_common)
-    rc, out = train(corpus["config"], save)
+@pytest.mark.parametrize("verify", [True, False])
+def test_truncated_common_pt_gives_a_one_line_error(corpus, trained, verify):
+    save, before = _corrupt_run(trained, f"truncated_common_{verify}", _cut_common)
+    if verify:
+        rc, out = train(corpus["config"], save)
+        expected = "iter_0000004/common.pt is corrupted or truncated"
+    else:  # without the checksum check, megatron-core's reader fails: still one line naming common.pt
+        rc, out = train(corpus["config"], save, "--set", "training.verify_checksums=false")
+        expected = "iter_0000004/common.pt cannot be read"
     line = error_line(out)
-    assert rc == 2 and "iter_0000004/common.pt is corrupted or truncated" in line, line
-    assert snapshot(save) == before
-    # without the checksum check, megatron-core's reader fails: still one line naming common.pt
-    save, before = _corrupt_run(trained, "truncated_common_unverified", _cut_common)
-    rc, out = train(corpus["config"], save, "--set", "training.verify_checksums=false")
-    line = error_line(out)
-    assert rc == 2 and "iter_0000004/common.pt cannot be read" in line, line
+    assert rc == 2 and expected in line, line
     assert snapshot(save) == before
 
 
@@ -491,18 +493,18 @@ def test_truncated_shard_gives_a_one_line_error(corpus, trained):
 
 
 @TIMEOUT
-def test_truncated_metadata_gives_a_one_line_error(corpus, trained):
-    save, before = _corrupt_run(trained, "truncated_metadata", _cut(".metadata"))
+@pytest.mark.parametrize("rehash", [False, True])
+def test_truncated_metadata_gives_a_one_line_error(corpus, trained, rehash):
+    def corrupt(save):
+        _cut(".metadata")(save)
+        if rehash:  # its checksum updated too: the restricted reader itself names the file
+            rewrite_manifest_entry(save / "iter_0000004", ".metadata")
+
+    save, before = _corrupt_run(trained, f"truncated_metadata_{rehash}", corrupt)
     rc, out = train(corpus["config"], save)
     line = error_line(out)
-    assert rc == 2 and "iter_0000004/.metadata is corrupted or truncated" in line, line
-    assert snapshot(save) == before
-    # cut and its checksum updated: the restricted reader itself names the file
-    save, before = _corrupt_run(trained, "truncated_metadata_rehashed", lambda s: (
-        _cut(".metadata")(s), rewrite_manifest_entry(s / "iter_0000004", ".metadata")))
-    rc, out = train(corpus["config"], save)
-    line = error_line(out)
-    assert rc == 2 and "iter_0000004/.metadata is truncated or corrupt" in line, line
+    expected = ".metadata is truncated or corrupt" if rehash else ".metadata is corrupted or truncated"
+    assert rc == 2 and f"iter_0000004/{expected}" in line, line
     assert snapshot(save) == before
 
 
@@ -575,9 +577,18 @@ def test_flipped_bytes_in_a_shard_are_caught_on_load(corpus, trained):
     with pytest.raises(CliError, match="__0_0.distcp is corrupted"):
         for key in reader.keys():
             reader.read(key)
-    # the flag skips the check (for checkpoints too large to hash on every load)
-    rc, out = train(corpus["config"], save, "--set", "training.verify_checksums=false")
-    assert "not verified (training.verify_checksums=false)" in out and "SHA-256" not in out
+    # training.verify_checksums=false skips the check (for checkpoints too large to hash on every load)
+    import types
+
+    from megatron_lol.training.checkpointing import CheckpointError, Checkpointer
+
+    def checkpointer(verify):
+        training = types.SimpleNamespace(save=None, keep_last=None, async_save=False, verify_checksums=verify)
+        return Checkpointer(types.SimpleNamespace(cfg=types.SimpleNamespace(training=training)))
+
+    checkpointer(False).verify(str(save / "iter_0000004"))
+    with pytest.raises(CheckpointError, match="SHA-256 differs"):
+        checkpointer(True).verify(str(save / "iter_0000004"))
 
 
 # ------------------------------------------------------------------ 11. untrusted pickles
