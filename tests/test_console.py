@@ -163,7 +163,8 @@ def test_console_interval_and_counters():
         def flush(self):
             pass
 
-    cfg = config_from_dict({"training": {"train_iters": 10, "tensorboard_log_interval": 3, "seq_length": 16}})
+    cfg = config_from_dict({"model": {"window_size": 8, "window_shift": 4},
+                            "training": {"train_iters": 10, "tensorboard_log_interval": 3, "seq_length": 16}})
     console = TrainingConsole(cfg, None, global_batch_size=4, world_size=1, rank0=True)
     console.sinks = Recorder()
     nan = float("nan")

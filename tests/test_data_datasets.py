@@ -50,7 +50,9 @@ def test_single_and_blended(tmp_path, tok_files, two_datasets):
 
     train2, valid2, test2 = build_train_valid_test_datasets(
         ["0.25", a, "0.75", b], "98,2,0", 64, 1234, cache, (400, 40, 0), tok)
-    assert type(train2).__name__ == "BlendedDataset" and len(train2) == 400
+    from megatron.core.datasets.blended_dataset import BlendedDataset
+
+    assert isinstance(train2, BlendedDataset) and len(train2) == 400
     assert test2 is None
     counts = torch.bincount(torch.as_tensor(train2.dataset_index[:400].astype("int64")), minlength=2)
     assert abs(counts[0].item() / 400 - 0.25) < 0.03

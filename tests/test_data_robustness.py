@@ -28,7 +28,7 @@ BAD = {
     "missing_key": (json.dumps({"body": "no text key here"}).encode(), "missing key 'text'"),
     "invalid_utf8": (b'{"text": "caf\xe9 latin-1 byte"}', "invalid UTF-8"),
     "not_a_string": (json.dumps({"text": ["a", "list"]}).encode(), "expected a string"),
-    "lone_surrogate": (b'{"text": "bad \\ud800 surrogate"}', "cannot be tokenized"),
+    "lone_surrogate": (b'{"text": "bad \\ud800 surrogate"}', "lone surrogate U+D800"),
 }
 
 

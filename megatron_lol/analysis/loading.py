@@ -124,8 +124,6 @@ def load_checkpoint(load: str, iteration: Optional[int] = None, with_tokenizer: 
     path, it = resolve_iteration_dir(load, iteration)
     cfg, info, config_dir = read_run_config(path, load)
     ensure_single_process(cfg.training.seed)
-    from megatron.core import dist_checkpointing
-
     from megatron_lol.model.lol_model import LoLGPTModel, padded_vocab_size
     from megatron_lol.platform import device
 
@@ -143,11 +141,12 @@ def load_checkpoint(load: str, iteration: Optional[int] = None, with_tokenizer: 
     cfg.parallel.virtual_pipeline_model_parallel_size = None
     model = LoLGPTModel(cfg.model, int(vocab), eod, max_sequence_length=cfg.training.seq_length,
                         init_seed=cfg.training.seed)
+    from megatron_lol.training.checkpointing.files import verify_checkpoint
+    from megatron_lol.training.checkpointing.safe_load import load_sharded
+
     model.to(device())  # the weights load straight onto the platform's device (a no-op on CPU)
-    try:
-        state = dist_checkpointing.load(_sharded_state_dict(model), path)
-    except Exception as err:  # noqa: BLE001
-        raise CliError(f"cannot read the model weights of {path}: {str(err).strip().splitlines()[-1][:300]}") from None
+    verify_checkpoint(path)
+    state = load_sharded(_sharded_state_dict(model), path)  # .metadata through the restricted unpickler
     model.load_state_dict({k[len(KEY_PREFIX):]: v for k, v in state.items() if k.startswith(KEY_PREFIX)},
                           strict=True)
     return LoadedCheckpoint(model=model.eval(), cfg=cfg, info=info, path=path, iteration=it,

@@ -14,10 +14,11 @@ paper in their docstrings (L, D, W, S).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Any, Optional
+from typing import Optional
 
+from megatron_lol.config.checks import asdict, choice, nonnegative, positive
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan import PLANS, ExecutionPlan, build_plan
 from megatron_lol.plan.stages import check_pipeline_layout
@@ -155,32 +156,32 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
-        _choice(f"{prefix}.plan", self.plan, tuple(PLANS))
-        _choice(f"{prefix}.balancing", self.balancing, BALANCING)
-        _choice(f"{prefix}.film", self.film, FILM_MODES)
-        _choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
+        choice(f"{prefix}.plan", self.plan, tuple(PLANS))
+        choice(f"{prefix}.balancing", self.balancing, BALANCING)
+        choice(f"{prefix}.film", self.film, FILM_MODES)
+        choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         if self.params_dtype == "fp16":
             raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")
-        _choice(f"{prefix}.params_dtype", self.params_dtype, ("fp32", "bf16"))
-        _positive(f"{prefix}.hidden_size", self.hidden_size)
-        _positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
+        choice(f"{prefix}.params_dtype", self.params_dtype, ("fp32", "bf16"))
+        positive(f"{prefix}.hidden_size", self.hidden_size)
+        positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
             raise ConfigError(
                 f"{prefix}.num_attention_heads: {self.num_attention_heads} does not divide "
                 f"{prefix}.hidden_size={self.hidden_size}"
             )
         if self.num_query_groups is not None:
-            _positive(f"{prefix}.num_query_groups", self.num_query_groups)
+            positive(f"{prefix}.num_query_groups", self.num_query_groups)
             if self.num_attention_heads % self.num_query_groups:
                 raise ConfigError(
                     f"{prefix}.num_query_groups: {self.num_query_groups} does not divide "
                     f"num_attention_heads={self.num_attention_heads}"
                 )
         if self.ffn_hidden_size is not None:
-            _positive(f"{prefix}.ffn_hidden_size", self.ffn_hidden_size)
-        _nonnegative(f"{prefix}.n_prelude", self.n_prelude)
-        _nonnegative(f"{prefix}.n_coda", self.n_coda)
-        _positive(f"{prefix}.window_size", self.window_size)
+            positive(f"{prefix}.ffn_hidden_size", self.ffn_hidden_size)
+        nonnegative(f"{prefix}.n_prelude", self.n_prelude)
+        nonnegative(f"{prefix}.n_coda", self.n_coda)
+        positive(f"{prefix}.window_size", self.window_size)
         if not 0 <= self.window_shift < self.window_size:
             raise ConfigError(
                 f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) "
@@ -188,22 +189,22 @@ class ModelConfig:
             )
         self.execution_plan(prefix)  # the plan's own shape keys and options
         if self.vocab_size is not None:
-            _positive(f"{prefix}.vocab_size", self.vocab_size)
-        _positive(f"{prefix}.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
-        _positive(f"{prefix}.rotary_base", self.rotary_base)
-        _positive(f"{prefix}.rotary_scaling_factor", self.rotary_scaling_factor)
-        _positive(f"{prefix}.init_method_std", self.init_method_std)
-        _nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
-        _positive(f"{prefix}.bias_clamp", self.bias_clamp)
+            positive(f"{prefix}.vocab_size", self.vocab_size)
+        positive(f"{prefix}.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        positive(f"{prefix}.rotary_base", self.rotary_base)
+        positive(f"{prefix}.rotary_scaling_factor", self.rotary_scaling_factor)
+        positive(f"{prefix}.init_method_std", self.init_method_std)
+        nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
+        positive(f"{prefix}.bias_clamp", self.bias_clamp)
         if not 0 <= self.bias_update_stop_fraction <= 1:
             raise ConfigError(
                 f"{prefix}.bias_update_stop_fraction: must be in [0, 1] "
                 f"(got {self.bias_update_stop_fraction})"
             )
-        _nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
-        _nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
-        _positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
-        _choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
+        nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
+        nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
+        positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
+        choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
         if self.fp8 is not None:
             self._validate_fp8(prefix)
         if self.use_transformer_engine:
@@ -227,10 +228,10 @@ class ModelConfig:
                     raise ConfigError(f"{prefix}.core_num_experts: must be >= moe_router_topk="
                                       f"{self.moe_router_topk} (got {self.core_num_experts})")
             if self.moe_shared_expert_intermediate_size is not None:
-                _positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
-            _nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
+                positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+            nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
             if self.moe_z_loss_coeff is not None:
-                _nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
+                nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
         else:
             for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
                 if getattr(self, key) is not None:
@@ -242,11 +243,11 @@ class ModelConfig:
         multiples of 16 (checked with the batch shape in :meth:`ExperimentConfig.validate`)."""
         from megatron_lol.platform import cuda_available, has_transformer_engine
 
-        _choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
-        _choice(f"{prefix}.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
-        _choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
-        _positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
-        _nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
+        choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
+        choice(f"{prefix}.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
+        choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
+        positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
+        nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
         if self.use_transformer_engine is False or not has_transformer_engine():
             why = ("disabled by use_transformer_engine: false" if self.use_transformer_engine is False
                    else "not available on this machine")
@@ -285,7 +286,7 @@ class CurriculumConfig:
         if not 0 < self.growth_fraction <= 1:
             raise ConfigError(f"{prefix}.growth_fraction: must be in (0, 1] (got {self.growth_fraction})")
         if self.backprop_depth is not None:
-            _positive(f"{prefix}.backprop_depth", self.backprop_depth)
+            positive(f"{prefix}.backprop_depth", self.backprop_depth)
         plan = model.execution_plan()
         if not plan.growable and (self.initial_depth is not None or self.backprop_depth is not None):
             key = "initial_depth" if self.initial_depth is not None else "backprop_depth"
@@ -307,7 +308,7 @@ class ParallelConfig:
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
                      "expert_model_parallel_size"):
-            _positive(f"{prefix}.{name}", getattr(self, name))
+            positive(f"{prefix}.{name}", getattr(self, name))
         tp = self.tensor_model_parallel_size
         if model.num_attention_heads % tp:
             raise ConfigError(
@@ -386,9 +387,13 @@ class DataConfig:
                 raise ConfigError(f"{prefix}.paths: a blend needs weight/prefix pairs (got {len(self.paths)} items)")
             for w in self.paths[0::2]:
                 try:
-                    float(w)
+                    weight = float(w)
                 except (TypeError, ValueError):
                     raise ConfigError(f"{prefix}.paths: weight {w!r} is not a number") from None
+                if not math.isfinite(weight) or weight < 0:
+                    raise ConfigError(f"{prefix}.paths: weight {w!r} must be a finite number >= 0")
+            if sum(float(w) for w in self.paths[0::2]) <= 0:
+                raise ConfigError(f"{prefix}.paths: the blend weights sum to zero")
         if check_files:
             for p in prefixes:
                 for ext in (".bin", ".idx"):
@@ -447,32 +452,32 @@ class OptimizerConfig:
     muon_adam_min_lr: Optional[float] = None
 
     def validate(self, prefix: str = "optimizer") -> None:
-        _choice(f"{prefix}.name", self.name, OPTIMIZERS)
-        _positive(f"{prefix}.lr", self.lr)
-        _nonnegative(f"{prefix}.min_lr", self.min_lr)
+        choice(f"{prefix}.name", self.name, OPTIMIZERS)
+        positive(f"{prefix}.lr", self.lr)
+        nonnegative(f"{prefix}.min_lr", self.min_lr)
         if self.min_lr > self.lr:
             raise ConfigError(f"{prefix}.min_lr: {self.min_lr} is above lr={self.lr}")
-        _nonnegative(f"{prefix}.weight_decay", self.weight_decay)
-        _nonnegative(f"{prefix}.clip_grad", self.clip_grad)
-        _nonnegative(f"{prefix}.lr_warmup_iters", self.lr_warmup_iters)
-        _choice(f"{prefix}.lr_decay_style", self.lr_decay_style, ("cosine", "WSD", "linear", "constant"))
-        _choice(f"{prefix}.lr_wsd_decay_style", self.lr_wsd_decay_style,
+        nonnegative(f"{prefix}.weight_decay", self.weight_decay)
+        nonnegative(f"{prefix}.clip_grad", self.clip_grad)
+        nonnegative(f"{prefix}.lr_warmup_iters", self.lr_warmup_iters)
+        choice(f"{prefix}.lr_decay_style", self.lr_decay_style, ("cosine", "WSD", "linear", "constant"))
+        choice(f"{prefix}.lr_wsd_decay_style", self.lr_wsd_decay_style,
                 ("linear", "cosine", "exponential", "minus_sqrt"))
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"{prefix}.adam_beta1/adam_beta2: must be in [0, 1)")
         if not 0 <= self.muon_momentum < 1:
             raise ConfigError(f"{prefix}.muon_momentum: must be in [0, 1) (got {self.muon_momentum!r})")
-        _choice(f"{prefix}.muon_scale_mode", self.muon_scale_mode, MUON_SCALE_MODES)
-        _choice(f"{prefix}.muon_tp_mode", self.muon_tp_mode, MUON_TP_MODES)
-        _choice(f"{prefix}.muon_fp32_matmul_prec", self.muon_fp32_matmul_prec, MUON_FP32_MATMUL_PRECISIONS)
+        choice(f"{prefix}.muon_scale_mode", self.muon_scale_mode, MUON_SCALE_MODES)
+        choice(f"{prefix}.muon_tp_mode", self.muon_tp_mode, MUON_TP_MODES)
+        choice(f"{prefix}.muon_fp32_matmul_prec", self.muon_fp32_matmul_prec, MUON_FP32_MATMUL_PRECISIONS)
         if not isinstance(self.muon_num_ns_steps, int) or self.muon_num_ns_steps < 1:
             # megatron-core's TensorParallelMuon refuses fewer than one step
             raise ConfigError(f"{prefix}.muon_num_ns_steps: must be >= 1 (got {self.muon_num_ns_steps!r})")
-        _positive(f"{prefix}.muon_extra_scale_factor", self.muon_extra_scale_factor)
+        positive(f"{prefix}.muon_extra_scale_factor", self.muon_extra_scale_factor)
         if self.muon_adam_lr is not None:
-            _positive(f"{prefix}.muon_adam_lr", self.muon_adam_lr)
+            positive(f"{prefix}.muon_adam_lr", self.muon_adam_lr)
         if self.muon_adam_min_lr is not None:
-            _nonnegative(f"{prefix}.muon_adam_min_lr", self.muon_adam_min_lr)
+            nonnegative(f"{prefix}.muon_adam_min_lr", self.muon_adam_min_lr)
             peak = self.lr if self.muon_adam_lr is None else self.muon_adam_lr
             if self.muon_adam_min_lr > peak:
                 raise ConfigError(f"{prefix}.muon_adam_min_lr: {self.muon_adam_min_lr} is above the AdamW "
@@ -511,29 +516,30 @@ class TrainingConfig:
     wandb_project: Optional[str] = None  # W&B logging on when set (WANDB_MODE=offline: no network)
     wandb_exp_name: Optional[str] = None  # the W&B run name
     wandb_save_dir: Optional[str] = None  # default: <save>/wandb, else ./wandb
+    verify_checksums: bool = True  # check checkpoint files against their checksums.json on load
 
     def validate(self, prefix: str = "training") -> None:
-        _positive(f"{prefix}.train_iters", self.train_iters)
-        _positive(f"{prefix}.micro_batch_size", self.micro_batch_size)
+        positive(f"{prefix}.train_iters", self.train_iters)
+        positive(f"{prefix}.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
-            _positive(f"{prefix}.global_batch_size", self.global_batch_size)
+            positive(f"{prefix}.global_batch_size", self.global_batch_size)
             if self.global_batch_size % self.micro_batch_size:
                 raise ConfigError(
                     f"{prefix}.global_batch_size: {self.global_batch_size} is not a multiple of "
                     f"micro_batch_size={self.micro_batch_size}"
                 )
-        _positive(f"{prefix}.seq_length", self.seq_length)
-        _positive(f"{prefix}.log_interval", self.log_interval)
-        _positive(f"{prefix}.tensorboard_log_interval", self.tensorboard_log_interval)
-        _positive(f"{prefix}.eval_interval", self.eval_interval)
-        _nonnegative(f"{prefix}.eval_iters", self.eval_iters)
+        positive(f"{prefix}.seq_length", self.seq_length)
+        positive(f"{prefix}.log_interval", self.log_interval)
+        positive(f"{prefix}.tensorboard_log_interval", self.tensorboard_log_interval)
+        positive(f"{prefix}.eval_interval", self.eval_interval)
+        nonnegative(f"{prefix}.eval_iters", self.eval_iters)
         if self.save_interval is not None:
-            _positive(f"{prefix}.save_interval", self.save_interval)
+            positive(f"{prefix}.save_interval", self.save_interval)
         if self.keep_last is not None:
-            _positive(f"{prefix}.keep_last", self.keep_last)
-        _nonnegative(f"{prefix}.skip_nonfinite_steps", self.skip_nonfinite_steps)
+            positive(f"{prefix}.keep_last", self.keep_last)
+        nonnegative(f"{prefix}.skip_nonfinite_steps", self.skip_nonfinite_steps)
         if self.load_iteration is not None:
-            _nonnegative(f"{prefix}.load_iteration", self.load_iteration)
+            nonnegative(f"{prefix}.load_iteration", self.load_iteration)
 
 
 @dataclass
@@ -554,6 +560,11 @@ class ExperimentConfig:
                               par.virtual_pipeline_model_parallel_size, plan.name, plan.pipeline_ok)
         self.optimizer.validate()
         self.training.validate()
+        m = self.model
+        windowed = any(step.attention != "full" for step in plan.steps())  # window, strided or sliding
+        if windowed and m.window_size > self.training.seq_length:
+            raise ConfigError(f"model.window_size: {m.window_size} is larger than training.seq_length="
+                              f"{self.training.seq_length} (a window must fit in a sequence)")
         if self.optimizer.lr_warmup_iters >= self.training.train_iters:
             raise ConfigError(f"optimizer.lr_warmup_iters: {self.optimizer.lr_warmup_iters} must be smaller than "
                               f"training.train_iters={self.training.train_iters}")
@@ -566,36 +577,14 @@ class ExperimentConfig:
         return self
 
     def to_dict(self) -> dict:
-        return _asdict(self)
+        return asdict(self)
 
 
 def bias_updates_allowed(step: int, train_iters: int, stop_fraction: float) -> bool:
-    """SPEC 1.3: the update after 0-based step ``t`` happens iff ``t < f * train_iters``.
+    """The bias update after 0-based step ``t`` happens iff ``t < f * train_iters`` (docs/model.md,
+    "Load balancing").
 
     Compared in exact rational arithmetic so that e.g. ``f = 0.966`` is the
     decimal the user wrote, not its binary approximation.
     """
     return Fraction(step) < Fraction(str(stop_fraction)) * train_iters
-
-
-def _asdict(obj: Any) -> Any:
-    if is_dataclass(obj):
-        return {f.name: _asdict(getattr(obj, f.name)) for f in fields(obj)}
-    if isinstance(obj, list):
-        return [_asdict(x) for x in obj]
-    return obj
-
-
-def _positive(key: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"{key}: must be > 0 (got {value!r})")
-
-
-def _nonnegative(key: str, value) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
-        raise ConfigError(f"{key}: must be >= 0 (got {value!r})")
-
-
-def _choice(key: str, value, choices) -> None:
-    if value not in choices:
-        raise ConfigError(f"{key}: must be one of {', '.join(map(str, choices))} (got {value!r})")

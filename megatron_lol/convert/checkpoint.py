@@ -11,16 +11,17 @@ wrote it, plus ``run_config.yaml`` (the ``ExperimentConfig``).
 ``torch.distributed.checkpoint`` with ``no_dist=True``: the chunks written by
 every rank are assembled into the global tensor and nothing else is held in
 memory. Tensor payloads are read with ``torch.load(weights_only=True)`` (torch's
-own reader) and the ``.metadata`` index with an unpickler that only admits the
+own reader) and the ``.metadata`` index with the restricted unpickler of
+:mod:`megatron_lol.training.checkpointing.safe_load`, which only admits the
 checkpoint-metadata classes of ``torch.distributed.checkpoint``: reading a
-checkpoint never runs arbitrary pickled code.
+checkpoint never runs arbitrary pickled code. Each ``.distcp`` file is checked
+against the checkpoint's ``checksums.json`` before its first tensor is read.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import pickle
 import re
 import warnings
 from typing import Optional
@@ -28,34 +29,19 @@ from typing import Optional
 import torch
 
 from megatron_lol.errors import CliError
+from megatron_lol.training.checkpointing.files import RUN_CONFIG, TRACKER, read_manifest, verify_files
+from megatron_lol.training.checkpointing.safe_load import read_metadata_file, restricted_unpickling
 
-TRACKER = "latest_checkpointed_iteration.txt"
-RUN_CONFIG = "run_config.yaml"
-
-_ALLOWED_MODULES = (
-    "torch.distributed.checkpoint.metadata",
-    "torch.distributed.checkpoint.filesystem",
-    "torch.distributed.checkpoint.planner",
-)
-_ALLOWED_GLOBALS = {
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"),
-    ("builtins", "frozenset"),
-    ("builtins", "slice"),
-}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP ``.metadata`` file, refusing any class outside the checkpoint-metadata allowlist."""
-
-    def find_class(self, module, name):
-        if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+def check_output_apart(save: str, load: str) -> None:
+    """Refuse an output directory that is, contains or lies inside the checkpoint directory,
+    or that holds a training checkpoint: replacing it (``--force``) would delete the run."""
+    out, src = os.path.realpath(save), os.path.realpath(load)
+    if out == src or src.startswith(out + os.sep) or out.startswith(src + os.sep):
+        raise CliError(f"--save {save} overlaps --load {load}: write the HuggingFace model to a directory "
+                       f"outside the checkpoint")
+    if os.path.isdir(out) and (os.path.exists(os.path.join(out, TRACKER)) or os.path.exists(os.path.join(out, ".metadata"))
+                               or any(re.fullmatch(r"iter_\d{7,}", d) for d in os.listdir(out))):
+        raise CliError(f"--save {save} holds a training checkpoint; not replacing it (choose another directory)")
 
 
 def iteration_dir(load: str, iteration: Optional[int] = None) -> tuple[str, int]:
@@ -125,19 +111,29 @@ class DistCheckpointReader:
                 raise CliError(f"{meta_json} is unreadable: {err}") from None
             if backend not in (None, "torch_dist"):
                 raise CliError(f"{path}: sharded backend {backend!r} is not supported (only torch_dist)")
-        try:
-            with open(os.path.join(path, ".metadata"), "rb") as f:
-                self.metadata = _MetadataUnpickler(f).load()
-        except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError) as err:
-            raise CliError(f"{path}/.metadata is corrupted or truncated: {err}") from None
+        self.metadata = read_metadata_file(path)  # the restricted unpickler: no code runs
         reader = FileSystemReader(path)
         metadata = self.metadata
-        reader.read_metadata = lambda *a, **k: metadata  # parsed once, by the restricted unpickler
+        reader.read_metadata = lambda *a, **k: metadata  # parsed once, above
         self.reader = reader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
         self.tensors = {k: v for k, v in metadata.state_dict_metadata.items()
                         if isinstance(v, TensorStorageMetadata)}
+        self._verified: set = set()
+
+    def _verify_file_of(self, key: str) -> None:
+        """Check the files holding ``key`` against ``checksums.json`` (once each) before reading."""
+        files = read_manifest(self.path)
+        if files is None:
+            return
+        storage = getattr(self.metadata, "storage_data", None) or {}
+        rels = {info.relative_path for index, info in storage.items() if getattr(index, "fqn", None) == key}
+        todo = sorted(r for r in rels if r in files and r not in self._verified)
+        problem = verify_files(self.path, files, todo)
+        if problem is not None:
+            raise CliError(problem)
+        self._verified.update(todo)
 
     def keys(self) -> list[str]:
         return list(self.tensors)
@@ -151,6 +147,7 @@ class DistCheckpointReader:
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
         md = self.tensors[key]
+        self._verify_file_of(key)
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         covered = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
         if covered < out.numel():
@@ -159,8 +156,9 @@ class DistCheckpointReader:
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-                load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                     no_dist=True)
+                with restricted_unpickling():
+                    load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
+                         no_dist=True)
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException

@@ -30,7 +30,7 @@ import torch
 from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ExperimentConfig, ModelConfig
 from megatron_lol.convert import mapping
-from megatron_lol.convert.checkpoint import DistCheckpointReader, iteration_dir, read_run_config
+from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_apart, iteration_dir, read_run_config
 from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
@@ -300,6 +300,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
     torch_dtype = DTYPES[dtype or m.params_dtype]
     max_bytes = parse_size(max_shard_size)
 
+    check_output_apart(save, load)  # --force never deletes the checkpoint being converted
     if os.path.exists(save) and (not os.path.isdir(save) or os.listdir(save)) and not force:
         raise CliError(f"--save {save} exists and is not empty (pass --force to replace it)")
     tmp = f"{save.rstrip(os.sep)}.tmp-{os.getpid()}"

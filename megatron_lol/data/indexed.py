@@ -23,9 +23,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import struct
 
 import numpy as np
+
+from megatron_lol.errors import CliError
+from megatron_lol.process_guard import pid_alive
 
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
@@ -52,7 +56,33 @@ def optimal_dtype(vocab_size: int | None):
 
 
 def tmp_name(path: str) -> str:
-    return f"{path}.tmp-{os.getpid()}"
+    """Where ``path`` is written before it is renamed into place: ``{path}.tmp-{pid}-{host}``."""
+    return f"{path}.tmp-{os.getpid()}-{socket.gethostname()}"
+
+
+def remove_stale_tmp(path: str) -> list:
+    """Remove ``{path}.tmp-*`` files left by dead processes of this host (``kill -9``, OOM);
+    returns the removed names. Files of live processes and of other hosts are kept."""
+    directory = os.path.dirname(os.path.abspath(path))
+    stem = os.path.basename(path) + ".tmp-"
+    host = socket.gethostname()
+    removed = []
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return removed
+    for name in names:
+        if not name.startswith(stem):
+            continue
+        pid_text, _, owner = name[len(stem):].partition("-")
+        if not pid_text.isdigit() or (owner and owner != host) or pid_alive(int(pid_text)):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(os.path.join(directory, name))
+        except OSError:
+            pass
+    return removed
 
 
 class IndexHeader:
@@ -267,3 +297,104 @@ def merge_datasets(prefixes: list, output_prefix: str) -> dict:
         raise
     return {"datasets": len(prefixes), "sequences": seqs, "documents": docs - 1,
             "bytes": os.path.getsize(bin_path), "dtype": np.dtype(dtype).name}
+
+
+# -- checks before training ------------------------------------------------------
+
+
+class DatasetError(CliError, ValueError):
+    """A dataset file is unusable; the message names the file and what is wrong (one line)."""
+
+
+def _memmap(path: str, dtype, offset: int, count: int) -> np.ndarray:
+    if count == 0:
+        return np.zeros(0, dtype=dtype)
+    return np.memmap(path, dtype=dtype, mode="r", offset=offset, shape=(count,))
+
+
+def validate_dataset(prefix: str) -> IndexHeader:
+    """Check ``prefix.idx`` against itself and ``prefix.bin`` before megatron-core reads them.
+
+    A truncated or foreign file otherwise surfaces as an IndexError, a NumPy
+    error or a hang deep inside the dataset code. Checked, in bounded memory:
+    the header, the index's size, sequence lengths >= 0, every sequence pointer
+    continuing the previous sequence, document indices increasing from 0 to the
+    sequence count, and the ``.bin`` holding exactly the bytes the index
+    describes. Returns the parsed header.
+    """
+    idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+    for path in (bin_path, idx_path):
+        if not os.path.isfile(path):
+            raise DatasetError(f"dataset {prefix}: missing {path}")
+    try:
+        h = IndexHeader(idx_path)
+    except ValueError as err:
+        raise DatasetError(str(err)) from None
+    if h.sequence_count == 0 or h.document_count <= 1:
+        raise DatasetError(f"{idx_path}: the dataset holds no documents")
+    expected_end, ptr_end = 0, 0
+    lengths = _memmap(idx_path, np.int32, h.lengths_offset, h.sequence_count)
+    pointers = _memmap(idx_path, np.int64, h.pointers_offset, h.sequence_count)
+    for start in range(0, h.sequence_count, CHUNK):
+        ln = np.asarray(lengths[start:start + CHUNK], dtype=np.int64)
+        pt = np.asarray(pointers[start:start + CHUNK])
+        if (ln < 0).any():
+            i = start + int(np.flatnonzero(ln < 0)[0])
+            raise DatasetError(f"{idx_path}: sequence {i} has a negative length ({int(lengths[i])}): corrupt index")
+        want = np.empty_like(pt)
+        want[0] = expected_end
+        np.cumsum(ln[:-1] * h.itemsize, out=want[1:])
+        want[1:] += expected_end
+        if (pt != want).any():
+            i = int(np.flatnonzero(pt != want)[0])
+            raise DatasetError(f"{idx_path}: sequence {start + i} starts at byte {int(pt[i])}, expected "
+                               f"{int(want[i])} (after the previous sequence): corrupt index")
+        expected_end = int(want[-1] + ln[-1] * h.itemsize)
+        ptr_end = expected_end
+    docs = _memmap(idx_path, np.int64, h.doc_offset, h.document_count)
+    previous = -1
+    for start in range(0, h.document_count, CHUNK):
+        d = np.asarray(docs[start:start + CHUNK])
+        if start == 0 and d[0] != 0:
+            raise DatasetError(f"{idx_path}: document indices start at {int(d[0])}, not 0: corrupt index")
+        steps = np.diff(np.concatenate([[previous], d]))
+        if (steps < 0).any():
+            raise DatasetError(f"{idx_path}: document indices decrease: corrupt index")
+        previous = int(d[-1])
+    if previous != h.sequence_count:
+        raise DatasetError(f"{idx_path}: the last document ends at sequence {previous}, the index holds "
+                           f"{h.sequence_count}: corrupt index")
+    size = os.path.getsize(bin_path)
+    if size != ptr_end:
+        what = "truncated" if size < ptr_end else "longer than its index"
+        raise DatasetError(f"{bin_path}: {what} ({size} bytes, {idx_path} describes {ptr_end}): "
+                           f"re-run preprocess, or pair it with its own .idx")
+    return h
+
+
+def sequence_lengths(h: IndexHeader) -> np.ndarray:
+    """The int32 sequence lengths of a validated index (memory-mapped)."""
+    return _memmap(h.path, np.int32, h.lengths_offset, h.sequence_count)
+
+
+def scan_token_ids(prefix: str, h: IndexHeader, limit: int | None = None, part: tuple = (0, 1)) -> tuple:
+    """``(max_id, first)`` over part ``part = (i, n)`` of ``prefix.bin`` (every n-th chunk from the
+    i-th, so n processes share one scan): the largest token id, and with ``limit`` the
+    ``(token index, document, position)`` of the first id >= limit (None when there is none)."""
+    size = os.path.getsize(prefix + ".bin") // h.itemsize
+    data = np.memmap(prefix + ".bin", dtype=h.dtype, mode="r", shape=(size,)) if size else None
+    best, first = -1, None
+    step = 16 * CHUNK
+    index, parts = part
+    for k, start in enumerate(range(0, size, step)):
+        if k % parts != index:
+            continue
+        chunk = np.asarray(data[start:start + step])
+        top = int(chunk.max())
+        best = max(best, top)
+        if limit is not None and first is None and top >= limit:
+            token = start + int(np.flatnonzero(chunk >= limit)[0])
+            pointers = _memmap(h.path, np.int64, h.pointers_offset, h.sequence_count)
+            seq = int(np.searchsorted(pointers, token * h.itemsize, side="right")) - 1
+            first = (token, seq, token - int(pointers[seq]) // h.itemsize)
+    return best, first

@@ -82,7 +82,7 @@ def order_shards(prefixes: list) -> list:
 
 def run(args) -> int:
     from megatron_lol.errors import CliError
-    from megatron_lol.data.indexed import merge_datasets
+    from megatron_lol.data.indexed import merge_datasets, remove_stale_tmp
 
     if args.multimodal:
         raise CliError("--multimodal is not supported")
@@ -97,6 +97,8 @@ def run(args) -> int:
                     raise ValueError(f"{out + ext} exists (pass --overwrite to replace it)")
         if not os.path.isdir(os.path.dirname(os.path.abspath(out))):
             raise ValueError(f"output directory of {out} does not exist")
+        for ext in (".bin", ".idx"):  # left by a killed merge
+            remove_stale_tmp(out + ext)
         info = merge_datasets(prefixes, out)
     except (ValueError, OSError) as err:
         raise CliError(str(err)) from None

@@ -13,6 +13,7 @@ import argparse
 import json
 import os
 import resource
+import signal
 import sys
 import time
 from collections import deque
@@ -21,8 +22,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
 
-from megatron_lol.data import readers  # noqa: E402
-from megatron_lol.data.indexed import StreamingIndexWriter, optimal_dtype  # noqa: E402
+from megatron_lol.data import readers, workers  # noqa: E402
+from megatron_lol.data.indexed import (  # noqa: E402
+    StreamingIndexWriter, optimal_dtype, remove_stale_tmp, tmp_name)
 
 LEVEL = "document"
 
@@ -118,8 +120,15 @@ def output_prefixes(output_prefix: str, keys: list, shard: int = 0, num_shards: 
 _W: dict = {}
 
 
-def _worker_init(tok_kwargs: dict, keys: list, append_eod: bool, skip_bad: bool, dtype_name: str) -> None:
+def _worker_init(tok_kwargs: dict, keys: list, append_eod: bool, skip_bad: bool, dtype_name: str,
+                 parent_pid: int | None = None) -> None:
     from megatron_lol.data.tokenizers import build_tokenizer
+
+    if parent_pid is not None:  # a worker process: exit with the main process, even after kill -9
+        from megatron_lol.process_guard import die_with_parent
+
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the main process's unwinding handler
+        die_with_parent(parent_pid)
 
     _W["tok"] = build_tokenizer(**tok_kwargs)
     _W["keys"] = keys
@@ -140,6 +149,17 @@ def _encode_texts(texts: list) -> list:
             except Exception as err:  # noqa: BLE001
                 out.append(err)
         return out
+
+
+def _surrogate_reason(key: str, text: str):
+    """A ``\\ud800``-style escape decodes to a lone surrogate, which is not Unicode text: no
+    tokenizer can encode it (their bindings fail with messages about C++ casts)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        return (f"key {key!r} holds a lone surrogate U+{ord(text[err.start]):04X} at character {err.start} "
+                f"(an unpaired \\u escape: not valid Unicode)")
+    return None
 
 
 def _pack(encoded: list) -> tuple:
@@ -203,6 +223,10 @@ def encode_task(task: tuple) -> dict:
                         if not isinstance(obj[k], str):
                             reason = f"key {k!r} is {type(obj[k]).__name__}, expected a string"
                             break
+                        if b"\\u" in raw:
+                            reason = _surrogate_reason(k, obj[k])
+                            if reason is not None:
+                                break
             if reason is not None:
                 bad.append((i, reason))
                 if not _W["skip"]:
@@ -348,18 +372,25 @@ def preprocess(args) -> dict:
         print("note: --partitions is accepted for compatibility; documents keep input order, "
               "parallelism comes from --workers", file=sys.stderr)
 
+    for pre in prefixes.values():  # leftovers of runs killed before they could clean up
+        for path in (pre + ".bin", pre + ".idx", pre + ".lengths"):
+            for name in remove_stale_tmp(path):
+                print(f"preprocess: removed {name} (left by a killed run)", file=sys.stderr)
+
     tok_kwargs = tokenizer_kwargs(args)
     tok = build_tokenizer(**tok_kwargs)
     dtype = optimal_dtype(tok.vocab_size)
     pieces = readers.shard_pieces(paths, shard, num_shards)
     total_bytes = sum(p.size for p in pieces)
 
-    writers = {k: StreamingIndexWriter(prefixes[k], dtype) for k in keys}
+    previous_sigterm = workers.raise_on_sigterm()  # before any temporary file exists
+    writers: dict = {}
     progress = Progress(total_bytes, not args.no_progress, args.log_interval)
     counts = {"bad_lines": 0, "bad_examples": []}
     empty = {k: 0 for k in keys}
     init = (tok_kwargs, keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).name)
     pool = None
+    procs: dict = {}  # pid -> worker Process (the executor forgets them once it is broken)
     t0 = time.time()
 
     def handle(res: dict) -> None:
@@ -379,6 +410,8 @@ def preprocess(args) -> dict:
         progress.update(res["docs"], tokens, res["bytes"])
 
     try:
+        for k in keys:
+            writers[k] = StreamingIndexWriter(prefixes[k], dtype)
         tasks = readers.iter_tasks(pieces, keys, progress.input_bytes)
         if args.workers == 1:
             _worker_init(*init)
@@ -388,36 +421,47 @@ def preprocess(args) -> dict:
                 handle(res)
         else:
             import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
 
+            # concurrent.futures, not multiprocessing.Pool: a worker killed by the OOM killer
+            # fails its future (BrokenProcessPool) instead of leaving the main process waiting
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-            pool = ctx.Pool(args.workers, initializer=_worker_init, initargs=init)
+            pool = ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_worker_init,
+                                       initargs=init + (os.getpid(),))
             inflight = args.max_inflight or 4 * args.workers
             pending: deque = deque()
             for task in tasks:
-                pending.append((task[:4], pool.apply_async(encode_task, (task,))))
+                pending.append((task[:4], workers.submit(pool, procs, encode_task, task, paths)))
                 while len(pending) >= inflight:
                     meta, fut = pending.popleft()
-                    res = fut.get()
+                    res = workers.result(procs, fut, meta, paths)
                     _note_bad(res, meta, paths, counts)
                     handle(res)
             while pending:
                 meta, fut = pending.popleft()
-                res = fut.get()
+                res = workers.result(procs, fut, meta, paths)
                 _note_bad(res, meta, paths, counts)
                 handle(res)
-            pool.close()
-            pool.join()
+            pool.shutdown(wait=True)
             pool = None
         for w in writers.values():
             w.finalize()
     except BaseException:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            workers.stop_workers(pool, procs)
         for w in writers.values():
             w.abort()
+        for pre in prefixes.values():  # also a writer a signal interrupted while it was being made
+            for path in (pre + ".bin", pre + ".idx", pre + ".lengths"):
+                try:
+                    os.unlink(tmp_name(path))
+                except FileNotFoundError:
+                    pass
         progress.close()
         raise
+    finally:
+        if previous_sigterm is not None:
+            signal.signal(signal.SIGTERM, previous_sigterm)
     progress.close()
     elapsed = time.time() - t0
     rss_self, rss_child = _peak_rss_mb()
@@ -487,8 +531,10 @@ def run(args) -> int:
 
     try:
         summary = preprocess(args)
-    except (ValueError, TokenizerError, readers.InputError, OSError) as err:
-        raise CliError(str(err)) from None
+    except (ValueError, TokenizerError, readers.InputError, OSError, workers.WorkerDiedError) as err:
+        raise CliError(f"{err} (partial outputs removed)" if isinstance(err, workers.WorkerDiedError) else str(err)) from None
+    except workers.Terminated as err:
+        raise CliError(f"{err}; partial outputs removed") from None
     print(format_summary(summary))
     if args.summary_json:
         with open(args.summary_json, "w") as f:

@@ -150,16 +150,68 @@ def shard_pieces(paths: list, shard: int = 0, num_shards: int = 1) -> list:
 #   ("txt", file_index, data)                             one document
 
 
+class ZstdFrames(io.RawIOBase):
+    """The decompressed bytes of a ``.zst`` file, frame after frame, that fail on a cut file.
+
+    ``zstandard``'s ``stream_reader`` returns end-of-file when the input ends in
+    the middle of a frame, so a truncated download would look like a shorter
+    corpus. Here a file must end exactly at the end of a frame: otherwise reading
+    raises :class:`InputError` naming the file.
+    """
+
+    def __init__(self, path: str):
+        import zstandard
+
+        self.path = path
+        self.fileobj = open(path, "rb")
+        self._dctx = zstandard.ZstdDecompressor()
+        self._frame = None  # decompressor of the frame in progress
+        self._pending = b""
+        self._pos = 0
+        self._done = False
+
+    def readable(self) -> bool:
+        return True
+
+    def _fill(self) -> None:
+        while self._pos >= len(self._pending) and not self._done:
+            raw = self.fileobj.read(256 << 10)
+            if not raw:
+                if self._frame is not None:
+                    raise InputError(f"{self.path}: truncated zstd file (it ends inside a frame)")
+                self._done = True
+                return
+            parts = []
+            while raw:
+                if self._frame is None:
+                    self._frame = self._dctx.decompressobj()
+                parts.append(self._frame.decompress(raw))
+                if self._frame.eof:
+                    raw = self._frame.unused_data
+                    self._frame = None
+                else:
+                    raw = b""
+            self._pending, self._pos = b"".join(parts), 0
+
+    def readinto(self, buffer) -> int:
+        self._fill()
+        n = min(len(buffer), len(self._pending) - self._pos)
+        buffer[:n] = self._pending[self._pos:self._pos + n]
+        self._pos += n
+        return n
+
+    def close(self) -> None:
+        self.fileobj.close()
+        super().close()
+
+
 def _open_stream(path: str, kind: str):
     if kind == "jsonl.gz":
         import gzip
 
         return gzip.open(path, "rb")
     if kind == "jsonl.zst":
-        import zstandard
-
-        raw = open(path, "rb")
-        return io.BufferedReader(zstandard.ZstdDecompressor().stream_reader(raw, closefd=True), 1 << 20)
+        return io.BufferedReader(ZstdFrames(path), 1 << 20)
     return open(path, "rb")
 
 
@@ -221,7 +273,7 @@ def _stream_jsonl_tasks(pc: Piece, progress):
     except ImportError as err:
         raise InputError(f"{pc.path}: {err}") from None
     with f:
-        raw = getattr(f, "fileobj", None)
+        raw = getattr(f, "fileobj", None) or getattr(getattr(f, "raw", None), "fileobj", None)
         pos, line_base = 0, 1
         last_raw = 0
         while True:
@@ -229,6 +281,8 @@ def _stream_jsonl_tasks(pc: Piece, progress):
                 block = f.read(BLOCK)
                 if block and not block.endswith(b"\n"):
                     block += f.readline()
+            except InputError:
+                raise
             except Exception as err:  # noqa: BLE001 - gzip/zstd raise various types
                 raise InputError(f"{pc.path}: cannot decompress ({err})") from None
             if not block:

@@ -196,7 +196,8 @@ class Trainer:
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.global_batch_size
         num_samples = (tr.train_iters * self.global_batch_size, evals, tr.eval_iters * self.global_batch_size)
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
-            d.paths, d.split, tr.seq_length, tr.seed, d.cache_dir, num_samples, self.tokenizer)
+            d.paths, d.split, tr.seq_length, tr.seed, d.cache_dir, num_samples, self.tokenizer,
+            vocab_size=self.vocab_size)  # every token id checked against the embedding once, here
 
     # ----------------------------------------------------------------- data
     def _batches(self, dataset, start_sample: int) -> Iterator[dict]:

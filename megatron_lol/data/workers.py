@@ -1,0 +1,78 @@
+"""Tokenizer worker processes of ``preprocess`` that fail loudly instead of hanging.
+
+``multiprocessing.Pool`` replaces a worker the OOM killer took and leaves the
+task it held unfinished, so the main process waits forever. Here the workers
+run under ``concurrent.futures.ProcessPoolExecutor``, whose futures fail
+(``BrokenProcessPool``) when a worker dies; :func:`submit` and :func:`result`
+turn that into :class:`WorkerDiedError` naming the signal and the input file.
+SIGTERM in the main process raises :class:`Terminated`, so the run unwinds
+and removes its temporary files.
+"""
+
+from __future__ import annotations
+
+import signal
+
+
+class WorkerDiedError(RuntimeError):
+    """A tokenizer worker process died (killed, out of memory) in the middle of a task."""
+
+
+class Terminated(BaseException):
+    """SIGTERM arrived: unwind so that partial outputs are removed (a BaseException, like
+    KeyboardInterrupt, so that no ``except Exception`` on the way swallows it)."""
+
+
+def raise_on_sigterm():
+    """Make SIGTERM (Slurm's scancel, a timeout) raise :class:`Terminated` in the main thread;
+    returns the previous handler (None when called outside the main thread: nothing changed)."""
+    import threading
+
+    def handler(signum, frame):
+        raise Terminated("stopped by SIGTERM")
+
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, handler)
+
+
+def worker_died(procs: dict, path: str) -> WorkerDiedError:
+    """The error for a broken pool: which signal or status ended a worker (the OOM killer's SIGKILL)."""
+    for p in procs.values():
+        p.join(timeout=5)
+    codes = [p.exitcode for p in procs.values() if p.exitcode]
+    codes.sort(key=lambda c: c == -signal.SIGTERM)  # the executor SIGTERMs the survivors itself
+    how = next((f"killed by {signal.Signals(-c).name}" for c in codes if c < 0 and -c in signal.valid_signals()),
+               f"exit status {codes[0]}" if codes else "died")
+    return WorkerDiedError(f"a tokenizer worker process {how} while tokenizing {path} "
+                           f"(out of memory? try fewer --workers or a smaller --max-inflight)")
+
+
+def submit(pool, procs: dict, fn, task: tuple, paths: list):
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        fut = pool.submit(fn, task)
+    except BrokenProcessPool:
+        raise worker_died(procs, paths[task[1]]) from None
+    procs.update(getattr(pool, "_processes", None) or {})  # workers start on demand
+    return fut
+
+
+def result(procs: dict, fut, meta: tuple, paths: list) -> dict:
+    from concurrent.futures.process import BrokenProcessPool
+
+    try:
+        return fut.result()
+    except BrokenProcessPool:
+        raise worker_died(procs, paths[meta[1]]) from None
+
+
+def stop_workers(pool, procs: dict) -> None:
+    """Cancel what is queued and kill the workers now (a failed run does not wait for them)."""
+    pool.shutdown(wait=False, cancel_futures=True)
+    for p in procs.values():
+        if p.is_alive():
+            p.kill()
+    for p in procs.values():
+        p.join(timeout=10)
