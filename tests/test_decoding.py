@@ -1,0 +1,507 @@
+"""Exact KV-cached decoding (``LoLCache``) of every execution plan, in the HuggingFace export
+and in ``megatron-lol generate`` / ``evaluate``.
+
+What is checked:
+
+* every step of cached decoding gives the logits of recomputing the whole prefix (max abs
+  difference <= 1e-5 in fp32) and the same greedy token, for 3x the training sequence length
+  (windows keep shifting past it), with packed documents and an EOD inside the prompt and
+  one forced during decoding: a tiny LoL model trained here (real trainer, checkpoint and
+  tokenizer; the export's routes also equal the megatron model's), and models of every plan
+  built from real configs with random weights (routers, gates, FiLM spread so every part
+  matters): LoL with FiLM / input injection / per-depth routers, dense (full, sliding,
+  strided), looped (tied and untied attention), Foil and Accordion (two budgets);
+* the routed windows' blocks chosen while decoding equal those of the full forward, and the
+  windowed part of the cache stays the same size however long the context;
+* on the LoL export: ``generate(use_cache=True)`` == ``use_cache=False`` (greedy and sampling
+  with a seed, batches of prompts of different lengths with left padding), and
+  ``pipeline("text-generation")``;
+* the checkpoint loader of ``generate`` / ``evaluate`` gives the megatron model's logits; the
+  two verbs' outputs, their references, and their one-line errors.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_convert_hf import EOD_ID, SEQ, _train, corpus, export, heldout_batch, native_model  # noqa: F401
+from test_convert_hf_moe import ACCORDION, FOIL
+
+TOL = 1e-5
+NEW_TOKENS = 3 * SEQ  # decoding runs to 3x the training sequence length
+VOCAB = 384
+
+
+# ------------------------------------------------------------------ models
+ROUTER_SPREAD = 2.0  # three training steps leave the routers near zero: every window picks one block
+
+
+def train_spread_save(save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3) -> str:
+    """``test_convert_hf.train_and_save``, then the window routers are spread before saving, so that
+    windows route to different blocks (and routes are worth comparing): random weights, and a
+    bias that centres the logits on the mean router input of a training batch."""
+    from test_convert_hf import TokenRows, _experiment, _spm_and_docs
+
+    from megatron_lol.data.tokenizers import build_tokenizer
+    from megatron_lol.training.checkpointing import Checkpointer
+    from megatron_lol.training.trainer import Trainer
+
+    cfg = _experiment(save, tokenizer_model, parallel, model)
+    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=tokenizer_model)
+    _, docs = _spm_and_docs(os.path.dirname(tokenizer_model))
+    rows = TokenRows(tokenizer_model, docs[:-4], 16)
+    trainer = Trainer(cfg, tokenizer=tok, datasets=(rows, None, None)).setup()
+    data = trainer.data_iterator(trainer.train_ds, 0)
+    for _ in range(steps):
+        trainer.train_step(data)
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for chunk in trainer.model_chunks:
+            model = chunk.module
+            inputs = []
+            hooks = [r.logits.register_forward_hook(lambda mod, args, out: inputs.append(args[0].float()))
+                     for r in model.core.routers]
+            model.eval()
+            model(rows.rows[:4, :-1])
+            model.train()
+            for hook in hooks:
+                hook.remove()
+            mean = torch.cat(inputs).mean(dim=0)
+            for router in model.core.routers:
+                weight = router.logits.weight
+                weight.copy_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * ROUTER_SPREAD
+                             / inputs[0].std().item())
+                router.logits.bias.copy_(-(weight.float() @ mean).to(weight.dtype))
+    ckpt = Checkpointer(trainer)
+    path = ckpt.save(blocking=True)
+    ckpt.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def lol_ckpt(corpus):  # noqa: F811
+    """The tiny LoL model of test_convert_hf (trained here in one process, routers spread)."""
+    return _train(corpus, 1, [("lol_1proc", {}, {})], script=__file__)["lol_1proc"]
+
+
+RANDOM_MODELS = {
+    "lol_film_injection": dict(film="depth_block", input_injection=True, router_tied=False, per_depth_bias=True,
+                               routed_depth=5, num_blocks=3, window_shift=3),
+    "dense": dict(plan="dense", core_layers=2),
+    "dense_sliding": dict(plan="dense", core_layers=2, dense_attention="sliding"),
+    "dense_strided": dict(plan="dense", core_layers=2, dense_attention="strided"),
+    "looped": dict(plan="looped", loop_layers=2, loop_count=2),
+    "looped_untied": dict(plan="looped", loop_layers=2, loop_count=2, untie_attention=True),
+    "foil": FOIL,
+    "accordion": ACCORDION,
+}
+
+
+def model_config(model: dict):
+    from megatron_lol.config import config_from_dict
+
+    m = dict(plan="lol", hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
+             n_prelude=1, n_coda=1, num_blocks=4, routed_depth=4, window_size=8, window_shift=4)
+    m.update(model)
+    if m["plan"] != "lol":
+        for key in ("num_blocks", "routed_depth"):
+            if key not in model:
+                m.pop(key)
+    return config_from_dict({"model": m, "training": {"seq_length": SEQ}})
+
+
+def random_model(name: str):
+    """The export-side model of a real config, weights drawn so that every part changes the output."""
+    from megatron_lol.convert.hf_modeling.configuration_lol import LoLConfig
+    from megatron_lol.convert.hf_modeling.modeling_lol import LoLForCausalLM
+    from megatron_lol.convert.to_hf import lol_config_json
+
+    cfg = model_config(RANDOM_MODELS[name])
+    conf = lol_config_json(cfg, VOCAB, torch.float32, {"eod_id": EOD_ID}, None)
+    for key in ("architectures", "model_type", "auto_map", "torch_dtype"):
+        conf.pop(key)
+    torch.manual_seed(3)
+    hf = LoLForCausalLM(LoLConfig(**conf)).eval()
+    gen = torch.Generator().manual_seed(5)
+
+    def spread(p, mean, std):
+        p.copy_(mean + std * torch.randn(p.shape, generator=gen))
+
+    with torch.no_grad():
+        for pname, p in hf.named_parameters():
+            if "routing.routers" in pname:
+                spread(p, 0.0, 0.5)  # decisive routers: near-ties would make any comparison fragile
+            elif "depth_embeddings" in pname or "balancing_bias" in pname:
+                spread(p, 0.0, 1.0 if "depth" in pname else 0.05)
+            elif "loop_gates" in pname or "film_gamma" in pname:
+                spread(p, 1.0, 0.3)
+            elif "film_beta" in pname or "injection_logit" in pname:
+                spread(p, 0.0, 0.3)
+            elif "embed_tokens" in pname:
+                spread(p, 0.0, 0.5)  # token states that differ enough to route differently
+    return hf
+
+
+def prompts_with_documents(batch: int, length: int, seed: int) -> torch.Tensor:
+    """Random token rows; row 0 packs two documents (an EOD at a third of the prompt)."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randint(3, VOCAB, (batch, length), generator=gen)
+    x[0, length // 3] = EOD_ID
+    return x
+
+
+# ------------------------------------------------------------------ cached decoding == recomputation
+def decode_against_recompute(model, prompt: torch.Tensor, steps: int, force_eod_at: int, loop_budget=None):
+    """Greedy decoding with a LoLCache; at every step the full recompute of the prefix gives the
+    reference logits. Returns (sequence, max abs logit difference, cache, memory per step)."""
+    import sys
+
+    LoLCache = sys.modules[type(model).__module__].LoLCache  # an export's remote code has its own copy
+    kw = {} if loop_budget is None else {"loop_budget": loop_budget}
+    cache = LoLCache(model.config, loop_budget, record_routes=True)
+    seq = prompt
+    worst, memory = 0.0, []
+    with torch.no_grad():
+        first = model(prompt, cache=cache, **kw).logits
+        worst = (first - model(prompt, **kw).logits).abs().max().item()
+        cached = first[:, -1]
+        for step in range(steps):
+            full = model(seq, **kw).logits[:, -1]
+            worst = max(worst, (cached - full).abs().max().item())
+            token = cached.argmax(-1)
+            assert torch.equal(token, full.argmax(-1)), f"greedy tokens differ at step {step}"
+            if step == force_eod_at:
+                token = torch.full_like(token, EOD_ID)  # a document ends during decoding
+            seq = torch.cat([seq, token.unsqueeze(1)], dim=1)
+            cached = model(token.unsqueeze(1), cache=cache, **kw).logits[:, -1]
+            memory.append(cache.memory_bytes())
+    return seq, worst, cache, memory
+
+
+def check_routes(model, seq, cache, loop_budget=None):
+    """The blocks chosen while decoding are those of the full forward over the final sequence."""
+    if not any(step["block"] is None for step in model.config.steps):
+        assert cache.routes == []
+        return []
+    full = []
+    with torch.no_grad():
+        model(seq, routes=full, **({} if loop_budget is None else {"loop_budget": loop_budget}))
+    got, want = sorted(cache.routes), sorted(full)
+    assert [r[:6] for r in got] == [r[:6] for r in want]
+    assert max(abs(a[6] - b[6]) for a, b in zip(got, want)) <= TOL
+    # every window after the prompt was decided during decoding
+    assert any(r[4] >= SEQ for r in got)
+    return got
+
+
+def assert_window_memory_flat(cache, memory):
+    windows = {m["windows"] for m in memory}
+    assert len(windows) == 1, windows  # the windowed core cache does not grow with the context
+    assert memory[-1]["documents"] > memory[0]["documents"]  # document-wide layers do
+    for layer in cache.layers:
+        if layer.__class__.__name__ == "WindowLayer":
+            assert layer.keys.shape[2] == cache_window(cache) and int(layer.length.max()) <= cache_window(cache)
+
+
+def cache_window(cache) -> int:
+    return next(layer.window_size for layer in cache.layers if layer.__class__.__name__ == "WindowLayer")
+
+
+@pytest.mark.parametrize("name", list(RANDOM_MODELS))
+def test_cached_decoding_equals_recompute_every_plan(name):
+    model = random_model(name)
+    budgets = [1, max(ACCORDION["loop_budgets"])] if name == "accordion" else [None]
+    for budget in budgets:
+        prompt = prompts_with_documents(2, 20, seed=len(name))
+        seq, worst, cache, memory = decode_against_recompute(model, prompt, NEW_TOKENS, force_eod_at=SEQ + 5,
+                                                             loop_budget=budget)
+        print(f"{name} (budget {budget}): {NEW_TOKENS} cached steps, max abs logit diff {worst:.2e}")
+        assert worst <= TOL, (name, budget, worst)
+        assert seq.shape[1] == 20 + NEW_TOKENS
+        check_routes(model, seq, cache, budget)
+        steps = model.model.schedule(budget)
+        assert len(cache.layers) == 2 + len(steps)
+        if any(step["attention"] in ("window", "strided") for step in steps):
+            assert_window_memory_flat(cache, memory)
+
+
+def test_trained_lol_cached_decoding_and_routes_equal_megatron(lol_ckpt, corpus, tmp_path):  # noqa: F811
+    """The trained LoL model's export: packed documents with an EOD inside the prompt; routes
+    chosen while decoding are those of the full forward and of the megatron model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from megatron_lol.model.windows import DocumentLayout
+
+    export(lol_ckpt, tmp_path / "hf")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    prompt = heldout_batch(tok, corpus)[:, :30]  # an EOD at position SEQ // 3 of each row
+    assert (prompt == EOD_ID).any(dim=1).all()
+    seq, worst, cache, memory = decode_against_recompute(hf, prompt, NEW_TOKENS, force_eod_at=SEQ)
+    print(f"trained lol: {NEW_TOKENS} cached steps, max abs logit diff {worst:.2e}")
+    assert worst <= TOL
+    routes = check_routes(hf, seq, cache)
+    assert_window_memory_flat(cache, memory)
+    # the megatron model routes the same windows to the same blocks
+    native = native_model(lol_ckpt)
+    with torch.no_grad():
+        _, core = native(seq, record=True, return_core=True)
+    first_doc = DocumentLayout.from_tokens(seq, EOD_ID).doc_index[:, 0].tolist()
+    want = []
+    for rec in core.records:
+        for doc, ordinal, block in zip(rec.window_doc.tolist(), rec.window_ordinal.tolist(), rec.choice.tolist()):
+            row = max(r for r, d in enumerate(first_doc) if d <= doc)
+            want.append((row, rec.depth, doc - first_doc[row], ordinal, block))
+    assert sorted(want) == sorted((r[0], r[1], r[2], r[3], r[5]) for r in routes)
+    assert len({r[5] for r in routes}) > 1  # the trained routers do not send everything to one block
+
+
+# ------------------------------------------------------------------ transformers generate / pipeline
+def _greedy(hf, ids, n, **kw):
+    return hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+
+
+def test_hf_generate_cache_batches_sampling_and_pipeline(lol_ckpt, corpus, tmp_path):  # noqa: F811
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    out_dir = tmp_path / "hf"
+    export(lol_ckpt, out_dir)
+    assert {"cache_lol.py", "layers_lol.py", "decoding_lol.py", "modeling_lol.py"} <= set(os.listdir(out_dir))
+    assert json.load(open(out_dir / "config.json"))["use_cache"] is True
+    assert json.load(open(out_dir / "generation_config.json"))["use_cache"] is True
+    hf = AutoModelForCausalLM.from_pretrained(out_dir, trust_remote_code=True, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(out_dir, trust_remote_code=True)
+    x = heldout_batch(tok, corpus)
+    prompt = x[:1, :30]
+    # greedy: the cached generation is the recomputed one, logits included
+    a = hf.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
+                    return_dict_in_generate=True, output_logits=True)
+    b = hf.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False,
+                    return_dict_in_generate=True, output_logits=True)
+    assert torch.equal(a.sequences, b.sequences)
+    assert max((p - q).abs().max().item() for p, q in zip(a.logits, b.logits)) <= TOL
+    cache = a.cache
+    assert type(cache).__name__ == "LoLCache" and cache.get_seq_length() == 30 + NEW_TOKENS - 1
+    # batches of prompts of different lengths (left padding): each row as generated alone
+    rows = [x[0, :9], x[1, :30], x[0, 15:40]]  # x[0, 21] is an EOD: the third prompt holds two documents
+    width = max(len(r) for r in rows)
+    batch = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros_like(batch)
+    for i, r in enumerate(rows):
+        batch[i, width - len(r):], mask[i, width - len(r):] = r, 1
+    got = _greedy(hf, batch, 40, attention_mask=mask, pad_token_id=0)
+    assert torch.equal(got, _greedy(hf, batch, 40, attention_mask=mask, pad_token_id=0, use_cache=False))
+    for i, r in enumerate(rows):
+        assert torch.equal(got[i, width:], _greedy(hf, r.unsqueeze(0), 40)[0, len(r):]), i
+    # sampling with a seed: the same draw with and without the cache; another seed draws otherwise
+    sampled = {}
+    for seed, use_cache in ((7, True), (7, False), (8, True)):
+        torch.manual_seed(seed)
+        sampled[seed, use_cache] = hf.generate(batch, attention_mask=mask, pad_token_id=0, do_sample=True,
+                                               max_new_tokens=48, min_new_tokens=48, top_k=50, top_p=0.95,
+                                               temperature=1.5, use_cache=use_cache)
+    assert torch.equal(sampled[7, True], sampled[7, False])
+    assert not torch.equal(sampled[7, True], sampled[8, True])
+    # pipeline("text-generation") on the export directory
+    pipe = pipeline("text-generation", model=str(out_dir), trust_remote_code=True, dtype=torch.float32)
+    text = tok.decode(x[1, :30])
+    ids = tok(text, return_tensors="pt")["input_ids"]
+    want = hf.generate(ids, max_new_tokens=20, do_sample=False)[0]
+    result = pipe(text, max_new_tokens=20, do_sample=False)[0]["generated_text"]
+    assert result.startswith(text) and len(result) > len(text)
+    tokens = pipe(text, max_new_tokens=20, do_sample=False, return_tensors=True)[0]["generated_token_ids"]
+    assert list(tokens) == want.tolist()
+
+
+# ------------------------------------------------------------------ megatron-lol generate / evaluate
+def test_checkpoint_model_equals_megatron_forward(lol_ckpt, corpus):  # noqa: F811
+    """The loader of generate / evaluate maps the checkpoint to the cached model: same logits as the
+    megatron model's forward, and cached greedy decoding gives the megatron model's tokens."""
+    from megatron_lol.inference.loading import load_model, load_tokenizer
+
+    loaded = load_model(str(lol_ckpt))
+    tok = load_tokenizer(loaded)
+    assert loaded.eod_id == EOD_ID and tok.eod == EOD_ID
+    native = native_model(lol_ckpt)
+    rows = [tok.tokenize(doc[:2000])[:SEQ] for doc in corpus["heldout"][:2]]
+    x = torch.tensor(rows)
+    x[:, SEQ // 3] = EOD_ID
+    with torch.no_grad():
+        diff = (native(x) - loaded.model(x).logits).abs().max().item()
+        assert diff <= 1e-4, diff
+        seq = x[:1, :12]
+        for _ in range(24):
+            seq = torch.cat([seq, native(seq)[:, -1].argmax(-1, keepdim=True)], dim=1)
+    got = loaded.model.generate(x[:1, :12], max_new_tokens=24, min_new_tokens=24, do_sample=False)
+    assert torch.equal(got, seq)
+
+
+def _cli(capsys, *argv):
+    from megatron_lol.cli import main
+
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_generate_cli(lol_ckpt, corpus, tmp_path, capsys):  # noqa: F811
+    from megatron_lol.inference.loading import load_model
+
+    loaded = load_model(str(lol_ckpt))
+    texts = [corpus["heldout"][0][:60], corpus["heldout"][1][:45], corpus["heldout"][2][:20]]
+    code, out, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", texts[0], "--max-new-tokens", "20",
+                          "--json", "--record-routes", "--ignore-eod")
+    assert code == 0, err
+    result = json.loads(out)
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=corpus["model"])
+    prompt = torch.tensor([sp.encode(texts[0])])
+    assert result["prompt_tokens"] == prompt.shape[1]
+    want = loaded.model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, prompt.shape[1]:]
+    assert result["tokens"] == want.tolist() and result["completion_tokens"] == 20
+    # routes: every routed depth, every window of prompt and completion, starting at position 0
+    depths = {r["depth"] for r in result["routes"]}
+    assert depths == set(range(1, 5))
+    routes = []
+    with torch.no_grad():
+        loaded.model(torch.cat([prompt, want.unsqueeze(0)], dim=1)[:, :-1], routes=routes)
+    assert sorted((r["depth"], r["document"], r["window"], r["start"], r["block"]) for r in result["routes"]) == \
+        sorted(r[1:6] for r in routes)
+    assert "tokens/s" in err
+    # a batch of prompts of different lengths decodes each as alone; sampling repeats with its seed
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
+    args = ["generate", "--load", str(lol_ckpt), "--prompts", str(prompts), "--max-new-tokens", "12", "--json",
+            "--batch-size", "2"]
+    code, out, err = _cli(capsys, *args)
+    assert code == 0, err
+    batched = [json.loads(line) for line in out.splitlines()]
+    assert [r["index"] for r in batched] == [0, 1, 2]
+    for t, r in zip(texts, batched):
+        code, out, _ = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", t, "--max-new-tokens", "12",
+                            "--json")
+        assert json.loads(out)["tokens"] == r["tokens"]
+    draws = [_cli(capsys, *args, "--temperature", "1.2", "--top-k", "40", "--top-p", "0.9", "--seed", s)[1]
+             for s in ("3", "3", "4")]
+    assert draws[0] == draws[1] and draws[0] != draws[2]
+    # text output
+    code, out, _ = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", texts[2], "--max-new-tokens", "5",
+                        "--record-routes")
+    assert code == 0 and out.startswith("=== 0:") and "routes depth 1 document 0:" in out
+
+
+def test_generate_and_evaluate_errors(lol_ckpt, tmp_path, capsys):
+    missing = tmp_path / "nowhere"
+    for verb, source in (("generate", ["--prompt", "hi"]), ("evaluate", ["--jsonl", str(tmp_path / "x.jsonl")])):
+        code, _, err = _cli(capsys, verb, "--load", str(missing), *source)
+        assert code == 2 and err.strip() == f"megatron-lol {verb}: error: checkpoint directory {missing} does not exist"
+    # the tokenizer is gone (no copy in the checkpoint, the run's path moved away)
+    broken = tmp_path / "no_tokenizer"
+    shutil.copytree(lol_ckpt, broken)
+    for d in broken.glob("iter_*/tokenizer"):
+        shutil.rmtree(d)
+    cfg_file = next(broken.glob("iter_*/run_config.yaml"))
+    import yaml
+
+    raw = yaml.safe_load(open(cfg_file))
+    raw["data"]["tokenizer_model"] = str(tmp_path / "gone.model")
+    yaml.safe_dump(raw, open(cfg_file, "w"))
+    code, _, err = _cli(capsys, "generate", "--load", str(broken), "--prompt", "hi")
+    assert code == 2 and "the tokenizer is missing" in err and "gone.model" in err and len(err.splitlines()) == 1
+    code, _, err = _cli(capsys, "evaluate", "--load", str(broken), "--jsonl", str(tmp_path / "x.jsonl"))
+    assert code == 2 and "the tokenizer is missing" in err
+    # prompts: too long, empty, bad JSONL line; routes of a model without routing
+    code, _, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", "word " * 100)
+    assert code == 2 and "more than the model allows (64" in err
+    code, _, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", "hello there",
+                        "--max-prompt-tokens", "1")
+    assert code == 2 and "more than the model allows (1" in err
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": 3}\n')
+    code, _, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompts", str(bad))
+    assert code == 2 and f"--prompts {bad} line 2: no 'prompt' (or 'text') string" in err
+    code, _, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", "hi", "--top-p", "0")
+    assert code == 2 and "--top-p" in err
+    code, _, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--data-path", str(tmp_path / "none"))
+    assert code == 2 and f"{tmp_path / 'none'}.bin does not exist" in err
+    code, _, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(bad), "--length-buckets", "5,2")
+    assert code == 2 and "--length-buckets" in err
+
+
+def _reference_nll(native, tokens: list, seq: int) -> float:
+    """The megatron model's summed NLL of a document scored after an EOD, in pieces of ``seq``."""
+    ids = [EOD_ID] + tokens
+    total = 0.0
+    with torch.no_grad():
+        for start in range(0, len(tokens), seq):
+            targets = torch.tensor(ids[start + 1:start + 1 + seq])
+            inputs = torch.tensor([ids[start:start + len(targets)]])
+            logits = native(inputs)[0].float()
+            total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+    return total
+
+
+def test_evaluate_cli_jsonl_and_indexed_dataset(lol_ckpt, corpus, tmp_path, capsys):  # noqa: F811
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=corpus["model"])
+    texts = [corpus["heldout"][0][:300], corpus["heldout"][1][:1200], corpus["heldout"][2][:80]]
+    data = tmp_path / "heldout.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    docs = [sp.encode(t) for t in texts]
+    short, middle, long = sorted(len(d) for d in docs)
+    assert short < middle < long and long > SEQ  # the long document is scored in several pieces
+    edges = [short + 1, middle + 1]  # one document per length bucket
+    code, out, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(data), "--json",
+                          "--length-buckets", f"{edges[0]},{edges[1]}")
+    assert code == 0, err
+    result = json.loads(out)
+    assert "evaluate" in err  # the progress bar
+    native = native_model(lol_ckpt)
+    nll = [_reference_nll(native, d, SEQ) for d in docs]
+    tokens, nbytes = sum(len(d) for d in docs), sum(len(t.encode()) for t in texts)
+    overall = result["overall"]
+    assert overall["documents"] == 3 and overall["tokens"] == tokens and overall["bytes"] == nbytes
+    assert math.isclose(overall["loss"], sum(nll) / tokens, rel_tol=1e-5)
+    assert math.isclose(overall["perplexity"], math.exp(sum(nll) / tokens), rel_tol=1e-5)
+    assert math.isclose(overall["bits_per_byte"], sum(nll) / (math.log(2) * nbytes), rel_tol=1e-5)
+    names = {short: f"< {edges[0]}", middle: f"{edges[0]}-{edges[1] - 1}", long: f">= {edges[1]}"}
+    buckets = {b["bucket"]: b for b in result["buckets"]}
+    assert set(buckets) == set(names.values())
+    for d, value in zip(docs, nll):
+        bucket = buckets[names[len(d)]]
+        assert bucket["documents"] == 1 and math.isclose(bucket["loss"], value / len(d), rel_tol=1e-5)
+    # the same documents as a Megatron indexed dataset (preprocess appends EOD): the same scores
+    from megatron_lol.cli import main
+
+    prefix = tmp_path / "heldout"
+    assert main(["preprocess", "--input", str(data), "--output-prefix", str(prefix), "--tokenizer-type",
+                 "SentencePieceTokenizer", "--tokenizer-model", corpus["model"], "--append-eod",
+                 "--workers", "1"]) == 0
+    capsys.readouterr()
+    files = list(tmp_path.glob("heldout*.idx"))
+    code, out, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--data-path", str(files[0])[:-4], "--json",
+                          "--no-progress", "--micro-batch-size", "1")
+    assert code == 0, err
+    indexed = json.loads(out)
+    assert indexed["overall"]["tokens"] == tokens and "evaluate" not in err
+    assert math.isclose(indexed["overall"]["loss"], overall["loss"], rel_tol=1e-6)
+    # the table
+    code, out, _ = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(data), "--no-progress",
+                        "--max-documents", "1")
+    assert code == 0 and "bpb" in out and out.splitlines()[2].split()[:2] == ["all", "1"]
+
+
+if __name__ == "__main__":  # a rank of the lol_ckpt launch (torch.distributed.run)
+    import sys
+
+    for job in json.loads(sys.argv[1]):
+        train_spread_save(*job)
