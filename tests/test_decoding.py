@@ -9,8 +9,9 @@ What is checked:
   one forced during decoding: a tiny LoL model trained here (real trainer, checkpoint and
   tokenizer; the export's routes also equal the megatron model's), and models of every plan
   built from real configs with random weights (routers, gates, FiLM spread so every part
-  matters): LoL with FiLM / input injection / per-depth routers, dense (full, sliding,
-  strided), looped (tied and untied attention), Foil and Accordion (two budgets);
+  matters; rows of a batch route to different blocks): LoL with FiLM / input injection /
+  per-depth routers, LoL with MoE blocks, dense (full, sliding, strided), looped (tied and
+  untied attention), Foil and Accordion (two budgets);
 * the routed windows' blocks chosen while decoding equal those of the full forward, and the
   windowed part of the cache stays the same size however long the context;
 * on the LoL export: ``generate(use_cache=True)`` == ``use_cache=False`` (greedy and sampling
@@ -94,6 +95,7 @@ def lol_ckpt(corpus):  # noqa: F811
 RANDOM_MODELS = {
     "lol_film_injection": dict(film="depth_block", input_injection=True, router_tied=False, per_depth_bias=True,
                                routed_depth=5, num_blocks=3, window_shift=3),
+    "lol_moe": dict(moe_layers="all", num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
     "dense": dict(plan="dense", core_layers=2),
     "dense_sliding": dict(plan="dense", core_layers=2, dense_attention="sliding"),
     "dense_strided": dict(plan="dense", core_layers=2, dense_attention="strided"),
@@ -196,8 +198,8 @@ def check_routes(model, seq, cache, loop_budget=None):
     got, want = sorted(cache.routes), sorted(full)
     assert [r[:6] for r in got] == [r[:6] for r in want]
     assert max(abs(a[6] - b[6]) for a, b in zip(got, want)) <= TOL
-    # every window after the prompt was decided during decoding
-    assert any(r[4] >= SEQ for r in got)
+    # windows decided during decoding (past the training length too), routed to several blocks
+    assert any(r[4] >= 2 * SEQ for r in got) and len({r[5] for r in got}) > 1
     return got
 
 
@@ -219,7 +221,7 @@ def test_cached_decoding_equals_recompute_every_plan(name):
     model = random_model(name)
     budgets = [1, max(ACCORDION["loop_budgets"])] if name == "accordion" else [None]
     for budget in budgets:
-        prompt = prompts_with_documents(2, 20, seed=len(name))
+        prompt = prompts_with_documents(3, 20, seed=len(name))
         seq, worst, cache, memory = decode_against_recompute(model, prompt, NEW_TOKENS, force_eod_at=SEQ + 5,
                                                              loop_budget=budget)
         print(f"{name} (budget {budget}): {NEW_TOKENS} cached steps, max abs logit diff {worst:.2e}")
@@ -437,15 +439,17 @@ def test_generate_and_evaluate_errors(lol_ckpt, tmp_path, capsys):
 
 
 def _reference_nll(native, tokens: list, seq: int) -> float:
-    """The megatron model's summed NLL of a document scored after an EOD, in pieces of ``seq``."""
+    """The megatron model's summed NLL of a document scored after an EOD, ``seq`` predictions per
+    piece, each conditioned on the ``seq`` tokens before its last prediction."""
     ids = [EOD_ID] + tokens
     total = 0.0
     with torch.no_grad():
         for start in range(0, len(tokens), seq):
-            targets = torch.tensor(ids[start + 1:start + 1 + seq])
-            inputs = torch.tensor([ids[start:start + len(targets)]])
-            logits = native(inputs)[0].float()
-            total += torch.nn.functional.cross_entropy(logits, targets, reduction="sum").item()
+            end = min(start + seq, len(tokens))
+            inputs = torch.tensor([ids[max(0, end - seq):end]])
+            logits = native(inputs)[0, start - end:].float()
+            total += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[start + 1:end + 1]),
+                                                       reduction="sum").item()
     return total
 
 
@@ -498,6 +502,82 @@ def test_evaluate_cli_jsonl_and_indexed_dataset(lol_ckpt, corpus, tmp_path, caps
     code, out, _ = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(data), "--no-progress",
                         "--max-documents", "1")
     assert code == 0 and "bpb" in out and out.splitlines()[2].split()[:2] == ["all", "1"]
+
+
+
+# ------------------------------------------------------------------ lm-evaluation-harness on the export
+ARC = [("What does the def keyword start?", ["a function", "a number", "a colour"], 0),
+       ("Which word imports a module?", ["import", "banana", "seventeen"], 0),
+       ("What does return give back?", ["a value", "a river", "a song"], 0),
+       ("Which of these is a Python type?", ["dict", "cloud", "spoon"], 0),
+       ("What closes a string that opens with a quote?", ["a quote", "a tree", "a door"], 0),
+       ("Which symbol starts a comment?", ["#", "apple", "tiger"], 0)]
+
+
+def _arc_loglikelihoods(hf, tok, question: str, choices: list) -> list:
+    """lm-evaluation-harness's multiple-choice scoring, computed here: the log-likelihood of
+    ' ' + choice after 'Question: ...\nAnswer:' (the pair encoded as a whole, the context alone)."""
+    context = f"Question: {question}\nAnswer:"
+    out = []
+    for choice in choices:
+        whole = tok(context + " " + choice, add_special_tokens=False)["input_ids"]
+        ctx = tok(context, add_special_tokens=False)["input_ids"]
+        with torch.no_grad():
+            logits = hf(torch.tensor([whole[:-1]])).logits[0].float().log_softmax(-1)
+        cont = torch.tensor(whole[len(ctx):])
+        out.append(logits[len(ctx) - 1:].gather(1, cont.unsqueeze(1)).sum().item())
+    return out
+
+
+def test_lm_evaluation_harness_local_tasks(lol_ckpt, corpus, tmp_path, capsys):  # noqa: F811
+    """docs/evaluation.md's recipe: lm_eval --model hf on the export, offline, with the task files of
+    examples/lm_eval_tasks reading local JSONL data. Its bits per byte of held-out documents is
+    megatron-lol evaluate's; its ARC accuracy is the one computed here."""
+    import subprocess
+    import sys
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    export(lol_ckpt, tmp_path / "hf")
+    work = tmp_path / "lm_eval"
+    shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "lm_eval_tasks", work)
+    heldout = [corpus["heldout"][0][:300], corpus["heldout"][1][:900], corpus["heldout"][2][:80]]
+    data = {
+        "arc_easy": [{"id": str(i), "question": q, "choices": {"text": c, "label": ["A", "B", "C"]},
+                      "answerKey": "ABC"[a]} for i, (q, c, a) in enumerate(ARC)],
+        "lambada_openai": [{"text": t[:120].rsplit(" ", 1)[0]} for t in heldout],
+        "heldout": [{"text": t} for t in heldout],
+        "wikitext": [{"page": " = Heading = \n " + t[:200].replace(". ", " . ") + " \n"} for t in heldout],
+    }
+    for name, rows in data.items():
+        (work / "data" / name).mkdir(parents=True)
+        for split in ("train", "validation", "test"):
+            (work / "data" / name / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
+           f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32,prefix_token_id={EOD_ID}",
+           "--tasks", "arc_easy_local,lambada_openai_local,heldout_text_local,wikitext_local", "--include_path", ".",
+           "--device", "cpu", "--batch_size", "4", "--output_path", "results"]
+    proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = json.loads(next((work / "results").rglob("results_*.json")).read_text())["results"]
+    # held-out documents: lm-eval's rolling log-likelihood is megatron-lol evaluate's
+    (tmp_path / "heldout.jsonl").write_text((work / "data" / "heldout" / "test.jsonl").read_text())
+    code, out, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(tmp_path / "heldout.jsonl"),
+                          "--json", "--no-progress")
+    assert code == 0, err
+    ours = json.loads(out)["overall"]
+    assert math.isclose(results["heldout_text_local"]["bits_per_byte,none"], ours["bits_per_byte"], rel_tol=1e-5)
+    # ARC-format multiple choice: the accuracy of the log-likelihoods computed here
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
+    correct = [max(range(3), key=lambda i: ll[i]) == a
+               for (q, c, a), ll in ((item, _arc_loglikelihoods(hf, tok, item[0], item[1])) for item in ARC)]
+    assert results["arc_easy_local"]["acc,none"] == pytest.approx(sum(correct) / len(ARC))
+    assert math.isfinite(results["lambada_openai_local"]["perplexity,none"])
+    assert 0 <= results["lambada_openai_local"]["acc,none"] <= 1
+    assert math.isfinite(results["wikitext_local"]["bits_per_byte,none"])
 
 
 if __name__ == "__main__":  # a rank of the lol_ckpt launch (torch.distributed.run)

@@ -12,5 +12,5 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-pip install -q -e ".[data,hf,analysis,test]"
+pip install -q -e ".[data,hf,analysis,eval,test]"
 python -c "import megatron.core, megatron_lol; print('megatron-core', megatron.core.__version__)" 2>/dev/null

@@ -7,8 +7,10 @@ tokenizer). Each document is scored as lm-evaluation-harness scores a rolling
 log-likelihood: an EOD token stands before it (the end of a previous document, as in
 packed training data) and every one of its tokens is predicted; a document longer than
 ``--seq-length`` is cut into consecutive pieces of that many predicted tokens, each
-piece conditioned on its own tokens only. One piece per row (right-padded; padding is
-its own document, so it never changes the scores).
+conditioned on the ``--seq-length`` tokens before its last prediction (and nothing
+earlier): lm-evaluation-harness's rolling windows, so that its ``bits_per_byte`` of a
+``loglikelihood_rolling`` task on the same texts is the one reported here. One piece per
+row (right-padded; padding is its own document, so it never changes the scores).
 
 Reported overall and per document-length bucket (``--length-buckets``, in tokens):
 documents, tokens, mean loss (nats per token), perplexity ``exp(loss)`` and bits per
@@ -148,11 +150,13 @@ def indexed_documents(prefix: str, tokenizer, eod_id, limit):
 
 
 def pieces(doc_index: int, tokens: list, eod_id: int, seq_length: int):
-    """Rows ``(doc, inputs, targets)`` scoring every token of a document after an EOD."""
+    """Rows ``(doc, inputs, targets)`` scoring every token of a document after an EOD: the targets
+    are the next tokens of the last ``len(targets)`` inputs (lm-evaluation-harness's rolling
+    windows: the last, shorter piece reads a full ``seq_length`` of context)."""
     ids = [eod_id] + tokens
     for start in range(0, len(tokens), seq_length):
-        targets = ids[start + 1:start + 1 + seq_length]
-        yield doc_index, ids[start:start + len(targets)], targets
+        end = min(start + seq_length, len(tokens))  # predicts tokens[start:end] = ids[start + 1:end + 1]
+        yield doc_index, ids[max(0, end - seq_length):end], ids[start + 1:end + 1]
 
 
 # ------------------------------------------------------------------ scoring
@@ -169,7 +173,8 @@ def score_rows(model, rows: list, pad: int) -> list:
         hidden, _ = model.model(ids.to(device), attention_mask=mask.to(device))
         out = []
         for i, (_, inputs, targets) in enumerate(rows):
-            logits = model.lm_head(hidden[i, :len(inputs)]).float()  # one row at a time: [n, vocab]
+            scored = hidden[i, len(inputs) - len(targets):len(inputs)]
+            logits = model.lm_head(scored).float()  # one row at a time: [n, vocab]
             nll = torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=device), reduction="sum")
             out.append(float(nll))
     return out

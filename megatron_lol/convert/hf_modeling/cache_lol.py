@@ -98,6 +98,7 @@ class WindowLayer(CacheLayerMixin):
         super().__init__()
         self.window_size = window_size
         self.routed = routed
+        self.groups: Optional[list] = None  # (block, rows or None = all) of the open windows; None: to compute
         self.length: Optional[torch.Tensor] = None  # [B] long
         self.block: Optional[torch.Tensor] = None  # [B] long: the block of the current window
         self.gate: Optional[torch.Tensor] = None  # [B] fp32: its gate (the unbiased probability)
@@ -111,7 +112,10 @@ class WindowLayer(CacheLayerMixin):
         self.keys = key_states.new_zeros(b, kv, self.window_size, d)
         self.values = value_states.new_zeros(b, kv, self.window_size, d)
         self.length = torch.zeros(b, dtype=torch.long, device=key_states.device)
+        self.slots = torch.arange(self.window_size, device=key_states.device)
+        self.all_rows = torch.arange(b, device=key_states.device)
         self.device, self.dtype = key_states.device, key_states.dtype
+        self.groups = None
         self.is_initialized = True
 
     def init_router(self, batch: int, hidden: int, device) -> None:
@@ -159,22 +163,23 @@ class WindowLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if key_states.shape[2] != 1:
             raise ValueError("a window cache layer takes one token per row at a time")
-        if rows is None:
-            rows = torch.arange(self.keys.shape[0], device=self.keys.device)
-        slot = self.length.index_select(0, rows)
-        if bool((slot >= self.window_size).any()):
-            raise ValueError(f"a window holds at most {self.window_size} tokens: the window was not opened")
+        every = rows is None
+        rows = self.all_rows if every else rows
+        # a window holds at most W tokens: decoding opens the next one (length 0) before it would overflow
+        slot = self.length if every else self.length.index_select(0, rows)
         self.keys[rows, :, slot] = key_states[:, :, 0]
         self.values[rows, :, slot] = value_states[:, :, 0]
-        self.length = self.length.index_add(0, rows, torch.ones_like(slot))
-        if rows.numel() == self.keys.shape[0]:
+        if every:
+            self.length = self.length + 1
             return self.keys, self.values
+        self.length = self.length.index_add(0, rows, torch.ones_like(slot))
         return self.keys.index_select(0, rows), self.values.index_select(0, rows)
 
-    def key_mask(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[r, 1, W]``: the slots of each row's current window (after this token's update)."""
-        slots = torch.arange(self.window_size, device=self.length.device)
-        return (slots.unsqueeze(0) < self.length.index_select(0, rows).unsqueeze(1)).unsqueeze(1)
+    def next_mask(self, rows: Optional[torch.Tensor]) -> torch.Tensor:
+        """``[r, 1, W]``: the slots a new token of ``rows`` (all when None) attends to: the open
+        window's tokens and itself (the slot :meth:`update` writes next)."""
+        length = self.length if rows is None else self.length.index_select(0, rows)
+        return (self.slots.unsqueeze(0) <= length.unsqueeze(1)).unsqueeze(1)
 
     def get_seq_length(self) -> int:
         return 0 if self.length is None else int(self.length.max())
@@ -204,6 +209,9 @@ class WindowLayer(CacheLayerMixin):
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         for name in ("keys", "values", "length") + self.ROUTER_FIELDS:
             setattr(self, name, _select(getattr(self, name), indices))
+        if self.length is not None:
+            self.all_rows = torch.arange(self.length.shape[0], device=self.length.device)
+        self.groups = None
 
     def batch_repeat_interleave(self, repeats: int) -> None:
         if self.length is not None:
@@ -240,6 +248,11 @@ class LoLCache(Cache):
         super().__init__(layers=layers)
         self.docs = DocumentState()
         self.routes: Optional[list] = [] if record_routes else None
+        # read once: decoding needs them for every token (config attribute reads are slow)
+        self.eod_token_id, self.window_size, self.window_shift = (config.eod_token_id, config.window_size,
+                                                                  config.window_shift)
+        self.n_prelude, self.input_injection = config.n_prelude, bool(config.input_injection)
+        self.parts: dict = {}  # (layer index, block) -> a block call's keyword arguments, filled by decoding
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.docs.seen

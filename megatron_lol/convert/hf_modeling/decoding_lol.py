@@ -25,6 +25,9 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
+
+from .layers_lol import MLP, rotate_half
 
 
 def prefill_window(model, layer, step: dict, s: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
@@ -88,79 +91,153 @@ def decode_tokens(model, cache, input_ids: Optional[torch.Tensor], attention_mas
 def decode_one(model, cache, ids: Optional[torch.Tensor], embeds: Optional[torch.Tensor], mask: torch.Tensor,
                steps: list) -> torch.Tensor:
     """One new token per row (``ids`` [B] or ``embeds`` [B, h]); returns its final hidden state [B, 1, h]."""
-    cfg = model.config
     docs = cache.docs
     position = docs.seen
-    new_doc = docs.advance(ids, mask, cfg.eod_token_id)
+    docs.advance(ids, mask, cache.eod_token_id)
     s = model.embed_tokens(ids).unsqueeze(1) if embeds is None else embeds.unsqueeze(1)
     b = s.shape[0]
     positions = torch.full((b, 1), position, dtype=torch.long, device=s.device)
+    # every row's new token has the same row position: RoPE's cos / sin once for all layers and rows
+    rope = model.blocks[0].self_attn.rope(positions[:1], s.dtype)
     keys = torch.arange(docs.seen, device=s.device)
     in_document = (keys.unsqueeze(0) >= docs.doc_start.unsqueeze(1)).unsqueeze(1)  # [B, 1, seen]
     for i, layer in enumerate(model.prelude):
-        s = layer(s, positions, in_document, cache=cache, cache_index=i)
+        s = layer(s, positions, in_document, cache=cache, cache_index=i, rope=rope)
     s0 = s
     for i, step in enumerate(steps):
-        s = model.inject(s, s0)
-        index = cfg.n_prelude + i
+        if cache.input_injection:
+            s = model.inject(s, s0)
+        index = cache.n_prelude + i
         if step["attention"] in ("window", "strided"):
-            s = _window_step(model, cache, index, step, s, positions, new_doc)
+            s = _window_step(model, cache, index, step, s, positions, rope)
             continue
         allowed = in_document
         if step["attention"] == "sliding":
-            allowed = allowed & (keys >= docs.seen - cfg.window_size).view(1, 1, -1)
-        s = model.blocks[step["block"]](s, positions, allowed, **model.step_parts(step, step["block"]), cache=cache,
-                                        cache_index=index)
-    first_coda = cfg.n_prelude + len(steps)
+            allowed = allowed & (keys >= docs.seen - cache.window_size).view(1, 1, -1)
+        s = model.blocks[step["block"]](s, positions, allowed, **_parts(model, cache, index, step, step["block"]),
+                                        cache=cache, cache_index=index, rope=rope)
+    first_coda = cache.n_prelude + len(steps)
     for i, layer in enumerate(model.coda):
-        s = layer(s, positions, in_document, cache=cache, cache_index=first_coda + i)
+        s = layer(s, positions, in_document, cache=cache, cache_index=first_coda + i, rope=rope)
     return model.norm(s)
 
 
+def _parts(model, cache, index: int, step: dict, block: int) -> dict:
+    """A block call's keyword arguments at a step, looked up once per cache (FiLM rows, Foil's
+    attention, Accordion's gates and router)."""
+    parts = cache.parts.get((index, block))
+    if parts is None:
+        parts = cache.parts[index, block] = model.step_parts(step, block)
+    return parts
+
+
+def _groups(layer, step: dict, b: int) -> list:
+    """``(block, first, end)`` spans of the rows sorted by their open window's block (``layer.order``
+    sorts them), kept until a window opens."""
+    if layer.groups is None:
+        if step["block"] is not None:
+            layer.groups, layer.order = [(step["block"], 0, b)], None
+        else:
+            blocks = layer.block.tolist()
+            order = sorted(range(b), key=lambda row: blocks[row])  # stable: rows in order within a block
+            spans = []
+            for i, row in enumerate(order):
+                if spans and spans[-1][0] == blocks[row]:
+                    spans[-1][2] = i + 1
+                else:
+                    spans.append([blocks[row], i, i + 1])
+            layer.groups = [tuple(span) for span in spans]
+            layer.order = None if len(spans) == 1 else torch.tensor(order, device=layer.block.device)
+            layer.gate_column = layer.gate.view(b, 1, 1)
+    return layer.groups
+
+
 def _window_step(model, cache, index: int, step: dict, s: torch.Tensor, positions: torch.Tensor,
-                 new_doc: torch.Tensor) -> torch.Tensor:
+                 rope) -> torch.Tensor:
     """A windowed step for one token per row: open windows where they start (and route them), then
     run each row's block with attention over its window's cached keys."""
-    cfg, layer, docs = model.config, cache.layers[index], cache.docs
+    layer, docs = cache.layers[index], cache.docs
     depth = step["depth"]
-    delta = ((depth - 1) * cfg.window_shift) % cfg.window_size
-    opens = (docs.doc_pos == 0) | ((docs.doc_pos + delta) % cfg.window_size == 0)
+    delta = ((depth - 1) * cache.window_shift) % cache.window_size
+    opens = ((docs.doc_pos + delta) % cache.window_size == 0) | (docs.doc_pos == 0)
     routed = step["block"] is None
-    layer.open_windows(opens, docs.doc_pos == 0)
     flat = s[:, 0]
-    if routed:
-        if bool(opens.any()):
+    if bool(opens.any()):
+        layer.open_windows(opens, docs.doc_pos == 0)
+        if routed:
             first = model.first_window_summary(depth, flat)
             prefix = layer.prefix_sum / layer.closed.clamp(min=1).unsqueeze(1).to(torch.float32)
             choice, gate = model.decide(depth, torch.where((layer.closed == 0).unsqueeze(1), first, prefix))
             layer.block = torch.where(opens, choice, layer.block)
             layer.gate = torch.where(opens, gate, layer.gate)
+            layer.groups = None
             if cache.routes is not None:
                 rows = torch.nonzero(opens).squeeze(1)
                 cache.routes.extend(
                     (r, depth, int(docs.doc_count[r]) - 1, int(layer.closed[r]), docs.seen - 1, int(layer.block[r]),
                      float(layer.gate[r])) for r in rows.tolist())
+    if routed:
         layer.add_inputs(flat)
-        row_block = layer.block
-    else:
-        row_block = torch.full((s.shape[0],), step["block"], dtype=torch.long, device=s.device)
-    blocks = torch.unique(row_block).tolist()
-    update = torch.zeros_like(s) if routed else s
-    for block in blocks:
-        if len(blocks) == 1:
-            rows = torch.arange(s.shape[0], device=s.device)
-            x, pos = s, positions
-        else:
-            rows = torch.nonzero(row_block == block).squeeze(1)
-            x, pos = s.index_select(0, rows), positions.index_select(0, rows)
-        slots = torch.arange(cfg.window_size, device=s.device)
-        allowed = (slots.unsqueeze(0) <= layer.length.index_select(0, rows).unsqueeze(1)).unsqueeze(1)
-        out = model.blocks[block](x, pos, allowed, **model.step_parts(step, block), cache=cache, cache_index=index,
-                                  cache_kwargs={"rows": rows})
+    groups = _groups(layer, step, s.shape[0])
+    if len(groups) == 1:
+        block = groups[0][0]
+        out = model.blocks[block](s, positions, layer.next_mask(None), **_parts(model, cache, index, step, block),
+                                  cache=cache, cache_index=index, rope=rope)
         if not routed:
             return out
-        if len(blocks) == 1:
-            update = update + (out - x)
-        else:
-            update = update.index_copy(0, rows, out - x)
-    return s + layer.gate.view(-1, 1, 1).to(s.dtype) * update
+        update = out - s
+    else:
+        update = _rows_of_several_blocks(model, cache, index, step, layer, s, rope)
+    # s + alpha * (E(s) - s), alpha the gate of the row's window (the full forward's update)
+    return s + layer.gate_column.to(s.dtype) * update
+
+
+def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torch.Tensor, rope) -> torch.Tensor:
+    """``E(s) - s`` of a routed step whose rows run different blocks: ``Layer.forward``'s operations
+    with each block's norm weights and linear maps applied to its rows (rows sorted by block) and
+    everything else (RoPE, the window cache, attention, the activation, residuals) once for all
+    rows. One layer call per block instead costs several times more per token on small models
+    (the calls' fixed cost dominates; docs/performance.md, "Decoding")."""
+    order, spans = layer.order, layer.groups
+    blocks = [(model.blocks[block], first, end, _parts(model, cache, index, step, block)["film"])
+              for block, first, end in spans]
+    x = s.index_select(0, order)  # [B, 1, h], rows sorted by block
+
+    def per_block(fn, t):
+        return torch.cat([fn(block, t[first:end], film) for block, first, end, film in blocks], dim=0)
+
+    def norm(which):
+        def apply(block, t, film):
+            y = getattr(block, ("input_layernorm", "post_attention_layernorm")[which])(t)
+            return y if film is None else film[0][which].to(y.dtype) * y + film[1][which].to(y.dtype)
+        return apply
+
+    def linear(*path):
+        def apply(block, t, film):
+            module = block
+            for name in path:
+                module = getattr(module, name)
+            return F.linear(t, module.weight)
+        return apply
+
+    attn = model.blocks[spans[0][0]].self_attn  # shapes and RoPE settings are the same for every block
+    b = x.shape[0]
+    y = per_block(norm(0), x)
+    q = per_block(linear("self_attn", "q_proj"), y).view(b, 1, attn.heads, attn.head_dim).transpose(1, 2)
+    k = per_block(linear("self_attn", "k_proj"), y).view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    v = per_block(linear("self_attn", "v_proj"), y).view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    cos, sin = rope
+    q = q * cos + rotate_half(q) * sin
+    k = k * cos + rotate_half(k) * sin
+    mask = layer.next_mask(order)
+    keys, values = cache.update(k, v, index, rows=order)
+    a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1),
+                                       enable_gqa=attn.kv_heads != attn.heads)
+    h = x + per_block(linear("self_attn", "o_proj"), a.transpose(1, 2).reshape(b, 1, attn.heads * attn.head_dim))
+    y = per_block(norm(1), h)
+    if isinstance(model.blocks[spans[0][0]].mlp, MLP):
+        act = F.silu(per_block(linear("mlp", "gate_proj"), y)) * per_block(linear("mlp", "up_proj"), y)
+        mlp = per_block(linear("mlp", "down_proj"), act)
+    else:  # mixture of experts: tokens are routed to experts inside each block's MLP
+        mlp = per_block(lambda block, t, film: block.mlp(t), y)
+    return torch.zeros_like(s).index_copy(0, order, h + mlp - x)

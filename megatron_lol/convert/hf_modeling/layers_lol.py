@@ -6,7 +6,6 @@ in every export.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -31,9 +30,17 @@ def rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-b, a), dim=-1)
 
 
+_INV_FREQ: dict = {}
+
+
 def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float, dtype):
     """cos/sin ``[B, n, 1, head_dim]`` for integer ``positions`` ``[B, n]`` (non-interleaved RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
+    key = (head_dim, theta, positions.device)
+    inv_freq = _INV_FREQ.get(key)
+    if inv_freq is None:  # computed once: decoding calls this for every layer and token
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
+                                    / head_dim))
+        _INV_FREQ[key] = inv_freq
     freqs = (positions.to(torch.float32) / scaling).unsqueeze(-1) * inv_freq  # [B, n, d/2]
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -53,37 +60,37 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
 
-    def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """``q`` [B, n, heads, d] and ``k``, ``v`` [B, kv_heads, n, d] (the cache layout), RoPE applied."""
+    def project(self, x: torch.Tensor, positions: torch.Tensor, rope=None):
+        """``q`` [B, heads, n, d] and ``k``, ``v`` [B, kv_heads, n, d] (the cache layout), RoPE applied
+        (``rope``: the ``(cos, sin)`` of ``positions`` when the caller computed them already)."""
         b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.scaling, q.dtype)
+        q = self.q_proj(x).view(b, n, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope if rope is not None else self.rope(positions, q.dtype)
         q = q * cos + rotate_half(q) * sin
         k = k * cos + rotate_half(k) * sin
-        return q, k.transpose(1, 2), v.transpose(1, 2)
+        return q, k, v
+
+    def rope(self, positions: torch.Tensor, dtype):
+        """cos / sin ``[B, 1, n, head_dim]`` of ``positions`` [B, n]."""
+        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.scaling, dtype)
+        return cos.transpose(1, 2), sin.transpose(1, 2)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache=None,
-                cache_index: Optional[int] = None, cache_kwargs: Optional[dict] = None) -> torch.Tensor:
+                cache_index: Optional[int] = None, cache_kwargs: Optional[dict] = None, rope=None) -> torch.Tensor:
         """``x`` [B, n, h]; ``positions`` [B, n]; ``allowed`` [B, n, keys] (query, key) booleans;
         ``cache``: a :class:`~.cache_lol.LoLCache`: this call's keys / values go to its layer
         ``cache_index`` (``cache_kwargs`` passed on, e.g. the rows a window layer updates),
-        which returns every key / value the queries may see."""
+        which returns every key / value the queries may see. Softmax attention in fp32 for fp32
+        weights (torch's ``scaled_dot_product_attention``, keys / values shared by query groups)."""
         b, n, _ = x.shape
-        q, k, v = self.project(x, positions)
+        q, k, v = self.project(x, positions, rope)
         if cache is not None:
             k, v = cache.update(k, v, cache_index, **(cache_kwargs or {}))
-        if self.kv_heads != self.heads:  # grouped-query attention
-            rep = self.heads // self.kv_heads
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        q = q.transpose(1, 2)  # [B, heads, n, d]
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
-        return self.o_proj(out)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1),
+                                             enable_gqa=self.kv_heads != self.heads)
+        return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 
 class MLP(nn.Module):
@@ -173,16 +180,17 @@ class Layer(nn.Module):
 
     def forward(self, x, positions, allowed, film=None, attention: Optional[AttentionSet] = None, gates=None,
                 router_weight: Optional[torch.Tensor] = None, cache=None, cache_index: Optional[int] = None,
-                cache_kwargs: Optional[dict] = None):
+                cache_kwargs: Optional[dict] = None, rope=None):
         """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;
         ``attention``: another input norm + attention to use (Foil's later passes);
         ``gates``: ``(g_attn [h], g_mlp [h])`` scaling the two residual writes (Accordion's
-        second pass); ``router_weight``: MoE router weights to use instead of the block's."""
+        second pass); ``router_weight``: MoE router weights to use instead of the block's;
+        ``rope``: RoPE's ``(cos, sin)`` of ``positions``, when computed once for several layers."""
         att = self if attention is None else attention
         y = att.input_layernorm(x)
         if film is not None:
             y = film[0][0].to(y.dtype) * y + film[1][0].to(y.dtype)
-        h = x + att.self_attn(y, positions, allowed, cache, cache_index, cache_kwargs)
+        h = x + att.self_attn(y, positions, allowed, cache, cache_index, cache_kwargs, rope)
         if gates is not None:
             h = x + gates[0].to(x.dtype) * (h - x)
         y = self.post_attention_layernorm(h)

@@ -235,58 +235,66 @@ class LoLModel(LoLPreTrainedModel):
         return {"choice": choice, "gate": gate, "sums": sums, "counts": counts, "before": before,
                 "ordinal": ordinal, "window_doc": window_doc, "flat_first": flat_first}
 
-    def _run_block_on(self, block: int, depth: int, s, positions, window, selected):
-        """Run ``block`` on the tokens ``selected`` [B, n] (window-causal attention); returns ``E(s) - s`` there."""
-        b, n, h = s.shape
-        count = selected.sum(dim=1)
-        width = int(count.max())
-        # the selected tokens of each row first, in order (stable sort), padded to ``width``
-        order = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        valid = torch.arange(width, device=s.device).unsqueeze(0) < count.unsqueeze(1)
-        x = s.gather(1, order.unsqueeze(-1).expand(b, width, h))
-        seg = torch.where(valid, window.gather(1, order), torch.full_like(order, -1))
-        out = self.blocks[block](x, positions.gather(1, order), causal_same_segment(seg), self.film(depth, block))
-        update = torch.zeros_like(s)
-        update.scatter_(1, order.unsqueeze(-1).expand(b, width, h), torch.where(valid.unsqueeze(-1), out - x, 0))
-        return update
+    def _packed(self, window: torch.Tensor, flat_first: torch.Tensor):
+        """Each window's tokens as a row of ``W`` flat token indices (``[num_windows, W]``, the
+        window's first token where it is shorter) with their validity: a block runs on windows
+        packed this way, so attention costs ``O(W)`` per token, not ``O(n)``."""
+        W = self.config.window_size
+        counts = torch.bincount(window.reshape(-1), minlength=flat_first.numel())
+        slots = torch.arange(W, device=window.device)
+        valid = slots.unsqueeze(0) < counts.unsqueeze(1)
+        index = torch.where(valid, flat_first.unsqueeze(1) + slots.unsqueeze(0), flat_first.unsqueeze(1))
+        return index, valid
+
+    def _run_windows(self, block: int, parts: dict, flat, flat_pos, index, valid):
+        """``(inputs, outputs, token index)`` of ``block`` run on packed windows (causal attention inside
+        each window; padding slots see the window's tokens and are dropped)."""
+        W = index.shape[1]
+        causal = torch.ones(W, W, dtype=torch.bool, device=index.device).tril()
+        x = flat[index]
+        out = self.blocks[block](x, flat_pos[index], causal.unsqueeze(0) & valid.unsqueeze(1), **parts)
+        return x[valid], out[valid], index[valid]
 
     def _routed_step(self, step, s, positions, doc, doc_pos, cache, index, routes):
         """A routed step: every window runs the block its router chose."""
         depth = step["depth"]
+        b, n, h = s.shape
         window, ordinal, flat_first = self._windows(depth, doc_pos)
         route = self._route(depth, s, window, ordinal, flat_first, doc)
         if routes is not None:
-            n = s.shape[1]
             rows = torch.div(flat_first, n, rounding_mode="floor")
             document = route["window_doc"] - doc[:, 0].index_select(0, rows)
             routes.extend(zip(rows.tolist(), [depth] * rows.numel(), document.tolist(), ordinal.tolist(),
                               (flat_first % n).tolist(), route["choice"].tolist(), route["gate"].tolist()))
         if cache is not None:
             prefill_window(self, cache.layers[index], step, s, positions, window, route)
-        token_choice, token_gate = route["choice"][window], route["gate"][window]
-        update = torch.zeros_like(s)
-        for block in range(self.config.num_blocks):
-            selected = token_choice == block
-            if selected.any():
-                update = update + self._run_block_on(block, depth, s, positions, window, selected)
-        return s + token_gate.unsqueeze(-1).to(s.dtype) * update
+        packed, valid = self._packed(window, flat_first)
+        flat, flat_pos = s.reshape(-1, h), positions.reshape(-1)
+        update = torch.zeros_like(flat)
+        for block in torch.unique(route["choice"]).tolist():
+            chosen = route["choice"] == block
+            parts = {"film": self.film(depth, block)}
+            x, out, tokens = self._run_windows(block, parts, flat, flat_pos, packed[chosen], valid[chosen])
+            update[tokens] = out - x
+        token_gate = route["gate"][window]
+        return s + token_gate.unsqueeze(-1).to(s.dtype) * update.view(b, n, h)
 
     def _fixed_step(self, step, s, positions, doc, doc_pos, cache, index, queries):
         """dense / looped / Foil / accordion: the step's block on every token."""
         block = step["block"]
-        window = None
-        if step["attention"] == "strided":
-            window = self._windows(step["depth"], doc_pos)[0]
-            allowed = causal_same_segment(window)
-        elif step["attention"] == "sliding":
+        parts = self.step_parts(step, block)
+        if step["attention"] == "strided":  # the windows of the depth, packed
+            b, n, h = s.shape
+            window, _, flat_first = self._windows(step["depth"], doc_pos)
+            if cache is not None:  # the cache keeps each row's open window
+                prefill_window(self, cache.layers[index], step, s, positions, window, None)
+            packed, valid = self._packed(window, flat_first)
+            _, out, tokens = self._run_windows(block, parts, s.reshape(-1, h), positions.reshape(-1), packed, valid)
+            return torch.empty_like(s).view(-1, h).index_copy_(0, tokens, out).view(b, n, h)
+        if step["attention"] == "sliding":
             allowed = causal_same_segment(doc, sliding=self.config.window_size)
         else:
             allowed = causal_same_segment(doc)
-        parts = self.step_parts(step, block)
-        if window is not None:  # windowed: the cache keeps each row's open window (filled below)
-            if cache is not None:
-                prefill_window(self, cache.layers[index], step, s, positions, window, None)
-            return self.blocks[block](s, positions, allowed, **parts)
         return self.blocks[block](s, positions, allowed[:, queries], **parts, cache=cache, cache_index=index)
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
@@ -375,12 +383,13 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
                 labels: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 return_dict: Optional[bool] = None, loop_budget: Optional[int] = None, use_cache: Optional[bool] = None,
                 cache: Optional[LoLCache] = None, past_key_values=None, context_ids: Optional[torch.LongTensor] = None,
-                routes: Optional[list] = None, **kwargs) -> CausalLMOutputWithPast:
+                routes: Optional[list] = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         """``loop_budget``: Accordion's budget ``k`` for this call (default ``config.loop_budget``).
         ``cache`` (or ``past_key_values``): a :class:`~.cache_lol.LoLCache`; ``use_cache=True``
         without one makes one (returned in the output). ``context_ids`` [B, past + n]: every
         token id so far, checked against the cache (optional: the cache follows documents itself).
-        ``routes``: see :meth:`LoLModel.forward`."""
+        ``routes``: see :meth:`LoLModel.forward`. ``logits_to_keep`` > 0: logits of the last that
+        many positions only (``generate`` asks for one)."""
         cache = cache if cache is not None else past_key_values
         if cache is None and use_cache:
             cache = LoLCache(self.config, loop_budget)
@@ -394,7 +403,7 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
                                  f"and {n} are new")
         hidden, cache = self.model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                                    loop_budget=loop_budget, cache=cache, routes=routes)
-        logits = self.lm_head(hidden)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep and labels is None else hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
