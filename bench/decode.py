@@ -14,19 +14,19 @@ way ``megatron-lol convert-hf`` exports them, from real configs, with random wei
 For each model, batch size and number of new tokens, ``generate`` runs greedily with
 ``min_new_tokens = max_new_tokens`` from a random prompt with the cache (``use_cache=True``:
 LoLCache for the remote-code models, DynamicCache for Llama; the fastest of ``--repeats``
-runs) and recomputing the whole prefix at every step (``use_cache=False``, one run) up to
-``--recompute-limit`` new tokens. Recomputation is quadratic in the length (batch 8 at 1,024
-new tokens takes most of an hour per model on 2 cores), so for every length it is also
-*estimated* from timed forwards: step ``t`` of ``generate(use_cache=False)`` is one forward of
-the ``prompt + t`` tokens (last logits only), timed at ``--estimate-points`` lengths and summed
-over the steps with the trapezoid rule. The estimate leaves out ``generate``'s own per-step
-work, so it overstates recomputation's speed and understates the speed-up; where both exist
-the table shows both. Reported: tokens/s (all rows), the speed-up of the cache, layer
-executions per second of the cached run and its ratio to the dense model's, and the cache's
-memory after the run: for LoLCache, the windowed core steps (LoL's routed depths: one window
-per row and depth, flat) apart from the rest (prelude, coda, full-attention steps, which grow
-with the context). Runs of the models alternate so that load from other processes hits them
-alike.
+runs, the models alternating so that load from other processes hits them alike) and
+recomputing the whole prefix at every step (``use_cache=False``, one run) up to
+``--recompute-limit`` new tokens. Recomputation is quadratic in the length (batch 8 at
+1,024 new tokens takes most of an hour per model on 2 cores), so for every length it is
+also *estimated* from timed forwards: step ``t`` of ``generate(use_cache=False)`` is one
+forward of the ``prompt + t`` tokens (last logits only), timed at ``--estimate-points``
+lengths (the fastest of ``--repeats``) and summed over the steps with the trapezoid rule.
+The estimate leaves out ``generate``'s own per-step work, so it overstates recomputation's
+speed and understates the speed-up; where both exist the table shows both. Reported:
+tokens/s (all rows), the speed-up of the cache, layer executions per second of the cached
+run and its ratio to the dense model's, and the cache's memory after the run: for LoLCache,
+the windowed core steps (LoL's routed depths: one window per row and depth, flat) apart
+from the rest (prelude, coda, full-attention steps, which grow with the context).
 
     python bench/decode.py                                   # defaults: about half an hour on 2 cores
     python bench/decode.py --new-tokens 64,256 --batch 1 --json out.json
@@ -65,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--recompute-limit", type=int, default=256,
                    help="run generate(use_cache=False) up to this many new tokens (default 256); estimate it for all")
     p.add_argument("--estimate-points", type=int, default=9, help="timed forwards per recomputation estimate")
-    p.add_argument("--repeats", type=int, default=3, help="cached runs per measurement (the fastest counts)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="cached runs (and timed forwards of an estimate) per measurement: the fastest counts")
     p.add_argument("--json", default=None, help="also write the results here")
     add_threads_arg(p)
     return p.parse_args(argv)
@@ -140,10 +141,10 @@ def run_generate(model, prompt, new_tokens: int, use_cache: bool) -> tuple:
     return seconds, (cache_bytes(out.cache) if use_cache else None)
 
 
-def estimate_recompute(model, prompt, new_tokens: int, points: int) -> float:
+def estimate_recompute(model, prompt, new_tokens: int, points: int, repeats: int) -> float:
     """Seconds of ``generate(use_cache=False)`` for ``new_tokens`` steps: forwards of the prompt plus
-    ``t`` tokens (last logits only, as generate asks) timed at ``points`` values of ``t``, summed over
-    ``t = 0 .. new_tokens - 1`` with the trapezoid rule."""
+    ``t`` tokens (last logits only, as generate asks) timed at ``points`` values of ``t`` (the
+    fastest of ``repeats``), summed over ``t = 0 .. new_tokens - 1`` with the trapezoid rule."""
     b, p = prompt.shape
     gen = torch.Generator().manual_seed(2)
     longest = torch.cat([prompt, torch.randint(3, model.config.vocab_size, (b, new_tokens), generator=gen)], dim=1)
@@ -152,11 +153,12 @@ def estimate_recompute(model, prompt, new_tokens: int, points: int) -> float:
     with torch.no_grad():
         for t in ts:
             ids = longest[:, :p + t]
-            start = time.perf_counter()
-            model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
-            cost[t] = time.perf_counter() - start
-    total = cost[ts[0]] if len(ts) == 1 else 0.0
-    for a, c in zip(ts, ts[1:]):  # steps a .. c - 1 interpolated linearly, and step c counted by the next span
+            for _ in range(repeats):
+                start = time.perf_counter()
+                model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
+                cost[t] = min(cost.get(t, float("inf")), time.perf_counter() - start)
+    total = 0.0
+    for a, c in zip(ts, ts[1:]):  # steps a .. c - 1, the cost interpolated linearly between the timed ones
         total += (c - a) * (cost[a] + cost[c]) / 2
     return total + cost[ts[-1]]
 
@@ -175,11 +177,16 @@ def main(argv=None) -> dict:
     for batch in batches:
         prompt = torch.randint(3, args.vocab, (batch, args.prompt), generator=gen)
         for new in news:
-            for name, model in models.items():  # alternating models: load hits them alike
-                runs = [run_generate(model, prompt, new, True) for _ in range(args.repeats)]
-                cached_s, memory = min(runs, key=lambda r: r[0])
+            cached = {}
+            for _ in range(args.repeats):  # the models alternate: load from other processes hits them alike
+                for name, model in models.items():
+                    seconds, memory = run_generate(model, prompt, new, True)
+                    if seconds < cached.get(name, (float("inf"),))[0]:
+                        cached[name] = (seconds, memory)
+            for name, model in models.items():
+                cached_s, memory = cached[name]
                 recompute_s = run_generate(model, prompt, new, False)[0] if new <= args.recompute_limit else None
-                estimate_s = estimate_recompute(model, prompt, new, args.estimate_points)
+                estimate_s = estimate_recompute(model, prompt, new, args.estimate_points, args.repeats)
                 rows.append({"model": name, "layers": executed_layers(model), "batch": batch, "new_tokens": new,
                              "cached_tokens_per_s": batch * new / cached_s,
                              "recompute_tokens_per_s": batch * new / recompute_s if recompute_s else None,

@@ -302,6 +302,14 @@ def test_hf_generate_cache_batches_sampling_and_pipeline(lol_ckpt, corpus, tmp_p
     assert torch.equal(got, _greedy(hf, batch, 40, attention_mask=mask, pad_token_id=0, use_cache=False))
     for i, r in enumerate(rows):
         assert torch.equal(got[i, width:], _greedy(hf, r.unsqueeze(0), 40)[0, len(r):]), i
+    # the same with the tokenizer's left padding (docs/evaluation.md)
+    tok.padding_side, tok.pad_token = "left", tok.unk_token
+    texts = [tok.decode(r) for r in rows[:2]]
+    enc = tok(texts, return_tensors="pt", padding=True)
+    padded = _greedy(hf, enc["input_ids"], 24, attention_mask=enc["attention_mask"], pad_token_id=tok.pad_token_id)
+    for i, t in enumerate(texts):
+        alone = tok(t, return_tensors="pt")["input_ids"]
+        assert torch.equal(padded[i, enc["input_ids"].shape[1]:], _greedy(hf, alone, 24)[0, alone.shape[1]:]), i
     # sampling with a seed: the same draw with and without the cache; another seed draws otherwise
     sampled = {}
     for seed, use_cache in ((7, True), (7, False), (8, True)):

@@ -192,6 +192,23 @@ def _window_step(model, cache, index: int, step: dict, s: torch.Tensor, position
     return s + layer.gate_column.to(s.dtype) * update
 
 
+def _block_weights(model, cache, index: int, step: dict, block: int) -> dict:
+    """The tensors :func:`_rows_of_several_blocks` applies for one block at one step (looked up once
+    per cache: module attribute lookups cost more than the small matrix products)."""
+    key = (index, block, "weights")
+    weights = cache.parts.get(key)
+    if weights is None:
+        layer = model.blocks[block]
+        att, mlp = layer.self_attn, layer.mlp
+        weights = {"norms": (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+                   "eps": layer.input_layernorm.eps, "film": _parts(model, cache, index, step, block)["film"],
+                   "qkvo": (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, att.o_proj.weight),
+                   "mlp": ((mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
+                           if isinstance(mlp, MLP) else mlp)}
+        cache.parts[key] = weights
+    return weights
+
+
 def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torch.Tensor, rope) -> torch.Tensor:
     """``E(s) - s`` of a routed step whose rows run different blocks: ``Layer.forward``'s operations
     with each block's norm weights and linear maps applied to its rows (rows sorted by block) and
@@ -199,45 +216,37 @@ def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torc
     rows. One layer call per block instead costs several times more per token on small models
     (the calls' fixed cost dominates; docs/performance.md, "Decoding")."""
     order, spans = layer.order, layer.groups
-    blocks = [(model.blocks[block], first, end, _parts(model, cache, index, step, block)["film"])
-              for block, first, end in spans]
+    blocks = [(_block_weights(model, cache, index, step, block), first, end) for block, first, end in spans]
     x = s.index_select(0, order)  # [B, 1, h], rows sorted by block
+    h = x.shape[-1]
 
-    def per_block(fn, t):
-        return torch.cat([fn(block, t[first:end], film) for block, first, end, film in blocks], dim=0)
+    def norm(t, which):
+        parts = []
+        for w, first, end in blocks:
+            y = F.rms_norm(t[first:end], (h,), w["norms"][which].to(t.dtype), w["eps"])
+            film = w["film"]
+            parts.append(y if film is None else film[0][which].to(y.dtype) * y + film[1][which].to(y.dtype))
+        return torch.cat(parts, dim=0)
 
-    def norm(which):
-        def apply(block, t, film):
-            y = getattr(block, ("input_layernorm", "post_attention_layernorm")[which])(t)
-            return y if film is None else film[0][which].to(y.dtype) * y + film[1][which].to(y.dtype)
-        return apply
+    def linear(t, group: str, i: int):
+        return torch.cat([F.linear(t[first:end], w[group][i]) for w, first, end in blocks], dim=0)
 
-    def linear(*path):
-        def apply(block, t, film):
-            module = block
-            for name in path:
-                module = getattr(module, name)
-            return F.linear(t, module.weight)
-        return apply
-
-    attn = model.blocks[spans[0][0]].self_attn  # shapes and RoPE settings are the same for every block
-    b = x.shape[0]
-    y = per_block(norm(0), x)
-    q = per_block(linear("self_attn", "q_proj"), y).view(b, 1, attn.heads, attn.head_dim).transpose(1, 2)
-    k = per_block(linear("self_attn", "k_proj"), y).view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
-    v = per_block(linear("self_attn", "v_proj"), y).view(b, 1, attn.kv_heads, attn.head_dim).transpose(1, 2)
+    attn = model.blocks[spans[0][0]].self_attn  # shapes are the same for every block
+    b, heads, kv, d = x.shape[0], attn.heads, attn.kv_heads, attn.head_dim
+    y = norm(x, 0)
+    q = linear(y, "qkvo", 0).view(b, 1, heads, d).transpose(1, 2)
+    k = linear(y, "qkvo", 1).view(b, 1, kv, d).transpose(1, 2)
+    v = linear(y, "qkvo", 2).view(b, 1, kv, d).transpose(1, 2)
     cos, sin = rope
     q = q * cos + rotate_half(q) * sin
     k = k * cos + rotate_half(k) * sin
     mask = layer.next_mask(order)
     keys, values = cache.update(k, v, index, rows=order)
-    a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1),
-                                       enable_gqa=attn.kv_heads != attn.heads)
-    h = x + per_block(linear("self_attn", "o_proj"), a.transpose(1, 2).reshape(b, 1, attn.heads * attn.head_dim))
-    y = per_block(norm(1), h)
-    if isinstance(model.blocks[spans[0][0]].mlp, MLP):
-        act = F.silu(per_block(linear("mlp", "gate_proj"), y)) * per_block(linear("mlp", "up_proj"), y)
-        mlp = per_block(linear("mlp", "down_proj"), act)
+    a = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask.unsqueeze(1), enable_gqa=kv != heads)
+    h_attn = x + linear(a.transpose(1, 2).reshape(b, 1, heads * d), "qkvo", 3)
+    y = norm(h_attn, 1)
+    if isinstance(blocks[0][0]["mlp"], tuple):
+        mlp = linear(F.silu(linear(y, "mlp", 0)) * linear(y, "mlp", 1), "mlp", 2)
     else:  # mixture of experts: tokens are routed to experts inside each block's MLP
-        mlp = per_block(lambda block, t, film: block.mlp(t), y)
-    return torch.zeros_like(s).index_copy(0, order, h + mlp - x)
+        mlp = torch.cat([w["mlp"](y[first:end]) for w, first, end in blocks], dim=0)
+    return torch.zeros_like(s).index_copy(0, order, h_attn + mlp - x)
