@@ -66,6 +66,8 @@ def train_spread_save(save: str, tokenizer_model: str, parallel: dict, model: di
     with torch.no_grad():
         for chunk in trainer.model_chunks:
             model = chunk.module
+            if not model.plan.routed:
+                continue
             inputs = []
             hooks = [r.logits.register_forward_hook(lambda mod, args, out: inputs.append(args[0].float()))
                      for r in model.core.routers]
@@ -87,9 +89,15 @@ def train_spread_save(save: str, tokenizer_model: str, parallel: dict, model: di
 
 
 @pytest.fixture(scope="module")
-def lol_ckpt(corpus):  # noqa: F811
-    """The tiny LoL model of test_convert_hf (trained here in one process, routers spread)."""
-    return _train(corpus, 1, [("lol_1proc", {}, {})], script=__file__)["lol_1proc"]
+def checkpoints(corpus):  # noqa: F811
+    """One 1-process launch: the tiny LoL model of test_convert_hf (routers spread) and the
+    Accordion of test_convert_hf_moe."""
+    return _train(corpus, 1, [("lol_1proc", {}, {}), ("accordion", {}, ACCORDION)], script=__file__)
+
+
+@pytest.fixture(scope="module")
+def lol_ckpt(checkpoints):
+    return checkpoints["lol_1proc"]
 
 
 RANDOM_MODELS = {
@@ -512,6 +520,42 @@ def test_evaluate_cli_jsonl_and_indexed_dataset(lol_ckpt, corpus, tmp_path, caps
     assert code == 0 and "bpb" in out and out.splitlines()[2].split()[:2] == ["all", "1"]
 
 
+
+def test_generate_and_evaluate_accordion_budget(checkpoints, corpus, tmp_path, capsys):  # noqa: F811
+    """--loop-budget: generate's tokens are the megatron model's greedy tokens at that budget, and
+    evaluate's loss changes with it."""
+    import sentencepiece as spm
+
+    ckpt = checkpoints["accordion"]
+    sp = spm.SentencePieceProcessor(model_file=corpus["model"])
+    text = corpus["heldout"][0][:50]
+    native = native_model(ckpt)
+    for budget in (1, 3):
+        code, out, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", text, "--max-new-tokens", "12",
+                              "--loop-budget", str(budget), "--json", "--ignore-eod")
+        assert code == 0, err
+        seq = torch.tensor([sp.encode(text)])
+        with torch.no_grad():
+            for _ in range(12):
+                seq = torch.cat([seq, native(seq, budget=budget)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert json.loads(out)["tokens"] == seq[0, -12:].tolist(), budget
+    data = tmp_path / "heldout.jsonl"
+    data.write_text(json.dumps({"text": corpus["heldout"][1][:400]}) + "\n")
+    losses = {}
+    for budget in (0, 3):
+        code, out, err = _cli(capsys, "evaluate", "--load", str(ckpt), "--jsonl", str(data), "--json", "--no-progress",
+                              "--loop-budget", str(budget))
+        assert code == 0, err
+        losses[budget] = json.loads(out)["overall"]["loss"]
+        assert json.loads(out)["loop_budget"] == budget
+    assert losses[0] != losses[3]
+    code, _, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", "hi", "--loop-budget", "2")
+    assert code == 2 and "--loop-budget: 2 is not one of the model's loop_budgets [0, 1, 3]" in err
+    code, _, err = _cli(capsys, "generate", "--load", str(checkpoints["lol_1proc"]), "--prompt", "hi",
+                        "--loop-budget", "1")
+    assert code == 2 and "only plan accordion has a loop budget" in err
+    code, _, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", "hi", "--record-routes")
+    assert code == 2 and "--record-routes: plan accordion has no routed depths" in err
 
 # ------------------------------------------------------------------ lm-evaluation-harness on the export
 ARC = [("What does the def keyword start?", ["a function", "a number", "a colour"], 0),

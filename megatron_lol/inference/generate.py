@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 
 import torch
@@ -169,10 +170,9 @@ def run(args: argparse.Namespace) -> int:
                     log_rank0(format_routes(routes))
     seconds = time.perf_counter() - start
     msg = (f"generated {produced} tokens for {len(encoded)} prompt(s) in {seconds:.2f} s "
-           f"({produced / max(seconds, 1e-9):.1f} tokens/s, plan {loaded.cfg.model.plan}, iteration {loaded.iteration})")
+           f"({produced / max(seconds, 1e-9):.1f} tokens/s, plan {loaded.cfg.model.plan}, "
+           f"iteration {loaded.iteration})")
     if args.json:
-        import sys
-
         print(msg, file=sys.stderr)
     else:
         log_rank0(msg)

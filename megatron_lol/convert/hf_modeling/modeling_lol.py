@@ -313,7 +313,8 @@ class LoLModel(LoLPreTrainedModel):
             self.check_cache(cache, loop_budget)
             budget = cache.loop_budget
             if cache.get_seq_length():
-                return decode_tokens(self, cache, input_ids, attention_mask, inputs_embeds, self.schedule(budget)), cache
+                steps = self.schedule(budget)
+                return decode_tokens(self, cache, input_ids, attention_mask, inputs_embeds, steps), cache
         else:
             budget = self.resolve_budget(loop_budget)
         if routes is None and cache is not None:
@@ -416,6 +417,7 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
                                       past_key_values=None, attention_mask=None, inputs_embeds=None, use_cache=None,
                                       loop_budget=None, **kwargs):
         inputs = {"attention_mask": attention_mask}
+        inputs.update((k, v) for k, v in kwargs.items() if k != "is_first_iteration")  # logits_to_keep, ...
         if loop_budget is not None:
             inputs["loop_budget"] = loop_budget
         if use_cache is False:  # recompute the whole sequence at every step
