@@ -213,8 +213,8 @@ def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torc
     """``E(s) - s`` of a routed step whose rows run different blocks: ``Layer.forward``'s operations
     with each block's norm weights and linear maps applied to its rows (rows sorted by block) and
     everything else (RoPE, the window cache, attention, the activation, residuals) once for all
-    rows. One layer call per block instead costs several times more per token on small models
-    (the calls' fixed cost dominates; docs/performance.md, "Decoding")."""
+    rows. A layer call per block would repeat all of those, and with small widths a call's fixed
+    cost outweighs its arithmetic (docs/performance.md, "Decoding": batch 8 against dense)."""
     order, spans = layer.order, layer.groups
     blocks = [(_block_weights(model, cache, index, step, block), first, end) for block, first, end in spans]
     x = s.index_select(0, order)  # [B, 1, h], rows sorted by block
