@@ -557,6 +557,32 @@ def test_generate_and_evaluate_accordion_budget(checkpoints, corpus, tmp_path, c
     code, _, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", "hi", "--record-routes")
     assert code == 2 and "--record-routes: plan accordion has no routed depths" in err
 
+def test_decode_benchmark_runs(tmp_path):
+    """bench/decode.py at tiny sizes: every model, batch and length gets its row, measured and
+    estimated recomputation, and the windowed LoL cache does not grow with the length."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "decode.json"
+    proc = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--hidden", "32", "--ffn", "64",
+                           "--vocab", "256", "--window", "8", "--shift", "4", "--prompt", "8", "--new-tokens", "8,24",
+                           "--batch", "1,2", "--repeats", "1", "--recompute-limit", "8", "--estimate-points", "3",
+                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=root,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted((r["model"], r["batch"], r["new_tokens"]) for r in rows) == sorted(
+        (m, b, n) for m in ("lol", "dense", "accordion") for b in (1, 2) for n in (8, 24))
+    for r in rows:
+        assert r["layers"] == 6 and r["cached_tokens_per_s"] > 0 and r["recompute_estimate_tokens_per_s"] > 0
+        assert (r["recompute_tokens_per_s"] is not None) == (r["new_tokens"] == 8)
+    lol = {(r["batch"], r["new_tokens"]): r["cache_bytes"] for r in rows if r["model"] == "lol"}
+    for b in (1, 2):
+        assert lol[b, 8]["windows"] == lol[b, 24]["windows"] > 0 and lol[b, 24]["documents"] > lol[b, 8]["documents"]
+    assert all(r["cache_bytes"]["windows"] == 0 for r in rows if r["model"] != "lol")
+    assert "vs dense" in proc.stdout and proc.stdout.count("\nlol ") == 4
+
 # ------------------------------------------------------------------ lm-evaluation-harness on the export
 ARC = [("What does the def keyword start?", ["a function", "a number", "a colour"], 0),
        ("Which word imports a module?", ["import", "banana", "seventeen"], 0),
