@@ -242,6 +242,20 @@ def test_cached_decoding_equals_recompute_every_plan(name):
             assert_window_memory_flat(cache, memory)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", ["lol_film_injection", "lol_moe", "accordion"])
+def test_cached_decoding_equals_recompute_on_cuda(name):
+    """The same check on a CUDA device (fp32, TF32 off): every tensor of the cache lives there."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = random_model(name).cuda()
+    prompt = prompts_with_documents(3, 20, seed=len(name)).cuda()
+    budget = 1 if name == "accordion" else None
+    seq, worst, cache, _ = decode_against_recompute(model, prompt, NEW_TOKENS, force_eod_at=SEQ, loop_budget=budget)
+    assert worst <= 1e-4, worst
+    check_routes(model, seq, cache, budget)
+    assert all(layer.keys.is_cuda for layer in cache.layers if layer.keys is not None)
+
 def test_trained_lol_cached_decoding_and_routes_equal_megatron(lol_ckpt, corpus, tmp_path):  # noqa: F811
     """The trained LoL model's export: packed documents with an EOD inside the prompt; routes
     chosen while decoding are those of the full forward and of the megatron model."""
