@@ -41,6 +41,8 @@ VERBS: dict[str, tuple[str, str]] = {
     "convert-hf": ("megatron_lol.convert.to_hf", "convert a checkpoint to a HuggingFace model directory"),
     "import-hf": ("megatron_lol.convert.from_hf", "import a Llama-architecture HF checkpoint"),
     "analyze": ("megatron_lol.analysis.cli", "routing analyses: heatmaps, paths, mode paths"),
+    "generate": ("megatron_lol.inference.generate", "generate text from a checkpoint (exact KV-cached decoding)"),
+    "evaluate": ("megatron_lol.inference.evaluate", "loss, perplexity, bits per byte of a checkpoint on held-out text"),
 }
 
 VERBOSE_ENV = "MEGATRON_LOL_VERBOSE"

@@ -12,7 +12,7 @@ fi
 if ! python -c "import torch" 2>/dev/null; then
   pip install -q "torch==${TORCH_VERSION:-2.13.0}"
 fi
-pip install -q -e ".[data,hf,analysis,console,test]"
+pip install -q -e ".[data,hf,analysis,console,eval,test]"
 # megatron-core's Muon (--optimizer muon) runs on emerging-optimizers 0.3.0, the one release on PyPI.
 # Its metadata asks for Python >= 3.12, where pyproject.toml installs it; older Pythons get the same
 # wheel, pinned by its sha256, without that check (megatron_lol/training/muon_compat.py: why and how).

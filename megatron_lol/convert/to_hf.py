@@ -6,12 +6,12 @@ process groups, one tensor at a time (see :mod:`.checkpoint`), and writes:
 * ``config.json`` and ``generation_config.json``;
 * ``model-0000i-of-0000n.safetensors`` shards and ``model.safetensors.index.json``;
 * for LoL / looped / non-standard dense models, ``configuration_lol.py`` and
-  ``modeling_lol.py`` registered through ``auto_map`` (load with
+  ``modeling_lol.py`` (with the modules it imports) registered through ``auto_map`` (load with
   ``trust_remote_code=True``); a dense model with full attention and no FiLM /
   input injection is written as a stock ``LlamaForCausalLM`` (no remote code);
 * tokenizer files ``AutoTokenizer`` loads (:mod:`.tokenizer_export`).
 
-Only safetensors, JSON and the two Python files are written. Peak memory is one
+Only safetensors, JSON and the remote-code Python files are written. Peak memory is one
 safetensors shard (``--max-shard-size``) plus one tensor. The directory is built
 next to ``--save`` and renamed into place when complete.
 """
@@ -34,6 +34,8 @@ from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_a
 from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
+# the remote code written next to a LoL model's config.json (modeling_lol.py imports the others)
+TEMPLATE_FILES = ("configuration_lol.py", "modeling_lol.py", "layers_lol.py", "cache_lol.py", "decoding_lol.py")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # kept in fp32 whatever --dtype (the native model computes LoL routing and megatron-core's
@@ -236,7 +238,7 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "bos_token_id": tokens.get("bos_id"),
         "eos_token_id": tokens.get("eod_id"),
         "pad_token_id": tokens.get("pad_id"),
-        "use_cache": not plan.routed,  # the fixed plans keep a KV cache
+        "use_cache": True,  # every plan decodes with a LoLCache (cache_lol.py)
         "torch_dtype": DTYPE_NAMES[dtype],
     }
 
@@ -344,10 +346,10 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
         gen = {"bos_token_id": tokens.get("bos_id"), "eos_token_id": tokens["eod_id"],
                "pad_token_id": tokens.get("pad_id"), "do_sample": False}
         if not llama:
-            gen["use_cache"] = not m.execution_plan().routed
+            gen["use_cache"] = True
         _write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
         if not llama:
-            for f in ("configuration_lol.py", "modeling_lol.py"):
+            for f in TEMPLATE_FILES:
                 shutil.copyfile(os.path.join(TEMPLATES, f), os.path.join(tmp, f))
         if os.path.exists(save):
             shutil.rmtree(save) if os.path.isdir(save) else os.remove(save)

@@ -122,6 +122,24 @@ class LoLConfig(PretrainedConfig):
         """Core executions of the full plan (Accordion: at its largest budget)."""
         return len(self.steps)
 
+    @property
+    def has_budgets(self):
+        """Whether the plan has loop budgets (Accordion)."""
+        return bool((self.execution_plan or {}).get("depth_for_budget"))
+
+    def resolve_budget(self, loop_budget=None):
+        """The loop budget of a call or cache: the given one, else ``loop_budget`` (Accordion);
+        None for the other plans, which refuse a given one."""
+        if not self.has_budgets:
+            if loop_budget is not None:
+                raise ValueError(f"loop_budget: only plan accordion has a loop budget (this model's plan is "
+                                 f"{self.plan})")
+            return None
+        k = self.loop_budget if loop_budget is None else int(loop_budget)
+        if k not in self.loop_budgets:
+            raise ValueError(f"loop_budget={k} is not one of the model's loop_budgets {list(self.loop_budgets)}")
+        return k
+
     def depth_for_budget(self, budget):
         """Core steps a loop budget runs (all of them for plans without budgets)."""
         table = (self.execution_plan or {}).get("depth_for_budget")

@@ -1,6 +1,7 @@
 """Library-of-Layers (LoL) causal language model in plain PyTorch, for HuggingFace transformers.
 
-Written by ``megatron-lol convert-hf`` next to ``config.json``; load it with
+Written by ``megatron-lol convert-hf`` next to ``config.json`` (with ``configuration_lol.py``,
+``layers_lol.py``, ``cache_lol.py`` and ``decoding_lol.py``); load it with
 ``AutoModelForCausalLM.from_pretrained(path, trust_remote_code=True)``. It is the
 inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
 
@@ -41,20 +42,20 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
 * **coda**: ``n_coda`` layers like the prelude, final RMSNorm, LM head.
 * **mixture of experts** (``moe_layers``): the MLP of the prelude / coda layers
   (``fixed``) and also of the core blocks (``all``) is megatron-core's top-k MoE
-  (:class:`MoEMLP`); routing is per token, so it is independent of windows.
+  (:class:`~.layers_lol.MoEMLP`); routing is per token, so it is independent of windows.
 
-KV cache: the fixed plans (``dense``, ``looped``, ``foil``, ``accordion``) cache keys and values,
-one cache layer per layer *execution* (prelude layers, then every core execution --
-a block run twice has two entries -- then the coda); ``generate()`` uses it. With a
-cache, ``forward`` needs every token id of the rows so far to find the documents:
-``generate()`` passes them as ``context_ids`` (a manual loop may too; otherwise the
-ids seen by earlier calls with this cache are used). The routed plan (``lol``) has no
-cache: ``generate()`` recomputes the whole sequence at every step.
+Decoding cache (every plan): :class:`~.cache_lol.LoLCache`, one layer per layer
+execution. The routed depths keep only the current window's keys / values and the
+router's running sums, so a window's block is chosen when its first token arrives, from
+exactly what the full forward would use: cached decoding gives the logits of
+recomputing the whole prefix. ``generate()`` makes the cache (``use_cache=False``
+recomputes every step); a forward called with ``use_cache=True`` or a ``cache`` fills it
+from its tokens (the prefill) and later calls add one token per row at a time
+(:mod:`.decoding_lol`).
 """
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
@@ -63,218 +64,14 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from .cache_lol import LoLCache
+from .configuration_lol import LoLConfig
+from .decoding_lol import decode_tokens, prefill_window
+from .layers_lol import (AttentionSet, Layer, RMSNorm, Router, causal_same_segment, document_starts,
+                         positions_in_segment, segment_ids)
+
 # transformers 5 calls the KV cache ``cache``, earlier versions ``past_key_values``
 _CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
-
-from .configuration_lol import LoLConfig
-
-
-# --------------------------------------------------------------------------- layers
-class RMSNorm(nn.Module):
-    def __init__(self, hidden_size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    a, b = x.chunk(2, dim=-1)
-    return torch.cat((-b, a), dim=-1)
-
-
-def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: float, dtype):
-    """cos/sin ``[B, n, 1, head_dim]`` for integer ``positions`` ``[B, n]`` (non-interleaved RoPE)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim))
-    freqs = (positions.to(torch.float32) / scaling).unsqueeze(-1) * inv_freq  # [B, n, d/2]
-    emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-class Attention(nn.Module):
-    def __init__(self, config: LoLConfig):
-        super().__init__()
-        self.heads = config.num_attention_heads
-        self.kv_heads = config.num_key_value_heads
-        self.head_dim = config.head_dim
-        self.theta = config.rope_theta
-        self.scaling = config.rope_scaling_factor
-        h = config.hidden_size
-        self.q_proj = nn.Linear(h, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(h, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, h, bias=False)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache=None,
-                cache_index: Optional[int] = None) -> torch.Tensor:
-        """``x`` [B, n, h]; ``positions`` [B, n]; ``allowed`` [B, n, past + n] (query, key) booleans;
-        ``cache``: a transformers KV cache, this call's keys / values go to layer ``cache_index``."""
-        b, n, _ = x.shape
-        q = self.q_proj(x).view(b, n, self.heads, self.head_dim)
-        k = self.k_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(b, n, self.kv_heads, self.head_dim)
-        cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.scaling, q.dtype)
-        q = q * cos + rotate_half(q) * sin
-        k = k * cos + rotate_half(k) * sin
-        if cache is not None:  # the cache holds [B, kv_heads, length, d]
-            k, v = cache.update(k.transpose(1, 2), v.transpose(1, 2), cache_index)
-            k, v = k.transpose(1, 2), v.transpose(1, 2)
-        if self.kv_heads != self.heads:  # grouped-query attention
-            rep = self.heads // self.kv_heads
-            k = k.repeat_interleave(rep, dim=2)
-            v = v.repeat_interleave(rep, dim=2)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, heads, n, d]
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() / math.sqrt(self.head_dim)
-        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        out = torch.matmul(probs, v).transpose(1, 2).reshape(b, n, self.heads * self.head_dim)
-        return self.o_proj(out)
-
-
-class MLP(nn.Module):
-    def __init__(self, config: LoLConfig, intermediate_size: Optional[int] = None):
-        super().__init__()
-        h, f = config.hidden_size, intermediate_size or config.intermediate_size
-        self.gate_proj = nn.Linear(h, f, bias=False)
-        self.up_proj = nn.Linear(h, f, bias=False)
-        self.down_proj = nn.Linear(f, h, bias=False)
-
-    def forward(self, x: torch.Tensor, scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``scale`` [n] (an expert's routing weight per token) multiplies the activation, as
-        megatron-core's expert MLP does (``per_token_scale``, product cast back to x's dtype)."""
-        act = F.silu(self.gate_proj(x)) * self.up_proj(x)
-        if scale is not None:
-            act = (act * scale.unsqueeze(-1)).to(x.dtype)
-        return self.down_proj(act)
-
-
-class Router(nn.Module):
-    """The MoE router's ``weight`` [E, h] (kept in fp32; logits are computed in fp32)."""
-
-    def __init__(self, hidden_size: int, num_experts: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
-
-
-class MoEMLP(nn.Module):
-    """megatron-core's ``MoELayer`` at inference (local spec, ``TopKRouter``, ``SequentialMLP``).
-
-    ``logits = x W^T`` in fp32; the ``top_k`` largest logits per token (``torch.topk``,
-    the same tie order) are soft-maxed among themselves (``moe_router_pre_softmax=False``:
-    the weights of the chosen experts sum to 1); each chosen expert ``e`` computes
-    ``down(w_e * silu(gate(x)) * up(x))``; the outputs are summed in expert order in x's
-    dtype (megatron's unpermute), then the shared expert's output (if any) is added.
-    No capacity limit: no token is dropped.
-    """
-
-    def __init__(self, config: LoLConfig, num_experts: int):
-        super().__init__()
-        self.num_experts = num_experts
-        self.top_k = config.num_experts_per_tok
-        self.router = Router(config.hidden_size, num_experts)
-        self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(num_experts))
-        self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
-                              if config.shared_expert_intermediate_size else None)
-
-    def route(self, x: torch.Tensor, router_weight: Optional[torch.Tensor] = None):
-        """``x`` [n, h] -> (weights [n, k] fp32, expert ids [n, k])."""
-        weight = self.router.weight if router_weight is None else router_weight
-        logits = torch.mm(x.float(), weight.float().t())
-        top, index = torch.topk(logits, k=self.top_k, dim=1)
-        return torch.softmax(top, dim=-1, dtype=torch.float32), index
-
-    def forward(self, x: torch.Tensor, router_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        probs, index = self.route(flat, router_weight)
-        out = torch.zeros_like(flat)
-        for e, expert in enumerate(self.experts):
-            token, slot = torch.nonzero(index == e, as_tuple=True)
-            if token.numel():
-                out.index_add_(0, token, expert(flat[token], probs[token, slot]))
-        if self.shared_expert is not None:
-            out = out + self.shared_expert(flat)
-        return out.view(shape)
-
-
-class AttentionSet(nn.Module):
-    """An input norm and attention: Foil's attention of one (block, pass)."""
-
-    def __init__(self, config: LoLConfig):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-
-
-class Layer(nn.Module):
-    """A pre-norm transformer layer; also the type of every library block (``num_experts``: MoE MLP)."""
-
-    def __init__(self, config: LoLConfig, num_experts: Optional[int] = None):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config) if num_experts is None else MoEMLP(config, num_experts)
-
-    def forward(self, x, positions, allowed, film=None, attention: Optional[AttentionSet] = None, gates=None,
-                router_weight: Optional[torch.Tensor] = None, cache=None, cache_index: Optional[int] = None):
-        """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;
-        ``attention``: another input norm + attention to use (Foil's later passes);
-        ``gates``: ``(g_attn [h], g_mlp [h])`` scaling the two residual writes (Accordion's
-        second pass); ``router_weight``: MoE router weights to use instead of the block's."""
-        att = self if attention is None else attention
-        y = att.input_layernorm(x)
-        if film is not None:
-            y = film[0][0].to(y.dtype) * y + film[1][0].to(y.dtype)
-        h = x + att.self_attn(y, positions, allowed, cache, cache_index)
-        if gates is not None:
-            h = x + gates[0].to(x.dtype) * (h - x)
-        y = self.post_attention_layernorm(h)
-        if film is not None:
-            y = film[0][1].to(y.dtype) * y + film[1][1].to(y.dtype)
-        out = h + (self.mlp(y) if router_weight is None else self.mlp(y, router_weight))
-        if gates is not None:
-            out = h + gates[1].to(x.dtype) * (out - h)
-        return out
-
-
-# ------------------------------------------------------------------ documents, windows
-def document_starts(input_ids: torch.Tensor, eod_token_id, attention_mask=None) -> torch.Tensor:
-    """``[B, n]`` True where a document starts: column 0, after an EOD token, and where padding begins or ends."""
-    starts = torch.zeros_like(input_ids, dtype=torch.bool)
-    starts[:, 0] = True
-    if eod_token_id is not None:
-        starts[:, 1:] |= input_ids[:, :-1] == eod_token_id
-    if attention_mask is not None:
-        starts[:, 1:] |= attention_mask[:, 1:] != attention_mask[:, :-1]
-    return starts
-
-
-def segment_ids(starts: torch.Tensor) -> torch.Tensor:
-    """Number segments over the whole batch in row-major order (unique across rows)."""
-    flat = starts.clone()
-    flat[:, 0] = True
-    return (flat.reshape(-1).long().cumsum(0) - 1).view(starts.shape)
-
-
-def positions_in_segment(starts: torch.Tensor) -> torch.Tensor:
-    """Position of each token counted from the start of its document."""
-    b, n = starts.shape
-    idx = torch.arange(n, device=starts.device).expand(b, n)
-    first = torch.where(starts, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return idx - first
-
-
-def causal_same_segment(segments: torch.Tensor, sliding: Optional[int] = None) -> torch.Tensor:
-    """``allowed[b, i, j]``: ``j <= i`` and same segment (and ``i - j < sliding``)."""
-    n = segments.shape[1]
-    idx = torch.arange(n, device=segments.device)
-    allowed = (idx.view(1, n) <= idx.view(n, 1)).unsqueeze(0)
-    if sliding is not None:
-        allowed = allowed & (idx.view(n, 1) - idx.view(1, n) < sliding).unsqueeze(0)
-    return allowed & (segments.unsqueeze(2) == segments.unsqueeze(1))
 
 
 class Routing(nn.Module):
@@ -340,28 +137,18 @@ class LoLModel(LoLPreTrainedModel):
         self.post_init()
 
     @property
-    def supports_cache(self) -> bool:
-        """Fixed plans keep a KV cache; the routed plan recomputes."""
-        return all(step["block"] is not None for step in self.config.steps)
-
-    @property
     def has_budgets(self) -> bool:
-        return bool((self.config.execution_plan or {}).get("depth_for_budget"))
+        return self.config.has_budgets
 
-    def resolve_budget(self, loop_budget: Optional[int]) -> int:
+    def resolve_budget(self, loop_budget: Optional[int]) -> Optional[int]:
         """Accordion's budget ``k`` for a call: the given one, else ``config.loop_budget``."""
-        cfg = self.config
-        k = cfg.loop_budget if loop_budget is None else int(loop_budget)
-        if k not in cfg.loop_budgets:
-            raise ValueError(f"loop_budget={k} is not one of the model's loop_budgets {list(cfg.loop_budgets)}")
-        return k
+        return self.config.resolve_budget(loop_budget)
 
     def schedule(self, loop_budget: Optional[int] = None) -> list:
         """The steps of the core a call runs (``config.execution_plan``; Accordion: its budget's prefix)."""
+        budget = self.resolve_budget(loop_budget)
         steps = self.config.steps
-        if self.has_budgets:
-            return steps[:self.config.depth_for_budget(self.resolve_budget(loop_budget))]
-        return steps
+        return steps[:self.config.depth_for_budget(budget)] if budget is not None else steps
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -369,16 +156,54 @@ class LoLModel(LoLPreTrainedModel):
     def set_input_embeddings(self, value):
         self.embed_tokens = value
 
-    # ------------------------------------------------------------------ core
-    def _film(self, depth: int, block: int):
+    # ------------------------------------------------------------------ pieces shared with decoding
+    def film(self, depth: int, block: int):
         if self.config.film == "off":
             return None
         if self.config.film == "depth":
             return self.film_gamma[depth - 1], self.film_beta[depth - 1]
         return self.film_gamma[depth - 1, block], self.film_beta[depth - 1, block]
 
+    def step_parts(self, step: dict, block: int) -> dict:
+        """Keyword arguments of a block call at ``step`` besides the input and attention."""
+        p = step["pass"]
+        return {"film": self.film(step["depth"], block),
+                "attention": self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None,
+                "gates": (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None,
+                "router_weight": self.second_pass_routers[block].weight if step["separate_router"] else None}
+
+    def inject(self, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+        if not self.config.input_injection:
+            return s
+        mix = torch.sigmoid(self.injection_logit).to(s.dtype)
+        return mix * s + (1 - mix) * s0
+
+    def first_window_summary(self, depth: int, first: torch.Tensor) -> torch.Tensor:
+        """``r_0 = (e_l + s_first) / 2`` (fp32) for first tokens ``first`` [N, h]."""
+        return 0.5 * (self.routing.depth_embeddings[depth - 1].float().unsqueeze(0) + first.float())
+
+    def decide(self, depth: int, summary: torch.Tensor):
+        """Block and gate of windows with router summaries ``summary`` [N, h] fp32 (no noise)."""
+        routing = self.routing
+        router = routing.routers[0 if len(routing.routers) == 1 else depth - 1]
+        probs = torch.softmax(F.linear(summary, router.weight.float(), router.bias.float()), dim=-1)
+        bias = routing.balancing_bias[depth - 1 if self.config.per_depth_bias else 0].float()
+        choice = torch.argmax(probs + bias, dim=-1)  # first maximum: ties go to the lowest block
+        gate = probs.gather(1, choice.unsqueeze(1)).squeeze(1)
+        return choice, gate
+
+    def check_cache(self, cache, loop_budget: Optional[int]) -> None:
+        """A cache must be a LoLCache, made for the call's loop budget (when one is given)."""
+        # by name: an export's remote-code copy of cache_lol.py defines its own (equal) class
+        if type(cache).__name__ != LoLCache.__name__ or not hasattr(cache, "docs"):
+            raise ValueError(f"a LoL model decodes with a LoLCache (got {type(cache).__name__}): pass "
+                             f"use_cache=True, or cache=LoLCache(model.config)")
+        if loop_budget is not None and self.resolve_budget(loop_budget) != cache.loop_budget:
+            raise ValueError(f"this cache was filled with loop_budget={cache.loop_budget}, not {loop_budget}")
+
+    # ------------------------------------------------------------------ full forward
     def _windows(self, depth: int, doc_pos: torch.Tensor):
-        """Window id of every token (unique over the batch), and per window: ordinal, document, first token."""
+        """Window id of every token (unique over the batch), and per window: ordinal, first token."""
         W, S = self.config.window_size, self.config.window_shift
         delta = ((depth - 1) * S) % W
         new_window = (doc_pos == 0) | ((doc_pos + delta) % W == 0)
@@ -387,8 +212,8 @@ class LoLModel(LoLPreTrainedModel):
         ordinal = torch.div(doc_pos.reshape(-1)[flat_first] + delta, W, rounding_mode="floor")
         return window, ordinal, flat_first
 
-    def _route(self, depth: int, s: torch.Tensor, window, ordinal, flat_first, doc):
-        """Choice and gate of every window at this depth (SPEC 1.2, no noise)."""
+    def _route(self, depth: int, s: torch.Tensor, window, ordinal, flat_first, doc) -> dict:
+        """Choice and gate of every window at this depth, with the sums the decoding cache keeps."""
         h = s.shape[-1]
         flat = s.reshape(-1, h).float()
         num_windows = ordinal.numel()
@@ -396,149 +221,152 @@ class LoLModel(LoLPreTrainedModel):
         sums = torch.zeros(num_windows, h, dtype=torch.float32, device=s.device).index_add_(0, win, flat)
         counts = torch.bincount(win, minlength=num_windows).to(torch.float32)
         means = sums / counts.unsqueeze(1)
-        # prefix means over the windows before each window of the same document
+        # sums of the means of the windows before each window of the same document: the running
+        # sum a decoding cache keeps (0 + mu_0, then + mu_1, ...; a shifted cumulative sum)
         window_doc = doc.reshape(-1)[flat_first]
         num_docs = int(window_doc.max()) + 1
-        grid = torch.zeros(num_docs, int(ordinal.max()) + 1, h, dtype=torch.float32, device=s.device)
-        grid[window_doc, ordinal] = means
-        before = (grid.cumsum(dim=1) - grid)[window_doc, ordinal]
+        grid = torch.zeros(num_docs, int(ordinal.max()) + 2, h, dtype=torch.float32, device=s.device)
+        grid[window_doc, ordinal + 1] = means
+        before = grid.cumsum(dim=1)[window_doc, ordinal]
         k = ordinal.clamp(min=1).unsqueeze(1).to(torch.float32)
-        routing = self.routing
-        first_window = 0.5 * (routing.depth_embeddings[depth - 1].float().unsqueeze(0) + flat[flat_first])
-        summary = torch.where((ordinal == 0).unsqueeze(1), first_window, before / k)
-        router = routing.routers[0 if len(routing.routers) == 1 else depth - 1]
-        probs = torch.softmax(F.linear(summary, router.weight.float(), router.bias.float()), dim=-1)
-        bias = routing.balancing_bias[depth - 1 if self.config.per_depth_bias else 0].float()
-        choice = torch.argmax(probs + bias, dim=-1)  # first maximum: ties go to the lowest block
-        gate = probs.gather(1, choice.unsqueeze(1)).squeeze(1)
-        return choice, gate
+        summary = torch.where((ordinal == 0).unsqueeze(1), self.first_window_summary(depth, flat[flat_first]),
+                              before / k)
+        choice, gate = self.decide(depth, summary)
+        return {"choice": choice, "gate": gate, "sums": sums, "counts": counts, "before": before,
+                "ordinal": ordinal, "window_doc": window_doc, "flat_first": flat_first}
 
-    def _run_block_on(self, block: int, depth: int, s, positions, window, selected):
-        """Run ``block`` on the tokens ``selected`` [B, n] (window-causal attention); returns ``E(s) - s`` there."""
+    def _packed(self, window: torch.Tensor, flat_first: torch.Tensor):
+        """Each window's tokens as a row of ``W`` flat token indices (``[num_windows, W]``, the
+        window's first token where it is shorter) with their validity: a block runs on windows
+        packed this way, so attention costs ``O(W)`` per token, not ``O(n)``."""
+        W = self.config.window_size
+        counts = torch.bincount(window.reshape(-1), minlength=flat_first.numel())
+        slots = torch.arange(W, device=window.device)
+        valid = slots.unsqueeze(0) < counts.unsqueeze(1)
+        index = torch.where(valid, flat_first.unsqueeze(1) + slots.unsqueeze(0), flat_first.unsqueeze(1))
+        return index, valid
+
+    def _run_windows(self, block: int, parts: dict, flat, flat_pos, index, valid):
+        """``(inputs, outputs, token index)`` of ``block`` run on packed windows (causal attention inside
+        each window; padding slots see the window's tokens and are dropped)."""
+        W = index.shape[1]
+        causal = torch.ones(W, W, dtype=torch.bool, device=index.device).tril()
+        x = flat[index]
+        out = self.blocks[block](x, flat_pos[index], causal.unsqueeze(0) & valid.unsqueeze(1), **parts)
+        return x[valid], out[valid], index[valid]
+
+    def _routed_step(self, step, s, positions, doc, doc_pos, cache, index, routes):
+        """A routed step: every window runs the block its router chose."""
+        depth = step["depth"]
         b, n, h = s.shape
-        count = selected.sum(dim=1)
-        width = int(count.max())
-        # the selected tokens of each row first, in order (stable sort), padded to ``width``
-        order = torch.sort((~selected).to(torch.int8), dim=1, stable=True).indices[:, :width]
-        valid = torch.arange(width, device=s.device).unsqueeze(0) < count.unsqueeze(1)
-        x = s.gather(1, order.unsqueeze(-1).expand(b, width, h))
-        seg = torch.where(valid, window.gather(1, order), torch.full_like(order, -1))
-        out = self.blocks[block](x, positions.gather(1, order), causal_same_segment(seg), self._film(depth, block))
-        update = torch.zeros_like(s)
-        update.scatter_(1, order.unsqueeze(-1).expand(b, width, h), torch.where(valid.unsqueeze(-1), out - x, 0))
-        return update
+        window, ordinal, flat_first = self._windows(depth, doc_pos)
+        route = self._route(depth, s, window, ordinal, flat_first, doc)
+        if routes is not None:
+            rows = torch.div(flat_first, n, rounding_mode="floor")
+            document = route["window_doc"] - doc[:, 0].index_select(0, rows)
+            routes.extend(zip(rows.tolist(), [depth] * rows.numel(), document.tolist(), ordinal.tolist(),
+                              (flat_first % n).tolist(), route["choice"].tolist(), route["gate"].tolist()))
+        if cache is not None:
+            prefill_window(self, cache.layers[index], step, s, positions, window, route)
+        packed, valid = self._packed(window, flat_first)
+        flat, flat_pos = s.reshape(-1, h), positions.reshape(-1)
+        update = torch.zeros_like(flat)
+        for block in torch.unique(route["choice"]).tolist():
+            chosen = route["choice"] == block
+            parts = {"film": self.film(depth, block)}
+            x, out, tokens = self._run_windows(block, parts, flat, flat_pos, packed[chosen], valid[chosen])
+            update[tokens] = out - x
+        token_gate = route["gate"][window]
+        return s + token_gate.unsqueeze(-1).to(s.dtype) * update.view(b, n, h)
 
-    def _core(self, s, positions, doc, doc_pos, steps):
-        """The routed core: every step routes each window to one block."""
-        cfg = self.config
-        s0 = s
-        for step in steps:
-            depth = step["depth"]
-            if cfg.input_injection:
-                mix = torch.sigmoid(self.injection_logit).to(s.dtype)
-                s = mix * s + (1 - mix) * s0
-            window, ordinal, flat_first = self._windows(depth, doc_pos)
-            choice, gate = self._route(depth, s, window, ordinal, flat_first, doc)
-            token_choice, token_gate = choice[window], gate[window]
-            update = torch.zeros_like(s)
-            for block in range(cfg.num_blocks):
-                selected = token_choice == block
-                if selected.any():
-                    update = update + self._run_block_on(block, depth, s, positions, window, selected)
-            s = s + token_gate.unsqueeze(-1).to(s.dtype) * update
-        return s
-
-    def _fixed_core(self, s, positions, doc, doc_pos, steps, cache, queries):
-        """dense / looped / Foil / accordion: each step runs its block on every token."""
-        cfg = self.config
-        s0 = s
-        first = cfg.n_prelude  # cache layer of the first core execution
-        for i, step in enumerate(steps):
-            depth, block, p = step["depth"], step["block"], step["pass"]
-            if cfg.input_injection:
-                mix = torch.sigmoid(self.injection_logit).to(s.dtype)
-                s = mix * s + (1 - mix) * s0
-            if step["attention"] == "strided":
-                allowed = causal_same_segment(self._windows(depth, doc_pos)[0])
-            elif step["attention"] == "sliding":
-                allowed = causal_same_segment(doc, sliding=cfg.window_size)
-            else:
-                allowed = causal_same_segment(doc)
-            attention = self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None
-            gates = (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None
-            router_weight = self.second_pass_routers[block].weight if step["separate_router"] else None
-            s = self.blocks[block](s, positions, allowed[:, queries], self._film(depth, block), attention=attention,
-                                   gates=gates, router_weight=router_weight, cache=cache, cache_index=first + i)
-        return s
+    def _fixed_step(self, step, s, positions, doc, doc_pos, cache, index, queries):
+        """dense / looped / Foil / accordion: the step's block on every token."""
+        block = step["block"]
+        parts = self.step_parts(step, block)
+        if step["attention"] == "strided":  # the windows of the depth, packed
+            b, n, h = s.shape
+            window, _, flat_first = self._windows(step["depth"], doc_pos)
+            if cache is not None:  # the cache keeps each row's open window
+                prefill_window(self, cache.layers[index], step, s, positions, window, None)
+            packed, valid = self._packed(window, flat_first)
+            _, out, tokens = self._run_windows(block, parts, s.reshape(-1, h), positions.reshape(-1), packed, valid)
+            return torch.empty_like(s).view(-1, h).index_copy_(0, tokens, out).view(b, n, h)
+        if step["attention"] == "sliding":
+            allowed = causal_same_segment(doc, sliding=self.config.window_size)
+        else:
+            allowed = causal_same_segment(doc)
+        return self.blocks[block](s, positions, allowed[:, queries], **parts, cache=cache, cache_index=index)
 
     def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, loop_budget: Optional[int] = None, cache=None,
-                context_ids: Optional[torch.LongTensor] = None):
+                inputs_embeds: Optional[torch.Tensor] = None, loop_budget: Optional[int] = None,
+                cache: Optional[LoLCache] = None, routes: Optional[list] = None):
         """Final hidden states [B, n, h] and the cache (None without one).
 
-        ``cache`` (fixed plans): a transformers KV cache holding earlier tokens of these rows;
-        ``context_ids`` [B, past + n]: every token id so far (``input_ids`` are the last ``n``);
-        ``attention_mask`` may cover the ``n`` new tokens or all ``past + n``.
+        ``cache``: a :class:`~.cache_lol.LoLCache`; empty, this call fills it from its tokens
+        (prefill); filled, ``input_ids`` are the next tokens of its rows, decoded one at a time.
+        ``attention_mask`` may cover the ``n`` new tokens or all ``past + n``. ``routes``: a list
+        that receives every routed window's ``(row, depth, document, window, start, block, gate)``
+        (full forward only; a cache made with ``record_routes`` records its own).
         """
         cfg = self.config
-        b, n = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
-        if cache is not None and not self.supports_cache:
-            raise ValueError("plan lol has no KV cache: call without a cache")
-        if loop_budget is not None and not self.has_budgets:
-            raise ValueError(f"loop_budget: only plan accordion has a loop budget (this model's plan is {cfg.plan})")
-        budget = self.resolve_budget(loop_budget) if self.has_budgets else None
-        past = 0
-        ids = input_ids
         if cache is not None:
-            past = cache.get_seq_length()
-            if getattr(cache, "_lol_budget", budget) != budget:
-                raise ValueError(f"this cache was filled with loop_budget={cache._lol_budget}, not {budget}")
-            cache._lol_budget = budget
-            if past:
-                if context_ids is None:
-                    context_ids = getattr(cache, "_lol_ids", None)
-                    context_ids = None if context_ids is None else torch.cat([context_ids, input_ids], dim=1)
-                if context_ids is None or context_ids.shape[1] != past + n:
-                    raise ValueError("with a filled cache, pass context_ids (all token ids so far) to find documents")
-                ids = context_ids
-                if attention_mask is not None and attention_mask.shape[1] == n:
-                    prev = getattr(cache, "_lol_mask", None)
-                    prev = torch.ones_like(ids[:, :past]) if prev is None else prev
-                    attention_mask = torch.cat([prev.to(attention_mask.dtype), attention_mask], dim=1)
-            cache._lol_ids = ids
-            cache._lol_mask = attention_mask
+            self.check_cache(cache, loop_budget)
+            budget = cache.loop_budget
+            if cache.get_seq_length():
+                steps = self.schedule(budget)
+                return decode_tokens(self, cache, input_ids, attention_mask, inputs_embeds, steps), cache
+        else:
+            budget = self.resolve_budget(loop_budget)
+        if routes is None and cache is not None:
+            routes = cache.routes  # a cache made with record_routes records the prefill's windows too
+        b, n = input_ids.shape if input_ids is not None else inputs_embeds.shape[:2]
+        ids = input_ids
         if ids is None:  # inputs_embeds only: one document per row
-            ids = torch.full((b, past + n), -1, dtype=torch.long, device=inputs_embeds.device)
+            ids = torch.full((b, n), -1, dtype=torch.long, device=inputs_embeds.device)
+        if attention_mask is not None:
+            attention_mask = attention_mask[:, -n:]
         starts = document_starts(ids, cfg.eod_token_id, attention_mask)
         doc = segment_ids(starts)
         doc_pos = positions_in_segment(starts)
         # RoPE sees only differences inside a document or window: row positions are as good
-        positions = torch.arange(past, past + n, device=ids.device).expand(b, n)
-        queries = slice(past, past + n)  # the rows of the (query, key) masks for the new tokens
+        positions = torch.arange(n, device=ids.device).expand(b, n)
+        queries = slice(0, n)
         s = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        allowed = causal_same_segment(doc)[:, queries]
+        allowed = causal_same_segment(doc)
         for i, layer in enumerate(self.prelude):
             s = layer(s, positions, allowed, cache=cache, cache_index=i)
         steps = self.schedule(budget)
-        if not self.supports_cache:
-            s = self._core(s, positions, doc, doc_pos, steps)
-        else:
-            s = self._fixed_core(s, positions, doc, doc_pos, steps, cache, queries)
-        executions = len(steps)
-        first_coda = cfg.n_prelude + executions
+        s0 = s
+        for i, step in enumerate(steps):
+            s = self.inject(s, s0)
+            index = cfg.n_prelude + i
+            if step["block"] is None:
+                s = self._routed_step(step, s, positions, doc, doc_pos, cache, index, routes)
+            else:
+                s = self._fixed_step(step, s, positions, doc, doc_pos, cache, index, queries)
+        first_coda = cfg.n_prelude + len(steps)
         for i, layer in enumerate(self.coda):
             s = layer(s, positions, allowed, cache=cache, cache_index=first_coda + i)
+        if cache is not None:
+            mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(ids, dtype=torch.bool)
+            cache.docs.fill(starts, input_ids, mask)
         return self.norm(s), cache
 
 
 class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
     _tied_weights_keys = {"lm_head.weight": "model.embed_tokens.weight"}
+    # the cache summarises closed windows: it cannot be cropped (no assisted decoding)
+    _is_stateful = True
 
     def __init__(self, config: LoLConfig):
         super().__init__(config)
         self.model = LoLModel(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.post_init()
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        return False  # generate() gets a LoLCache from prepare_inputs_for_generation
 
     def get_input_embeddings(self):
         return self.model.embed_tokens
@@ -555,18 +383,28 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 labels: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
                 return_dict: Optional[bool] = None, loop_budget: Optional[int] = None, use_cache: Optional[bool] = None,
-                cache=None, past_key_values=None, context_ids: Optional[torch.LongTensor] = None,
-                **kwargs) -> CausalLMOutputWithPast:
+                cache: Optional[LoLCache] = None, past_key_values=None, context_ids: Optional[torch.LongTensor] = None,
+                routes: Optional[list] = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
         """``loop_budget``: Accordion's budget ``k`` for this call (default ``config.loop_budget``).
-        ``cache`` (or ``past_key_values``) / ``use_cache``: KV cache of the fixed plans."""
+        ``cache`` (or ``past_key_values``): a :class:`~.cache_lol.LoLCache`; ``use_cache=True``
+        without one makes one (returned in the output). ``context_ids`` [B, past + n]: every
+        token id so far, checked against the cache (optional: the cache follows documents itself).
+        ``routes``: see :meth:`LoLModel.forward`. ``logits_to_keep`` > 0: logits of the last that
+        many positions only (``generate`` asks for one)."""
         cache = cache if cache is not None else past_key_values
-        if cache is None and use_cache and self.model.supports_cache:
-            from transformers.cache_utils import DynamicCache
-
-            cache = DynamicCache()
+        if cache is None and use_cache:
+            cache = LoLCache(self.config, loop_budget)
+        if context_ids is not None:
+            if cache is not None:
+                self.model.check_cache(cache, loop_budget)
+            past = cache.get_seq_length() if cache is not None else 0
+            n = (input_ids if input_ids is not None else inputs_embeds).shape[1]
+            if context_ids.shape[1] != past + n:
+                raise ValueError(f"context_ids has {context_ids.shape[1]} tokens per row; the cache holds {past} "
+                                 f"and {n} are new")
         hidden, cache = self.model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                                   loop_budget=loop_budget, cache=cache, context_ids=context_ids)
-        logits = self.lm_head(hidden)
+                                   loop_budget=loop_budget, cache=cache, routes=routes)
+        logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep and labels is None else hidden)
         loss = None
         if labels is not None:
             loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
@@ -575,17 +413,25 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
             return (loss, logits) if loss is not None else (logits,)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **({_CACHE_FIELD: cache} if cache is not None else {}))
 
-    def prepare_inputs_for_generation(self, input_ids, attention_mask=None, cache=None, past_key_values=None,
-                                      use_cache=None, loop_budget=None, **kwargs):
-        inputs = {"input_ids": input_ids, "attention_mask": attention_mask}
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length: Optional[int] = None, cache=None,
+                                      past_key_values=None, attention_mask=None, inputs_embeds=None, use_cache=None,
+                                      loop_budget=None, **kwargs):
+        inputs = {"attention_mask": attention_mask}
+        inputs.update((k, v) for k, v in kwargs.items() if k != "is_first_iteration")  # logits_to_keep, ...
         if loop_budget is not None:
             inputs["loop_budget"] = loop_budget
-        cache = cache if cache is not None else past_key_values
-        if not self.model.supports_cache or use_cache is False or cache is None:
-            # no cache: every step recomputes the whole sequence (the routed plan always: routing
-            # depends on all earlier windows)
+        if use_cache is False:  # recompute the whole sequence at every step
+            inputs["input_ids"] = input_ids
             return inputs
+        cache = cache if cache is not None else past_key_values
+        if cache is None:
+            cache = LoLCache(self.config, loop_budget)
         past = cache.get_seq_length()
-        inputs.update(input_ids=input_ids[:, past:], context_ids=input_ids, use_cache=True)
-        inputs[_CACHE_FIELD] = cache
+        if inputs_embeds is not None and past == 0:
+            inputs.update(input_ids=None, inputs_embeds=inputs_embeds)
+        elif next_sequence_length is not None:
+            inputs["input_ids"] = input_ids[:, -next_sequence_length:]
+        else:
+            inputs["input_ids"] = input_ids[:, past:]
+        inputs.update(cache=cache, use_cache=True)
         return inputs

@@ -1,0 +1,242 @@
+"""``megatron-lol evaluate``: loss, perplexity and bits per byte of a checkpoint on held-out text.
+
+Documents come from a Megatron indexed dataset (``--data-path PREFIX``, read with
+megatron-core's ``IndexedDataset``; a trailing EOD token is dropped) or a JSONL file
+(``--jsonl FILE``, the ``--json-key`` string of each line, tokenized with the run's
+tokenizer). Each document is scored as lm-evaluation-harness scores a rolling
+log-likelihood: an EOD token stands before it (the end of a previous document, as in
+packed training data) and every one of its tokens is predicted; a document longer than
+``--seq-length`` is cut into consecutive pieces of that many predicted tokens, each
+conditioned on the ``--seq-length`` tokens before its last prediction (and nothing
+earlier): lm-evaluation-harness's rolling windows, so that its ``bits_per_byte`` of a
+``loglikelihood_rolling`` task on the same texts is the one reported here. One piece per
+row (right-padded; padding is its own document, so it never changes the scores).
+
+Reported overall and per document-length bucket (``--length-buckets``, in tokens):
+documents, tokens, mean loss (nats per token), perplexity ``exp(loss)`` and bits per
+byte ``sum(nll) / (ln 2 * UTF-8 bytes)`` (bytes of the document's text; for
+``--data-path`` the text is the detokenized document).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+from dataclasses import dataclass, field
+
+import torch
+
+from megatron_lol.errors import CliError
+from megatron_lol.inference.loading import add_model_arguments, load_model, load_tokenizer
+from megatron_lol.log import log_rank0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_model_arguments(parser)
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
+    src.add_argument("--jsonl", help="JSONL file, one document per line")
+    parser.add_argument("--json-key", default="text", help="--jsonl: the key holding the text (default text)")
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="predicted tokens per row (default: the run's training.seq_length)")
+    parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward (default 4)")
+    parser.add_argument("--max-documents", type=int, default=None, help="score only the first N documents")
+    parser.add_argument("--length-buckets", default="128,512,2048",
+                        help="comma-separated document-length edges in tokens (default 128,512,2048)")
+    parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+@dataclass
+class Totals:
+    documents: int = 0
+    tokens: int = 0
+    bytes: int = 0
+    nll: float = 0.0
+
+    def add(self, tokens: int, nbytes: int, nll: float) -> None:
+        self.documents += 1
+        self.tokens += tokens
+        self.bytes += nbytes
+        self.nll += nll
+
+    def as_dict(self) -> dict:
+        loss = self.nll / self.tokens if self.tokens else float("nan")
+        return {"documents": self.documents, "tokens": self.tokens, "bytes": self.bytes, "loss": loss,
+                "perplexity": math.exp(loss) if self.tokens else float("nan"),
+                "bits_per_byte": self.nll / (math.log(2) * self.bytes) if self.bytes else float("nan")}
+
+
+@dataclass
+class Buckets:
+    edges: list
+    totals: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.totals = [Totals() for _ in range(len(self.edges) + 1)]
+
+    def label(self, i: int) -> str:
+        lo = self.edges[i - 1] if i else 0
+        return f"< {self.edges[0]}" if i == 0 else (f">= {lo}" if i == len(self.edges) else f"{lo}-{self.edges[i] - 1}")
+
+    def add(self, tokens: int, nbytes: int, nll: float) -> None:
+        i = sum(tokens >= e for e in self.edges)
+        self.totals[i].add(tokens, nbytes, nll)
+
+
+def parse_buckets(text: str) -> list:
+    try:
+        edges = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise CliError(f"--length-buckets: {text!r} is not a comma-separated list of integers") from None
+    if not edges or edges != sorted(set(edges)) or edges[0] < 1:
+        raise CliError(f"--length-buckets: edges must be increasing positive integers (got {text!r})")
+    return edges
+
+
+# ------------------------------------------------------------------ documents
+def jsonl_documents(path: str, key: str, tokenizer, limit):
+    """``(tokens, utf-8 bytes)`` of each line's ``key`` text."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as err:
+        raise CliError(f"--jsonl {path}: {err.strerror}") from None
+    count = 0
+    with f:
+        for i, line in enumerate(f, 1):
+            if limit is not None and count >= limit:
+                return
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise CliError(f"--jsonl {path} line {i}: not a JSON object") from None
+            text = obj.get(key) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                raise CliError(f"--jsonl {path} line {i}: no {key!r} string (--json-key)")
+            tokens = tokenizer.tokenize(text)
+            if tokens:
+                count += 1
+                yield tokens, len(text.encode("utf-8"))
+
+
+def indexed_documents(prefix: str, tokenizer, eod_id, limit):
+    """``(tokens, utf-8 bytes of the detokenized text)`` of each document of an indexed dataset."""
+    for ext in (".bin", ".idx"):
+        if not os.path.isfile(prefix + ext):
+            raise CliError(f"--data-path {prefix}: {prefix}{ext} does not exist")
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    try:
+        ds = IndexedDataset(prefix, mmap=True)
+    except (ValueError, AssertionError, OSError) as err:
+        raise CliError(f"--data-path {prefix}: not a readable Megatron indexed dataset ({err})") from None
+    docs = ds.document_indices
+    count = 0
+    for d in range(len(docs) - 1):
+        if limit is not None and count >= limit:
+            return
+        parts = [ds[i] for i in range(int(docs[d]), int(docs[d + 1]))]
+        tokens = [int(t) for part in parts for t in part.tolist()]
+        if tokens and tokens[-1] == eod_id:
+            tokens = tokens[:-1]
+        if tokens:
+            count += 1
+            yield tokens, len(tokenizer.detokenize(tokens).encode("utf-8"))
+
+
+def pieces(doc_index: int, tokens: list, eod_id: int, seq_length: int):
+    """Rows ``(doc, inputs, targets)`` scoring every token of a document after an EOD: the targets
+    are the next tokens of the last ``len(targets)`` inputs (lm-evaluation-harness's rolling
+    windows: the last, shorter piece reads a full ``seq_length`` of context)."""
+    ids = [eod_id] + tokens
+    for start in range(0, len(tokens), seq_length):
+        end = min(start + seq_length, len(tokens))  # predicts tokens[start:end] = ids[start + 1:end + 1]
+        yield doc_index, ids[max(0, end - seq_length):end], ids[start + 1:end + 1]
+
+
+# ------------------------------------------------------------------ scoring
+def score_rows(model, rows: list, pad: int) -> list:
+    """Summed negative log-likelihood (nats, fp32) of each row's targets."""
+    width = max(len(r[1]) for r in rows)
+    ids = torch.full((len(rows), width), pad, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, (_, inputs, _) in enumerate(rows):
+        ids[i, :len(inputs)] = torch.tensor(inputs)
+        mask[i, :len(inputs)] = 1
+    device = model.device
+    with torch.no_grad():
+        hidden, _ = model.model(ids.to(device), attention_mask=mask.to(device))
+        out = []
+        for i, (_, inputs, targets) in enumerate(rows):
+            scored = hidden[i, len(inputs) - len(targets):len(inputs)]
+            logits = model.lm_head(scored).float()  # one row at a time: [n, vocab]
+            nll = torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=device), reduction="sum")
+            out.append(float(nll))
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    edges = parse_buckets(args.length_buckets)
+    if args.micro_batch_size < 1:
+        raise CliError(f"--micro-batch-size: must be at least 1 (got {args.micro_batch_size})")
+    if args.max_documents is not None and args.max_documents < 1:
+        raise CliError(f"--max-documents: must be at least 1 (got {args.max_documents})")
+    loaded = load_model(args.load, args.iteration, config=args.config, loop_budget=args.loop_budget,
+                        dtype=args.dtype, device=args.device)
+    tokenizer = load_tokenizer(loaded, args.tokenizer, args.tokenizer_type)
+    seq_length = args.seq_length or loaded.seq_length
+    if seq_length < 1:
+        raise CliError(f"--seq-length: must be at least 1 (got {seq_length})")
+    eod = loaded.eod_id
+    if args.jsonl is not None:
+        docs = list(jsonl_documents(args.jsonl, args.json_key, tokenizer, args.max_documents))
+        source = args.jsonl
+    else:
+        docs = list(indexed_documents(args.data_path, tokenizer, eod, args.max_documents))
+        source = args.data_path
+    if not docs:
+        raise CliError(f"{source}: no document to evaluate")
+    rows = [row for i, (tokens, _) in enumerate(docs) for row in pieces(i, tokens, eod, seq_length)]
+    rows.sort(key=lambda r: -len(r[1]))  # similar lengths share a forward
+    from tqdm import tqdm
+
+    nll = [0.0] * len(docs)
+    bar = tqdm(total=sum(len(r[2]) for r in rows), unit="tok", desc="evaluate", disable=args.no_progress,
+               file=sys.stderr)
+    pad = 0 if eod != 0 else 1
+    for first in range(0, len(rows), args.micro_batch_size):
+        batch = rows[first:first + args.micro_batch_size]
+        for (doc, _, targets), value in zip(batch, score_rows(loaded.model, batch, pad)):
+            nll[doc] += value
+        bar.update(sum(len(r[2]) for r in batch))
+    bar.close()
+    overall, buckets = Totals(), Buckets(edges)
+    for (tokens, nbytes), value in zip(docs, nll):
+        overall.add(len(tokens), nbytes, value)
+        buckets.add(len(tokens), nbytes, value)
+    result = {"source": source, "checkpoint": loaded.path, "iteration": loaded.iteration,
+              "plan": loaded.cfg.model.plan, "loop_budget": loaded.loop_budget, "seq_length": seq_length,
+              "overall": overall.as_dict(),
+              "buckets": [dict(bucket=buckets.label(i), **t.as_dict()) for i, t in enumerate(buckets.totals)
+                          if t.documents]}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        log_rank0(format_table(result))
+    return 0
+
+
+def format_table(result: dict) -> str:
+    head = (f"{result['source']}: checkpoint {result['checkpoint']} (plan {result['plan']}"
+            + (f", loop budget {result['loop_budget']}" if result["loop_budget"] is not None else "")
+            + f"), {result['seq_length']} tokens per row")
+    lines = [head, f"{'documents (tokens)':<20} {'docs':>6} {'tokens':>9} {'loss':>8} {'ppl':>10} {'bpb':>7}"]
+    for name, t in [("all", result["overall"])] + [(b["bucket"], b) for b in result["buckets"]]:
+        lines.append(f"{name:<20} {t['documents']:>6} {t['tokens']:>9} {t['loss']:>8.4f} {t['perplexity']:>10.3f} "
+                     f"{t['bits_per_byte']:>7.4f}")
+    return "\n".join(lines)
