@@ -5,14 +5,15 @@ Subcommands (each writes PNG/JSON files under ``--output``):
 ``utilisation``  block utilisation per routed depth: heatmap PNG + JSON counts [depth x block]
 ``paths``        per-example routing-path vectors (one-hot block per depth x window ordinal),
                  PCA scatter coloured by a label field, JSON coordinates
-``mode-path``    the mode path of the validation examples (SPEC 1.4): ids/gates JSON
-                 (overall and per label); ``--evaluate``: loss routed vs forced;
+``mode-path``    the mode path of the validation examples (docs/model.md, "Path forcing"):
+                 ids/gates JSON (overall and per label); ``--evaluate``: loss routed vs forced;
                  ``--generate PROMPT``: greedy generation routed and under the forced path
-``distinct``     distinct blocks per token path: histogram PNG + JSON against E[U] (SPEC 1.5)
-``moe-routing``  looped / Accordion MoE cores (Foil, seed 002): distinct experts per token U_t,
+``distinct``     distinct blocks per token path: histogram PNG + JSON against E[U]
+                 (docs/model.md, "Parameter accounting")
+``moe-routing``  looped / Accordion MoE cores (docs/model.md, "Foil"): distinct experts per token U_t,
                  load balance B2 and median margin ratio MMR per pass: JSON + PNG
-``budgets``      Accordion (seed 003): loss of the examples at every budget k (JSON + PNG);
-                 ``--generate PROMPT``: greedy generation at each budget
+``budgets``      Accordion (docs/model.md, "Accordion"): loss of the examples at every budget k
+                 (JSON + PNG); ``--generate PROMPT``: greedy generation at each budget
 
 Data: ``--data-path PREFIX`` (a Megatron indexed dataset; ``--part valid`` takes the
 validation documents of the run's split) or ``--jsonl FILE`` with ``--text-field`` and
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own = _common(p)
     own.add_argument("--max-windows", type=int, default=None, metavar="K",
                      help="window ordinals kept per depth (default: all)")
-    p = sub.add_parser("mode-path", help="mode path (SPEC 1.4); evaluate / generate under it")
+    p = sub.add_parser("mode-path", help='mode path (docs/model.md, "Path forcing"); evaluate / generate under it')
     own = _common(p, data_required=False)
     own.add_argument("--path-file", default=None, metavar="JSON",
                      help="force this ids/gates JSON instead of computing a mode path")

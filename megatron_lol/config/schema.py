@@ -78,11 +78,11 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    # router (SPEC 1.2)
+    # router (docs/model.md, "Router")
     router_tied: bool = True
     router_noise: bool = True
     router_noise_clamp: float = 10.0
-    # balancing (SPEC 1.3)
+    # balancing (docs/model.md, "Load balancing")
     balancing: str = "loss_free"
     bias_update_speed: float = 1e-3
     bias_clamp: float = 16.0
@@ -90,7 +90,7 @@ class ModelConfig:
     per_depth_bias: bool = False
     seq_aux_loss_coeff: float = 1e-4
     aux_loss_coeff: float = 0.02
-    # options (SPEC 1.4)
+    # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
     # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
