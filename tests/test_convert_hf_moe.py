@@ -6,7 +6,7 @@ Same machinery as ``test_convert_hf.py`` (real trainer and checkpointer, real te
 SentencePiece tokenizer, the native model rebuilt from the checkpoint as reference):
 tiny MoE models (width 64, 4 experts of width 48, top-2) with MoE in the prelude / coda
 (``moe_layers: fixed``) or in every layer (``all``, with a shared expert), a dense-plan
-MoE stack (no longer a Llama stack), expert-parallel (EP=2) checkpoints, a tiny Foil and
+MoE stack (exported as a LoL model, not as a Llama stack), expert-parallel (EP=2) checkpoints, a tiny Foil and
 two tiny Accordions (separate second-pass router with gates; shared router, no gates).
 """
 

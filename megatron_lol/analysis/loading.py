@@ -78,10 +78,7 @@ def read_run_config(path: str, load: str) -> tuple:
             with open(candidate) as f:
                 raw = yaml.safe_load(f) or {}
             info = raw.pop("checkpoint", None) or {}
-            try:
-                cfg = config_from_dict(raw, check_data=False)
-            except TypeError:  # older config_from_dict without check_data
-                cfg = config_from_dict(raw)
+            cfg = config_from_dict(raw, check_data=False)
             return cfg, info, directory
     raise CliError(f"{path} has no {RUN_CONFIG}")
 

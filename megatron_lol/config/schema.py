@@ -45,8 +45,8 @@ class ModelConfig:
     * ``accordion``: the ``loop_window`` layers once, then the first ``k`` again
       (``loop_budgets``; ``k = 0`` is the unlooped model).
 
-    The older spelling (``num_blocks`` / ``routed_depth`` for every plan, Foil as
-    ``plan: looped`` with MoE blocks) is still read, with a deprecation warning.
+    The deprecated spelling (``num_blocks`` / ``routed_depth`` for every plan, Foil as
+    ``plan: looped`` with MoE blocks) is read, with a deprecation warning.
     """
 
     plan: str = "lol"
@@ -133,7 +133,7 @@ class ModelConfig:
         self.normalize()
 
     def normalize(self) -> "ModelConfig":
-        """Read the older shape keys into the plan's own (deprecation warning) and fill LoL's
+        """Read the deprecated shape keys into the plan's own (deprecation warning) and fill LoL's
         defaults; idempotent, so it also runs after ``--set`` overrides."""
         from megatron_lol.plan.legacy import migrate_model_keys
 

@@ -6,8 +6,7 @@ tensor-parallel size 1 (tests check this for every plan and option the model
 implements). FFN mixture-of-experts layers are counted analytically as
 megatron-core builds them (router ``E*d``, no bias; ``E`` SwiGLU experts of
 hidden ``moe_ffn_hidden_size``; an optional ``SharedExpertMLP`` of hidden
-``moe_shared_expert_intermediate_size``, no gate), whether or not the model
-builds them yet.
+``moe_shared_expert_intermediate_size``, no gate).
 
 What is counted, per layer (prelude, coda, every library block; all bias-free):
 
