@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+# corpus: the shared fixture, imported so that pytest finds it here by name
 from test_convert_hf import _train, check_lol_export, corpus, export, heldout_batch, native_model  # noqa: F401
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2)

@@ -158,7 +158,7 @@ def run_utilisation(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, utilisation_counts
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    plan = ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
     counts = utilisation_counts(routes, plan.depth, plan.num_stored_blocks)
     share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
@@ -180,7 +180,7 @@ def run_paths(args, ckpt, toks, labels) -> dict:
 
     import torch
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    plan = ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
     vec = path_vectors(routes, plan.depth, plan.num_stored_blocks, args.max_windows)
     coords, ratio = pca(vec, 2)
@@ -260,7 +260,7 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import greedy_generate, lm_loss
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    m = ckpt.cfg.model
     if not toks and args.generate is None:
         raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
     prompt = _prompt_ids(args, ckpt) if args.generate is not None else None
@@ -309,7 +309,7 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis.routing import (collect_routes, forced_path, greedy_generate, group_by_label,
                                                lm_loss, mode_path)
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    plan = ckpt.model.plan
     seq = _seq_length(args, ckpt)
     out = dict(_meta(ckpt, args, len(toks)))
     per_label = {}

@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from megatron_lol.errors import CliError
 
 KEY_PREFIX = "model."
