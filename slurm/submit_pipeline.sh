@@ -30,7 +30,7 @@
 #                     one task per node gets them all, srun's PROCS_PER_NODE tasks a share each
 #                                                                         (empty: Slurm's default)
 #   CPUS_PER_PROCESS  CPUs per training process instead (torchrun: x PROCS_PER_NODE per task)
-#                     (CPUS_PER_TASK is refused: it meant different things for the two styles)
+#                     (CPUS_PER_TASK is refused: it would mean different things for the two styles)
 #   LAUNCHER          torchrun | srun (see slurm/common.sh)               (torchrun)
 #   PARTITION ACCOUNT QOS   Slurm partition / account / QoS               (empty: cluster defaults)
 #   PREPROCESS_TIME PRETRAIN_TIME CONTEXT_TIME   --time limits            (empty: partition default)

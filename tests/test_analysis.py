@@ -1,4 +1,4 @@
-"""Routing analyses (issue point 5): plain functions on an in-memory model, then
+"""Routing analyses: plain functions on an in-memory model, then
 ``megatron-lol analyze`` end to end on a tiny checkpoint written by ``megatron-lol train``
 (the real trainer and its CheckpointHook, in a subprocess)."""
 

@@ -1,4 +1,4 @@
-"""HuggingFace export / import (issue: convert checkpoints to HuggingFace format).
+"""HuggingFace export / import: checkpoints converted to HuggingFace format and back.
 
 Checkpoints come from the real trainer (``Trainer`` + ``Checkpointer``) on real
 text (stdlib sources, a SentencePiece BPE trained here): a tiny LoL model

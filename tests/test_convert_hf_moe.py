@@ -6,7 +6,7 @@ Same machinery as ``test_convert_hf.py`` (real trainer and checkpointer, real te
 SentencePiece tokenizer, the native model rebuilt from the checkpoint as reference):
 tiny MoE models (width 64, 4 experts of width 48, top-2) with MoE in the prelude / coda
 (``moe_layers: fixed``) or in every layer (``all``, with a shared expert), a dense-plan
-MoE stack (no longer a Llama stack), expert-parallel (EP=2) checkpoints, a tiny Foil and
+MoE stack (exported as a LoL model, not as a Llama stack), expert-parallel (EP=2) checkpoints, a tiny Foil and
 two tiny Accordions (separate second-pass router with gates; shared router, no gates).
 """
 
@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 
+# corpus: the shared fixture, imported so that pytest finds it here by name
 from test_convert_hf import _train, check_lol_export, corpus, export, heldout_batch, native_model  # noqa: F401
 
 MOE = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2)

@@ -27,7 +27,7 @@ from megatron_lol.backends.cpu import CpuBackend
 from megatron_lol.backends.cpu import kernels as cpu_kernels
 from megatron_lol.backends.cpu.combine import fused_gated_update
 from megatron_lol.model.attention import SegmentMask
-from megatron_lol.model.block_call import BlockParts, call_block, reference_layer
+from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.dispatch import gated_update, group_by_block
 from megatron_lol.model.router import window_inputs
 from megatron_lol.model.windows import DocumentLayout, WindowLayout

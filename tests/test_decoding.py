@@ -32,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+# corpus: the shared fixture, imported so that pytest finds it here by name
 from test_convert_hf import EOD_ID, SEQ, _train, corpus, export, heldout_batch, native_model  # noqa: F401
 from test_convert_hf_moe import ACCORDION, FOIL
 

@@ -1,7 +1,7 @@
 """Execution plans: the one definition of every model's schedule (``megatron_lol.plan``).
 
 Each plan's steps, the Accordion budget rule, the exact growth period, the
-plan-specific config keys (and the older spelling, still read), and the
+plan-specific config keys (and the deprecated spelling, which is read), and the
 schedule every consumer reads from the plan: the trainer, the FLOP model, the
 parameter counter and the HF export.
 """
@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -131,7 +130,7 @@ OLD_SPELLING = {
 
 @pytest.mark.parametrize("name", list(OLD_SPELLING))
 def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_path):
-    """A paper config written the older way (every plan's shape in num_blocks / routed_depth, Foil as
+    """A paper config in the deprecated spelling (every plan's shape in num_blocks / routed_depth, Foil as
     plan: looped) loads with a deprecation warning into the same plan and the same parameter count."""
     from megatron_lol.model.params import count_parameters
 

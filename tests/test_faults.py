@@ -2,7 +2,7 @@
 
 Each case must either continue correctly or stop at once with a one-line error
 naming the file, flag or value, exit non-zero and leave every earlier
-checkpoint and dataset as it was. Cases that used to hang run under a timeout
+checkpoint and dataset as it was. Cases that could hang run under a timeout
 that turns the hang into a failure. The training runs are the tiny LoL model
 of ``test_checkpointing.py`` (4 iterations, a checkpoint every 2).
 """

@@ -21,7 +21,7 @@ def _model(**over):
 
 
 def test_pairs_golden_and_clipped():
-    assert fl.windowed_pairs(1024, 128, 0) == 66_048  # SPEC 1.1 golden facts
+    assert fl.windowed_pairs(1024, 128, 0) == 66_048  # docs/model.md, "Golden facts"
     assert fl.windowed_pairs(1024, 128, 64) == 61_952
     assert fl.causal_pairs(1024) == 524_800
     # n = 21, W = 8: aligned windows 8, 8, 5; shifted by 4: 4, 8, 8, 1 (clipped at both ends)
@@ -146,7 +146,7 @@ def test_flop_counter_agrees_within_2_percent(make_model, plan):
     assert measured == pytest.approx(predicted, rel=0.02)
 
 
-# ------------------------------------------------ Foil (seed 002) and Accordion (seed 003)
+# ------------------------------------------------ Foil and Accordion (docs/model.md, "Foil", "Accordion")
 def test_shared_expert_and_core_expert_count_by_hand():
     V, n, d = 50, 16, 32
     attn = n * 8192  # QKV 2*32*96 + out 2*32*32 per token

@@ -112,7 +112,7 @@ def test_parameter_split_by_name_and_in_the_built_optimizer(megatron_env, plan):
     adam = [sub.optimizer for sub in trainer.optimizer.chained_optimizers
             if isinstance(sub.optimizer, torch.optim.AdamW)]
     assert {id(p) for opt in adam for g in opt.param_groups for p in g["params"]} == {id(by_name[n]) for n in adamw}
-    # the AdamW marking used to steer megatron-core is gone again
+    # the temporary AdamW marking that steers megatron-core's split is removed after the build
     assert not any(getattr(by_name[n], "is_embedding_or_output_parameter", False) for n in names
                    if n not in ("embedding.word_embeddings.weight", "output_layer.weight"))
     # one step trains every part (experts under Muon included)

@@ -1,4 +1,4 @@
-"""LoL training under parallel layouts equals one process (issue: scale out).
+"""LoL training under parallel layouts equals one process.
 
 One single-process launch gives the reference; one 2-process launch runs every
 2-rank layout in turn (the Trainer re-initialises megatron's parallel state).

@@ -1,5 +1,6 @@
-"""Parameter counts: the analytic counter against real models, SPEC 1.5 through the
-paper configs, Foil (seed 002) and Accordion (seed 003) through theirs, and the
+"""Parameter counts: the analytic counter against real models, the golden sizes of
+docs/model.md ("Golden facts") through the paper configs, Foil and Accordion through
+theirs, and the
 ``megatron-lol params`` verb."""
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def test_counter_matches_instantiated_model(build_model, case):
         assert model.core.blocks["0"].mlp.router.weight.shape == (E, cfg.hidden_size)
 
 
-# ------------------------------------------------------- SPEC 1.5 via paper configs
+# ------------------------------------------- docs/model.md golden sizes via paper configs
 def test_single_block_golden():
     _, c = paper_counts("lol-360m-L2")
     assert near(c.block.linear, 12.85, 0.005)
@@ -206,7 +207,7 @@ def test_lol_360m_and_huginn(L, figure):
     cfg, lol = paper_counts(f"lol-360m-L{L}")
     assert (cfg.model.plan, cfg.model.num_blocks, cfg.model.routed_depth) == ("lol", L, 16)
     assert near(lol.linear_total, figure)
-    # SPEC 1.5: norm gains, routers and per-depth vectors add under 0.05% (FiLM, on in
+    # docs/model.md, "Parameter accounting": norm gains, routers and per-depth vectors add under 0.05% (FiLM, on in
     # these runs, adds 2 x 16 x 2 x 1024 = 65,536 more)
     assert lol.film == 65_536
     assert (lol.non_embedding - lol.film - lol.linear_total) / lol.linear_total < 5e-4
@@ -262,7 +263,7 @@ def test_paper_configs_load_with_window_settings():
     names = sorted(p.stem for p in PAPER.glob("*.yaml"))
     assert len(names) == 25
     assert set(FOIL + ACCORDION) <= set(names)
-    synthetic = {"sudoku-lol": 128, "maze-lol": 64}  # SPEC 1.4: sudoku 128/64, mazes 64/32
+    synthetic = {"sudoku-lol": 128, "maze-lol": 64}  # docs/model.md, "Windows": sudoku 128/64, mazes 64/32
     for name in names:
         cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
         assert cfg.data.paths and cfg.training.train_iters > 0
@@ -276,8 +277,9 @@ def test_paper_configs_load_with_window_settings():
             assert (cfg.model.window_size, cfg.model.window_shift, cfg.training.seq_length) == (128, 64, 1024)
 
 
-# ------------------------------------------------------- Foil (seed 002)
-# (config, (E, D, L), untied attention, seed figure in M; None: the seed gives only the 490.8-520.2M range)
+# ------------------------------------------------------- Foil (docs/model.md, "Foil")
+# (config, (E, D, L), untied attention, the Foil paper's figure in M; None: the paper gives only the
+# 490.8-520.2M range)
 FOIL_TABLE = {
     "foil-base": ((8, 8, 2), True, 553.7),
     "foil-3": ((16, 4, 4), True, 553.7),
@@ -302,11 +304,11 @@ def test_foil_configs(name):
     assert (m.hidden_size, m.num_attention_heads, m.moe_ffn_hidden_size, m.moe_router_topk) == (1024, 16, 1536, 2)
     assert (m.n_prelude, m.n_coda, m.num_experts, m.moe_layers) == (1, 1, 8, "all")
     assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_loss_average_over_executions) == (0.01, 0.001, True)
-    # seed 002's accounting: E_real = E*D, D_eff = D*L, E_eq = E*D*L, E_comp = k*D*L
+    # the Foil paper's accounting: E_real = E*D, D_eff = D*L, E_eq = E*D*L, E_comp = k*D*L
     acc = c.loop_accounting
     assert (acc["E_real"], acc["D_eff"], acc["E_eq"], acc["E_comp"]) == (64, 16, E * D * L, 32)
     assert acc["E_eq"] == {8: 128, 16: 256, 32: 512, 64: 1024}[E]
-    # hand check (the brief's): experts 8*8*3*1024*1536 in every shape, 4*1024^2 per attention set
+    # hand check: experts 8*8*3*1024*1536 in every shape, 4*1024^2 per attention set
     expert = 3 * 1024 * 1536
     attention_set = 4 * 1024 * 1024
     assert c.block.experts == E * expert and D * c.block.experts == 64 * expert == 301_989_888
@@ -335,7 +337,7 @@ def test_foil_family_totals():
     # norm gains (a stored layer has two, an extra pass set one)
     untied = [totals[n] for n in ("foil-base", "foil-3", "foil-2", "foil-1")]
     assert [untied[0] - u for u in untied] == [0, 4 * 1024, 6 * 1024, 7 * 1024]
-    # the tied controls span the seed's 490.8M (proto-Foil-1) to 520.2M (Base-tied), decreasing with flattening
+    # the tied controls span the Foil paper's 490.8M (proto-Foil-1) to 520.2M (Base-tied), decreasing with flattening
     tied = [totals[n] for n in ("foil-base-tied", "proto-foil-3", "proto-foil-2", "proto-foil-1")]
     assert tied == sorted(tied, reverse=True)
     assert near(tied[0], 520.2, 0.05) and near(tied[-1], 490.8, 0.05)
@@ -345,7 +347,7 @@ def test_foil_family_totals():
         assert a - b == dropped * (4 * 1024 * 1024 + 2 * 1024)
 
 
-# ------------------------------------------------------- Accordion (seed 003)
+# ------------------------------------------------------- Accordion (docs/model.md, "Accordion")
 ACCORDION_TABLE = {
     # name: (hidden, Q, KV, expert hidden, vocab, total B, active B)
     "accordion-6b-a0.5b": (1536, 12, 4, 384, 128_000, 6.03, 0.54),
@@ -372,7 +374,7 @@ def test_accordion_configs(name):
     embeddings = 2 * vocab * h
     norms = 24 * 2 * h + h
     assert c.total == 24 * (attention + 129 * expert + 128 * h) + embeddings + norms + c.loop_gates
-    # the seed's active: one unlooped pass, embedding and head excluded -- attention + top-8 routed experts
+    # the Accordion paper's active: one unlooped pass, embedding and head excluded -- attention + top-8 routed experts
     # + shared expert + router per layer (our figure adds the norm gains)
     per_layer = attention + 8 * expert + expert + 128 * h
     assert c.active_per_token == 24 * per_layer + norms

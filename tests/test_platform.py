@@ -106,7 +106,7 @@ def test_cuda_api_on_cpu(single_process):
 
 
 def test_rng_tracker_fork_switches_streams(single_process):
-    """The silent failure (note item 2): fork() must really switch RNG streams."""
+    """The silent failure of platform patch 2 (CUDA RNG): fork() must really switch RNG streams."""
     from megatron.core import tensor_parallel
 
     seed = 1234

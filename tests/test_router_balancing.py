@@ -1,5 +1,5 @@
-"""SPEC 1.2-1.5: router choice, router size, balancing bias, auxiliary losses, mode path,
-growing depth, distinct blocks per path."""
+"""Router choice, router size, balancing bias, auxiliary losses, mode path, growing depth,
+distinct blocks per path (docs/model.md, "Router" to "Parameter accounting")."""
 
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def test_router_parameter_count(make_model, tied):
 
 
 def test_golden_router_size_1b_math():
-    # SPEC 1.5: width 2048, L = 8: d*L + L^2 + 2L = 16,464
+    # docs/model.md, "Golden facts": width 2048, L = 8: d*L + L^2 + 2L = 16,464
     assert sum(p.numel() for p in WindowRouter(2048, 8).parameters()) == 16_464
 
 

@@ -1,6 +1,7 @@
 """The sbatch scripts on a real (local, two-node) Slurm cluster, used as on a production cluster.
 
-Starts ``../shared/tools/local-slurm`` (root only) and switches off its
+Starts ``../shared/tools/local-slurm``, the local two-node Slurm tool that CI provides
+next to the repository (root only), and switches off its
 ``DependencyParameters=kill_invalid_depend`` (Slurm's default is off), then runs
 one campaign of concurrent jobs on tiny configs, all submitted from a run
 directory outside the repository with the scripts' absolute paths and with a
@@ -42,7 +43,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"
+LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"  # provided by CI, outside the repository
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
 PRETRAIN_ITERS = 16
 CONTEXT_ITERS = 6

@@ -1,4 +1,5 @@
-"""The 4-primitive program toy of seed 000 (examples/toy_primitives): task generator,
+"""The 4-primitive program toy (examples/toy_primitives, after the blog article "Library of
+Layers: a transformer that picks its own layer order"): task generator,
 held-out split, routing of every model kind, and one tiny training run."""
 
 from __future__ import annotations
@@ -60,7 +61,7 @@ def test_batches_are_correct_and_step_specific():
 def test_fixed_paths_and_sizes(label, blocks, params):
     model = toy.ToyModel(toy.ModelSpec(label, toy.default_blocks(label)))
     assert len(model.blocks) == blocks
-    if params is not None:  # seed 000: 203k (4 blocks) and 603k (12 blocks)
+    if params is not None:  # the article's 203k (4 blocks) and 603k (12 blocks)
         assert toy.count_params(model) == params
     g = torch.Generator().manual_seed(1)
     trained, _ = toy.split_programs(0)

@@ -1,4 +1,4 @@
-"""SPEC 1.1: windows, reach, attention pairs, document restarts, window-blocked attention."""
+"""Windows (docs/model.md, "Windows"): windows, reach, attention pairs, document restarts, window-blocked attention."""
 
 from __future__ import annotations
 
@@ -115,7 +115,7 @@ def test_windows_restart_at_document_boundaries(depth):
 
 
 def test_prefix_means_restart_per_document():
-    """r_k of document B in a packed row equals r_k of B alone (SPEC 1.2: cumsum restarts)."""
+    """r_k of document B in a packed row equals r_k of B alone (docs/model.md, "Router": cumsum restarts)."""
     from megatron_lol.model.router import router_summaries
 
     eod, W, S, h = 0, 4, 2, 5

@@ -1,11 +1,14 @@
-"""Run the toy's round-two settings for N seeds and print our table beside seed 000's.
+"""Run the toy's round-two settings for N seeds and print our table beside the article's.
 
     python examples/toy_primitives/run.py --seeds 3             # default set, 2 worker processes
     python examples/toy_primitives/run.py --seeds 3 --models all --steps 3000 --batch 256
 
-Each run uses one intra-op thread; ``--workers`` runs go side by side (the seed's
+Each run uses one intra-op thread; ``--workers`` runs go side by side (the article's
 setup: "one CPU thread with two runs side by side"). Results go to
 ``--output`` (JSON, one record per run, plus the aggregated table in Markdown).
+
+The article: "Library of Layers: a transformer that picks its own layer order" (Satyajit
+Ghana), sections "A toy library on CPU" (round one) and "Round two".
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from toy import ModelSpec, TrainConfig, default_blocks, train_one  # noqa: E402
 
-# seed 000, held-out exact match, mean over seeds (trained programs 99.9-100% unless noted)
-SEED_TABLE = {
+# the article's held-out exact match, mean over seeds (trained programs 99.9-100% unless noted)
+ARTICLE_TABLE = {
     "dense": ("25.5% (13.9-33.8)", "round two, lr 3e-3, wd 0.01, 5 seeds"),
     "oracle": ("38.4% (29.8-49.0)", "round two, 5 seeds"),
     "step_prim": ("60.0% (40.4-76.4)", "round two, 5 seeds"),
@@ -77,22 +80,22 @@ def summarise(results: list, labels: list) -> list:
 
 
 def markdown(rows: list) -> str:
-    lines = ["| Model | Params | Held-out, ours (mean, min-max) | Trained, ours (mean, min) | Seed 000 held-out |",
+    lines = ["| Model | Params | Held-out, ours (mean, min-max) | Trained, ours (mean, min) | Article held-out |",
              "|---|---|---|---|---|"]
     for r in rows:
-        seed_val, seed_note = SEED_TABLE.get(r["model"], ("not run", ""))
+        ref_val, ref_note = ARTICLE_TABLE.get(r["model"], ("not run", ""))
         extra = ""
         if "separation" in r:
             extra = f"; sep {r['separation']:.2f}, conc {r['depth_concentration']:.2f}"
         lines.append(
             f"| {r['model']} | {r['params'] / 1000:.0f}k | {r['heldout_mean']:.1f}% "
             f"({r['heldout_min']:.1f}-{r['heldout_max']:.1f}){extra} | {r['train_mean']:.1f}% ({r['train_min']:.1f}) "
-            f"| {seed_val} ({seed_note}) |")
+            f"| {ref_val} ({ref_note}) |")
     return "\n".join(lines)
 
 
 def ordering_checks(rows: list) -> list:
-    """The seed's qualitative claims on held-out programs, as (claim, holds)."""
+    """The article's qualitative claims on held-out programs, as (claim, holds)."""
     m = {r["model"]: r["heldout_mean"] for r in rows}
     t = {r["model"]: r["train_min"] for r in rows}
     out = []
@@ -117,9 +120,9 @@ def main(argv=None) -> int:
     p.add_argument("--models", default="default",
                    help="'default' (%s), 'all', or a comma list of labels such as lol-L8-untied" % ",".join(DEFAULT))
     p.add_argument("--steps", type=int, default=1000,
-                   help="optimizer steps (default 1000, reduced from the seed's 3000 to fit ~10 min; see README)")
-    p.add_argument("--batch", type=int, default=128, help="batch size (default 128; the seed used 256)")
-    p.add_argument("--full", action="store_true", help="the seed's schedule: 3000 steps at batch 256")
+                   help="optimizer steps (default 1000, reduced from the article's 3000 to fit ~10 min; see README)")
+    p.add_argument("--batch", type=int, default=128, help="batch size (default 128; the article used 256)")
+    p.add_argument("--full", action="store_true", help="the article's schedule: 3000 steps at batch 256")
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.01)
     p.add_argument("--warmup", type=int, default=100)

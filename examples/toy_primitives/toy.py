@@ -1,4 +1,5 @@
-"""The 4-primitive program task of seed 000 ("A toy library on CPU"), in plain PyTorch.
+"""The 4-primitive program task of the blog article "Library of Layers: a transformer that picks
+its own layer order" (Satyajit Ghana; section "A toy library on CPU"), in plain PyTorch.
 
 Task: 8 digits mod 10 and a 3-step program; each step is one primitive
 ``inc`` (+1 to every digit), ``rev`` (reverse), ``rot`` (rotate left by one),
@@ -25,7 +26,7 @@ applications, differing only in which block runs at each step:
                    gets the mean of their embeddings added to its input (the paper's
                    sudoku/maze setup)
 
-Choices the seed does not record (written down here): sequence = 3 program tokens then
+Choices the article does not record (written down here): sequence = 3 program tokens then
 8 digits with learned position embeddings; a final LayerNorm and a 10-way head on the
 8 digit positions; GELU MLP; router logits weights N(0, 0.02), noise weights zero;
 the per-depth vectors ``e_l`` N(0, 0.02); program-id paths are drawn from the run
@@ -146,7 +147,7 @@ class Block(nn.Module):
 
 
 class Router(nn.Module):
-    """The released code's router (seed 000): linear logits, learned softplus noise, softmax."""
+    """The router of the released Library of Layers code: linear logits, learned softplus noise, softmax."""
 
     def __init__(self, width: int, n_blocks: int):
         super().__init__()
@@ -312,7 +313,7 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 @torch.no_grad()
 def evaluate(model: ToyModel, programs, n: int, seed: int, batch: int = 1024) -> dict:
     """Exact-match accuracy on ``n`` fresh examples of ``programs``, plus the routing
-    statistics of learned routers (separation, depth concentration; seed 000, round two)."""
+    statistics of learned routers (separation, depth concentration; the article's round two)."""
     model.eval()
     g = torch.Generator().manual_seed(seed)
     correct, choices, prims = 0, [], []

@@ -5,14 +5,15 @@ Subcommands (each writes PNG/JSON files under ``--output``):
 ``utilisation``  block utilisation per routed depth: heatmap PNG + JSON counts [depth x block]
 ``paths``        per-example routing-path vectors (one-hot block per depth x window ordinal),
                  PCA scatter coloured by a label field, JSON coordinates
-``mode-path``    the mode path of the validation examples (SPEC 1.4): ids/gates JSON
-                 (overall and per label); ``--evaluate``: loss routed vs forced;
+``mode-path``    the mode path of the validation examples (docs/model.md, "Path forcing"):
+                 ids/gates JSON (overall and per label); ``--evaluate``: loss routed vs forced;
                  ``--generate PROMPT``: greedy generation routed and under the forced path
-``distinct``     distinct blocks per token path: histogram PNG + JSON against E[U] (SPEC 1.5)
-``moe-routing``  looped / Accordion MoE cores (Foil, seed 002): distinct experts per token U_t,
+``distinct``     distinct blocks per token path: histogram PNG + JSON against E[U]
+                 (docs/model.md, "Parameter accounting")
+``moe-routing``  looped / Accordion MoE cores (docs/model.md, "Foil"): distinct experts per token U_t,
                  load balance B2 and median margin ratio MMR per pass: JSON + PNG
-``budgets``      Accordion (seed 003): loss of the examples at every budget k (JSON + PNG);
-                 ``--generate PROMPT``: greedy generation at each budget
+``budgets``      Accordion (docs/model.md, "Accordion"): loss of the examples at every budget k
+                 (JSON + PNG); ``--generate PROMPT``: greedy generation at each budget
 
 Data: ``--data-path PREFIX`` (a Megatron indexed dataset; ``--part valid`` takes the
 validation documents of the run's split) or ``--jsonl FILE`` with ``--text-field`` and
@@ -71,7 +72,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     own = _common(p)
     own.add_argument("--max-windows", type=int, default=None, metavar="K",
                      help="window ordinals kept per depth (default: all)")
-    p = sub.add_parser("mode-path", help="mode path (SPEC 1.4); evaluate / generate under it")
+    p = sub.add_parser("mode-path", help='mode path (docs/model.md, "Path forcing"); evaluate / generate under it')
     own = _common(p, data_required=False)
     own.add_argument("--path-file", default=None, metavar="JSON",
                      help="force this ids/gates JSON instead of computing a mode path")
@@ -157,7 +158,7 @@ def run_utilisation(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, utilisation_counts
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    plan = ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
     counts = utilisation_counts(routes, plan.depth, plan.num_stored_blocks)
     share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
@@ -179,7 +180,7 @@ def run_paths(args, ckpt, toks, labels) -> dict:
 
     import torch
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    plan = ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
     vec = path_vectors(routes, plan.depth, plan.num_stored_blocks, args.max_windows)
     coords, ratio = pca(vec, 2)
@@ -259,7 +260,7 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import greedy_generate, lm_loss
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    m = ckpt.cfg.model
     if not toks and args.generate is None:
         raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
     prompt = _prompt_ids(args, ckpt) if args.generate is not None else None
@@ -308,7 +309,7 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis.routing import (collect_routes, forced_path, greedy_generate, group_by_label,
                                                lm_loss, mode_path)
 
-    m, plan = ckpt.cfg.model, ckpt.model.plan
+    plan = ckpt.model.plan
     seq = _seq_length(args, ckpt)
     out = dict(_meta(ckpt, args, len(toks)))
     per_label = {}

@@ -14,8 +14,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import torch
-
 from megatron_lol.errors import CliError
 
 KEY_PREFIX = "model."
@@ -78,10 +76,7 @@ def read_run_config(path: str, load: str) -> tuple:
             with open(candidate) as f:
                 raw = yaml.safe_load(f) or {}
             info = raw.pop("checkpoint", None) or {}
-            try:
-                cfg = config_from_dict(raw, check_data=False)
-            except TypeError:  # older config_from_dict without check_data
-                cfg = config_from_dict(raw)
+            cfg = config_from_dict(raw, check_data=False)
             return cfg, info, directory
     raise CliError(f"{path} has no {RUN_CONFIG}")
 

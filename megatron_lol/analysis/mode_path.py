@@ -1,10 +1,10 @@
-"""The mode path (SPEC 1.4, path forcing).
+"""The mode path (docs/model.md, "Path forcing").
 
 A mode path averages the *pre-bias* router probabilities ``a`` over validation
 examples per (depth, window ordinal) and freezes the argmax of the average and
 its mean probability as the block id and gate of a :class:`ForcedPath`.
 
-Choices written down here (the SPEC is silent):
+Choices (also in docs/model.md, "Path forcing"):
 
 * every window with a given (depth, ordinal) is one observation, so a row
   holding several documents contributes one observation per document that

@@ -1,4 +1,4 @@
-"""Sizes of routed paths (SPEC 1.5)."""
+"""Sizes of routed paths (docs/model.md, "Parameter accounting")."""
 
 from __future__ import annotations
 

@@ -132,7 +132,7 @@ def distinct_histogram(hist: dict, expected: float, mean: float, path: Optional[
 
 
 def per_pass_metrics(by_pass: Sequence[dict], path: Optional[str], title: str = ""):
-    """B2 and MMR per loop pass (Foil, seed 002 Figure 5 style)."""
+    """B2 and MMR per loop pass (in the style of Figure 5 of the Foil paper)."""
     plt = _plt()
     passes = [p["pass"] + 1 for p in by_pass]
     fig, (a, b) = plt.subplots(1, 2, figsize=(7, 3))

@@ -1,4 +1,6 @@
-"""Routing analyses on an in-memory model (SPEC 1.4 routing record, path forcing; 1.5 E[U]).
+"""Routing analyses on an in-memory model (docs/model.md, "Routing records", "Path forcing").
+
+``E[U]``, the expected distinct blocks per path, is in docs/model.md, "Parameter accounting".
 
 Everything here takes a :class:`~megatron_lol.model.lol_model.LoLGPTModel` (eval
 mode, one process) and lists of token ids; nothing reads a checkpoint, so the
@@ -9,10 +11,10 @@ Examples are *packed*: each example is one document (its tokens, truncated to
 ``seq_length - 1``, then EOD), several per row, the rest of a row filled with
 EOD tokens (each a one-token document that is ignored). The model restarts
 windows, window ordinals, router prefixes and attention at every document
-(SPEC 1.1), so an example routes exactly as it would alone in a row. Without
+(docs/model.md, "Documents"), so an example routes exactly as it would alone in a row. Without
 an EOD id, every example gets its own row (batch of one).
 
-Definitions used by the analyses (the SPEC is silent; written down here):
+Definitions used by the analyses (also in docs/model.md, "Routing records"):
 
 * **route of an example**: per routed depth ``d`` the block chosen by each window
   ordinal ``k`` of the example (``choice[d][k]``) and the router's noise-free,
@@ -275,7 +277,7 @@ def distinct_summary(routes: Sequence[ExampleRoute], depth: int, num_blocks: int
 
 
 def mode_path(routes: Sequence[ExampleRoute]) -> tuple:
-    """SPEC 1.4 mode path ``(ids [D, K], gates [D, K])`` over the examples' routes."""
+    """The mode path (docs/model.md, "Path forcing") ``(ids [D, K], gates [D, K])`` over the examples' routes."""
     return mode_path_from_records([r.records for r in routes])
 
 

@@ -45,8 +45,8 @@ class ModelConfig:
     * ``accordion``: the ``loop_window`` layers once, then the first ``k`` again
       (``loop_budgets``; ``k = 0`` is the unlooped model).
 
-    The older spelling (``num_blocks`` / ``routed_depth`` for every plan, Foil as
-    ``plan: looped`` with MoE blocks) is still read, with a deprecation warning.
+    The deprecated spelling (``num_blocks`` / ``routed_depth`` for every plan, Foil as
+    ``plan: looped`` with MoE blocks) is read, with a deprecation warning.
     """
 
     plan: str = "lol"
@@ -78,11 +78,11 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    # router (SPEC 1.2)
+    # router (docs/model.md, "Router")
     router_tied: bool = True
     router_noise: bool = True
     router_noise_clamp: float = 10.0
-    # balancing (SPEC 1.3)
+    # balancing (docs/model.md, "Load balancing")
     balancing: str = "loss_free"
     bias_update_speed: float = 1e-3
     bias_clamp: float = 16.0
@@ -90,7 +90,7 @@ class ModelConfig:
     per_depth_bias: bool = False
     seq_aux_loss_coeff: float = 1e-4
     aux_loss_coeff: float = 0.02
-    # options (SPEC 1.4)
+    # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
     # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
@@ -133,7 +133,7 @@ class ModelConfig:
         self.normalize()
 
     def normalize(self) -> "ModelConfig":
-        """Read the older shape keys into the plan's own (deprecation warning) and fill LoL's
+        """Read the deprecated shape keys into the plan's own (deprecation warning) and fill LoL's
         defaults; idempotent, so it also runs after ``--set`` overrides."""
         from megatron_lol.plan.legacy import migrate_model_keys
 

@@ -128,7 +128,7 @@ class SegmentCausalAttention(MegatronModule):
         return torch.matmul(probs, v)
 
     def _dense(self, q, k, v, mask: SegmentMask):
-        s, b = q.shape[0], q.shape[1]
+        s = q.shape[0]
         # [s, b, h, d] -> [b, h, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
         idx = torch.arange(s, device=q.device)

@@ -34,7 +34,7 @@ from megatron_lol.backends import select_backend
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import call_block
-from megatron_lol.model.core import Core, CoreOutput, ForcedPath
+from megatron_lol.model.core import Core, ForcedPath
 from megatron_lol.model.init import seed_experts_by_global_index, seeded
 from megatron_lol.model.library import (LocalRMSNorm, block_spec, build_layer, core_config, transformer_config,
                                         use_te_for)

@@ -6,8 +6,7 @@ tensor-parallel size 1 (tests check this for every plan and option the model
 implements). FFN mixture-of-experts layers are counted analytically as
 megatron-core builds them (router ``E*d``, no bias; ``E`` SwiGLU experts of
 hidden ``moe_ffn_hidden_size``; an optional ``SharedExpertMLP`` of hidden
-``moe_shared_expert_intermediate_size``, no gate), whether or not the model
-builds them yet.
+``moe_shared_expert_intermediate_size``, no gate).
 
 What is counted, per layer (prelude, coda, every library block; all bias-free):
 
@@ -29,24 +28,24 @@ for ``accordion``.
 
 Plan-specific parameters:
 
-* ``looped`` with ``untie_attention`` (Foil, seed 002): for every stored block
+* ``looped`` with ``untie_attention`` (Foil; docs/model.md, "Foil"): for every stored block
   and every pass ``p = 1..P-1`` (``P`` = ``loop_passes``; pass 0 uses the
   block's own attention) one more attention set, input RMSNorm gain ``d`` +
   QKV + output projection: ``L*(P-1)`` sets (``pass_attention``). Experts,
   MoE routers and pre-MLP norms stay shared across passes.
-* ``accordion`` (seed 003): ``loop_gates`` of shape ``(L, 2, d)`` (per-channel
+* ``accordion`` (docs/model.md, "Accordion"): ``loop_gates`` of shape ``(L, 2, d)`` (per-channel
   gates on the second pass's attention and MLP writes; ``loop_gates: true``)
   and, with ``second_pass_router: separate``, one more MoE router ``E*d`` per
   window layer (``second_pass_router``).
 
 Active parameters: the convention
 ----------------------------------
-SPEC 1.5's "active" figure counts the parameters *stored once* that a token
+The "active" figure (docs/model.md, "Parameter accounting") counts the parameters *stored once* that a token
 touches, all embeddings excluded: every fixed layer (with ``top-k`` of its
 experts, and its shared expert), and in the core the *distinct* blocks it can
 execute, at most ``min(L, D)``. Each stored tensor counts once however often
 it is applied (as Accordion's tables put it: "active shared weights are not
-multiplied by recurrence count"). It reproduces both 308.3M figures of SPEC 1.5:
+multiplied by recurrence count"). It reproduces both 308.3M figures of docs/model.md, "Golden facts":
 
 * MoE baseline (24 layers, 3 experts of hidden 1408, top-2): per layer
   attention 4,194,304 + 2 experts 8,650,752 = 12,845,056; x 24 = 308.28M
@@ -68,12 +67,13 @@ so ``active_per_token`` adds all ``L*(P-1)`` extra sets to the ``L`` blocks
 counted once (experts: top-k per block, once, as for any looped plan);
 ``active_compute`` counts ``D = L*P`` executions of a block-sized layer
 (each pass's attention set has the block attention's size). Foil's own
-accounting (seed 002, section 2.1) is reported separately
+accounting (the Foil paper, "How to Loop MoE: Flatten the Experts, Untie the
+Attention", section 2.1) is reported separately
 (:attr:`ParamCounts.loop_accounting`): ``E_real = E*D``, ``D_eff = D*L``,
-``E_eq = E*D*L``, ``E_comp = k*D*L`` with the seed's symbols (``E`` experts per
+``E_eq = E*D*L``, ``E_comp = k*D*L`` with the paper's symbols (``E`` experts per
 core layer, ``D`` stored core layers, ``L`` passes).
 
-Accordion: "active" is defined by the seed (Tables 5 and 19) as a single
+Accordion: "active" is defined by the Accordion paper (Tables 5 and 19) as a single
 *unlooped* forward pass (budget ``k = 0``), input embedding and output head
 excluded: per layer attention + top-k routed experts + the shared expert +
 the MoE router, over all ``n_prelude + num_blocks + n_coda`` layers (plus
@@ -146,7 +146,8 @@ class ParamCounts:
     # headline figures
     total: int
     non_embedding: int  # total - input embedding - untied output layer
-    active_per_token: int  # non-embedding, stored-once convention (SPEC 1.5); accordion: unlooped k=0
+    # non-embedding, stored-once convention (docs/model.md, "Parameter accounting"); accordion: unlooped k=0
+    active_per_token: int
     active_compute: int  # non-embedding, every core execution counted (L < D: > active_per_token)
     active_with_embedding: int  # active_per_token + input embedding + output layer
     linear_total: int  # paper convention: attention + MLP / expert projections, stored
@@ -189,7 +190,8 @@ class ParamCounts:
 
     @property
     def seed_columns(self) -> Optional[dict]:
-        """Foil's parameter table columns: core experts incl. routers, core attention, head + tail, other."""
+        """The Foil paper's parameter-table (Table 3) columns: core experts incl. routers, core attention,
+        head + tail, other (the JSON key keeps the name ``seed_columns``)."""
         if self.loop_accounting is None:
             return None
         return {
@@ -218,7 +220,7 @@ BREAKDOWN_KEYS = ("embedding", "output", "attention", "pass_attention", "mlp", "
 
 
 def router_parameters(hidden_size: int, num_blocks: int) -> int:
-    """One LoL router ``(W_r, b_r, W_n, b_n)``: ``d*L + L^2 + 2L`` (SPEC 1.2)."""
+    """One LoL router ``(W_r, b_r, W_n, b_n)``: ``d*L + L^2 + 2L`` (docs/model.md, "Router")."""
     d, L = hidden_size, num_blocks
     return d * L + L * L + 2 * L
 
@@ -341,7 +343,7 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
             budgets.append({"k": k, "layer_executions": n_fixed + plan.depth_for(k), "active_compute": act,
                             "linear_active_compute": lin})
         active_compute, linear_active_compute = at_budget(D - L)
-        # the seed's "active": one unlooped (k = 0) forward pass
+        # the Accordion paper's "active": one unlooped (k = 0) forward pass
         active = fixed_active + L * block.active
         linear_active = linear_fixed + L * block.linear_active
     return ParamCounts(

@@ -1,4 +1,4 @@
-"""The causal window router (SPEC 1.2).
+"""The causal window router (docs/model.md, "Router").
 
 For window ``k`` of a document at routed depth ``l`` the router reads only the
 past of the window:
@@ -40,7 +40,7 @@ class RoutingDecision:
 def choose_blocks(probs: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-1 by ``a + b``; gate is the unbiased ``a`` of the chosen block.
 
-    ``torch.argmax`` returns the first maximal index, which is the SPEC's tie rule.
+    ``torch.argmax`` returns the first maximal index, which is the tie rule of docs/model.md, "Router".
     """
     biased = probs if bias is None else probs + bias.to(probs.dtype)
     choice = torch.argmax(biased.detach(), dim=-1)
@@ -52,7 +52,7 @@ class WindowRouter(nn.Module):
     """One linear router ``(W_r, b_r, W_n, b_n)``: ``d*L + L^2 + 2L`` parameters.
 
     Kept in fp32 whatever the model precision: window means, prefix sums and
-    logits are computed in fp32 (SPEC 1.2).
+    logits are computed in fp32 (docs/model.md, "Router").
     """
 
     def __init__(self, hidden_size: int, num_blocks: int, noise: bool = True, noise_clamp: float = 10.0):
@@ -68,7 +68,7 @@ class WindowRouter(nn.Module):
             nn.init.zeros_(self.logits.bias)
             nn.init.zeros_(self.noise_scale.weight)
             nn.init.zeros_(self.noise_scale.bias)
-        # W_r, b_r start at zero too: every window is a tie at the start (SPEC 1.2),
+        # W_r, b_r start at zero too: every window is a tie at the start (docs/model.md, "Router"),
         # broken towards block 0 and then by the balancing bias.
 
     def probabilities(self, summaries: torch.Tensor, eps: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Window arithmetic of SPEC 1.1 in plain Python (no torch).
+"""Window arithmetic (docs/model.md, "Windows") in plain Python (no torch).
 
 Shared by the model (:mod:`megatron_lol.model.windows`) and the FLOP model
 (:mod:`megatron_lol.perf.flops`, which must stay importable without torch), so

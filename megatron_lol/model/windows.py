@@ -1,4 +1,4 @@
-"""Windows of a routed depth (SPEC 1.1): pure functions of positions.
+"""Windows of a routed depth (docs/model.md, "Windows"): pure functions of positions.
 
 At routed depth ``l`` (1-based) position ``i`` of a document belongs to window
 ``w_l(i) = floor((i + delta_l) / W)`` with ``delta_l = ((l - 1) * S) mod W``.
@@ -86,7 +86,7 @@ class DocumentLayout:
 
     @classmethod
     def from_tokens(cls, tokens: torch.Tensor, eod_id: Optional[int]) -> "DocumentLayout":
-        """The EOD token is the last token of the document it ends (SPEC 1.1)."""
+        """The EOD token is the last token of the document it ends (docs/model.md, "Documents")."""
         b, s = tokens.shape
         starts = torch.zeros_like(tokens, dtype=torch.bool)
         starts[:, 0] = True

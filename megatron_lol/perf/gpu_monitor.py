@@ -141,7 +141,7 @@ def start_if_available(interval: float = 0.5) -> Optional[GpuSampler]:
 
         if not torch.cuda.is_available():
             return None
-        import pynvml  # noqa: F401
+        import pynvml  # noqa: F401  (imported only to probe that it is installed)
     except Exception:  # noqa: BLE001
         return None
     try:

@@ -8,8 +8,8 @@ derives it); it is padded to a multiple of ``model.make_vocab_size_divisible_by`
 as the trainer pads it, at every TP size (``--no-pad-vocab`` to count it as given).
 
 Beyond the headline rows and the breakdown, a looped MoE core (Foil) prints
-its accounting ``E_real = E*D``, ``D_eff = D*L``, ``E_eq = E*D*L``,
-``E_comp = k*D*L`` and its parameter-table columns; plan ``accordion`` prints
+its accounting (the Foil paper's) ``E_real = E*D``, ``D_eff = D*L``, ``E_eq = E*D*L``,
+``E_comp = k*D*L`` and its parameter-table (Table 3) columns; plan ``accordion`` prints
 the active parameters per budget. ``--json``
 carries the same as ``loop_accounting``, ``seed_columns`` and ``budgets``.
 """
@@ -139,12 +139,12 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
     out += [f"    {name:<{width - 2}}{n:>16,}  {_m(n):>10}" for name, n in per_block]
     acc = counts.loop_accounting
     if acc is not None:
-        out += ["", f"  looped MoE core (seed 002 accounting): (E, D, L) = {acc['shape']}, k = {acc['k']}, "
+        out += ["", f"  looped MoE core (Foil paper accounting): (E, D, L) = {acc['shape']}, k = {acc['k']}, "
                     f"attention {'untied' if acc['untie_attention'] else 'shared'} across passes"]
         out += [f"    {name:<{width - 2}}{acc[key]:>16,}" for name, key in (
             ("E_real = E*D (distinct core experts)", "E_real"), ("D_eff = D*L (core layer executions)", "D_eff"),
             ("E_eq = E*D*L (unrolled experts)", "E_eq"), ("E_comp = k*D*L (expert calls per token)", "E_comp"))]
-        out += ["", "  seed 002 Table 3 columns"]
+        out += ["", "  Foil paper Table 3 columns"]
         names = {"core_experts_and_routers": "loop block: experts incl. routers",
                  "core_attention": "loop block: attention", "head_and_tail": "head + tail layers",
                  "other": "other (embedding + output)"}

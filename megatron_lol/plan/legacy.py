@@ -1,12 +1,12 @@
-"""Older spellings of the model's shape keys, read with a deprecation warning.
+"""Deprecated spellings of the model's shape keys, read with a deprecation warning.
 
-Configs (and checkpoints' ``run_config.yaml``) written before each plan had its
-own shape keys used ``num_blocks`` / ``routed_depth`` for every plan and wrote
-Foil as ``plan: looped`` with MoE blocks. They are rewritten in place to the
-current keys, so every paper config keeps its parameter count:
+Configs (and checkpoints' ``run_config.yaml``) in the deprecated spelling use
+``num_blocks`` / ``routed_depth`` for every plan and write Foil as
+``plan: looped`` with MoE blocks. They are rewritten in place to the current
+keys, so every config keeps its parameter count:
 
 ============  ==============================  =====================================
-plan          old keys                        current keys
+plan          deprecated keys                 current keys
 ============  ==============================  =====================================
 dense         ``num_blocks``                  ``core_layers``
 looped        ``num_blocks``, ``routed_depth``  ``loop_layers``, ``loop_count``
@@ -27,7 +27,7 @@ LOL_DEFAULT_DEPTH = 4
 
 
 class ConfigDeprecationWarning(FutureWarning):
-    """A config key spelled the older way (still read)."""
+    """A config key in the deprecated spelling (read and rewritten)."""
 
 
 def _warn(message: str) -> None:
@@ -43,7 +43,7 @@ def _move(model, old: str, new: str, value) -> None:
 
 
 def migrate_model_keys(model) -> None:
-    """Rewrite ``model`` (a ``ModelConfig``) from the older shape keys; idempotent."""
+    """Rewrite ``model`` (a ``ModelConfig``) from the deprecated shape keys; idempotent."""
     plan = model.plan
     blocks, depth = model.num_blocks, model.routed_depth
     if plan == "lol":
@@ -54,7 +54,7 @@ def migrate_model_keys(model) -> None:
         return
     if blocks is None and depth is None:
         return
-    # a config that uses the plan's own keys is not the older spelling: the plan refuses stray keys
+    # a config that uses the plan's own keys is not the deprecated spelling: the plan refuses stray keys
     if plan == "dense" and model.core_layers is None:
         if blocks is not None:
             _move(model, "num_blocks", "core_layers", blocks)
@@ -79,7 +79,7 @@ def migrate_model_keys(model) -> None:
             if model.core_num_experts is not None or model.foil_experts is None:
                 _move(model, "core_num_experts", "foil_experts", model.core_num_experts or model.num_experts)
             if model.untie_attention is None:
-                model.untie_attention = False  # the older default
+                model.untie_attention = False  # the default of the deprecated spelling
         _move(model, "num_blocks", layers, blocks)
         _move(model, "routed_depth", loops, depth // blocks)
         _warn(f"plan looped{' with MoE blocks is now plan foil;' if model.plan == 'foil' else ':'} "

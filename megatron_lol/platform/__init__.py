@@ -74,10 +74,9 @@ from typing import Any
 
 import torch
 
-from megatron_lol.platform._common import (MEGATRON_CORE_PIN, PlatformPatchError, _require,  # noqa: F401
-                                           _require_source, applied_patches)
-from megatron_lol.platform.device_mode import (_enter_global_cpu_mode, _run_backward_in_mode,  # noqa: F401
-                                               cpu_device_mode, device_mode_suspended)
+from megatron_lol.platform._common import MEGATRON_CORE_PIN, PlatformPatchError, applied_patches
+from megatron_lol.platform._common import _require  # noqa: F401  (tests/test_platform.py calls plat._require)
+from megatron_lol.platform.device_mode import _enter_global_cpu_mode, cpu_device_mode, device_mode_suspended
 
 __all__ = [
     "PlatformPatchError",
@@ -115,6 +114,7 @@ def has_transformer_engine() -> bool:
     if not cuda_available():
         return False
     try:
+        # imported only to probe that TE loads
         import transformer_engine  # noqa: F401
         import transformer_engine.pytorch  # noqa: F401
     except (ImportError, RuntimeError, OSError):
@@ -126,6 +126,7 @@ def has_transformer_engine() -> bool:
 def has_apex() -> bool:
     """True when NVIDIA apex (not PyPI's unrelated ``apex``) is importable."""
     try:
+        # imported only to probe that NVIDIA apex loads
         import apex  # noqa: F401
         from apex.optimizers import FusedAdam  # noqa: F401
     except (ImportError, RuntimeError, OSError):

@@ -34,17 +34,17 @@ def _patch_distrib_optimizer_torch_adam_step() -> None:
     * ``DistributedOptimizer.state_dict()`` does ``assert len(steps) == 1``
       over the per-parameter steps; a freshly built optimizer has none, and
       ``sharded_state_dict(is_loading=True)`` calls it before loading, so every
-      checkpoint load fails. Now: no state -> the step of the param groups, or 0.
+      checkpoint load fails. The patch: no state -> the step of the param groups, or 0.
     * ``_set_main_param_and_optimizer_states`` copies every key of the inner
       state, including ``step``, from the loaded parameter state, which has no
-      ``step`` (the loaders skip it): KeyError. Now ``step`` is left alone there,
+      ``step`` (the loaders skip it): KeyError. The patch leaves ``step`` alone there,
       and the copy runs under ``no_grad`` (the ``dp_reshardable`` loader lacks
       it: "a view of a leaf Variable ... in-place" with fp32 params).
     * Adam then resumes at the wrong step (wrong bias correction): with
       ``dp_reshardable`` the per-parameter ``step`` stays 0; with
       ``fully_reshardable`` every parameter shares *one* step tensor, which
-      torch Adam increments in place once per parameter. Now the step saved in
-      the checkpoint's param groups is re-applied after ``load_state_dict`` as
+      torch Adam increments in place once per parameter. The patch re-applies the step saved in
+      the checkpoint's param groups after ``load_state_dict``, as
       one fresh tensor per parameter.
     """
     if not _mark("distrib_optimizer_torch_adam_step"):

@@ -79,14 +79,26 @@ and reads ``.metadata`` through a restricted unpickler. A resumed run drops the
 records of ``metrics.jsonl`` after its checkpoint's step (they are logged again).
 """
 
-from megatron_lol.training.checkpointing.checkpointer import (  # noqa: F401
+from megatron_lol.training.checkpointing.checkpointer import (
     PAUSE_ENV, CheckpointHook, Checkpointer, agree, prepare_writer_processes)
-from megatron_lol.training.checkpointing.files import (  # noqa: F401
+from megatron_lol.training.checkpointing.files import (
     MANIFEST, RUN_CONFIG, TMP_PREFIX, TRACKER, CheckpointError, CheckpointNotFoundError, checkpoint_dir,
     iter_name, latest_checkpoint, list_checkpoints, read_tracker, resume_iteration, tmp_dir, write_tracker)
-from megatron_lol.training.checkpointing.lock import LOCK_FILE, SaveDirLock  # noqa: F401
-from megatron_lol.training.checkpointing.safe_load import (  # noqa: F401
+from megatron_lol.training.checkpointing.lock import LOCK_FILE, SaveDirLock
+from megatron_lol.training.checkpointing.safe_load import (
     RestrictedUnpickler, read_metadata_file, restricted_unpickling)
-from megatron_lol.training.checkpointing.state import (  # noqa: F401
+from megatron_lol.training.checkpointing.state import (
     DISTRIB_OPTIM_METADATA, FORMAT_VERSION, KEY_PREFIX, NonFiniteWeightsError, build_save_state,
     model_sharded_state_dict, parallel_layout, read_run_config, run_config_dict, weights_finite)
+
+# the package's interface: each name is defined in the submodule it is imported from
+__all__ = [
+    "PAUSE_ENV", "CheckpointHook", "Checkpointer", "agree", "prepare_writer_processes", "MANIFEST",
+    "RUN_CONFIG", "TMP_PREFIX", "TRACKER", "CheckpointError", "CheckpointNotFoundError",
+    "checkpoint_dir", "iter_name", "latest_checkpoint", "list_checkpoints", "read_tracker",
+    "resume_iteration", "tmp_dir", "write_tracker", "LOCK_FILE", "SaveDirLock",
+    "RestrictedUnpickler", "read_metadata_file", "restricted_unpickling", "DISTRIB_OPTIM_METADATA",
+    "FORMAT_VERSION", "KEY_PREFIX", "NonFiniteWeightsError", "build_save_state",
+    "model_sharded_state_dict", "parallel_layout", "read_run_config", "run_config_dict",
+    "weights_finite",
+]
