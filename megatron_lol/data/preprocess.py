@@ -49,9 +49,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     t.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     t.add_argument("--vocab-size", type=int, default=None, help="TikTokenizer vocabulary size (incl. special tokens)")
-    t.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"])
-    t.add_argument("--tiktoken-num-special-tokens", type=int, default=1000)
-    t.add_argument("--tiktoken-special-tokens", nargs="+", default=None)
+    t.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
+                   help="TikTokenizer: Megatron-LM's pre-tokenisation pattern (v1 or v2; default v2)")
+    t.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, metavar="N",
+                   help="TikTokenizer: ids reserved for special tokens below the vocabulary (default 1000)")
+    t.add_argument("--tiktoken-special-tokens", nargs="+", default=None, metavar="TOKEN",
+                   help="TikTokenizer: the first special tokens, in id order (default: Megatron-LM's <unk> <s> </s> <mask> <pad> <cls> <sep>)")
     t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                    help="HuggingFaceTokenizer: do not add the post-processor's special tokens")
     t.add_argument("--eod-token", default=None, help="HuggingFaceTokenizer: the end-of-document token")
