@@ -54,7 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, metavar="N",
                    help="TikTokenizer: ids reserved for special tokens below the vocabulary (default 1000)")
     t.add_argument("--tiktoken-special-tokens", nargs="+", default=None, metavar="TOKEN",
-                   help="TikTokenizer: the first special tokens, in id order (default: Megatron-LM's <unk> <s> </s> <mask> <pad> <cls> <sep>)")
+                   help="TikTokenizer: the first special tokens, in id order "
+                        "(default: Megatron-LM's <unk> <s> </s> <mask> <pad> <cls> <sep>)")
     t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
                    help="HuggingFaceTokenizer: do not add the post-processor's special tokens")
     t.add_argument("--eod-token", default=None, help="HuggingFaceTokenizer: the end-of-document token")
