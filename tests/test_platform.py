@@ -391,3 +391,22 @@ def test_run_distributed_reports_failing_rank():
         run_distributed(_fail_on_rank_one, 2, timeout=120)
     assert info.value.rank == 1
     assert "ValueError" in info.value.remote_traceback
+
+
+def test_moe_aux_loss_scale_survives_a_backward_outside_the_schedules(single_process):
+    """A MoE backward outside megatron's schedules (a plain ``loss.backward()``) leaves a 0-dim
+    aux-loss scale; the schedules' ``[1]`` scale must still be settable afterwards."""
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    saved = MoEAuxLossAutoScaler.main_loss_backward_scale
+    try:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = None
+        x = torch.ones(2, requires_grad=True)
+        MoEAuxLossAutoScaler.apply(x, torch.tensor(0.5, requires_grad=True)).sum().backward()
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale.shape == ()  # megatron-core's own default
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / 4)  # what the schedules do
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [0.25]
+        MoEAuxLossAutoScaler.set_loss_scale(torch.ones(1) / 2)
+        assert MoEAuxLossAutoScaler.main_loss_backward_scale.tolist() == [0.5]
+    finally:
+        MoEAuxLossAutoScaler.main_loss_backward_scale = saved

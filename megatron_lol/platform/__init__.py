@@ -54,6 +54,9 @@ the submodule named:
    (NameError); ``_patch_distrib_optimizer_torch_adam_step``: loading a
    distributed-optimizer checkpoint with the torch AdamW fallback fails on
    ``assert len(steps) == 1`` and then resumes Adam's step counter at 0.
+7. (always) ``megatron_fixes._patch_moe_aux_loss_scale_shape``: a MoE backward outside
+   megatron's schedules leaves a 0-dim aux-loss scale that every later schedule-driven
+   step fails to ``copy_`` its ``[1]`` scale into.
 
 Patches touch private megatron-core names (pinned ``megatron-core==0.16.1``);
 when one has moved, :class:`PlatformPatchError` names it.
@@ -144,7 +147,7 @@ def setup_platform() -> str:
     applies patch 6, even with CUDA. Raises :class:`PlatformPatchError` when a
     private megatron-core name a patch needs has moved.
     """
-    from megatron_lol.platform import collectives, cuda_api, device_mode, no_te
+    from megatron_lol.platform import collectives, cuda_api, device_mode, megatron_fixes, no_te
     from megatron_lol.platform._common import _APPLIED
 
     global _PLATFORM
@@ -164,6 +167,7 @@ def setup_platform() -> str:
             no_te._patch_te_general_gemm()
         if not (has_transformer_engine() or has_apex()):
             no_te._patch_distrib_optimizer_torch_adam_step()
+        megatron_fixes._patch_moe_aux_loss_scale_shape()
         _PLATFORM = platform
         logger.debug("megatron_lol platform: %s, patches: %s", platform, _APPLIED)
         return platform
