@@ -57,6 +57,11 @@ the submodule named:
 7. (always) ``megatron_fixes._patch_moe_aux_loss_scale_shape``: a MoE backward outside
    megatron's schedules leaves a 0-dim aux-loss scale that every later schedule-driven
    step fails to ``copy_`` its ``[1]`` scale into.
+8. (always) ``megatron_fixes._patch_float16_optimizer_fp32_params`` and
+   ``_patch_distributed_optimizer_fp32_params``: megatron-core's optimizers assume a
+   bf16 model holds only bf16 parameters when they map optimizer state to parameters
+   for checkpoints; this package keeps its routing parameters in FP32, and saving a
+   bf16 run failed with either optimizer.
 
 Patches touch private megatron-core names (pinned ``megatron-core==0.16.1``);
 when one has moved, :class:`PlatformPatchError` names it.
@@ -168,6 +173,8 @@ def setup_platform() -> str:
         if not (has_transformer_engine() or has_apex()):
             no_te._patch_distrib_optimizer_torch_adam_step()
         megatron_fixes._patch_moe_aux_loss_scale_shape()
+        megatron_fixes._patch_float16_optimizer_fp32_params()
+        megatron_fixes._patch_distributed_optimizer_fp32_params()
         _PLATFORM = platform
         logger.debug("megatron_lol platform: %s, patches: %s", platform, _APPLIED)
         return platform
