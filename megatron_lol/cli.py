@@ -11,8 +11,14 @@ Console hygiene lives here because it is the same for every verb:
   Engine are missing (about a dozen lines on a CPU machine) and, through its own
   ``TransformerConfig`` default, that ``cuda_graph_scope="full"`` is deprecated.
   None of these is actionable, so they become one ``note:`` line on rank 0;
-  ``--verbose`` (or ``MEGATRON_LOL_VERBOSE=1``) shows them as they are. Every
-  other warning is shown unchanged.
+  ``--verbose`` (or ``MEGATRON_LOL_VERBOSE=1``) shows them as they are.
+* two more come from megatron-core's distributed optimizer at every run and are
+  dropped: its ``zero_grad`` reads ``.grad`` of the FP32 shard views it makes
+  (a non-leaf tensor; harmless), and it calls ``torch.distributed``'s
+  ``reduce_scatter_tensor`` / ``all_gather_into_tensor``, which torch marks
+  deprecated (the warning is raised in torch's ``c10d_logger.py``; this package
+  calls neither). ``--verbose`` shows them too. Every other warning is shown
+  unchanged.
 * an unknown verb or option gets a "did you mean" from the known ones.
 """
 
@@ -52,7 +58,10 @@ VERBOSE_ENV = "MEGATRON_LOL_VERBOSE"
 KNOWN_WARNINGS = (
     (re.compile(r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"), True),
     (re.compile(r"full scope is deprecated\. Use empty cuda_graph_scope"), False),
+    (re.compile(r"\.grad attribute of a Tensor that is not a leaf Tensor is being accessed"), False),
 )
+# torch's deprecations of the collectives megatron-core calls, raised from torch's own file
+KNOWN_TORCH_WARNINGS = re.compile(r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
 ACCELERATOR_NOTE = ("note: Apex / Transformer Engine are not installed; megatron-core uses its torch "
                     "implementations instead (--verbose shows its warnings)")
 
@@ -77,6 +86,8 @@ def quiet_known_warnings(stream=None) -> Callable[[], None]:
                         noted[0] = True
                         print(ACCELERATOR_NOTE, file=stream or sys.stderr, flush=True)
                     return
+        if str(filename).endswith("c10d_logger.py") and KNOWN_TORCH_WARNINGS.search(text):
+            return
         original(message, category, filename, lineno, file, line)
 
     warnings.showwarning = show

@@ -233,11 +233,20 @@ def test_known_warnings_become_one_note():
                 warnings.warn_explicit(text, UserWarning, core, 24)
             warnings.warn_explicit("a real problem", UserWarning, core, 30)  # other megatron warnings still show
             warnings.warn_explicit("Apex is not installed", UserWarning, "/home/me/train.py", 3)  # not megatron's
+            # the distributed optimizer's zero_grad on its FP32 shard views, and torch's deprecations of its collectives
+            warnings.warn_explicit("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its "
+                                   ".grad attribute won't be populated", UserWarning,
+                                   "/site-packages/megatron/core/optimizer/optimizer.py", 66)
+            c10d = "/site-packages/torch/distributed/c10d_logger.py"
+            for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
+                warnings.warn_explicit(f"`torch.distributed.{name}` is deprecated. Please use ...", FutureWarning,
+                                       c10d, 83)
+            warnings.warn_explicit("`torch.distributed.broadcast_object_list` is deprecated", FutureWarning, c10d, 83)
         restore()
     finally:
         warnings.showwarning = old_show
     assert stream.getvalue().count("\n") == 1 and stream.getvalue().startswith("note: Apex / Transformer Engine")
-    assert shown == ["a real problem", "Apex is not installed"]
+    assert shown == ["a real problem", "Apex is not installed", "`torch.distributed.broadcast_object_list` is deprecated"]
 
 
 def test_progress_bar_on_terminal_and_lines_otherwise():
