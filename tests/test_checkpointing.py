@@ -376,3 +376,44 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     got = metrics(save)
     for s in range(1, TRAIN_ITERS + 1):
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240, func_only=True)
+def test_optimizer_state_across_the_expert_parallel_boundary_is_refused_in_one_line(setup):
+    """megatron-core gives expert parameters (here: LoL's block library, sharded over EP) their own
+    optimizer only under expert parallelism, so optimizer state saved at EP=2 does not fit one
+    process: the resume stops with one line naming both EP sizes and the way out, the checkpoint is
+    left as it was, and the way out (its weights into a new --save with training.reset_optimizer)
+    trains on."""
+    import hashlib
+
+    import yaml
+
+    root, config = setup
+    raw = yaml.safe_load(config.read_text())
+    raw["training"].update(train_iters=2, save_interval=2, eval_interval=100)
+    raw["optimizer"].update(lr_warmup_iters=1)
+    ep = root / "ep.yaml"
+    ep.write_text(yaml.safe_dump(raw))
+    save, log = root / "ep2", root / "ep2.log"
+    assert run(ep, save, "--expert-model-parallel-size", "2", log=log, nproc=2) == 0, log.read_text()[-3000:]
+    def files():
+        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in save.rglob("*")
+                if p.is_file() and p.name != ".writer.lock" and p.suffix != ".log" and p.name != "metrics.jsonl"}
+
+    before = files()
+
+    log = root / "ep1.log"
+    assert run(ep, save, "--train-iters", "4", log=log) == 2, log.read_text()[-3000:]
+    out = log.read_text()
+    errors = [line for line in out.splitlines() if "error:" in line]
+    assert "Traceback" not in out and len(errors) == 1, out[-3000:]
+    assert "expert-model-parallel-size 2, now 1" in errors[0] and "training.reset_optimizer: true" in errors[0]
+    assert tracker(save) == 2
+    assert files() == before
+
+    fresh, log = root / "ep1_fresh", root / "ep1_fresh.log"
+    assert run(ep, fresh, "--load", save, "--train-iters", "4", "--set", "training.reset_optimizer=true",
+               log=log) == 0, log.read_text()[-3000:]
+    assert "optimizer fresh" in log.read_text() and sorted(metrics(fresh)) == [3, 4]

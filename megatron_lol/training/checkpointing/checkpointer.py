@@ -319,6 +319,7 @@ class Checkpointer:
                            f"start a new --save from --load {directory} with training.reset_optimizer: true")
         if has_optimizer:
             request["optimizer"] = optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
+            _check_optimizer_fits(path, directory, request["optimizer"], metadata, common.get("layout"), layout)
         if load_rng:
             request["rng_state"] = rng_sharded_object(None)
         state = load_sharded(request, path)
@@ -473,3 +474,30 @@ class CheckpointHook(Hook):
                 self.lock.release()
                 self.lock = None
             signals.clear()  # handled: a later run in this process starts without it
+
+
+def _check_optimizer_fits(path: str, directory: str, optimizer_request, metadata, saved_layout, layout) -> None:
+    """Refuse, in one line, optimizer state laid out for another optimizer chain.
+
+    megatron-core gives expert parameters an optimizer of their own only when
+    ``expert_model_parallel_size > 1`` (their ``allreduce`` flag), so the optimizer
+    state of a MoE model saved at EP=1 and at EP>1 has different keys; loading
+    across that boundary would otherwise fail deep inside dist-checkpointing
+    with a message that reads like a corrupt file. The weights load at any layout.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = metadata.state_dict_metadata
+    missing = sorted({t.key for t in nested_values(optimizer_request)
+                      if isinstance(t, ShardedTensor) and t.key not in saved})
+    if not missing:
+        return
+    why = ""
+    if saved_layout and (saved_layout.get("ep", 1) > 1) != (layout["ep"] > 1):
+        why = (f" (saved at expert-model-parallel-size {saved_layout.get('ep', 1)}, now {layout['ep']}: megatron-core "
+               f"keeps expert parameters in an optimizer of their own only when it is > 1)")
+    raise CliError(f"{path}: its optimizer state does not fit this run's optimizer{why}: {len(missing)} of this "
+                   f"run's optimizer tensors are not in it, e.g. {missing[0]}; load its weights into a new --save "
+                   f"(--load {directory}) with training.reset_optimizer: true")
+
