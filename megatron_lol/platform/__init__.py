@@ -1,6 +1,6 @@
 """The platform: one device policy for every process, and the run-time patches
-that let megatron-core run on CPU with gloo (nothing beyond item 6 below is
-patched when CUDA is present).
+that let megatron-core run on CPU with gloo (with CUDA present only items 6-8
+below are applied: 6 when Transformer Engine / apex are absent, 7 and 8 always).
 
 Public API
 ----------
@@ -149,7 +149,8 @@ def setup_platform() -> str:
     1-5 (module docstring) and enters the CUDA->CPU TorchFunctionMode in the
     calling thread for the rest of the process; call it from the main thread
     (other threads: ``with cpu_device_mode():``). Whenever TE/apex are absent,
-    applies patch 6, even with CUDA. Raises :class:`PlatformPatchError` when a
+    applies patch 6, even with CUDA; patches 7 and 8 (fixes of megatron-core itself)
+    always. Raises :class:`PlatformPatchError` when a
     private megatron-core name a patch needs has moved.
     """
     from megatron_lol.platform import collectives, cuda_api, device_mode, megatron_fixes, no_te
