@@ -77,8 +77,10 @@ def _experiment(save: str, tokenizer_model: str, parallel: dict, model: dict):
     })
 
 
-def train_and_save(save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3) -> str:
-    """One rank of a training run: ``steps`` optimizer steps, then a real checkpoint save."""
+def train_and_save(save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3,
+                   before_save=None) -> str:
+    """One rank of a training run: ``steps`` optimizer steps, ``before_save(trainer)`` if given (under
+    ``torch.no_grad``: tests that move weights where a few steps cannot), then a real checkpoint save."""
     from megatron_lol.data.tokenizers import build_tokenizer
     from megatron_lol.training.checkpointing import Checkpointer
     from megatron_lol.training.trainer import Trainer
@@ -90,6 +92,9 @@ def train_and_save(save: str, tokenizer_model: str, parallel: dict, model: dict,
     data = trainer.data_iterator(trainer.train_ds, 0)
     for _ in range(steps):
         trainer.train_step(data)
+    if before_save is not None:
+        with torch.no_grad():
+            before_save(trainer)
     ckpt = Checkpointer(trainer)
     path = ckpt.save(blocking=True)
     ckpt.close()

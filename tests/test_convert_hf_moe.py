@@ -13,7 +13,6 @@ two tiny Accordions (separate second-pass router with gates; shared router, no g
 from __future__ import annotations
 
 import json
-import os
 import sys
 
 import pytest
@@ -139,29 +138,17 @@ GATE_NOISE = 0.2  # three training steps move the loop gates ~1e-2 from 1: sprea
 
 def train_perturb_save(save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3) -> str:
     """``test_convert_hf.train_and_save``, then Accordion's loop gates are moved well away from 1."""
-    from test_convert_hf import TokenRows, _experiment, _spm_and_docs
+    from test_convert_hf import train_and_save
 
-    from megatron_lol.data.tokenizers import build_tokenizer
-    from megatron_lol.training.checkpointing import Checkpointer
-    from megatron_lol.training.trainer import Trainer
+    return train_and_save(save, tokenizer_model, parallel, model, steps, before_save=_spread_loop_gates)
 
-    cfg = _experiment(save, tokenizer_model, parallel, model)
-    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=tokenizer_model)
-    _, docs = _spm_and_docs(os.path.dirname(tokenizer_model))
-    trainer = Trainer(cfg, tokenizer=tok, datasets=(TokenRows(tokenizer_model, docs[:-4], 16), None, None)).setup()
-    data = trainer.data_iterator(trainer.train_ds, 0)
-    for _ in range(steps):
-        trainer.train_step(data)
+
+def _spread_loop_gates(trainer) -> None:
     gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for chunk in trainer.model_chunks:
-            gates = getattr(getattr(chunk.module, "core", None), "loop_gates", None)
-            if gates is not None:
-                gates.add_(torch.randn(gates.shape, generator=gen).to(gates.dtype) * GATE_NOISE)
-    ckpt = Checkpointer(trainer)
-    path = ckpt.save(blocking=True)
-    ckpt.close()
-    return path
+    for chunk in trainer.model_chunks:
+        gates = getattr(getattr(chunk.module, "core", None), "loop_gates", None)
+        if gates is not None:
+            gates.add_(torch.randn(gates.shape, generator=gen).to(gates.dtype) * GATE_NOISE)
 
 
 @pytest.fixture(scope="module")

@@ -49,44 +49,31 @@ def train_spread_save(save: str, tokenizer_model: str, parallel: dict, model: di
     """``test_convert_hf.train_and_save``, then the window routers are spread before saving, so that
     windows route to different blocks (and routes are worth comparing): random weights, and a
     bias that centres the logits on the mean router input of a training batch."""
-    from test_convert_hf import TokenRows, _experiment, _spm_and_docs
+    from test_convert_hf import train_and_save
 
-    from megatron_lol.data.tokenizers import build_tokenizer
-    from megatron_lol.training.checkpointing import Checkpointer
-    from megatron_lol.training.trainer import Trainer
+    return train_and_save(save, tokenizer_model, parallel, model, steps, before_save=_spread_routers)
 
-    cfg = _experiment(save, tokenizer_model, parallel, model)
-    tok = build_tokenizer("SentencePieceTokenizer", tokenizer_model=tokenizer_model)
-    _, docs = _spm_and_docs(os.path.dirname(tokenizer_model))
-    rows = TokenRows(tokenizer_model, docs[:-4], 16)
-    trainer = Trainer(cfg, tokenizer=tok, datasets=(rows, None, None)).setup()
-    data = trainer.data_iterator(trainer.train_ds, 0)
-    for _ in range(steps):
-        trainer.train_step(data)
+
+def _spread_routers(trainer) -> None:
     gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for chunk in trainer.model_chunks:
-            model = chunk.module
-            if not model.plan.routed:
-                continue
-            inputs = []
-            hooks = [r.logits.register_forward_hook(lambda mod, args, out: inputs.append(args[0].float()))
-                     for r in model.core.routers]
-            model.eval()
-            model(rows.rows[:4, :-1])
-            model.train()
-            for hook in hooks:
-                hook.remove()
-            mean = torch.cat(inputs).mean(dim=0)
-            for router in model.core.routers:
-                weight = router.logits.weight
-                weight.copy_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * ROUTER_SPREAD
-                             / inputs[0].std().item())
-                router.logits.bias.copy_(-(weight.float() @ mean).to(weight.dtype))
-    ckpt = Checkpointer(trainer)
-    path = ckpt.save(blocking=True)
-    ckpt.close()
-    return path
+    for chunk in trainer.model_chunks:
+        model = chunk.module
+        if not model.plan.routed:
+            continue
+        inputs = []
+        hooks = [r.logits.register_forward_hook(lambda mod, args, out: inputs.append(args[0].float()))
+                 for r in model.core.routers]
+        model.eval()
+        model(trainer.train_ds.rows[:4, :-1])
+        model.train()
+        for hook in hooks:
+            hook.remove()
+        mean = torch.cat(inputs).mean(dim=0)
+        for router in model.core.routers:
+            weight = router.logits.weight
+            weight.copy_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * ROUTER_SPREAD
+                         / inputs[0].std().item())
+            router.logits.bias.copy_(-(weight.float() @ mean).to(weight.dtype))
 
 
 @pytest.fixture(scope="module")
