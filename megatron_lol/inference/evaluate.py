@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megatron_lol.errors import CliError
-from megatron_lol.inference.loading import add_model_arguments, load_model, load_tokenizer
+from megatron_lol.inference.loading import add_model_arguments, jsonl_texts, load_model, load_tokenizer
 from megatron_lol.log import log_rank0
 
 
@@ -100,28 +100,14 @@ def parse_buckets(text: str) -> list:
 # ------------------------------------------------------------------ documents
 def jsonl_documents(path: str, key: str, tokenizer, limit):
     """``(tokens, utf-8 bytes)`` of each line's ``key`` text."""
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as err:
-        raise CliError(f"--jsonl {path}: {err.strerror}") from None
     count = 0
-    with f:
-        for i, line in enumerate(f, 1):
-            if limit is not None and count >= limit:
-                return
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                raise CliError(f"--jsonl {path} line {i}: not a JSON object") from None
-            text = obj.get(key) if isinstance(obj, dict) else None
-            if not isinstance(text, str):
-                raise CliError(f"--jsonl {path} line {i}: no {key!r} string (--json-key)")
-            tokens = tokenizer.tokenize(text)
-            if tokens:
-                count += 1
-                yield tokens, len(text.encode("utf-8"))
+    for _, text in jsonl_texts("--jsonl", path, (key,), key_flag="--json-key"):
+        if limit is not None and count >= limit:
+            return
+        tokens = tokenizer.tokenize(text)
+        if tokens:
+            count += 1
+            yield tokens, len(text.encode("utf-8"))
 
 
 def indexed_documents(prefix: str, tokenizer, eod_id, limit):

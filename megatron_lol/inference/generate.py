@@ -20,7 +20,7 @@ import time
 import torch
 
 from megatron_lol.errors import CliError
-from megatron_lol.inference.loading import add_model_arguments, load_model, load_tokenizer
+from megatron_lol.inference.loading import add_model_arguments, jsonl_texts, load_model, load_tokenizer
 from megatron_lol.log import log_rank0
 
 
@@ -48,22 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def read_prompts(args) -> list:
     if args.prompt is not None:
         return [("--prompt", args.prompt)]
-    try:
-        lines = open(args.prompts, encoding="utf-8").read().splitlines()
-    except OSError as err:
-        raise CliError(f"--prompts {args.prompts}: {err.strerror}") from None
-    prompts = []
-    for i, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except ValueError:
-            raise CliError(f"--prompts {args.prompts} line {i}: not a JSON object") from None
-        text = obj.get("prompt", obj.get("text")) if isinstance(obj, dict) else None
-        if not isinstance(text, str):
-            raise CliError(f"--prompts {args.prompts} line {i}: no 'prompt' (or 'text') string")
-        prompts.append((f"--prompts {args.prompts} line {i}", text))
+    prompts = [(f"--prompts {args.prompts} line {i}", text)
+               for i, text in jsonl_texts("--prompts", args.prompts, ("prompt", "text"))]
     if not prompts:
         raise CliError(f"--prompts {args.prompts}: no prompt in the file")
     return prompts

@@ -13,9 +13,10 @@ plain model implements; its logits equal the megatron model's forward (tested in
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 
@@ -133,3 +134,27 @@ def load_tokenizer(loaded: LoadedModel, tokenizer: Optional[str] = None, tokeniz
         raise CliError(f"the tokenizer's end-of-document id is {tok.eod} but the run trained with "
                        f"eod_id={loaded.eod_id}: wrong --tokenizer?")
     return tok
+
+
+def jsonl_texts(flag: str, path: str, keys: tuple, key_flag: str = "") -> Iterator[tuple]:
+    """``(line number, text)`` of each non-blank line of a JSONL file, the text under the first of
+    ``keys`` present; a bad line is a one-line :class:`CliError` naming ``flag``, the file and the line
+    (and ``key_flag``, the option that chooses the key, where there is one)."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as err:
+        raise CliError(f"{flag} {path}: {err.strerror}") from None
+    with f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError:
+                raise CliError(f"{flag} {path} line {i}: not a JSON object") from None
+            text = next((obj[k] for k in keys if k in obj), None) if isinstance(obj, dict) else None
+            if not isinstance(text, str):
+                wanted = " (or ".join(repr(k) for k in keys) + ")" * (len(keys) - 1)
+                raise CliError(f"{flag} {path} line {i}: no {wanted} string" + (f" ({key_flag})" if key_flag else ""))
+            yield i, text
+
