@@ -92,16 +92,10 @@ def _rng_state() -> dict:
 
 
 def set_rng_state(state: dict) -> None:
-    import numpy as np
+    """Every generator of :func:`_rng_state`: the default ones and megatron's tensor-parallel tracker."""
     from megatron.core import tensor_parallel
 
-    from megatron_lol.platform import cuda_available
-
-    random.setstate(state["random"])
-    np.random.set_state(state["np"])
-    torch.set_rng_state(state["torch"])
-    if state.get("cuda") is not None and cuda_available():
-        torch.cuda.set_rng_state(state["cuda"])
+    set_default_rng_state(state)
     tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
