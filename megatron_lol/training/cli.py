@@ -65,7 +65,7 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
         return _dry_run(cfg, world, dp, check_data), ""
     from megatron_lol.training.console import announce_startup
 
-    announce_startup(cfg, args.config)  # before the heavy imports (megatron-core: 5-25 s)
+    announce_startup(cfg, args.config or "(--use-checkpoint-args)")  # before the heavy imports (megatron-core: 5-25 s)
     from megatron_lol.log import log_rank0
     from megatron_lol.training.runtime import apply_threads
 
