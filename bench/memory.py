@@ -148,7 +148,7 @@ def main() -> None:
             measured = max(r["peak"] - r["baseline"] for r in records if r["pp_rank"] == stage)
             est = rank_memory(cfg, records[0]["vocab"], layout, stage)
             parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in est.to_dict().items()
-                              if k in ("weights", "gradients", "optimizer", "activations", "logits"))
+                              if k in ("weights", "gradients", "optimizer", "activations", "logits", "backward"))
             print(f"{name:<30} {stage:>5} {est.total / 2**20:>10.1f} {measured / 2**20:>10.1f} "
                   f"{est.total / measured:>9.2f}   {parts}", flush=True)
 

@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-documents", type=int, default=None, help="score only the first N documents")
     parser.add_argument("--length-buckets", default="128,512,2048",
                         help="comma-separated document-length edges in tokens (default 128,512,2048)")
+    from megatron_lol.config.loader import add_threads_argument
+
+    add_threads_argument(parser)  # the trainer's thread policy: evaluate runs the same forward
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress (a bar on a terminal, timed lines in logs) and no closing line")
@@ -253,6 +256,9 @@ def score_with_training_forward(loaded, args, pieces_: list, num_docs: int, seq_
     cfg = loaded.cfg
     if args.dtype is not None:
         cfg.model.params_dtype = args.dtype
+    from megatron_lol.training.runtime import apply_threads
+
+    apply_threads(args.threads)
     setup_platform()
     init_distributed()
     vocab = cfg.model.vocab_size

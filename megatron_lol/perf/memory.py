@@ -27,7 +27,10 @@ rank (the ranks of one pipeline stage hold the same) it counts:
   (the routed core runs on the gathered sequence); full recomputation keeps only
   each layer's input;
 * **logits** of the last stage: the head's output beside the FP32 copy
-  megatron-core's cross entropy turns into its softmax (:func:`logits_bytes`).
+  megatron-core's cross entropy turns into its softmax (:func:`logits_bytes`);
+  on other stages the peak comes in the **backward** of a layer instead, whose
+  activation gradients exist while its saved tensors are still held (counted
+  as the largest layer's activations).
 
 The estimate is compared with measured CPU peaks for several layouts in
 docs/performance.md (``bench/memory.py``).
@@ -107,12 +110,13 @@ class RankMemory:
     optimizer: float
     activations: float
     logits: float
+    backward: float  # a stage without the head: the activation gradients of one layer's backward
     in_flight: int  # micro-batches (interleaved: chunk micro-batches) whose activations are held
     parts: dict = field(default_factory=dict)  # activations per micro-batch: prelude / core / coda
 
     @property
     def total(self) -> float:
-        return self.weights + self.gradients + self.optimizer + self.activations + self.logits
+        return self.weights + self.gradients + self.optimizer + self.activations + self.logits + self.backward
 
     def to_dict(self) -> dict:
         d = asdict(self)
@@ -213,11 +217,13 @@ def microbatch_activations(cfg: ExperimentConfig, layout: Layout, pp_rank: int =
     dense_entries = b * s * s
     pbytes = 2 if m.params_dtype == "bf16" else 4
     backprop = cfg.curriculum.backprop_depth
-    parts = {"prelude": 0.0, "core": 0.0, "coda": 0.0}
+    parts = {"prelude": 0.0, "core": 0.0, "coda": 0.0, "largest_layer": 0.0}
     for st in _stage_items(cfg, layout, pp_rank):
         fixed = layer_activation_bytes(cfg, layout, "fixed", T, dense_entries, "dense")
         parts["prelude"] += len(st.prelude) * fixed
         parts["coda"] += len(st.coda) * fixed
+        if st.prelude or st.coda:
+            parts["largest_layer"] = max(parts["largest_layer"], fixed)
         if st.depths is None:
             continue
         first, last = st.depths
@@ -232,6 +238,7 @@ def microbatch_activations(cfg: ExperimentConfig, layout: Layout, pp_rank: int =
             if step.routed and layout.recompute != "full":
                 act += 2 * T * m.hidden_size * pbytes  # the gated combine: the gathered rows and block outputs
             parts["core"] += act
+            parts["largest_layer"] = max(parts["largest_layer"], act)
     return parts
 
 
@@ -269,14 +276,17 @@ def rank_memory(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_rank:
         state /= layout.dp
     parts = microbatch_activations(cfg, layout, pp_rank)
     chunks = in_flight(layout, pp_rank)
-    per = sum(parts.values())
+    per = parts["prelude"] + parts["core"] + parts["coda"]
     if layout.vpp and layout.pp > 1:
         per /= layout.vpp  # a chunk micro-batch holds one chunk's layers
     last = any(st.last for st in _stage_items(cfg, layout, pp_rank))
+    logits = logits_bytes(cfg, vocab_size, layout) if last else 0.0
+    # the peak beyond the saved activations: the head's cross entropy on the last stage, else the backward
+    # of one layer, whose activation gradients exist while its saved tensors are still held
+    backward = 0.0 if last or layout.recompute == "full" else parts["largest_layer"]
     return RankMemory(pp_rank=pp_rank, params=params.total, weights=weights, gradients=gradients,
-                      optimizer=state, activations=per * chunks,
-                      logits=logits_bytes(cfg, vocab_size, layout) if last else 0.0, in_flight=chunks,
-                      parts=parts)
+                      optimizer=state, activations=per * chunks, logits=logits, backward=backward,
+                      in_flight=chunks, parts=parts)
 
 
 def estimate(cfg: ExperimentConfig, vocab_size: int, world_size: Optional[int] = None) -> list:
@@ -303,7 +313,8 @@ def per_rank_section(cfg: ExperimentConfig, vocab_size: int) -> tuple[str, list]
     for r in ranks:
         lines.append(f"    stage {r.pp_rank}: {r.params:>14,.0f} parameters, weights {_gib(r.weights)}, gradients "
                      f"{_gib(r.gradients)}, optimizer state {_gib(r.optimizer)}, activations {_gib(r.activations)}"
-                     + (f", logits {_gib(r.logits)}" if r.logits else "") + f"; total {_gib(r.total)}")
+                     + (f", logits {_gib(r.logits)}" if r.logits else f", one layer's backward {_gib(r.backward)}")
+                     + f"; total {_gib(r.total)}")
     return "\n".join(lines), [r.to_dict() for r in ranks]
 
 
@@ -343,6 +354,7 @@ def format_estimate(cfg: ExperimentConfig, ranks: list, layout: Layout, device_b
             ("optimizer state", lambda r: _gib(r.optimizer)),
             ("activations", lambda r: f"{_gib(r.activations)} ({r.in_flight} in flight)"),
             ("logits (head)", lambda r: _gib(r.logits)),
+            ("one layer's backward", lambda r: _gib(r.backward)),
             ("total", lambda r: _gib(r.total))]
     if device_bytes:
         rows.append((f"of {device_name} ({_gib(device_bytes)})", lambda r: f"{100 * r.total / device_bytes:.1f}%"))
