@@ -140,7 +140,7 @@ def test_missing_tracker_resumes_the_complete_newest_and_never_deletes(corpus, t
     save = copy_run(trained, "no_tracker")
     (save / "latest_checkpointed_iteration.txt").unlink()
     before = snapshot(save / "iter_0000002")
-    rc, out = train(corpus["config"], save, "--train-iters", "6")
+    rc, out = train(corpus["config"], save, "--train-iters", "6", "--override-opt_param-scheduler")
     assert rc == 0, out[-3000:]
     assert "no latest_checkpointed_iteration.txt" in out and "starting at iteration 4" in out
     assert snapshot(save / "iter_0000002") == before  # never rewritten
