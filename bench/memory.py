@@ -12,9 +12,9 @@ freed blocks of 64 KiB and more at once (``MALLOC_MMAP_THRESHOLD_=65536``), so
 the peak RSS follows the live tensors rather than what the heap keeps. Measured =
 peak RSS (``VmHWM``) minus the baseline, the largest over the ranks of each
 pipeline stage: it also holds what the run allocates besides tensors (autograd
-and kernel caches, small objects: 40-50 MiB here, after the first step); estimated = :func:`megatron_lol.perf.memory.rank_memory`
-for that stage. The table prints both and their ratio, per layout and stage.
-Linux only (``/proc``).
+and kernel caches, small objects: 40-50 MiB here, after the first step); estimated =
+:func:`megatron_lol.perf.memory.rank_memory` for that stage. The table prints both
+and their ratio, per layout and stage. Linux only (``/proc``).
 """
 
 from __future__ import annotations

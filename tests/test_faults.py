@@ -379,7 +379,8 @@ def test_nonfinite_lr_bad_blend_weights_and_wide_window_are_refused(corpus, tmp_
                            "--save", str(tmp_path / "s")], cwd=str(REPO), env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
     err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(err) == 1 and "optimizer.lr: must be a finite number > 0 (got nan)" in err[0]
+    assert proc.returncode == 2 and len(err) == 1
+    assert "optimizer.lr (--lr): must be a finite number > 0 (got nan)" in err[0]
     assert not (tmp_path / "s").exists()
 
 

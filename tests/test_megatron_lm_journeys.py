@@ -80,6 +80,14 @@ def test_megatron_lm_flags_alias_their_keys():
         _parse("--config", TINY, "--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler")
     # a warm-up longer than the run is a valid smoke run of a long config
     assert _parse("--config", TINY, "--train-iters", 10).optimizer.lr_warmup_iters == 30
+    # the bundled optimizer is layout-independent by default; blockwise under TP is said at start-up
+    from megatron_lol.training.console import layout_dependence_note
+
+    assert _parse("--config", TINY).optimizer.muon_tp_mode == "duplicated"
+    assert layout_dependence_note(_parse("--config", TINY, "--tensor-model-parallel-size", 2)) is None
+    note = layout_dependence_note(_parse("--config", TINY, "--tensor-model-parallel-size", 2, "--muon-tp-mode",
+                                         "blockwise"))
+    assert note.startswith("note: optimizer.muon_tp_mode blockwise (--muon-tp-mode)") and "depend on" in note
 
 
 def test_megatron_lm_flags_without_equivalent_and_abbreviations(capsys):

@@ -46,7 +46,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         code, message = _run(args)
     except CliError as err:
-        record_exit(2, f"megatron-lol train: error: {err}")
+        message = str(err)
+        if isinstance(err, ConfigError):
+            from megatron_lol.config.loader import name_flag
+
+            message = name_flag(message)  # as rank 0 prints it
+        record_exit(2, f"megatron-lol train: error: {message}")
         raise
     except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0]
