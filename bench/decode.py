@@ -50,7 +50,7 @@ MODELS = ("lol", "dense", "accordion")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     add_layer_size_args(p)
     p.set_defaults(hidden=128, ffn=384)
     p.add_argument("--blocks", type=int, default=4, help="L of the LoL model")

@@ -62,7 +62,7 @@ def measure(L: int, D: int, W: int, S: int, seq: int, mbs: int, batches: int, se
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--batches", type=int, default=4, help="micro-batches per config (default 4)")
     args = ap.parse_args()
     print(f"FP8 row padding to multiples of {MULTIPLE}, routed depths only; {args.batches} micro-batches per config")

@@ -38,7 +38,7 @@ def _calls(text: str) -> list:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     add_layer_size_args(p)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=64)

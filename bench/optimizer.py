@@ -41,7 +41,7 @@ OPTIMIZERS = ("adam", "muon")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--config", default="examples/configs/tiny-cpu.yaml", help="the tiny model's config")
     p.add_argument("--train-iters", type=int, default=800, help="steps per optimizer on the tiny model")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",

@@ -145,7 +145,7 @@ def _ceiling_subprocess(a) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--input", required=True)
     p.add_argument("--json-keys", nargs="+", default=["text"])
     p.add_argument("--tokenizer-type", required=True)

@@ -44,7 +44,7 @@ from _shared import add_layer_size_args, add_threads_arg, setup_megatron  # benc
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     add_layer_size_args(p)
     p.add_argument("--blocks", type=int, default=4, help="L")
     p.add_argument("--depth", type=int, default=4, help="D (a multiple of L for the fixed run)")

@@ -17,9 +17,16 @@ Console hygiene lives here because it is the same for every verb:
   (a non-leaf tensor; harmless), and it calls ``torch.distributed``'s
   ``reduce_scatter_tensor`` / ``all_gather_into_tensor``, which torch marks
   deprecated (the warning is raised in torch's ``c10d_logger.py``; this package
-  calls neither). ``--verbose`` shows them too. Every other warning is shown
-  unchanged.
-* an unknown verb or option gets a "did you mean" from the known ones.
+  calls neither). ``--verbose`` shows them too. So are megatron-core's
+  ``load_state_dict is deprecated`` (its dist-checkpointing calls torch's old
+  loader on every load) and, without CUDA, its advice to set
+  ``CUDA_DEVICE_MAX_CONNECTIONS`` (about CUDA streams). Every other warning is
+  shown unchanged.
+* an unknown verb or option gets a "did you mean" from the known ones, a
+  Megatron-LM flag without an equivalent here what to use instead; abbreviated
+  options are refused.
+* a configuration error is printed by rank 0 only (every rank has the same
+  configuration and exits with status 2), naming the flag beside the key.
 """
 
 from __future__ import annotations
@@ -34,17 +41,18 @@ import warnings
 from typing import Callable
 
 from megatron_lol import __version__
-from megatron_lol.errors import CliError
+from megatron_lol.errors import CliError, ConfigError
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
     "train": ("megatron_lol.training.cli", "pretrain a model from a YAML config"),
     "params": ("megatron_lol.perf.params_cli", "count total / non-embedding / active parameters"),
+    "memory": ("megatron_lol.perf.memory_cli", "estimate per-rank memory of a parallel layout before a run"),
     "preprocess": ("megatron_lol.data.preprocess", "tokenize corpora into Megatron indexed datasets"),
     "merge-datasets": ("megatron_lol.data.merge", "merge shard outputs of preprocess into one dataset"),
     "prepare-quickstart": ("megatron_lol.data.quickstart", "fetch the bundled corpus, train its tokenizer, preprocess it"),
     "profile": ("megatron_lol.training.profile", "measure throughput, TFLOP/s and MFU of a config"),
-    "convert-hf": ("megatron_lol.convert.to_hf", "convert a checkpoint to a HuggingFace model directory"),
+    "convert-hf": ("megatron_lol.convert.to_hf_cli", "convert a checkpoint to a HuggingFace model directory"),
     "import-hf": ("megatron_lol.convert.from_hf", "import a Llama-architecture HF checkpoint"),
     "analyze": ("megatron_lol.analysis.cli", "routing analyses: heatmaps, paths, mode paths"),
     "generate": ("megatron_lol.inference.generate", "generate text from a checkpoint (exact KV-cached decoding)"),
@@ -59,7 +67,12 @@ KNOWN_WARNINGS = (
     (re.compile(r"(Transformer Engine and Apex are|Apex is|Transformer Engine is) not installed"), True),
     (re.compile(r"full scope is deprecated\. Use empty cuda_graph_scope"), False),
     (re.compile(r"\.grad attribute of a Tensor that is not a leaf Tensor is being accessed"), False),
+    # megatron-core's dist-checkpointing calls torch's deprecated load_state_dict (every load)
+    (re.compile(r"`load_state_dict` is deprecated and will be removed"), False),
 )
+# megatron-core's advice to set CUDA_DEVICE_MAX_CONNECTIONS=1 (once per rank) is about CUDA streams:
+# dropped without CUDA, shown with it
+CUDA_ONLY_WARNINGS = re.compile(r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1")
 # torch's deprecations of the collectives megatron-core calls, raised from torch's own file
 KNOWN_TORCH_WARNINGS = re.compile(r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
 ACCELERATOR_NOTE = ("note: Apex / Transformer Engine are not installed; megatron-core uses its torch "
@@ -80,6 +93,8 @@ def quiet_known_warnings(stream=None) -> Callable[[], None]:
     def show(message, category, filename, lineno, file=None, line=None):
         text = str(message)
         if "megatron" in str(filename):
+            if CUDA_ONLY_WARNINGS.search(text) and not _cuda_available():
+                return
             for pattern, accelerator in KNOWN_WARNINGS:
                 if pattern.search(text):
                     if accelerator and not noted[0] and os.environ.get("RANK", "0") == "0":
@@ -98,21 +113,45 @@ def quiet_known_warnings(stream=None) -> Callable[[], None]:
     return restore
 
 
+def _cuda_available() -> bool:
+    torch = sys.modules.get("torch")  # the warning comes from megatron-core, so torch is imported
+    return bool(torch is not None and torch.cuda.is_available())
+
+
 class Parser(argparse.ArgumentParser):
-    """``argparse`` that answers an unknown option with the closest known one."""
+    """``argparse`` that answers an unknown option with what to use instead, and takes no abbreviations.
+
+    A Megatron-LM flag without a flag here gets its own answer
+    (:mod:`megatron_lol.config.megatron_lm`); any other unknown option the closest
+    known one. Abbreviated options are refused, as Megatron-LM refuses them
+    (``--train-iter 5`` is not ``--train-iters 5``).
+    """
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str):
+        from megatron_lol.config.megatron_lm import hint
+
         match = re.match(r"unrecognized arguments: (.*)", message)
         if match:
             known = sorted(_option_strings(self))
-            hints = []
+            answers, guesses = [], []
             for arg in match.group(1).split():
-                if arg.startswith("-"):
-                    close = difflib.get_close_matches(arg.split("=", 1)[0], known, n=1, cutoff=0.6)
-                    if close:
-                        hints.append(f"{arg} -> {close[0]}")
-            if hints:
-                message += f" (did you mean: {', '.join(hints)}?)"
+                if not arg.startswith("-"):
+                    continue
+                flag = arg.split("=", 1)[0]
+                if hint(flag):
+                    answers.append(f"{flag}: {hint(flag)}")
+                    continue
+                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                if close:
+                    guesses.append(f"{arg} -> {close[0]}")
+            if guesses:
+                message += f" (did you mean: {', '.join(guesses)}?)"
+            if answers:
+                message += f" (Megatron-LM's {'; '.join(answers)})"
         super().error(message)
 
 
@@ -177,7 +216,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(module.run(args) or 0)
     except CliError as err:
-        print(f"megatron-lol {verb}: error: {err}", file=sys.stderr)
+        message = str(err)
+        if isinstance(err, ConfigError):
+            # a configuration is the same on every rank: rank 0 says what is wrong, every rank exits 2
+            from megatron_lol.config.loader import name_flag
+
+            message = name_flag(message, _option_strings(verb_parser))
+            if os.environ.get("RANK", "0") != "0":
+                return 2
+        print(f"megatron-lol {verb}: error: {message}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # the reader went away (``megatron-lol params ... | head``): stop quietly, like coreutils

@@ -81,4 +81,4 @@ def test_cli_stops_before_any_work(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", path,
                            "--set", "model.window_shift=16", "--micro-batch-size", "0"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
-    assert proc.returncode == 2 and "training.micro_batch_size: must be > 0 (got 0)" in proc.stderr
+    assert proc.returncode == 2 and "training.micro_batch_size (--micro-batch-size): must be > 0 (got 0)" in proc.stderr

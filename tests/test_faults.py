@@ -140,7 +140,7 @@ def test_missing_tracker_resumes_the_complete_newest_and_never_deletes(corpus, t
     save = copy_run(trained, "no_tracker")
     (save / "latest_checkpointed_iteration.txt").unlink()
     before = snapshot(save / "iter_0000002")
-    rc, out = train(corpus["config"], save, "--train-iters", "6")
+    rc, out = train(corpus["config"], save, "--train-iters", "6", "--override-opt_param-scheduler")
     assert rc == 0, out[-3000:]
     assert "no latest_checkpointed_iteration.txt" in out and "starting at iteration 4" in out
     assert snapshot(save / "iter_0000002") == before  # never rewritten
@@ -379,7 +379,8 @@ def test_nonfinite_lr_bad_blend_weights_and_wide_window_are_refused(corpus, tmp_
                            "--save", str(tmp_path / "s")], cwd=str(REPO), env=subprocess_env(),
                           capture_output=True, text=True, timeout=60)
     err = proc.stderr.strip().splitlines()
-    assert proc.returncode == 2 and len(err) == 1 and "optimizer.lr: must be a finite number > 0 (got nan)" in err[0]
+    assert proc.returncode == 2 and len(err) == 1
+    assert "optimizer.lr (--lr): must be a finite number > 0 (got nan)" in err[0]
     assert not (tmp_path / "s").exists()
 
 

@@ -291,7 +291,7 @@ def test_flags_and_one_line_errors(tmp_path):
                            "--optimizer", "lion"], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "megatron-lol train: error: optimizer.name: must be one of adam, muon (got 'lion')"]
+        "megatron-lol train: error: optimizer.name (--optimizer): must be one of adam, muon (got 'lion')"]
 
 
 # ------------------------------------------------------------------ parallel layouts

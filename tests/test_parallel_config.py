@@ -137,7 +137,8 @@ def test_torchrun_launch_and_layout_error(tmp_path):
     bad = subprocess.run(cmd + ["--tensor-model-parallel-size", "3"], capture_output=True, text=True,
                          env=env, cwd=REPO, timeout=300)
     assert bad.returncode != 0
-    assert "parallel.tensor_model_parallel_size: 3 does not divide model.num_attention_heads=2" in bad.stderr
+    assert "parallel.tensor_model_parallel_size (--tensor-model-parallel-size): 3 does not divide " \
+        "model.num_attention_heads=2" in bad.stderr
     ok = subprocess.run(cmd + ["--tensor-model-parallel-size", "2"], capture_output=True, text=True,
                         env=env, cwd=REPO, timeout=600)
     assert ok.returncode == 0, ok.stderr[-3000:]

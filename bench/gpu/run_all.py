@@ -177,7 +177,7 @@ def goals(report: dict) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--out", required=True)
     ap.add_argument("--dry-run", action="store_true", help="tiny model, one step: checks the script itself")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per profile (default 10; dry run 1)")

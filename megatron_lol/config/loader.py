@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import re
 import typing
 from pathlib import Path
 from typing import Any, Optional
@@ -24,6 +25,7 @@ from megatron_lol.config.schema import ConfigError, ExperimentConfig
 
 # Flag groups, in the order ``--help`` lists them: title of each.
 GROUPS: dict[str, str] = {
+    "model": "model shape",
     "data": "data",
     "tokenizer": "tokenizer",
     "batch": "batch and sequence",
@@ -33,17 +35,32 @@ GROUPS: dict[str, str] = {
     "parallelism": "parallelism",
     "precision": "precision, Transformer Engine and FP8",
     "logging": "logging (console, metrics.jsonl, TensorBoard, W&B)",
+    "profiling": "profiling (torch.profiler traces, NVTX ranges for nsys)",
 }
 
 # Megatron-LM flag -> (dotted config key, group, metavar, help). Only settings people change most;
 # any other key goes through --set.
 MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
+    "--hidden-size": ("model.hidden_size", "model", "N", "width of the residual stream"),
+    "--num-attention-heads": ("model.num_attention_heads", "model", "N", "attention heads per layer"),
+    "--num-query-groups": ("model.num_query_groups", "model", "N",
+                           "key/value heads (grouped-query attention; default: one per head)"),
+    "--kv-channels": ("model.kv_channels", "model", "N", "channels per head (default hidden / heads)"),
+    "--ffn-hidden-size": ("model.ffn_hidden_size", "model", "N", "SwiGLU hidden size (default 8/3 hidden, to 64)"),
+    "--make-vocab-size-divisible-by": ("model.make_vocab_size_divisible_by", "model", "N",
+                                       "pad the vocabulary to a multiple of this (at every TP size)"),
+    "--rotary-base": ("model.rotary_base", "model", "BASE", "RoPE base"),
+    "--norm-epsilon": ("model.norm_epsilon", "model", "EPS", "RMSNorm epsilon"),
+    "--init-method-std": ("model.init_method_std", "model", "STD", "standard deviation of the initial weights"),
+    "--data-cache-path": ("data.cache_dir", "data", "DIR", "where megatron-core caches the datasets' sample indices"),
     "--split": ("data.split", "data", "W,W,W",
                 "train,valid,test weights of the documents, e.g. 98,1,1"),
     "--tokenizer-type": ("data.tokenizer_type", "tokenizer", "TYPE",
                          "Megatron-LM tokenizer type, e.g. SentencePieceTokenizer"),
     "--tokenizer-model": ("data.tokenizer_model", "tokenizer", "FILE",
                           "tokenizer file: SentencePiece model, tokenizer.json or tiktoken file"),
+    "--vocab-file": ("data.vocab_file", "tokenizer", "FILE", "GPT-2 BPE vocab.json"),
+    "--merge-file": ("data.merge_file", "tokenizer", "FILE", "GPT-2 BPE merges.txt"),
     "--micro-batch-size": ("training.micro_batch_size", "batch", "N",
                            "sequences per micro-batch and data-parallel rank"),
     "--global-batch-size": ("training.global_batch_size", "batch", "N",
@@ -55,6 +72,8 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "--eval-iters": ("training.eval_iters", "iterations", "N", "validation batches per evaluation"),
     "--exit-duration-in-mins": ("training.exit_duration_in_mins", "iterations", "MIN",
                                 "save a checkpoint and stop after this many minutes"),
+    "--exit-interval": ("training.exit_interval", "iterations", "N",
+                        "save a checkpoint and stop (status 0) at the first iteration divisible by N"),
     "--save": ("training.save", "checkpointing", "DIR", "checkpoint directory to write (metrics.jsonl goes there too)"),
     "--load": ("training.load", "checkpointing", "DIR", "checkpoint directory to start from when --save has none"),
     "--save-interval": ("training.save_interval", "checkpointing", "N", "iterations between checkpoints"),
@@ -90,6 +109,10 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
                                                "model chunks per pipeline stage, for the interleaved schedule"),
     "--expert-model-parallel-size": ("parallel.expert_model_parallel_size", "parallelism", "N",
                                      "ranks the block library (plan lol) or the experts are sharded over"),
+    "--recompute-granularity": ("parallel.recompute_granularity", "parallelism", "G",
+                                "recompute activations in the backward: full or selective"),
+    "--recompute-method": ("parallel.recompute_method", "parallelism", "METHOD",
+                           "with full recomputation: uniform (every layer execution on its own)"),
     "--fp8-format": ("model.fp8", "precision", "FORMAT",
                      "FP8 for the blocks' GEMMs under Transformer Engine: e4m3 or hybrid"),
     "--fp8-recipe": ("model.fp8_recipe", "precision", "RECIPE", "delayed, tensorwise, mxfp8 or blockwise scaling"),
@@ -109,6 +132,12 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "--wandb-exp-name": ("training.wandb_exp_name", "logging", "NAME", "the W&B run name"),
     "--wandb-save-dir": ("training.wandb_save_dir", "logging", "DIR",
                          "where W&B writes its files (default <save>/wandb)"),
+    "--profile-step-start": ("training.profile_step_start", "profiling", "N",
+                             "first profiled iteration (0-based, as Megatron-LM counts; default 10)"),
+    "--profile-step-end": ("training.profile_step_end", "profiling", "N",
+                           "profiling stops before this iteration (default 12)"),
+    "--profile-dir": ("training.profile_dir", "profiling", "DIR",
+                      "where torch.profiler traces go (default: --tensorboard-dir, else <save>/profile)"),
 }
 # switch -> (dotted config key, value it sets, group, help)
 BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
@@ -117,12 +146,24 @@ BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", True, "parallelism",
                                     "shard the optimizer state over the data-parallel ranks"),
     "--no-resume": ("training.resume", False, "checkpointing", "start afresh even if --save holds a checkpoint"),
+    "--override-opt_param-scheduler": ("training.override_opt_param_scheduler", True, "checkpointing",
+                                       "on resume, take this run's learning-rate and growth schedules "
+                                       "where they differ from the checkpoint's"),
+    "--use-checkpoint-opt_param-scheduler": ("training.use_checkpoint_opt_param_scheduler", True, "checkpointing",
+                                             "on resume, keep the checkpoint's learning-rate and growth schedules"),
     "--async-save": ("training.async_save", True, "checkpointing", "write checkpoints in the background"),
     "--bf16": ("model.params_dtype", "bf16", "precision", "BF16 weights with FP32 main gradients"),
     "--fp16": ("model.params_dtype", "fp16", "precision", "FP16 (refused by validation, with the reason)"),
     "--muon-use-nesterov": ("optimizer.muon_use_nesterov", True, "optimizer", "Nesterov momentum in Muon"),
     "--muon-no-split-qkv": ("optimizer.muon_split_qkv", False, "optimizer",
                             "orthogonalise the fused QKV matrix as one (default: Q, K, V apart)"),
+    "--untie-embeddings-and-output-weights": ("model.untie_embeddings_and_output_weights", True, "model",
+                                              "separate input embedding and output head (the default)"),
+    "--profile": ("training.profile", True, "profiling",
+                  "profile iterations [--profile-step-start, --profile-step-end): NVTX ranges and an nsys "
+                  "capture range on CUDA; with --use-pytorch-profiler (or without CUDA) a torch.profiler trace"),
+    "--use-pytorch-profiler": ("training.use_pytorch_profiler", True, "profiling",
+                               "--profile writes a torch.profiler Chrome trace per profiled rank"),
 }
 
 # Megatron-LM flag -> (dotted key, {flag value: config value}, group, help)
@@ -132,8 +173,9 @@ CHOICE_FLAGS: dict[str, tuple[str, dict, str, str]] = {
 }
 
 # which groups each verb shows (``--config`` and ``--set`` always)
-PARAMS_GROUPS = ("tokenizer", "parallelism")
-PROFILE_GROUPS = ("data", "tokenizer", "batch", "parallelism", "precision")
+PARAMS_GROUPS = ("model", "tokenizer", "parallelism")
+PROFILE_GROUPS = ("model", "data", "tokenizer", "batch", "parallelism", "precision")
+MEMORY_GROUPS = ("model", "tokenizer", "batch", "parallelism", "precision")
 
 
 def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
@@ -144,13 +186,23 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
     if unknown:
         raise ValueError(f"add_config_arguments: unknown groups {sorted(unknown)}")
     cfg = parser.add_argument_group("configuration")
-    cfg.add_argument("--config", required=True, metavar="YAML", help="YAML experiment config")
+    # train may take its whole config from a checkpoint (--use-checkpoint-args): checked in config_from_args
+    cfg.add_argument("--config", required="checkpointing" not in wanted, metavar="YAML",
+                     help="YAML experiment config")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                      help="override a config value by dotted key, e.g. --set model.num_blocks=8 (repeatable)")
     heads = {g: parser.add_argument_group(GROUPS[g]) for g in wanted}
     if "data" in heads:
         heads["data"].add_argument("--data-path", nargs="+", default=None, metavar="PATH",
                                    help="Megatron blend: PREFIX or W1 PREFIX1 W2 PREFIX2 ... (data.paths)")
+    if "profiling" in heads:
+        heads["profiling"].add_argument("--profile-ranks", nargs="+", type=int, default=None, metavar="RANK",
+                                        help="global ranks to profile (default 0) (training.profile_ranks)")
+    if "checkpointing" in heads:
+        heads["checkpointing"].add_argument(
+            "--use-checkpoint-args", action="store_true",
+            help="take the model shape and tokenizer from the checkpoint's run_config.yaml (--save's when it has "
+                 "one, else --load's); --config may then be left out, and flags still win")
     for flag, (key, group, metavar, text) in MEGATRON_FLAGS.items():
         if group in heads:
             heads[group].add_argument(flag, dest=_dest(flag), default=None, metavar=metavar,
@@ -183,6 +235,8 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Exper
         overrides.append((key.strip(), yaml.safe_load(raw), f"--set {item}"))
     if getattr(args, "data_path", None):
         overrides.append(("data.paths", list(args.data_path), "--data-path"))
+    if getattr(args, "profile_ranks", None):
+        overrides.append(("training.profile_ranks", list(args.profile_ranks), "--profile-ranks"))
     for flag, (key, *_) in MEGATRON_FLAGS.items():
         value = getattr(args, _dest(flag), None)
         if value is not None:
@@ -194,7 +248,37 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Exper
         value = getattr(args, _dest(flag), None)
         if value is not None:
             overrides.append((key, values[value], flag))
+    if getattr(args, "use_checkpoint_args", False):
+        from megatron_lol.config.checkpoint_args import config_with_checkpoint_args
+
+        return config_with_checkpoint_args(args.config, overrides, check_data=check_data)
+    if not args.config:
+        raise ConfigError("--config: required (or --use-checkpoint-args with a checkpoint in --save or --load)")
     return load_config(args.config, overrides, check_data=check_data)
+
+
+def flag_for_key(key: str) -> Optional[str]:
+    """The Megatron-LM flag that sets dotted config ``key`` (None when only ``--set`` does)."""
+    for table in (MEGATRON_FLAGS, BOOL_FLAGS):
+        for flag, (k, *_) in table.items():
+            if k == key:
+                return flag
+    return {"data.paths": "--data-path", "training.profile_ranks": "--profile-ranks"}.get(key)
+
+
+_LEADING_KEY = re.compile(r"^([a-z_]+\.[a-z_0-9]+)(?=[:= ])")
+
+
+def name_flag(message: str, known_options=None) -> str:
+    """``message`` with the flag of the key it starts with named after the key:
+    ``optimizer.lr: ...`` -> ``optimizer.lr (--lr): ...`` (only flags in ``known_options``, when given)."""
+    match = _LEADING_KEY.match(message)
+    if not match:
+        return message
+    flag = flag_for_key(match.group(1))
+    if flag is None or (known_options is not None and flag not in known_options):
+        return message
+    return f"{match.group(1)} ({flag}){message[match.end():]}"
 
 
 def load_config(path: str | Path, overrides: Optional[list] = None, check_data: bool = True
@@ -211,10 +295,15 @@ def load_config(path: str | Path, overrides: Optional[list] = None, check_data: 
         raise ConfigError(f"{where}: invalid YAML ({getattr(err, 'problem', err)})") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: top level must be a mapping of sections")
-    raw = without_checkpoint_record(raw, str(path))
-    cfg = build_dataclass(ExperimentConfig, raw, source=str(path), prefix="")
-    for key, value, source in overrides or []:
-        set_dotted(cfg, key, value, source)
+    return config_from_raw(without_checkpoint_record(raw, str(path)), str(path), overrides, check_data)
+
+
+def config_from_raw(raw: dict, source: str, overrides: Optional[list] = None, check_data: bool = True
+                    ) -> ExperimentConfig:
+    """The validated config of the mapping ``raw`` (read from ``source``) with ``overrides`` applied."""
+    cfg = build_dataclass(ExperimentConfig, raw, source=source, prefix="")
+    for key, value, where in overrides or []:
+        set_dotted(cfg, key, value, where)
     # relative data/tokenizer paths are taken from the current directory, as Megatron-LM does
     return cfg.validate(check_data=check_data)
 

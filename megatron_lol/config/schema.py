@@ -304,6 +304,9 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     recompute_granularity: Optional[str] = None  # None | full | selective
+    # Megatron-LM's --recompute-method: full recomputation checkpoints every layer execution on its own,
+    # which is its "uniform" method with one layer per group (the only one offered)
+    recompute_method: Optional[str] = None
 
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -347,6 +350,14 @@ class ParallelConfig:
                 f"{prefix}.recompute_granularity: must be full or selective "
                 f"(got {self.recompute_granularity!r})"
             )
+        if self.recompute_method is not None:
+            if self.recompute_method == "block":
+                raise ConfigError(f"{prefix}.recompute_method: block is not offered: full recomputation "
+                                  f"checkpoints every layer execution on its own (uniform)")
+            choice(f"{prefix}.recompute_method", self.recompute_method, ("uniform",))
+            if self.recompute_granularity != "full":
+                raise ConfigError(f"{prefix}.recompute_method: {self.recompute_method} needs "
+                                  f"recompute_granularity: full (got {self.recompute_granularity})")
 
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -395,10 +406,18 @@ class DataConfig:
             if sum(float(w) for w in self.paths[0::2]) <= 0:
                 raise ConfigError(f"{prefix}.paths: the blend weights sum to zero")
         if check_files:
+            from megatron_lol.data.indexed import IndexHeader
+
             for p in prefixes:
                 for ext in (".bin", ".idx"):
                     if not os.path.exists(f"{p}{ext}"):
                         raise ConfigError(f"{prefix}.paths: {p}{ext} does not exist")
+                try:  # the header only (34 bytes): an empty dataset stops here, not after the start-up
+                    header = IndexHeader(f"{p}.idx")
+                except (ValueError, OSError) as err:
+                    raise ConfigError(f"{prefix}.paths: {err}") from None
+                if header.sequence_count == 0 or header.document_count <= 1:
+                    raise ConfigError(f"{prefix}.paths: {p}.idx holds no documents (an empty corpus?)")
             if self.tokenizer_model and not os.path.exists(self.tokenizer_model):
                 raise ConfigError(f"{prefix}.tokenizer_model: {self.tokenizer_model} does not exist")
         parts = self.split.replace("/", ",").split(",")
@@ -446,7 +465,7 @@ class OptimizerConfig:
     muon_scale_mode: str = "spectral"  # spectral | unit_rms_norm | shape_scaling
     muon_fp32_matmul_prec: str = "medium"  # Newton-Schulz matmuls: medium = bf16
     muon_num_ns_steps: int = 5
-    muon_tp_mode: str = "blockwise"  # blockwise | duplicated | distributed
+    muon_tp_mode: str = "duplicated"  # duplicated (layout-independent) | blockwise | distributed
     muon_extra_scale_factor: float = 1.0
     muon_adam_lr: Optional[float] = None
     muon_adam_min_lr: Optional[float] = None
@@ -517,6 +536,20 @@ class TrainingConfig:
     wandb_exp_name: Optional[str] = None  # the W&B run name
     wandb_save_dir: Optional[str] = None  # default: <save>/wandb, else ./wandb
     verify_checksums: bool = True  # check checkpoint files against their checksums.json on load
+    exit_interval: Optional[int] = None  # save and stop (status 0) at the first iteration divisible by it
+    # on resume, a learning-rate / growth schedule that differs from the checkpoint's stops the run
+    # unless one of these says which wins (Megatron-LM's flags)
+    override_opt_param_scheduler: bool = False  # this run's schedule
+    use_checkpoint_opt_param_scheduler: bool = False  # the checkpoint's schedule
+    # Megatron-LM's --profile: iterations [profile_step_start, profile_step_end) (0-based) of the
+    # ranks in profile_ranks; torch.profiler trace with use_pytorch_profiler (or without CUDA),
+    # else an nsys capture range; NVTX ranges on CUDA (megatron_lol/training/tracing.py)
+    profile: bool = False
+    profile_step_start: int = 10
+    profile_step_end: int = 12
+    profile_ranks: list = field(default_factory=lambda: [0])
+    use_pytorch_profiler: bool = False
+    profile_dir: Optional[str] = None  # default: tensorboard_dir, else <save>/profile, else ./profile
 
     def validate(self, prefix: str = "training") -> None:
         positive(f"{prefix}.train_iters", self.train_iters)
@@ -540,6 +573,18 @@ class TrainingConfig:
         nonnegative(f"{prefix}.skip_nonfinite_steps", self.skip_nonfinite_steps)
         if self.load_iteration is not None:
             nonnegative(f"{prefix}.load_iteration", self.load_iteration)
+        if self.exit_interval is not None:
+            positive(f"{prefix}.exit_interval", self.exit_interval)
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise ConfigError(f"{prefix}.override_opt_param_scheduler: cannot be combined with "
+                              f"use_checkpoint_opt_param_scheduler (pick which schedule wins)")
+        nonnegative(f"{prefix}.profile_step_start", self.profile_step_start)
+        if self.profile_step_end <= self.profile_step_start:
+            raise ConfigError(f"{prefix}.profile_step_end: {self.profile_step_end} must be larger than "
+                              f"profile_step_start={self.profile_step_start}")
+        if not self.profile_ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                             for r in self.profile_ranks):
+            raise ConfigError(f"{prefix}.profile_ranks: must be a list of ranks >= 0 (got {self.profile_ranks!r})")
 
 
 @dataclass
@@ -565,9 +610,8 @@ class ExperimentConfig:
         if windowed and m.window_size > self.training.seq_length:
             raise ConfigError(f"model.window_size: {m.window_size} is larger than training.seq_length="
                               f"{self.training.seq_length} (a window must fit in a sequence)")
-        if self.optimizer.lr_warmup_iters >= self.training.train_iters:
-            raise ConfigError(f"optimizer.lr_warmup_iters: {self.optimizer.lr_warmup_iters} must be smaller than "
-                              f"training.train_iters={self.training.train_iters}")
+        # a warm-up longer than the run is allowed (a smoke run of a long config): the run ends inside
+        # it, and the trainer says so (training/optimizer.py, build_scheduler)
         tr = self.training
         if self.model.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % 16:
             raise ConfigError(f"training.seq_length: FP8 GEMMs need micro_batch_size x seq_length = "

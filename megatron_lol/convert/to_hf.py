@@ -18,7 +18,6 @@ next to ``--save`` and renamed into place when complete.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -46,39 +45,6 @@ FP32_PARTS = (".mlp.router.",)
 
 def keep_fp32(hf_name: str) -> bool:
     return hf_name.startswith(FP32_NAMES) or any(p in hf_name for p in FP32_PARTS)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
-    parser.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the tracker's)")
-    parser.add_argument("--save", required=True, help="output HuggingFace model directory")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="weight dtype (default: the run's model.params_dtype)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer model file / directory (default: the run's data.tokenizer_model)")
-    parser.add_argument("--tokenizer-type", default=None, help="default: the run's data.tokenizer_type")
-    parser.add_argument("--no-tokenizer", action="store_true", help="do not write tokenizer files")
-    parser.add_argument("--eod-id", type=int, default=None,
-                        help="end-of-document token id (default: the tokenizer's eos)")
-    parser.add_argument("--config", default=None, help="training YAML, when the checkpoint has no run_config.yaml")
-    parser.add_argument("--format", choices=("auto", "lol", "llama"), default="auto",
-                        help="auto: stock Llama for plain dense stacks, else LoL remote code")
-    parser.add_argument("--loop-budget", type=int, default=None,
-                        help="plan accordion: the default loop budget k of the exported model (one of the run's "
-                             "model.loop_budgets; default: the run's model.loop_budget, else the largest)")
-    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 2GB, 500MB)")
-    parser.add_argument("--force", action="store_true", help="replace an existing non-empty --save directory")
-
-
-def run(args: argparse.Namespace) -> int:
-    summary = convert_checkpoint(
-        args.load, args.save, iteration=args.iteration, dtype=args.dtype, tokenizer=args.tokenizer,
-        tokenizer_type=args.tokenizer_type, export_tokenizer=not args.no_tokenizer, eod_id=args.eod_id,
-        config=args.config, fmt=args.format, max_shard_size=args.max_shard_size, force=args.force,
-        loop_budget=args.loop_budget)
-    print(f"wrote {summary['format']} model ({summary['num_tensors']} tensors, {summary['num_shards']} shard(s), "
-          f"{summary['dtype']}) from {summary['source']} to {args.save}")
-    return 0
 
 
 # ------------------------------------------------------------------ helpers
@@ -133,10 +99,19 @@ class ShardWriter:
         for i, names in enumerate(self.shards):
             final = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
             os.replace(os.path.join(self.out_dir, f"shard-{i:05d}.tmp"), os.path.join(self.out_dir, final))
+            # safetensors writes its files 0600 whatever the umask; the export's other files follow the
+            # umask (0644 under the usual 022), and a cluster group must be able to read them all
+            os.chmod(os.path.join(self.out_dir, final), 0o666 & ~_umask())
             weight_map.update(dict.fromkeys(names, final))
         index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
         _write_json(os.path.join(self.out_dir, "model.safetensors.index.json"), index)
         return n
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _write_json(path: str, obj) -> None:

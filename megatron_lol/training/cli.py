@@ -46,7 +46,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         code, message = _run(args)
     except CliError as err:
-        record_exit(2, f"megatron-lol train: error: {err}")
+        message = str(err)
+        if isinstance(err, ConfigError):
+            from megatron_lol.config.loader import name_flag
+
+            message = name_flag(message)  # as rank 0 prints it
+        record_exit(2, f"megatron-lol train: error: {message}")
         raise
     except Exception as err:
         first = (str(err).strip().splitlines() or [""])[0]
@@ -65,7 +70,7 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
         return _dry_run(cfg, world, dp, check_data), ""
     from megatron_lol.training.console import announce_startup
 
-    announce_startup(cfg, args.config)  # before the heavy imports (megatron-core: 5-25 s)
+    announce_startup(cfg, args.config or "(--use-checkpoint-args)")  # before the heavy imports (megatron-core: 5-25 s)
     from megatron_lol.log import log_rank0
     from megatron_lol.training.runtime import apply_threads
 

@@ -83,6 +83,20 @@ def announce_startup(cfg, config_path: str) -> None:
     check_sink_packages(cfg.training)
     if os.environ.get("RANK", "0") == "0":
         print(startup_line(cfg, config_path, int(os.environ.get("WORLD_SIZE", "1"))), flush=True)
+        note = layout_dependence_note(cfg)
+        if note:
+            print(note, flush=True)
+
+
+def layout_dependence_note(cfg) -> Optional[str]:
+    """A note when a setting makes the run depend on its parallel layout (every layout gives the same
+    losses as one process otherwise): Muon's ``blockwise`` TP mode under tensor parallelism."""
+    o, tp = cfg.optimizer, cfg.parallel.tensor_model_parallel_size
+    if o.name == "muon" and o.muon_tp_mode == "blockwise" and tp > 1:
+        return (f"note: optimizer.muon_tp_mode blockwise (--muon-tp-mode) orthogonalises each of the {tp} "
+                f"tensor-parallel shards of a matrix on its own: the updates, and so the losses, depend on the "
+                f"tensor-parallel size (duplicated, the default, gives one process's)")
+    return None
 
 
 # ----------------------------------------------------------------- values

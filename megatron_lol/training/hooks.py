@@ -13,8 +13,9 @@ out of the loop keeps the loop readable (as OLMo-core's callbacks do).
   is multiplied by NaN in the forward passes of 1-based iterations 5 and 9, so
   the loss *and* the gradients are non-finite.
 * ``CheckpointHook`` (:mod:`megatron_lol.training.checkpointing`): load/resume
-  at start, periodic and final saves, SIGTERM/SIGUSR1 and
-  ``exit_duration_in_mins`` (:mod:`megatron_lol.training.signals`).
+  at start, periodic and final saves, SIGTERM/SIGUSR1,
+  ``exit_duration_in_mins`` (:mod:`megatron_lol.training.signals`) and ``exit_interval``.
+* ``ProfilerHook`` (:mod:`megatron_lol.training.tracing`): the ``--profile`` window.
 """
 
 from __future__ import annotations
@@ -95,4 +96,8 @@ def default_hooks(trainer) -> list:
     from megatron_lol.training.checkpointing import CheckpointHook
 
     hooks.append(CheckpointHook())
+    if trainer.cfg.training.profile:
+        from megatron_lol.training.tracing import ProfilerHook
+
+        hooks.append(ProfilerHook())
     return hooks

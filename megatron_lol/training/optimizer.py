@@ -218,9 +218,17 @@ def build_scheduler(cfg: ExperimentConfig, optimizer):
     wsd = o.lr_wsd_decay_iters if o.lr_decay_style == "WSD" else None
     if o.lr_decay_style == "WSD" and wsd is None:
         wsd = max(1, tr.train_iters // 5)
+    decay_steps = tr.train_iters
+    if o.lr_warmup_iters >= tr.train_iters:
+        # a smoke run of a long config: the run ends inside the warm-up (megatron-core's scheduler needs
+        # the decay to end after the warm-up; no step of this run reaches it)
+        decay_steps = o.lr_warmup_iters + 1
+        log_rank0(f"note: optimizer.lr_warmup_iters (--lr-warmup-iters) {o.lr_warmup_iters} is not smaller than "
+                  f"training.train_iters (--train-iters) {tr.train_iters}: the run ends inside the warm-up, at lr "
+                  f"{o.lr * tr.train_iters / o.lr_warmup_iters:.3g} of {o.lr:g}")
     return OptimizerParamScheduler(
         optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=tr.train_iters,
+        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=decay_steps,
         lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
         wd_incr_steps=tr.train_iters, wd_incr_style="constant", wsd_decay_steps=wsd,
         lr_wsd_decay_style=o.lr_wsd_decay_style)

@@ -21,7 +21,9 @@ depth, whatever the growing curriculum would use). It reports:
   sections are timed with module hooks (``torch.cuda.synchronize`` around
   them on GPUs, unless ``--no-sync``), so they cost a little overlap;
 * peak memory (CUDA allocator peak, or the process's peak RSS on CPU) beside
-  the memory model's estimate;
+  the per-rank estimate of ``megatron-lol memory`` (:mod:`megatron_lol.perf.memory`);
+* a warning on stderr when the timed steps differ by more than 2x (a busy
+  machine: the median-based figures are then not the model's);
 * routing statistics: block utilisation per depth (share of windows), the mean
   number of distinct blocks on a token's path through the core (with the
   uniform-routing expectation ``L (1 - (1 - 1/L)^D)`` beside it);
@@ -43,6 +45,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 from typing import Optional
 
@@ -84,6 +87,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--sample-interval", type=float, default=0.5, help="NVML sampling period in seconds")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="merge these profile reports (JSON) into one; no training")
+
+
+SPREAD_WARNING = 2.0  # slowest / fastest timed step above which the figures are flagged
+
+
+def step_time_warning(step_times: list) -> Optional[str]:
+    """A warning when the timed steps differ by more than :data:`SPREAD_WARNING` x: the machine was
+    busy, or the steps did different work; the figures (from the median) are then not the model's."""
+    fastest, slowest = min(step_times), max(step_times)
+    if fastest <= 0 or slowest / fastest <= SPREAD_WARNING:
+        return None
+    return (f"warning: the timed step times vary {slowest / fastest:.1f}x ({fastest:.3f} s to {slowest:.3f} s): "
+            f"another load on the machine, or steps doing different work; the figures use the median "
+            f"(rerun with more --steps / --warmup on an idle machine)")
 
 
 # --------------------------------------------------------------------- data / setup
@@ -438,12 +455,13 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     }
     breakdown["backward"] = max(0.0, step_mean - forward - breakdown["optimizer"] - breakdown["data"])
     mem = _peak_memory_bytes()
-    mem_model = fl.memory_model(cfg.model, trainer.vocab_size, seq, cfg.training.micro_batch_size, depth=depth,
-                                data_parallel=trainer.dp_size,
-                                tensor_parallel=cfg.parallel.tensor_model_parallel_size,
-                                distributed_optimizer=cfg.parallel.use_distributed_optimizer,
-                                recompute=cfg.parallel.recompute_granularity,
-                                backprop_depth=cfg.curriculum.backprop_depth)
+    from megatron.core import parallel_state
+
+    from megatron_lol.perf.memory import Layout, rank_memory
+
+    # the per-rank estimate of `megatron-lol memory` for this rank's pipeline stage (full depth)
+    mem_model = rank_memory(cfg, trainer.vocab_size, Layout.of(cfg, world),
+                            parallel_state.get_pipeline_model_parallel_rank())
     util_steps = [r.utilisation for r in results if r.utilisation]
     utilisation = None
     if util_steps:
@@ -533,6 +551,9 @@ def run(args: argparse.Namespace) -> int:
     report["ranks"] = [{k: r[k] for k in ("host", "node", "rank", "step_time_s", "tokens_per_s_per_device",
                                           "tflops_per_device", "peak_memory")} for r in gathered]
     print(format_report(report))
+    spread = step_time_warning(report["step_time_s"]["all"])
+    if spread:
+        print(spread, file=sys.stderr, flush=True)
     if len(report["nodes"]) > 1:
         print(format_nodes(merge_reports([report])))
     if args.json_out:

@@ -94,6 +94,9 @@ class Trainer:
         self.consumed_train_samples = 0
         self.nonfinite_skipped = 0
         self.last_eval_by_budget: dict = {}
+        # iterations the growing depth and the bias stop are measured against: train_iters, or a resumed
+        # checkpoint's with --use-checkpoint-opt_param-scheduler (checkpointing/schedule.py)
+        self.schedule_iters = cfg.training.train_iters
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> "Trainer":
@@ -236,7 +239,7 @@ class Trainer:
     def depth_at(self, step: int) -> int:
         """Core depth at 0-based ``step`` (the growing curriculum; the same on every rank)."""
         cur = self.cfg.curriculum
-        return depth_at(step, self.plan.depth, cur.initial_depth, cur.growth_fraction, self.cfg.training.train_iters)
+        return depth_at(step, self.plan.depth, cur.initial_depth, cur.growth_fraction, self.schedule_iters)
 
     def _forward_step(self, depth: int, stats: StepStats, budgets: Optional[list], record_moe: bool,
                       data_iterator, model):
@@ -384,7 +387,7 @@ class Trainer:
         if torch.distributed.get_world_size(group) > 1:
             torch.distributed.all_reduce(loads, group=group)
         for b in balancers:
-            b.update(step, self.cfg.training.train_iters, loads=loads.clone())
+            b.update(step, self.schedule_iters, loads=loads.clone())
 
     def evaluate(self, dataset=None, iters: Optional[int] = None) -> float:
         """Validation loss; Accordion: the mean over the evaluated budgets (per budget in

@@ -46,7 +46,8 @@ Keys inside the ``torch_dist`` checkpoint (what a converter reads):
 * common (``common.pt``, identical on all ranks): ``rng_default`` (rank 0's
   python/numpy/torch generators, restored on a resharded resume), ``iteration``,
   ``consumed_train_samples``, ``nonfinite_skipped``, ``scheduler`` (the LR
-  schedule's state dict), ``curriculum`` (``{"depth": ...}``), ``layout``
+  schedule's state dict), ``schedule`` (``{"train_iters": ...}``: what the depth
+  growth and the bias stop are measured against), ``curriculum`` (``{"depth": ...}``), ``layout``
   (tp/pp/ep/dp/world of the saving run), ``optimizer_kind`` (``adam``, ``muon``, or Muon with
   the layer-wise distributed optimizer: only the same kind resumes the optimizer state), ``format_version``.
 
@@ -67,11 +68,16 @@ Resume rules (:meth:`Checkpointer.resolve_and_load`):
   newest ``iter_*`` directory is resumed only if its ``checksums.json`` proves
   it complete; otherwise the run stops and names the directories. A tracker
   holding garbage or naming a missing directory stops the run too.
+* A resume whose learning-rate, growth or bias-stop schedule differs from the
+  checkpoint's (e.g. another ``--train-iters``) stops with one line before
+  reading any state, unless ``--override-opt_param-scheduler`` (this run's) or
+  ``--use-checkpoint-opt_param-scheduler`` (the checkpoint's) says which wins
+  (:mod:`.schedule`; Megatron-LM's behaviour).
 * ``--no-resume`` into a ``save`` that already holds checkpoints stops: they
   would be overwritten.
 * Otherwise, if ``training.load`` is set, start a stage from it
   (``load_iteration``, ``reset_optimizer``, ``reset_schedule``; RNG is
-  re-seeded from ``training.seed``). A different TP/PP/EP/DP layout reshards on load.
+  re-seeded from ``training.seed``; the stage's own schedule settings apply). A different TP/PP/EP/DP layout reshards on load.
 
 Every load checks the files against ``checksums.json`` first
 (``training.verify_checksums: false`` skips that for very large checkpoints)

@@ -24,6 +24,7 @@ from megatron_lol.training.checkpointing.files import (
     digest_files, files_of_rank, fsync_dir, iter_name, latest_checkpoint, list_checkpoints, read_manifest,
     read_tracker, resume_iteration, tmp_dir, truncate_metrics, verify_files, write_manifest, write_tracker)
 from megatron_lol.training.checkpointing.lock import SaveDirLock
+from megatron_lol.training.checkpointing.schedule import check_schedule, load_schedule as load_schedule_state
 from megatron_lol.training.checkpointing.safe_load import (
     describe_error, load_common, load_sharded, read_metadata_file)
 from megatron_lol.training.checkpointing.state import (
@@ -320,6 +321,10 @@ class Checkpointer:
         if has_optimizer:
             request["optimizer"] = optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
             _check_optimizer_fits(path, directory, request["optimizer"], metadata, common.get("layout"), layout)
+        # a resume whose schedules differ from the checkpoint's stops here, before any state is read,
+        # unless told which wins; a stage takes its own settings (.schedule)
+        keep_schedule = load_schedule and resume and directory == self.save_root and \
+            check_schedule(trainer, common, path)
         if load_rng:
             request["rng_state"] = rng_sharded_object(None)
         state = load_sharded(request, path)
@@ -329,14 +334,7 @@ class Checkpointer:
         if has_optimizer:
             trainer.optimizer.load_state_dict(state["optimizer"])
         if load_schedule:
-            sched = trainer.scheduler
-            # the config wins for max/min lr, warmup and decay; the position comes from the checkpoint
-            override = sched.override_opt_param_scheduler
-            sched.override_opt_param_scheduler = True
-            try:
-                sched.load_state_dict(common["scheduler"])
-            finally:
-                sched.override_opt_param_scheduler = override
+            load_schedule_state(trainer, common, use_checkpoint=keep_schedule)
             trainer.iteration = int(common["iteration"])
             trainer.consumed_train_samples = int(common["consumed_train_samples"])
             trainer.nonfinite_skipped = int(common.get("nonfinite_skipped", 0))
@@ -411,7 +409,8 @@ class Checkpointer:
 
 # ------------------------------------------------------------------ hook
 class CheckpointHook(Hook):
-    """Loads at start; saves every ``save_interval``, at the end, and before a preemption exit."""
+    """Loads at start; saves every ``save_interval``, at the end, before a preemption exit and before a
+    stop at ``exit_interval``."""
 
     def __init__(self):
         self.ckpt: Optional[Checkpointer] = None
@@ -456,6 +455,14 @@ class CheckpointHook(Hook):
             else:
                 log_rank0(" preemption: no training.save directory: nothing saved")
             return Stop(signals.EXIT_REQUEUE, reason)
+        if tr.exit_interval and trainer.iteration % tr.exit_interval == 0 and trainer.iteration < tr.train_iters:
+            # Megatron-LM's --exit-interval: a planned stop (status 0) with a checkpoint to continue from
+            log_rank0(f" exit interval: stopping at iteration {trainer.iteration} (--exit-interval "
+                      f"{tr.exit_interval})" + (", after saving it" if tr.save else ""))
+            if tr.save:
+                self.ckpt.save(blocking=True)
+                barrier()
+            return Stop(0, f"--exit-interval {tr.exit_interval}")
         if tr.save and tr.save_interval and trainer.iteration % tr.save_interval == 0:
             self.ckpt.save()
         return None

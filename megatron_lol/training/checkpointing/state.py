@@ -152,6 +152,8 @@ def optimizer_sharded_state_dict(trainer, model_sd: dict, is_loading: bool) -> d
 
 
 def build_save_state(trainer) -> dict:
+    from megatron_lol.training.checkpointing.schedule import schedule_record
+
     model_sd = trainer_model_state(trainer)
     state = {
         "model": model_sd,
@@ -160,6 +162,7 @@ def build_save_state(trainer) -> dict:
         # layout-independent fallback for a resharded resume
         "rng_default": _default_rng_state_rank0(),
         "scheduler": trainer.scheduler.state_dict(),
+        "schedule": schedule_record(trainer),  # the iterations growth and bias stop are measured against
         "iteration": int(trainer.iteration),
         "consumed_train_samples": int(trainer.consumed_train_samples),
         "nonfinite_skipped": int(getattr(trainer, "nonfinite_skipped", 0)),
