@@ -407,7 +407,8 @@ def _tensor_parallel_check():
                     runs[impl] = _run_core(net, impl, x0, layout, seeds, None, 2, True, False)[:4] + (len(calls),)
                 finally:
                     dist.all_reduce = real
-            (ref, ref_dx, ref_grads, _, ref_calls), (new, new_dx, new_grads, _, new_calls) = runs["ref"], runs["grouped"]
+            ref, ref_dx, ref_grads, _, ref_calls = runs["ref"]
+            new, new_dx, new_grads, _, new_calls = runs["grouped"]
             worst = max([(new.states - ref.states).abs().max().item(), (new_dx - ref_dx).abs().max().item()]
                         + [(new_grads[k] - g).abs().max().item() for k, g in ref_grads.items()])
             results[packed] = dict(worst=worst, same_params=set(new_grads) == set(ref_grads),
@@ -427,3 +428,61 @@ def test_grouped_core_under_tensor_parallelism_matches_with_one_collective_per_p
             # reference: 4 per block call and more at truncated depths, whose frozen windows run apart)
             assert r["new_calls"] == 4 * r["depths"], (packed, r)
             assert r["ref_calls"] >= 4 * r["blocks_used"] > r["new_calls"], (packed, r)
+
+
+def test_routed_depth_compiles_with_fullgraph(monkeypatch):
+    """A depth's routing, grouping and combine are each one graph: no data-dependent shape, no host
+    read. ``aot_eager`` traces forward and backward without code generation (cheap). The grouped
+    blocks compile in bf16 (torch's meta function of ``_grouped_mm`` takes bf16 only, so fp32, which
+    the CPU kernel runs, cannot be traced)."""
+    from megatron_lol.model import static_routing as sr
+    from megatron_lol.model.grouped_blocks import grouped_blocks, stack_library
+    from megatron_lol.model.grouped_core import combine_depth, group_depth
+
+    net = _lol(monkeypatch, False, film="depth_block").train()
+    core = net.core
+    L, depth = core.plan.num_stored_blocks, 2
+    layout = build_host_layout(_tokens(2, 40, 14, short_docs=True), 0, 8, 4, [depth], L, torch.tensor([1, 2]))
+    windows = layout.for_depth(depth)
+    rope = net.rotary(40)
+    positions = torch.arange(80) % 40
+    film = (core.film_gamma[depth - 1], core.film_beta[depth - 1])
+    library = stack_library([core.block(i) for i in range(L)])
+
+    def route(flat, depth_vector, eps, bias):
+        decision = sr.decide(core.routers[0], sr.router_summaries(windows, flat, depth_vector), eps, bias)
+        grouped = group_depth(flat, windows, decision, L, rope, positions, 8)
+        aux = sr.sequence_aux_loss(windows, decision)
+        return grouped, sr.window_loads(windows, decision.choice.detach(), L), aux
+
+    def combine(flat, grouped_out, grouped):
+        return combine_depth(flat, grouped_out, grouped, windows, "first")
+
+    x = torch.randn(80, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    args = (core.depth_vectors[depth - 1], layout.noise[depth], core.balancer.for_depth(depth))
+    torch._dynamo.reset()
+    compiled = (torch.compile(route, fullgraph=True, backend="aot_eager"),
+                torch.compile(combine, fullgraph=True, backend="aot_eager"))
+    outs = []
+    for run_route, run_combine in ((route, combine), compiled):
+        leaf = x.clone().requires_grad_(True)
+        grouped, loads, aux = run_route(leaf, *args)
+        new = run_combine(leaf, grouped_blocks(library, grouped.rows, grouped.grouping, grouped.rope,
+                                               grouped.attention_bias, 8, film), grouped)
+        (new.square().sum() + aux).backward()
+        outs.append((new.detach(), loads, aux.detach(), leaf.grad))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0) if not got.is_floating_point() else \
+            torch.testing.assert_close(got, want, **TOL)
+
+    # the grouped blocks, in bf16
+    bf16 = stack_library([core.block(i).to(torch.bfloat16) for i in range(L)])
+    with torch.no_grad():
+        grouped, _, _ = route(x, *args)
+    rows = grouped.rows.to(torch.bfloat16)
+    rows_rope = type(grouped.rope)(cos=grouped.rope.cos.to(torch.bfloat16), sin=grouped.rope.sin.to(torch.bfloat16))
+    run = lambda r: grouped_blocks(bf16, r, grouped.grouping, rows_rope, grouped.attention_bias, 8)  # noqa: E731
+    want = run(rows)
+    got = torch.compile(run, fullgraph=True, backend="aot_eager")(rows)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want)

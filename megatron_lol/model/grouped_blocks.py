@@ -94,7 +94,8 @@ def grouped_support(blocks) -> Optional[str]:
         sa = block.self_attention
         if not isinstance(getattr(sa, "core_attention", None), SegmentCausalAttention):
             return "core attention is not SegmentCausalAttention"
-        if not all(isinstance(getattr(sa, name, None), (type(None), IdentityOp)) for name in ("q_layernorm", "k_layernorm")):
+        if not all(isinstance(getattr(sa, name, None), (type(None), IdentityOp))
+                   for name in ("q_layernorm", "k_layernorm")):
             return "QK layernorm"
         if _hooked([block, block.input_layernorm, block.pre_mlp_layernorm, sa, sa.linear_qkv, sa.linear_proj,
                     sa.core_attention, block.mlp, block.mlp.linear_fc1, block.mlp.linear_fc2]):

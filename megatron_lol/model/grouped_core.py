@@ -19,6 +19,7 @@ definition: the tests compare this against it.
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 from typing import Optional, Sequence
 
 import torch
@@ -28,9 +29,9 @@ from megatron_lol.model.core import CoreOutput, DepthRecord, ForcedPath
 from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, grouped_support, stack_library
 from megatron_lol.model.host_layout import HostLayout
 from megatron_lol.model.precision import fp8_disabled
-from megatron_lol.model.static_routing import (decide, gated_combine, global_aux_loss, group_tokens, permute_rows,
-                                               record_loads, router_summaries, sequence_aux_loss, token_gates,
-                                               truncation_keep, window_loads)
+from megatron_lol.model.static_routing import (TokenGrouping, decide, gated_combine, global_aux_loss, group_tokens,
+                                               permute_rows, record_loads, router_summaries, sequence_aux_loss,
+                                               token_gates, truncation_keep, window_loads)
 
 
 def grouped_core_support(core) -> Optional[str]:
@@ -81,9 +82,9 @@ def _forward(core, states, layout, rope, steps, depth, forced, record, backprop_
     s_len, b, h = states.shape
     flat = states.transpose(0, 1).reshape(b * s_len, h)
     injected_from = flat
-    t = flat.shape[0]
     library = stack_library([core.block(i) for i in range(num_blocks)])  # once per micro-batch
-    row_positions = None if core.packed else torch.arange(t, device=flat.device) % layout.row_length
+    # RoPE positions: inside the window on the packed layout (THD restarts them), row positions otherwise
+    row_positions = None if core.packed else torch.arange(flat.shape[0], device=flat.device) % layout.row_length
     out = CoreOutput(states=states)
     aux_terms, loads = [], []
     for step in steps:
@@ -95,6 +96,9 @@ def _forward(core, states, layout, rope, steps, depth, forced, record, backprop_
         truncated = (backprop_depth is not None and core.training and torch.is_grad_enabled()
                      and step.depth <= depth - backprop_depth)
         windows = layout.for_depth(step.depth)
+        positions = windows.token_position if core.packed else row_positions
+        # [2, h] per depth, [L, 2, h] per (depth, block)
+        film = None if cfg.film == "off" else (core.film_gamma[step.depth - 1], core.film_beta[step.depth - 1])
         router = core.router_for(step.depth)
         summaries = router_summaries(windows, flat, core.depth_vectors[step.depth - 1])
         eps = layout.noise.get(step.depth) if core.training and router.noise else None
@@ -117,27 +121,8 @@ def _forward(core, states, layout, rope, steps, depth, forced, record, backprop_
                                            decision.probs.detach()[:n], windows.window_doc[:n],
                                            windows.window_ordinal[:n]))
 
-        grouping = group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window,
-                                num_blocks)
-        positions = windows.token_position if core.packed else row_positions
-        row_rope = (RowRope.from_table(rope, positions.index_select(0, grouping.order), flat.dtype)
-                    if rope is not None else None)
-        mask = chunk_bias(grouping.segments, window, [0], [t])
-        # [2, h] per depth, [L, 2, h] per (depth, block)
-        film = None if cfg.film == "off" else (core.film_gamma[step.depth - 1], core.film_beta[step.depth - 1])
-        gate = token_gates(windows, decision.gate)
-        keep = truncation_keep(windows, first_window_full) if truncated else None
-        frozen = truncated and keep is None
-        with torch.no_grad() if frozen else contextlib.nullcontext():
-            grouped = grouped_blocks(library, permute_rows(flat, grouping.order, grouping.inverse), grouping,
-                                     row_rope, mask, window, film)
-            block_out = permute_rows(grouped, grouping.inverse, grouping.order)
-        if frozen:  # no token of this depth keeps a gradient: the update is a constant
-            with torch.no_grad():
-                update = gate.to(flat.dtype).unsqueeze(1) * (block_out - flat)
-            flat = flat + update
-        else:
-            flat = gated_combine(flat, block_out, gate, keep)
+        flat = apply_routed_update(flat, windows, decision, library, rope, positions, film, window,
+                                   truncation_mode(truncated, first_window_full))
     out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
     if aux_terms:
         out.aux_loss = torch.stack(aux_terms).sum()
@@ -145,3 +130,62 @@ def _forward(core, states, layout, rope, steps, depth, forced, record, backprop_
     for l, row in loads:
         out.block_loads[l - 1] = row
     return out
+
+
+def truncation_mode(truncated: bool, first_window_full_backprop: bool) -> Optional[str]:
+    """None (full backprop), ``"first"`` (only window-0 tokens keep gradients) or ``"frozen"`` (none do)."""
+    if not truncated:
+        return None
+    return "first" if first_window_full_backprop else "frozen"
+
+
+@dataclass
+class GroupedDepth:
+    """A depth's tokens in grouped order, with what the grouped blocks and the combine need."""
+
+    grouping: TokenGrouping
+    rows: torch.Tensor  # [T, h] the depth's input in grouped order
+    rope: Optional[RowRope]  # cos / sin of every grouped row
+    attention_bias: torch.Tensor  # the chunked algorithm's mask of the grouped stream
+    gate: torch.Tensor  # [T] every token's window gate (token order)
+
+
+def group_depth(flat: torch.Tensor, windows, decision, num_blocks: int, rope: Optional[torch.Tensor],
+                positions: torch.Tensor, window_size: int) -> GroupedDepth:
+    """Group the tokens by the block their window chose (stable sort, offsets on the device)."""
+    grouping = group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window, num_blocks)
+    row_rope = (RowRope.from_table(rope, positions.index_select(0, grouping.order), flat.dtype)
+                if rope is not None else None)
+    return GroupedDepth(grouping=grouping, rows=permute_rows(flat, grouping.order, grouping.inverse), rope=row_rope,
+                        attention_bias=chunk_bias(grouping.segments, window_size, [0], [flat.shape[0]]),
+                        gate=token_gates(windows, decision.gate))
+
+
+def combine_depth(flat: torch.Tensor, grouped_out: torch.Tensor, depth: GroupedDepth, windows,
+                  truncation: Optional[str] = None) -> torch.Tensor:
+    """``s + alpha (E(s) - s)`` in token order from the blocks' grouped outputs ``E(s)``; with
+    ``truncation="first"`` only window-0 tokens keep their gradients, with ``"frozen"`` none does
+    (the update is a constant added to the states: :func:`truncation_mode`)."""
+    block_out = permute_rows(grouped_out, depth.grouping.inverse, depth.grouping.order)
+    if truncation == "frozen":
+        with torch.no_grad():
+            update = depth.gate.to(flat.dtype).unsqueeze(1) * (block_out - flat)
+        return flat + update  # outside no_grad: the states keep their identity path
+    keep = truncation_keep(windows, True) if truncation == "first" else None
+    return gated_combine(flat, block_out, depth.gate, keep)
+
+
+def apply_routed_update(flat: torch.Tensor, windows, decision, library, rope: Optional[torch.Tensor],
+                        positions: torch.Tensor, film: Optional[tuple], window_size: int,
+                        truncation: Optional[str] = None) -> torch.Tensor:
+    """``s + alpha (E_rho(s) - s)`` of one depth: :func:`group_depth`, every block at once
+    (:func:`~.grouped_blocks.grouped_blocks`), :func:`combine_depth`. Static shapes, no host read.
+
+    ``flat`` ``[T, h]``: the depth's input; ``positions`` ``[T]``: RoPE positions per token;
+    ``truncation``: see :func:`truncation_mode` (``"frozen"``: the whole update is a constant).
+    """
+    with torch.no_grad() if truncation == "frozen" else contextlib.nullcontext():
+        depth = group_depth(flat, windows, decision, library.qkv.shape[0], rope, positions, window_size)
+        grouped_out = grouped_blocks(library, depth.rows, depth.grouping, depth.rope, depth.attention_bias,
+                                     window_size, film)
+    return combine_depth(flat, grouped_out, depth, windows, truncation)
