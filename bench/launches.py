@@ -24,17 +24,19 @@ Rows:
                  documents (prelude and coda unchanged);
   dense          ``plan: dense`` with ``D`` core layers (full causal attention).
 
-CPU time: median over ``--reps`` of one forward + backward, with the CPU backend
-off and on (``cpu ms``: the reference with the CPU backend, what CPU training runs).
+CPU time: median over ``--reps`` of one forward + backward (process CPU time),
+with the CPU backend off and on (``cpu ms``: the reference with the CPU backend,
+what CPU training runs), the runs interleaved; then the ratio grouped /
+reference-with-backend paired per repetition.
 
-``--stacking``: the cost of stacking the library's weights per micro-batch
+``--what stacking``: the cost of stacking the library's weights per micro-batch
 (``grouped_blocks.stack_library``, forward and backward) against one grouped
 depth's forward + backward, at the quickstart shape and the 360M shape.
 
     python bench/launches.py                          # counts, L = 2,4,8,16, D = 8
     python bench/launches.py --hidden 128 --heads 4 --ffn 384 --blocks 4 --depth 4 --window 32 --shift 16 \\
         --batch 8 --seq 256 --layouts local --reps 10   # CPU time at the quickstart shape
-    python bench/launches.py --stacking
+    python bench/launches.py --what stacking
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import os
 import statistics
 import sys
 import time
+from typing import Optional
 
 import torch
 
@@ -68,8 +71,10 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=97)
     p.add_argument("--docs-per-row", type=int, default=2, help="EOD-separated documents per row")
     p.add_argument("--layouts", default="local,packed")
-    p.add_argument("--reps", type=int, default=3, help="timed forward+backward repetitions (median)")
-    p.add_argument("--stacking", action="store_true", help="measure the per-micro-batch weight stacking instead")
+    p.add_argument("--reps", type=int, default=3,
+                   help="timed forward+backward repetitions (median; 0: counts only, no CPU times)")
+    p.add_argument("--what", default="counts", help="counts, stacking, or both (comma-separated)")
+    p.add_argument("--stacking-shapes", default="quickstart,360M", help="shapes of the stacking measurement")
     add_threads_arg(p)
     return p.parse_args(argv)
 
@@ -175,14 +180,22 @@ def count(run) -> dict:
             "sync_names": dict(fwd.sync_names + bwd.sync_names)}
 
 
-def cpu_ms(run, reps: int) -> float:
-    run().backward()  # warm-up
-    times = []
+def cpu_times(runs: dict, reps: int) -> dict:
+    """``{(name, backend on): [CPU ms per forward + backward]}``, the runs interleaved rep by rep so that
+    load from other processes hits them alike (after one warm-up each)."""
+    times = {key: [] for key in runs}
+    if reps <= 0:
+        return times
+    for key, run in runs.items():
+        with_backend(key[1], lambda: run().backward())
     for _ in range(reps):
-        t0 = time.process_time()
-        run().backward()
-        times.append(time.process_time() - t0)
-    return 1e3 * statistics.median(times)
+        for key, run in runs.items():
+            def once():
+                t0 = time.process_time()
+                run().backward()
+                return time.process_time() - t0
+            times[key].append(1e3 * with_backend(key[1], once))
+    return times
 
 
 def with_backend(enabled: bool, fn):
@@ -199,9 +212,10 @@ def with_backend(enabled: bool, fn):
 
 def measure_counts(args):
     tokens, labels, seeds = make_batch(args)
-    rows = []
+    rows, paired = [], []
     for layout_name in args.layouts.split(","):
         packed = layout_name == "packed"
+        dense = build(args, 0, packed, plan="dense", core_layers=args.depth)
         for blocks in [int(x) for x in args.blocks.split(",")]:
             torch.manual_seed(0)
             net = build(args, blocks, packed)
@@ -210,21 +224,25 @@ def measure_counts(args):
                     "core grouped": core_runner(net, "grouped", layout, seeds, args),
                     "model ref": model_runner(net, "ref", layout, tokens, labels, seeds),
                     "model grouped": model_runner(net, "grouped", layout, tokens, labels, seeds)}
+            if blocks == max(int(x) for x in args.blocks.split(",")):
+                runs["dense"] = model_runner(dense, "ref", None, tokens, labels, seeds)
+            timed = {(name, on): run for name, run in runs.items() for on in (False, True)
+                     if on is False or name.endswith("ref") or name == "dense"}
+            times = cpu_times(timed, args.reps)
             for name, run in runs.items():
                 row = with_backend(False, lambda: count(run))
-                row["ms_off"] = with_backend(False, lambda: cpu_ms(run, args.reps))
-                row["ms_on"] = with_backend(True, lambda: cpu_ms(run, args.reps)) if name.endswith("ref") else None
-                rows.append((layout_name, blocks, name, row))
-        dense = build(args, 0, packed, plan="dense", core_layers=args.depth)
-        run = model_runner(dense, "ref", None, tokens, labels, seeds)
-        row = with_backend(False, lambda: count(run))
-        row["ms_off"] = with_backend(False, lambda: cpu_ms(run, args.reps))
-        row["ms_on"] = with_backend(True, lambda: cpu_ms(run, args.reps))
-        rows.append((layout_name, args.depth, "dense", row))
-    return rows
+                for on, key in ((False, "ms_off"), (True, "ms_on")):
+                    t = times.get((name, on))
+                    row[key] = statistics.median(t) if t else None
+                rows.append((layout_name, args.depth if name == "dense" else blocks, name, row))
+            for what in ("core", "model"):
+                pairs = sorted(g / r for g, r in zip(times[(f"{what} grouped", False)], times[(f"{what} ref", True)]))
+                if pairs:
+                    paired.append((layout_name, blocks, what, statistics.median(pairs), pairs[0], pairs[-1]))
+    return rows, paired
 
 
-def print_counts(args, rows):
+def print_counts(args, rows, paired):
     print(f"per micro-batch: {args.batch} x {args.seq} tokens ({args.docs_per_row} documents per row), "
           f"width {args.hidden}, D={args.depth}, W={args.window}, S={args.shift}, prelude {args.prelude}, "
           f"coda {args.coda}; {torch.get_num_threads()} thread(s); counts with {BACKEND_ENV}=0")
@@ -232,10 +250,11 @@ def print_counts(args, rows):
           f" {'ops total':>9s} {'cpu ms':>8s} {'ms off':>8s}  syncs by op")
     for layout_name, blocks, name, r in rows:
         label = "-" if name == "dense" else str(blocks)
-        on = f"{r['ms_on']:8.1f}" if r["ms_on"] is not None else f"{'':8s}"
+        on = f"{r['ms_on']:8.1f}" if r["ms_on"] is not None else f"{'-':>8s}"
+        off = f"{r['ms_off']:8.1f}" if r["ms_off"] is not None else f"{'-':>8s}"
         names = ", ".join(f"{k} {v}" for k, v in sorted(r["sync_names"].items()))
         print(f"{layout_name:7s} {label:>3s} {name:14s} {r['fwd_syncs']:9d} {r['bwd_syncs']:9d} {r['fwd_ops']:8d}"
-              f" {r['bwd_ops']:8d} {r['fwd_ops'] + r['bwd_ops']:9d} {on} {r['ms_off']:8.1f}  {names}")
+              f" {r['bwd_ops']:8d} {r['fwd_ops'] + r['bwd_ops']:9d} {on} {off}  {names}")
     print("cpu ms: forward + backward with the CPU backend (the reference as CPU training runs it); "
           "ms off: without it (the path a GPU runs)")
     for layout_name in args.layouts.split(","):
@@ -248,6 +267,10 @@ def print_counts(args, rows):
             if name.startswith("model") and 4 in ls:
                 line += f";  L=4 / dense = {total[(4, name)] / dense:.2f}"
             print(line)
+    if paired:
+        print("CPU time, grouped / reference with the CPU backend, paired per repetition (median, min, max):")
+        for layout_name, blocks, what, med, lo, hi in paired:
+            print(f"{layout_name}: L={blocks} {what:5s} {med:.3f} ({lo:.3f} .. {hi:.3f})")
 
 
 def measure_stacking(args):
@@ -269,7 +292,8 @@ def measure_stacking(args):
           "depth (forward + backward), CPU seconds, median of --reps")
     print(f"{'shape':11s} {'L':>2s} {'D':>3s} {'tokens':>7s} {'stack ms':>9s} {'depth ms':>9s}"
           f" {'stack / (D depths)':>19s}")
-    for name, shape in shapes.items():
+    for name in args.stacking_shapes.split(","):
+        shape = dict(shapes[name])
         batch, seq = shape.pop("batch"), shape.pop("seq")
         cfg = config_from_dict({"model": dict(plan="lol", n_prelude=1, n_coda=1, **shape)}).model
         tconfig = transformer_config(cfg, num_layers=cfg.execution_plan().num_stored_blocks + 2)
@@ -302,7 +326,7 @@ def measure_stacking(args):
         def timed(fn):
             fn()
             times = []
-            for _ in range(args.reps):
+            for _ in range(max(1, args.reps)):
                 t0 = time.process_time()
                 fn()
                 times.append(time.process_time() - t0)
@@ -318,10 +342,13 @@ def measure_stacking(args):
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_megatron(args.threads)
-    if args.stacking:
+    what = set(args.what.split(","))
+    if what - {"counts", "stacking"}:
+        raise SystemExit(f"--what {args.what}: takes counts, stacking or both")
+    if "counts" in what:
+        print_counts(args, *measure_counts(args))
+    if "stacking" in what:
         measure_stacking(args)
-        return 0
-    print_counts(args, measure_counts(args))
     return 0
 
 

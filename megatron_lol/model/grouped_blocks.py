@@ -192,6 +192,25 @@ def _norm(x: torch.Tensor, gains: torch.Tensor, eps: float, grouping: TokenGroup
     return F.rms_norm(x, (x.shape[-1],), None, eps) * rows
 
 
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: ``_grouped_mm``'s backward refuses the
+    zero-stride gradient of a broadcast (``loss = out.sum()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` of ``x`` times ``weights[m]^T`` for its group ``m`` (``weights`` ``[L, out, in]``): one
+    ``torch._grouped_mm`` with device offsets (the group ends)."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets))
+
+
 def _column_input(y: torch.Tensor, lib: StackedLibrary) -> torch.Tensor:
     """The input of a column-parallel projection: identity forward, all-reduce of its gradient."""
     if lib.tp_group is None:
@@ -222,7 +241,7 @@ def grouped_blocks(lib: StackedLibrary, x: torch.Tensor, grouping: TokenGrouping
     t = x.shape[0]
     offs = grouping.group_ends
     y = _film(_norm(x, lib.norm1, lib.eps, grouping), film, 0, grouping)
-    mixed = torch._grouped_mm(_column_input(y, lib), lib.qkv.transpose(1, 2), offs=offs)
+    mixed = _grouped_linear(_column_input(y, lib), lib.qkv, offs)
     per_group = lib.heads // lib.groups
     c = lib.head_dim
     mixed = mixed.view(t, lib.groups, (per_group + 2) * c)
@@ -235,10 +254,10 @@ def grouped_blocks(lib: StackedLibrary, x: torch.Tensor, grouping: TokenGrouping
         key = key.repeat_interleave(per_group, dim=1)
         value = value.repeat_interleave(per_group, dim=1)
     context = chunked_attention(query, key, value, attention_bias, chunk, lib.softmax_scale)
-    attn = torch._grouped_mm(context.reshape(t, lib.heads * c), lib.proj.transpose(1, 2), offs=offs)
+    attn = _grouped_linear(context.reshape(t, lib.heads * c), lib.proj, offs)
     h1 = x + _row_output(attn, lib)
     y = _film(_norm(h1, lib.norm2, lib.eps, grouping), film, 1, grouping)
-    fc1 = torch._grouped_mm(_column_input(y, lib), lib.fc1.transpose(1, 2), offs=offs)
+    fc1 = _grouped_linear(_column_input(y, lib), lib.fc1, offs)
     gate, linear = torch.chunk(fc1, 2, dim=-1)
-    fc2 = torch._grouped_mm(F.silu(gate) * linear, lib.fc2.transpose(1, 2), offs=offs)
+    fc2 = _grouped_linear(F.silu(gate) * linear, lib.fc2, offs)
     return h1 + _row_output(fc2, lib)
