@@ -85,6 +85,25 @@ def test_host_layout_capacity_is_static_for_long_documents_and_grows_for_short_o
         build_host_layout(many, 0, 8, 4, [1], row_seeds=torch.zeros(4, dtype=torch.long))
 
 
+def test_host_layout_for_a_trainer_batch_draws_the_trainers_noise():
+    """What the trainer will attach to a micro-batch: every windowed depth of the plan, and the noise of
+    the seeds the trainer derives (``sample_id + run_seed * 1,000,000,007``)."""
+    from conftest import tiny_config
+
+    from megatron_lol.model.host_layout import host_layout_for_batch, routed_depths
+    from megatron_lol.model.router import window_noise
+
+    cfg = tiny_config(routed_depth=3)
+    tokens = _tokens(2, 24, 3)
+    batch = {"tokens": tokens, "sample_ids": torch.tensor([40, 41])}
+    layout = host_layout_for_batch(batch, cfg, 0, run_seed=7)
+    assert routed_depths(cfg) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
+    ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.window_size, cfg.window_shift)
+    seeds = batch["sample_ids"] + 7 * 1_000_000_007
+    assert torch.equal(layout.noise[3][:ref.num_windows], window_noise(ref, seeds, 3, cfg.num_blocks, 24))
+    assert host_layout_for_batch({"tokens": tokens}, cfg, 0, run_seed=7).noise == {}
+
+
 # ---------------------------------------------------------------- sync-free routing functions
 def _depth_case(depth=2, L=4, seed=0, dtype=torch.float32):
     tokens = _tokens(3, 45, seed, short_docs=True)

@@ -24,7 +24,15 @@ The weights are stacked per micro-batch from the blocks' own parameters
 (:func:`stack_library`; gradients flow back to them through ``torch.stack``),
 so checkpoints, the HF export, expert-parallel sharding of the library and
 Muon's per-block orthogonalisation are unchanged; the stacking costs one copy
-of the library per micro-batch (docs/performance.md).
+of the library per micro-batch (measured by ``bench/launches.py --what stacking``).
+
+``torch._grouped_mm`` (torch 2.13) as used here: group offsets are the int32
+group ends, on the device; the CPU kernel runs fp32 and bf16 (one ``mm`` per
+group) when every row stride is a multiple of 16 bytes (fp32: dimensions that
+are multiples of 4, bf16: of 8; :func:`grouped_support` checks); its backward
+needs a dense output gradient (:func:`_grouped_linear` makes one); torch's
+meta function takes bf16 only, so ``torch.compile`` traces the grouped
+projections in bf16 (the GPU dtype), not in fp32.
 
 Blocks this does not cover (MoE MLPs, Transformer Engine modules, biases,
 dropout, FP8, recomputation, context parallelism, hooks on the modules) are
