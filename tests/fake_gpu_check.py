@@ -88,6 +88,47 @@ def run_plan(name: str, packed: bool = False, row_multiple: int = 1) -> dict:
     }
 
 
+def grouped_core() -> dict:
+    """The GPU-shaped routed core (host layout shipped to the device, grouped blocks): forward and backward
+    with the layout, parameters and states on the fake GPU; the values of the same run on the CPU."""
+    from megatron_lol.model.core import ForcedPath
+    from megatron_lol.model.grouped_core import grouped_core_forward
+    from megatron_lol.model.host_layout import build_host_layout
+
+    cfg = model_config(**PLANS["lol"], input_injection=True)
+    tokens, _, seeds = batch()
+    layout = build_host_layout(tokens, EOD, cfg.window_size, cfg.window_shift, [1, 2, 3], 3, seeds).pin_memory()
+    forced = ForcedPath(ids=torch.tensor([[-1, 2], [1, -1], [-1, -1]]), gates=torch.full((3, 2), 0.5))
+    results = []
+    for on_gpu in (False, True):
+        net = _train_model(cfg)
+        context = fake_gpu() if on_gpu else contextlib.nullcontext(torch.device("cpu"))
+        if on_gpu:
+            to_fake_gpu(net)
+        with context as dev:
+            x = torch.randn(24, 2, 32, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_(True)
+            steps = net.core.plan.steps()
+            out = grouped_core_forward(net.core, x, layout.to(dev), net.rotary(24), steps, depth=3, forced=forced,
+                                       backprop_depth=1, record=True)
+            (out.states.square().sum() + out.aux_loss).backward()
+        grads = {n: p.grad for n, p in net.core.named_parameters() if p.grad is not None}
+        results.append((out.states, x.grad, grads))
+    (ref, ref_dx, ref_grads), (states, dx, grads) = results
+    return {
+        "on_gpu": isinstance(states, FakeGpuTensor) and isinstance(dx, FakeGpuTensor)
+        and all(isinstance(g, FakeGpuTensor) for g in grads.values()),
+        "same_grads": sorted(grads) == sorted(ref_grads) and len(grads) > 5,
+        "diff": max([float((states.elem - ref).abs().max()), float((dx.elem - ref_dx).abs().max())]
+                    + [float((grads[n].elem - ref_grads[n]).abs().max()) for n in grads]),
+    }
+
+
+def _train_model(cfg):
+    from megatron_lol.model.lol_model import LoLGPTModel
+
+    return LoLGPTModel(cfg, VOCAB, EOD, init_seed=1234).train()
+
+
 def planted_cpu_tensor() -> dict:
     """A window-mean buffer made without ``device=``: harmless on the CPU, caught on the (fake) GPU."""
     from megatron_lol.model import router, windows
@@ -235,6 +276,7 @@ def main() -> int:
     cases["packed-lol-fp8-rows"] = (run_plan, ("lol", True, 16))
     cases["packed-dense-sliding"] = (run_plan, ("dense-sliding", True))
     cases["packed-foil"] = (run_plan, ("foil", True))
+    cases["grouped-core"] = (grouped_core, ())
     cases["planted-cpu-tensor"] = (planted_cpu_tensor, ())
     cases["expert-parallel-dispatch"] = (expert_parallel_dispatch, ())
     cases["trainer"] = (trainer_step, ())

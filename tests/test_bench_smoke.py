@@ -45,3 +45,20 @@ def test_step_time_runs_every_model(tmp_path):
     assert "paired lol/this" in out
     assert result["fused_cpu_kernel"] is True  # the CPU kernel builds here, so the benchmark times it
     assert "gated combine: fused CPU kernel" in out
+
+
+def test_launches_counts_every_path_and_the_grouped_core_reads_nothing_back():
+    out = _run("launches.py", "--blocks", "2,4", "--depth", "2", "--seq", "32", "--reps", "0", "--what",
+               "counts,stacking", "--stacking-shapes", "quickstart")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["local"], ["packed"])]
+    paths = {(r[0], r[1], " ".join(r[2:4])) for r in rows if r[2] in ("core", "model")}
+    assert paths == {(lay, L, p) for lay in ("local", "packed") for L in ("2", "4")
+                     for p in ("core ref", "core grouped", "model ref", "model grouped")}
+    assert {r[0] for r in rows if r[2] == "dense"} == {"local", "packed"}
+    for r in rows:
+        if r[2:4] == ["core", "grouped"]:
+            assert r[4:6] == ["0", "0"], r  # no host synchronisation, forward or backward
+        if r[2:4] == ["core", "ref"]:
+            assert int(r[4]) > 0, r
+    assert "L=4 / dense" in out
+    assert any(line.startswith("quickstart") for line in out.splitlines())  # the stacking measurement

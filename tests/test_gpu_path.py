@@ -52,6 +52,15 @@ def test_every_plan_forward_and_backward_on_a_fake_gpu(fake_gpu_results, case):
 
 
 @pytest.mark.timeout(700)
+def test_grouped_routed_core_on_a_fake_gpu(fake_gpu_results):
+    """The GPU-shaped routed core (megatron_lol.model.grouped_core) with its host layout shipped to the
+    device: no CPU tensor meets a device tensor, forward or backward; the values of the CPU run."""
+    r = fake_gpu_results["grouped-core"]
+    assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
+    assert r["on_gpu"] and r["same_grads"] and r["diff"] <= 1e-6
+
+
+@pytest.mark.timeout(700)
 def test_a_planted_cpu_tensor_is_caught(fake_gpu_results):
     r = fake_gpu_results["planted-cpu-tensor"]
     assert r["ok"], r.get("error")

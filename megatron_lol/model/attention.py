@@ -156,29 +156,41 @@ class SegmentCausalAttention(MegatronModule):
         """
         t_len, b, h, d = q.shape
         assert b == 1, "chunked segment attention expects a packed stream [T, 1, heads, dim]"
-        c = mask.chunk
-        n = -(-t_len // c)
-        pad = n * c - t_len
         bias = mask.bias
         if bias is None:
-            bias = chunk_bias(mask.segments.reshape(-1), c, [0], [t_len])
-        q = q.reshape(t_len, h, d)
-        if pad:
-            q = F.pad(q, (0, 0, 0, 0, 0, pad))  # zero rows at the end (one op: no zeros + cat)
-        # [(n + 1) c, h, d] (one chunk of zeros in front, the padding behind) as n + 1 chunks;
-        # [n, 2c, h, d]: keys (values) of chunks j-1 and j
-        kp = F.pad(k.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
-        vp = F.pad(v.reshape(t_len, h, d), (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
-        k2 = torch.cat([kp[:-1], kp[1:]], dim=1)
-        v2 = torch.cat([vp[:-1], vp[1:]], dim=1)
-        scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2.permute(0, 2, 3, 1))  # [n, h, c, 2c]
-        scores = scores.float() * self.softmax_scale + bias
-        probs = torch.softmax(scores, dim=-1).to(v.dtype)
-        if self.dropout.p > 0:
-            probs = self.dropout(probs)
-        out = torch.matmul(probs, v2.transpose(1, 2))  # [n, h, c, d]
-        out = out.transpose(1, 2).reshape(n * c, h, d)[:t_len]
+            bias = chunk_bias(mask.segments.reshape(-1), mask.chunk, [0], [t_len])
+        out = chunked_attention(q.reshape(t_len, h, d), k.reshape(t_len, h, d), v.reshape(t_len, h, d), bias,
+                                mask.chunk, self.softmax_scale, self.dropout)
         return out.unsqueeze(1)  # [T, 1, h, d]
+
+
+def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, c: int,
+                      softmax_scale: float, dropout: Optional[torch.nn.Dropout] = None) -> torch.Tensor:
+    """Segment-causal attention of a packed stream ``[T, heads, dim]`` whose segments are at most ``c``
+    long, with the additive mask ``bias`` of :func:`chunk_bias`; returns ``[T, heads, dim]``.
+
+    The algorithm of :meth:`SegmentCausalAttention._chunked`, as a function of
+    tensors only (attention has no weights), so the windows of several blocks can
+    be one call.
+    """
+    t_len, h, d = q.shape
+    n = -(-t_len // c)
+    pad = n * c - t_len
+    if pad:
+        q = F.pad(q, (0, 0, 0, 0, 0, pad))  # zero rows at the end (one op: no zeros + cat)
+    # [(n + 1) c, h, d] (one chunk of zeros in front, the padding behind) as n + 1 chunks;
+    # [n, 2c, h, d]: keys (values) of chunks j-1 and j
+    kp = F.pad(k, (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
+    vp = F.pad(v, (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
+    k2 = torch.cat([kp[:-1], kp[1:]], dim=1)
+    v2 = torch.cat([vp[:-1], vp[1:]], dim=1)
+    scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2.permute(0, 2, 3, 1))  # [n, h, c, 2c]
+    scores = scores.float() * softmax_scale + bias
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    if dropout is not None and dropout.p > 0:
+        probs = dropout(probs)
+    out = torch.matmul(probs, v2.transpose(1, 2))  # [n, h, c, d]
+    return out.transpose(1, 2).reshape(n * c, h, d)[:t_len]
 
 
 def chunk_bias(segments: torch.Tensor, c: int, starts, lengths) -> torch.Tensor:

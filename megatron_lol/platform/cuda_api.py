@@ -93,6 +93,7 @@ def _cpu_device_properties(device: Any = None) -> types.SimpleNamespace:
         pass
     return types.SimpleNamespace(
         name="cpu",
+        gcnArchName="cpu",  # read by torch.compile's inductor cache key when torch.version.cuda is None
         total_memory=total,
         major=0,
         minor=0,

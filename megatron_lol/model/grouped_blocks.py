@@ -1,0 +1,271 @@
+"""All blocks of a routed depth as one computation: a grouped GEMM per projection, one attention call.
+
+The reference runs a routed depth as one layer call per block on that block's
+windows (:func:`~.dispatch.gated_update` over :func:`~.block_call.call_block`):
+``L`` calls, each a dozen kernels and, under tensor parallelism, two
+collectives. Here the depth's tokens, grouped by block
+(:class:`~.static_routing.TokenGrouping`), go through the blocks together:
+
+* QKV, output projection, fc1 and fc2 are each one ``torch._grouped_mm`` over
+  the blocks' weights stacked ``[L, out, in]``, with the group offsets as a
+  device tensor (no host read);
+* the norms' gains and a per-block FiLM are gathered per row by block id, with
+  an ordered segment-sum backward (:func:`~.static_routing.gather_segment_rows`);
+  a per-depth FiLM broadcasts;
+* attention has no weights: the windows of every block are one segment-causal
+  call (the chunked algorithm of :mod:`.attention` over the grouped stream,
+  whose segments are the windows; on GPUs a THD call with
+  :func:`~.static_routing.grouped_cu_seqlens`);
+* under tensor parallelism the weights are this rank's ColumnParallelLinear /
+  RowParallelLinear shards and each projection makes one collective per depth
+  (megatron-core's ``tensor_parallel.mappings``), not one per block.
+
+The weights are stacked per micro-batch from the blocks' own parameters
+(:func:`stack_library`; gradients flow back to them through ``torch.stack``),
+so checkpoints, the HF export, expert-parallel sharding of the library and
+Muon's per-block orthogonalisation are unchanged; the stacking costs one copy
+of the library per micro-batch (measured by ``bench/launches.py --what stacking``).
+
+``torch._grouped_mm`` (torch 2.13) as used here: group offsets are the int32
+group ends, on the device; the CPU kernel runs fp32 and bf16 (one ``mm`` per
+group) when every row stride is a multiple of 16 bytes (fp32: dimensions that
+are multiples of 4, bf16: of 8; :func:`grouped_support` checks); its backward
+needs a dense output gradient (:func:`_grouped_linear` makes one); torch's
+meta function takes bf16 only, so ``torch.compile`` traces the grouped
+projections in bf16 (the GPU dtype), not in fp32.
+
+Blocks this does not cover (MoE MLPs, Transformer Engine modules, biases,
+dropout, FP8, recomputation, context parallelism, hooks on the modules) are
+named by :func:`grouped_support`, and the caller runs the reference instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from megatron_lol.model.attention import chunked_attention
+from megatron_lol.model.static_routing import TokenGrouping, gather_segment_rows
+
+#: torch._grouped_mm needs every row stride of its operands to be a multiple of 16 bytes
+GROUPED_MM_ALIGNMENT_BYTES = 16
+
+
+@dataclass
+class StackedLibrary:
+    """This rank's weights of the ``L`` blocks, stacked along a leading block axis."""
+
+    norm1: torch.Tensor  # [L, h]
+    qkv: torch.Tensor  # [L, (nq + 2 nkv) c / tp, h]
+    proj: torch.Tensor  # [L, h, nq c / tp]
+    norm2: torch.Tensor  # [L, h]
+    fc1: torch.Tensor  # [L, 2 f / tp, h]
+    fc2: torch.Tensor  # [L, h, f / tp]
+    eps: float
+    heads: int  # query heads of this rank
+    groups: int  # key/value groups of this rank
+    head_dim: int
+    softmax_scale: float
+    tp_group: Optional[object]  # the tensor-parallel group (None: no collectives)
+
+
+def _hooked(modules) -> bool:
+    from torch.nn.modules import module as nn_module
+
+    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
+            or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
+        return True
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
+               for m in modules)
+
+
+def grouped_support(blocks) -> Optional[str]:
+    """Why these blocks cannot run grouped (one line), or None when they can."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.mlp import MLP
+
+    from megatron_lol.model.attention import SegmentCausalAttention
+    from megatron_lol.model.library import LocalRMSNorm
+
+    if not blocks:
+        return "no blocks"
+    first = blocks[0]
+    c = first.config
+    for block in blocks:
+        if type(block.mlp) is not MLP:
+            return f"block MLP is {type(block.mlp).__name__} (MoE blocks run per block)"
+        if not (isinstance(block.input_layernorm, LocalRMSNorm) and isinstance(block.pre_mlp_layernorm, LocalRMSNorm)):
+            return "norms are not the local spec's LocalRMSNorm (Transformer Engine layers run per block)"
+        sa = block.self_attention
+        if not isinstance(getattr(sa, "core_attention", None), SegmentCausalAttention):
+            return "core attention is not SegmentCausalAttention"
+        if not all(isinstance(getattr(sa, name, None), (type(None), IdentityOp))
+                   for name in ("q_layernorm", "k_layernorm")):
+            return "QK layernorm"
+        if _hooked([block, block.input_layernorm, block.pre_mlp_layernorm, sa, sa.linear_qkv, sa.linear_proj,
+                    sa.core_attention, block.mlp, block.mlp.linear_fc1, block.mlp.linear_fc2]):
+            return "hooks on the block's modules"
+    checks = [
+        (c.add_bias_linear or getattr(c, "add_qkv_bias", False), "linear biases"),
+        (c.hidden_dropout != 0.0 or c.attention_dropout != 0.0, "dropout"),
+        (c.fp8 is not None or getattr(c, "fp4", None) is not None, "FP8/FP4"),
+        (c.recompute_granularity is not None, f"recompute_granularity={c.recompute_granularity}"),
+        (c.sequence_parallel, "sequence parallelism inside the core"),
+        (getattr(c, "context_parallel_size", 1) != 1, "context parallelism"),
+        (not (c.gated_linear_unit and c.activation_func is F.silu), "MLP is not SwiGLU"),
+        (getattr(c, "glu_linear_offset", 0.0) != 0.0 or getattr(c, "activation_func_clamp_value", None) is not None,
+         "SwiGLU offset/clamp"),
+        (c.rotary_interleaved or c.apply_rope_fusion, "interleaved or fused RoPE"),
+        (getattr(c, "multi_latent_attention", False) or getattr(c, "attention_output_gate", False),
+         "multi-latent attention / output gate"),
+        (hasattr(c, "yarn_rotary_scaling_factor"), "YaRN RoPE"),
+    ]
+    for failed, reason in checks:
+        if failed:
+            return reason
+    lib_dtype = first.self_attention.linear_qkv.weight.dtype
+    unit = GROUPED_MM_ALIGNMENT_BYTES // lib_dtype.itemsize
+    sa, mlp = first.self_attention, first.mlp
+    dims = {"hidden": c.hidden_size, "qkv": sa.linear_qkv.weight.shape[0], "proj": sa.linear_proj.weight.shape[1],
+            "fc1": mlp.linear_fc1.weight.shape[0], "fc2": mlp.linear_fc2.weight.shape[1]}
+    bad = {k: v for k, v in dims.items() if v % unit}
+    if bad:
+        return f"torch._grouped_mm needs dimensions that are multiples of {unit} for {lib_dtype}: {bad}"
+    return None
+
+
+def stack_library(blocks) -> StackedLibrary:
+    """Stack the blocks' weights (``torch.stack``: differentiable, one copy per micro-batch)."""
+    first = blocks[0]
+    sa = first.self_attention
+    tp = sa.linear_qkv.tp_group if getattr(sa.linear_qkv, "tp_group", None) is not None else None
+    if tp is not None and torch.distributed.get_world_size(tp) == 1:
+        tp = None
+    return StackedLibrary(
+        norm1=torch.stack([b.input_layernorm.weight for b in blocks]),
+        qkv=torch.stack([b.self_attention.linear_qkv.weight for b in blocks]),
+        proj=torch.stack([b.self_attention.linear_proj.weight for b in blocks]),
+        norm2=torch.stack([b.pre_mlp_layernorm.weight for b in blocks]),
+        fc1=torch.stack([b.mlp.linear_fc1.weight for b in blocks]),
+        fc2=torch.stack([b.mlp.linear_fc2.weight for b in blocks]),
+        eps=first.input_layernorm.eps,
+        heads=sa.num_attention_heads_per_partition,
+        groups=sa.num_query_groups_per_partition,
+        head_dim=sa.hidden_size_per_attention_head,
+        softmax_scale=sa.core_attention.softmax_scale,
+        tp_group=tp,
+    )
+
+
+@dataclass
+class RowRope:
+    """``cos`` / ``sin`` of every grouped row's RoPE angles ``[T, 1, c]`` (the states' dtype)."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype) -> "RowRope":
+        """``table``: megatron's RoPE angles ``[s, 1, 1, c]``; ``positions`` ``[T]``: each row's position
+        (row positions, or positions inside the window as THD attention restarts them)."""
+        angles = table.reshape(table.shape[0], -1)
+        # cos of the table, then a gather: the same values as megatron's cos of gathered angles
+        return cls(cos=torch.cos(angles).to(dtype).index_select(0, positions).unsqueeze(1),
+                   sin=torch.sin(angles).to(dtype).index_select(0, positions).unsqueeze(1))
+
+
+def _rotate_half(t: torch.Tensor) -> torch.Tensor:
+    x1, x2 = torch.chunk(t, 2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _film(y: torch.Tensor, film: Optional[tuple], row: int, grouping: TokenGrouping) -> torch.Tensor:
+    """``gamma * y + beta``: FiLM per depth (``[2, h]``) broadcast, per (depth, block) (``[L, 2, h]``)
+    gathered per row by block."""
+    if film is None:
+        return y
+    gamma, beta = film
+    if gamma.dim() == 2:
+        return gamma[row].to(y.dtype) * y + beta[row].to(y.dtype)
+    g = gather_segment_rows(gamma[:, row], grouping.block_of_row, grouping.group_offsets)
+    b = gather_segment_rows(beta[:, row], grouping.block_of_row, grouping.group_offsets)
+    return g.to(y.dtype) * y + b.to(y.dtype)
+
+
+def _norm(x: torch.Tensor, gains: torch.Tensor, eps: float, grouping: TokenGrouping) -> torch.Tensor:
+    rows = gather_segment_rows(gains, grouping.block_of_row, grouping.group_offsets)
+    return F.rms_norm(x, (x.shape[-1],), None, eps) * rows
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient dense: ``_grouped_mm``'s backward refuses the
+    zero-stride gradient of a broadcast (``loss = out.sum()``)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _grouped_linear(x: torch.Tensor, weights: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Row ``r`` of ``x`` times ``weights[m]^T`` for its group ``m`` (``weights`` ``[L, out, in]``): one
+    ``torch._grouped_mm`` with device offsets (the group ends)."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weights.transpose(1, 2), offs=offsets))
+
+
+def _column_input(y: torch.Tensor, lib: StackedLibrary) -> torch.Tensor:
+    """The input of a column-parallel projection: identity forward, all-reduce of its gradient."""
+    if lib.tp_group is None:
+        return y
+    from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+    return copy_to_tensor_model_parallel_region(y, group=lib.tp_group)
+
+
+def _row_output(y: torch.Tensor, lib: StackedLibrary) -> torch.Tensor:
+    """The output of a row-parallel projection: one all-reduce over the ranks' partial sums."""
+    if lib.tp_group is None:
+        return y
+    from megatron.core.tensor_parallel.mappings import reduce_from_tensor_model_parallel_region
+
+    return reduce_from_tensor_model_parallel_region(y, group=lib.tp_group)
+
+
+def grouped_blocks(lib: StackedLibrary, x: torch.Tensor, grouping: TokenGrouping, rope: Optional[RowRope],
+                   attention_bias: torch.Tensor, chunk: int, film: Optional[tuple] = None) -> torch.Tensor:
+    """``E_m(x)`` of every grouped row ``x`` ``[T, h]`` (row ``r`` through block ``block_of_row[r]``).
+
+    The operations of megatron-core's local layer (``block_call.reference_layer``)
+    in its order, on all blocks' rows at once. ``attention_bias``: the chunked
+    algorithm's mask of the grouped stream (``chunk_bias(grouping.segments, chunk, [0], [T])``).
+    ``film``: the step's ``(gamma, beta)``, ``[2, h]`` per depth or ``[L, 2, h]`` per block.
+    """
+    t = x.shape[0]
+    offs = grouping.group_ends
+    y = _film(_norm(x, lib.norm1, lib.eps, grouping), film, 0, grouping)
+    mixed = _grouped_linear(_column_input(y, lib), lib.qkv, offs)
+    per_group = lib.heads // lib.groups
+    c = lib.head_dim
+    mixed = mixed.view(t, lib.groups, (per_group + 2) * c)
+    query, key, value = torch.split(mixed, [per_group * c, c, c], dim=2)
+    query = query.reshape(t, lib.heads, c)
+    if rope is not None:
+        query = query * rope.cos + _rotate_half(query) * rope.sin
+        key = key * rope.cos + _rotate_half(key) * rope.sin
+    if per_group > 1:  # grouped-query attention: share each key/value head
+        key = key.repeat_interleave(per_group, dim=1)
+        value = value.repeat_interleave(per_group, dim=1)
+    context = chunked_attention(query, key, value, attention_bias, chunk, lib.softmax_scale)
+    attn = _grouped_linear(context.reshape(t, lib.heads * c), lib.proj, offs)
+    h1 = x + _row_output(attn, lib)
+    y = _film(_norm(h1, lib.norm2, lib.eps, grouping), film, 1, grouping)
+    fc1 = _grouped_linear(_column_input(y, lib), lib.fc1, offs)
+    gate, linear = torch.chunk(fc1, 2, dim=-1)
+    fc2 = _grouped_linear(F.silu(gate) * linear, lib.fc2, offs)
+    return h1 + _row_output(fc2, lib)

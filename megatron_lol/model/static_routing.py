@@ -1,0 +1,320 @@
+"""A routed depth's routing without a device-to-host read: summaries, choice, grouping, combine, balancing.
+
+The same computation as :mod:`.router`, :mod:`.dispatch` and :mod:`.balancing`
+(docs/model.md, "Router", "Windows are packed sequences", "Load balancing"),
+on the host-built :class:`~.host_layout.DepthWindows` of the depth instead of
+a layout measured on the device. Nothing here reads a value back to the host
+(no ``.item()``, ``.tolist()``, ``nonzero``, ``bincount``, boolean-mask
+indexing, ``one_hot``'s range check): every shape is the layout's (tokens
+``T``, window capacity ``C``, blocks ``L``), so a GPU step stays queued ahead
+of the device and the functions compile with ``torch.compile(fullgraph=True)``.
+
+Reductions that decide routes, or produce gradients that replicated ranks
+must agree on, are ordered: segment sums over contiguous runs
+(``torch.segment_reduce``, one sequential sum per segment) and gathers, never
+``index_add_`` / ``scatter_add_`` with repeated indices, whose floating-point
+result depends on the order of atomic adds on CUDA. Window sums therefore
+add a window's tokens in token order, as the reference's ``index_add_`` does
+on the CPU (the values are bit for bit the reference's there); the
+per-document prefix over windows is a float64 cumulative sum (its rounding is
+below float32's, so no long running sum leaks into a document's prefix).
+
+Padding windows (``window_valid`` false) hold no token; their choice is
+never used, and they count in no load or loss.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from megatron_lol.model.host_layout import DepthWindows
+from megatron_lol.model.router import choose_blocks
+
+
+def segment_sum(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Sums of the rows ``x[offsets[i]:offsets[i+1]]`` in row order (``len(offsets) - 1`` rows; empty
+    segments are 0). ``unsafe``: the offsets are not checked, which would read them back."""
+    return torch.segment_reduce(x, "sum", offsets=offsets, axis=0, unsafe=True)
+
+
+class _GatherSegmentRows(torch.autograd.Function):
+    """``table[rows]`` where ``rows`` is sorted into the segments ``offsets``: the backward sums each
+    segment's gradient rows in order (a segment sum, not an ``index_add_`` of repeated indices)."""
+
+    @staticmethod
+    def forward(ctx, table, rows, offsets):
+        ctx.save_for_backward(offsets)
+        return table.index_select(0, rows)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (offsets,) = ctx.saved_tensors
+        return segment_sum(grad.contiguous(), offsets), None, None
+
+
+def gather_segment_rows(table: torch.Tensor, rows: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``table[rows]`` with an ordered backward; ``rows[offsets[i]:offsets[i+1]]`` must all be ``i``."""
+    return _GatherSegmentRows.apply(table, rows, offsets)
+
+
+class _Permute(torch.autograd.Function):
+    """``x[order]`` for a permutation ``order`` whose inverse is known: the backward is a gather too."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse):
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, order)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """``x[order]`` (``inverse[order[i]] = i``), gradient by ``grad[inverse]``: no scatter either way."""
+    return _Permute.apply(x, order, inverse)
+
+
+# ------------------------------------------------------------------ router inputs
+class _WindowInputs(torch.autograd.Function):
+    """``(window means, first-token rows)`` of ``states``, both fp32 ``[C, h]``.
+
+    Forward: ordered segment sums of the windows (token order). Backward: the
+    means' gradient divided by the lengths, gathered to the tokens, plus the
+    first rows' gradient at first tokens (a gather as well): one dense buffer.
+    """
+
+    @staticmethod
+    def forward(ctx, states, cu_seqlens, window_length, first_token, token_window, token_is_first):
+        lengths = window_length.clamp(min=1).unsqueeze(1).to(torch.float32)
+        ctx.save_for_backward(lengths, token_window, token_is_first)
+        ctx.dtype = states.dtype
+        means = segment_sum(states.float(), cu_seqlens) / lengths
+        return means, states.index_select(0, first_token).float()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_means, grad_first):
+        lengths, token_window, token_is_first = ctx.saved_tensors
+        grad = (grad_means / lengths).index_select(0, token_window)
+        if grad_first is not None:
+            first = grad_first.index_select(0, token_window)
+            grad = grad + torch.where(token_is_first.unsqueeze(1), first, torch.zeros_like(first))
+        return grad.to(ctx.dtype), None, None, None, None, None
+
+
+def window_inputs(windows: DepthWindows, states: torch.Tensor) -> tuple:
+    """Window means ``mu_j`` and first-token rows of the depth's input ``states`` ``[T, h]``, fp32 ``[C, h]``."""
+    return _WindowInputs.apply(states, windows.cu_seqlens, windows.window_length, windows.window_first_token,
+                               windows.token_window, windows.token_is_first)
+
+
+class _PrefixMeans(torch.autograd.Function):
+    """``r_k = (1/k) sum_{j<k} mu_j`` over the earlier windows of each document (rows with k = 0: 0).
+
+    Forward: one float64 cumulative sum over all windows, minus its value at
+    the document's first window, cast to fp32 and divided by ``k`` in fp32 (as
+    the reference divides). Backward: ``d mu_j = sum_{j < k < end} g_k / k``,
+    a float64 reverse cumulative sum minus its value at the document's end.
+    """
+
+    @staticmethod
+    def forward(ctx, means, ordinal, doc_start, doc_end):
+        k = ordinal.clamp(min=1).unsqueeze(1).to(means.dtype)
+        ctx.save_for_backward(k, ordinal, doc_end)
+        wide = means.double()
+        exclusive = torch.cumsum(wide, 0) - wide
+        return (exclusive - exclusive.index_select(0, doc_start)).to(means.dtype) / k
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        k, ordinal, doc_end = ctx.saved_tensors
+        q = torch.where((ordinal > 0).unsqueeze(1), grad / k, torch.zeros_like(grad)).double()
+        # suffix[j] = sum_{i >= j} q_i, with a zero row at the end for documents ending at the last window
+        suffix = torch.cat([torch.flip(torch.cumsum(torch.flip(q, (0,)), 0), (0,)), q.new_zeros(1, q.shape[1])])
+        return (suffix[:-1] - q - suffix.index_select(0, doc_end)).to(grad.dtype), None, None, None
+
+
+def prefix_means(windows: DepthWindows, means: torch.Tensor) -> torch.Tensor:
+    """``r_k`` of every window (fp32 ``[C, h]``); see :class:`_PrefixMeans`."""
+    return _PrefixMeans.apply(means, windows.window_ordinal, windows.window_doc_start, windows.window_doc_end)
+
+
+def router_summaries(windows: DepthWindows, states: torch.Tensor, depth_vector: torch.Tensor) -> torch.Tensor:
+    """``r_k`` for every window (``r_0 = (e^(l) + s_first) / 2``), fp32 ``[C, h]``, from the depth's input."""
+    means, first = window_inputs(windows, states)
+    summaries = prefix_means(windows, means)
+    r0 = 0.5 * (depth_vector.float().unsqueeze(0) + first)
+    return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
+
+
+# ------------------------------------------------------------------ decision
+@dataclass
+class Decision:
+    """The router's decision for the ``C`` windows of a depth (padding rows are meaningless)."""
+
+    probs: torch.Tensor  # [C, L] fp32, noise included in training
+    choice: torch.Tensor  # [C] long
+    gate: torch.Tensor  # [C] fp32, carries the router's gradient
+
+
+def decide(router, summaries: torch.Tensor, eps: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+           forced=None, depth: Optional[int] = None, windows: Optional[DepthWindows] = None) -> Decision:
+    """Probabilities, top-1 choice and gate (:func:`~.router.choose_blocks`), then a forced path.
+
+    ``eps`` ``[C, L]``: the layout's noise (None: the router draws it, training only).
+    ``forced``: a :class:`~.core.ForcedPath` already on the device.
+    """
+    probs = router.probabilities(summaries, eps)
+    choice, gate = choose_blocks(probs, bias)
+    if forced is not None:
+        is_forced, ids, gates = forced.lookup(depth, windows)
+        choice = torch.where(is_forced, ids, choice)
+        gate = torch.where(is_forced, gates.to(gate.dtype), gate)
+    return Decision(probs=probs, choice=choice, gate=gate)
+
+
+# ------------------------------------------------------------------ grouping
+@dataclass
+class TokenGrouping:
+    """Tokens of a depth sorted by their window's block (stably: windows stay whole and in order).
+
+    ``group_ends`` ``[L]`` int32 are ``torch._grouped_mm``'s offsets (rows of
+    blocks ``0..m``); ``group_offsets`` ``[L + 1]`` start with 0 (segment sums).
+    """
+
+    order: torch.Tensor  # [T] long: token index of each grouped row
+    inverse: torch.Tensor  # [T] long: grouped row of each token
+    block_of_row: torch.Tensor  # [T] long
+    segments: torch.Tensor  # [T] long: window of each grouped row
+    group_ends: torch.Tensor  # [L] int32
+    group_offsets: torch.Tensor  # [L + 1] long
+
+
+def group_tokens(token_choice: torch.Tensor, token_window: torch.Tensor, num_blocks: int) -> TokenGrouping:
+    """Stable sort of the tokens by block; group boundaries by ``searchsorted`` on the device."""
+    block_of_row, order = torch.sort(token_choice, stable=True)
+    t = order.shape[0]
+    rows = torch.arange(t, device=order.device)
+    inverse = torch.empty_like(order).scatter_(0, order, rows)  # a permutation: every slot written once
+    ends = torch.searchsorted(block_of_row, torch.arange(num_blocks, device=order.device), right=True)
+    return TokenGrouping(order=order, inverse=inverse, block_of_row=block_of_row,
+                         segments=token_window.index_select(0, order), group_ends=ends.to(torch.int32),
+                         group_offsets=torch.cat([ends.new_zeros(1), ends]))
+
+
+def grouped_cu_seqlens(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """THD ``cu_seqlens`` ``[C + 1]`` int32 of the windows in grouped order (padding last, length 0):
+    the sequences of one attention call over all windows of all blocks of the depth."""
+    key = torch.where(windows.window_valid, choice, torch.full_like(choice, num_blocks))
+    _, window_order = torch.sort(key, stable=True)
+    lengths = windows.window_length.index_select(0, window_order)
+    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
+
+
+# ------------------------------------------------------------------ combine
+class _ExpandWindows(torch.autograd.Function):
+    """``window_values[token_window]`` (``[C]`` -> ``[T]``); backward: each window's ordered token sum."""
+
+    @staticmethod
+    def forward(ctx, values, token_window, cu_seqlens):
+        ctx.save_for_backward(cu_seqlens)
+        return values.index_select(0, token_window)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        (cu_seqlens,) = ctx.saved_tensors
+        return segment_sum(grad.contiguous(), cu_seqlens), None, None
+
+
+def token_gates(windows: DepthWindows, window_gate: torch.Tensor) -> torch.Tensor:
+    """``alpha`` of every token's window, ``[T]``, with an ordered gradient sum per window."""
+    return _ExpandWindows.apply(window_gate, windows.token_window, windows.cu_seqlens)
+
+
+def gated_combine(states: torch.Tensor, block_out: torch.Tensor, gate: torch.Tensor,
+                  keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``s + alpha (E(s) - s)`` in token order (``block_out`` = ``E(s)`` ``[T, h]``, ``gate`` ``[T]``).
+
+    ``keep`` ``[T]`` bool (truncated backprop): elsewhere the update and the
+    gate are constants for autograd, so those tokens keep only the identity
+    path (the reference's update computed under ``no_grad`` with a detached gate).
+    """
+    update = block_out - states
+    gate = gate.to(states.dtype)
+    if keep is not None:
+        update = torch.where(keep.unsqueeze(1), update, update.detach())
+        gate = torch.where(keep, gate, gate.detach())
+    return states + gate.unsqueeze(1) * update
+
+
+def truncation_keep(windows: DepthWindows, first_window_full_backprop: bool) -> Optional[torch.Tensor]:
+    """Tokens of a truncated depth that keep their gradient: window-0 tokens, or none (None)."""
+    if not first_window_full_backprop:
+        return None
+    return (windows.window_ordinal == 0).index_select(0, windows.token_window)
+
+
+# ------------------------------------------------------------------ balancing
+def window_loads(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """Windows per block ``[L]`` (long), each real window once: a comparison with ``arange(L)`` and a sum."""
+    hits = choice.unsqueeze(1) == torch.arange(num_blocks, device=choice.device)
+    return (hits & windows.window_valid.unsqueeze(1)).sum(dim=0)
+
+
+def record_loads(balancer, depth: int, loads: torch.Tensor) -> None:
+    """Add one depth's window loads to a :class:`~.balancing.BalancingBias` (a device add, no read)."""
+    row = depth - 1 if balancer.per_depth else 0
+    with torch.no_grad():
+        balancer.loads[row] += loads.to(balancer.loads.dtype)
+
+
+class _DocumentSums(torch.autograd.Function):
+    """Ordered sums of the windows of each document, ``[C, L]`` (documents padded to ``C``);
+    backward: each window gets its document's gradient (padding windows: none)."""
+
+    @staticmethod
+    def forward(ctx, values, doc_offsets, window_doc, window_valid):
+        ctx.save_for_backward(window_doc, window_valid)
+        return segment_sum(values, doc_offsets)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        window_doc, window_valid = ctx.saved_tensors
+        per_window = grad.index_select(0, window_doc)
+        return torch.where(window_valid.unsqueeze(1), per_window, torch.zeros_like(per_window)), None, None, None
+
+
+def sequence_aux_loss(windows: DepthWindows, decision: Decision) -> torch.Tensor:
+    """Per document ``L * sum_m f_m * abar_m``, summed over documents (the caller averages).
+
+    As :func:`~.balancing.sequence_aux_loss`, with per-document ordered sums
+    over each document's contiguous windows instead of ``index_add_``.
+    """
+    num_blocks = decision.probs.shape[1]
+    offsets = windows.doc_window_offsets
+    hits = (decision.choice.unsqueeze(1) == torch.arange(num_blocks, device=offsets.device)).to(torch.float32)
+    chosen = segment_sum(hits, offsets)
+    prob_sum = _DocumentSums.apply(decision.probs.float(), offsets, windows.window_doc, windows.window_valid)
+    counts = (offsets[1:] - offsets[:-1]).clamp(min=1).unsqueeze(1).to(torch.float32)
+    return num_blocks * ((chosen / counts) * (prob_sum / counts)).sum()
+
+
+def global_aux_loss(windows: DepthWindows, decision: Decision) -> torch.Tensor:
+    """``L * sum_m f_m * abar_m`` over the real windows of the micro-batch at one depth."""
+    num_blocks = decision.probs.shape[1]
+    valid = windows.window_valid.unsqueeze(1)
+    n = windows.window_valid.sum().to(torch.float32)
+    f = window_loads(windows, decision.choice, num_blocks).to(torch.float32) / n
+    abar = torch.where(valid, decision.probs.float(), torch.zeros_like(decision.probs, dtype=torch.float32)).sum(0) / n
+    return num_blocks * (f * abar).sum()

@@ -1,0 +1,512 @@
+"""The GPU-shaped routed depth: host layout, sync-free routing and grouped blocks against the reference.
+
+The reference is the model's own definition: ``DocumentLayout`` / ``WindowLayout``
+/ ``window_noise`` measured on the device, ``router.py`` / ``dispatch.py`` /
+``balancing.py``, and the core's ``gated_update`` over per-block ``call_block``
+(``Core.forward`` with the CPU backend off). Values and gradients must agree to
+1e-6 in fp32 (bit for bit where only the layout moved), and the new path must
+not read anything back to the host (``megatron_lol.perf.op_count``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from megatron_lol.model.host_layout import build_host_layout, window_capacity
+from megatron_lol.model.windows import DocumentLayout, WindowLayout
+from megatron_lol.perf.op_count import OpCounter
+
+TOL = dict(rtol=1e-6, atol=1e-6)
+
+
+def _tokens(b, s, seed, eod_rate=0.08, short_docs=False):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(1, 50, (b, s), generator=g)
+    tokens[torch.rand(b, s, generator=g) < eod_rate] = 0
+    if short_docs:  # a run of one- and two-token documents, and a row ending in EOD
+        tokens[0, 3:12:2] = 0
+        tokens[-1, -1] = 0
+    return tokens
+
+
+# ---------------------------------------------------------------- host layout
+@pytest.mark.parametrize("b,s,W,S,short", [(3, 45, 8, 4, True), (2, 64, 16, 5, False), (4, 33, 8, 0, True)])
+def test_host_layout_equals_the_device_layout(b, s, W, S, short):
+    from megatron_lol.model.library import thd_params
+    from megatron_lol.model.router import window_noise
+
+    tokens = _tokens(b, s, b * s, short_docs=short)
+    seeds = torch.randint(0, 2**40, (b,), generator=torch.Generator().manual_seed(s))
+    L, depths = 5, range(1, 5)
+    layout = build_host_layout(tokens, 0, W, S, depths, L, seeds)
+    docs = DocumentLayout.from_tokens(tokens, 0)
+    assert torch.equal(layout.positions, docs.positions) and torch.equal(layout.doc_index, docs.doc_index)
+    assert layout.num_docs == docs.num_docs and float(layout.doc_count) == docs.num_docs
+    base = window_capacity(b, s, W)
+    assert layout.capacity % base == 0 and layout.capacity >= max(docs.num_docs, base)
+    cu_docs, _ = thd_params(docs.doc_index, s)
+    assert torch.equal(layout.doc_cu_seqlens[:docs.num_docs + 1], cu_docs.cu_seqlens_q)
+    assert bool((layout.doc_cu_seqlens[docs.num_docs:] == b * s).all())
+    for depth in depths:
+        ref = WindowLayout.build(docs, depth, W, S)
+        win = layout.for_depth(depth)
+        n, C = ref.num_windows, layout.capacity
+        assert win.num_windows == n and win.window_ordinal.shape == (C,)
+        assert torch.equal(win.token_window, ref.token_window)
+        for name in ("window_ordinal", "window_doc", "window_first_token", "window_length"):
+            assert torch.equal(getattr(win, name)[:n], getattr(ref, name)), name
+        assert bool((win.window_length[n:] == 0).all()) and int(win.window_valid.sum()) == n
+        assert torch.equal(win.as_window_layout(depth).window_length, ref.window_length)
+        cu, _ = thd_params(ref.token_window, W)
+        assert torch.equal(win.cu_seqlens[:n + 1], cu.cu_seqlens_q) and bool((win.cu_seqlens[n:] == b * s).all())
+        first = ref.window_first_token.index_select(0, ref.token_window)
+        assert torch.equal(win.token_position, torch.arange(b * s) - first)
+        assert int(win.token_is_first.sum()) == n
+        docs_of = torch.repeat_interleave(torch.arange(C), win.doc_window_offsets[1:] - win.doc_window_offsets[:-1])
+        assert torch.equal(docs_of, ref.window_doc)
+        assert torch.equal(win.window_doc_start[:n], torch.arange(n) - ref.window_ordinal)
+        noise = window_noise(ref, seeds, depth, L, s)
+        assert torch.equal(layout.noise[depth][:n], noise), "noise must be bit for bit the device's draw"
+    moved = layout.pin_memory().to("cpu")
+    assert torch.equal(moved.for_depth(2).cu_seqlens, layout.for_depth(2).cu_seqlens)
+
+
+def test_host_layout_capacity_is_static_for_long_documents_and_grows_for_short_ones():
+    long_docs = build_host_layout(_tokens(4, 64, 1, eod_rate=0.0), 0, 8, 4, [1, 2])
+    assert long_docs.capacity == window_capacity(4, 64, 8) == 36
+    many = torch.ones(4, 64, dtype=torch.long)
+    many[:, ::2] = 0  # two-token documents, and a one-token one at each end of a row
+    short = build_host_layout(many, 0, 8, 4, [1, 2])
+    assert short.capacity == 4 * 36 and short.num_docs == 132  # 33 per row: the EOD at 0 is a document
+    with pytest.raises(ValueError, match=r"\[b, s\]"):
+        build_host_layout(torch.ones(8, dtype=torch.long), 0, 8, 4, [1])
+    with pytest.raises(ValueError, match="num_blocks"):
+        build_host_layout(many, 0, 8, 4, [1], row_seeds=torch.zeros(4, dtype=torch.long))
+
+
+def test_host_layout_for_a_trainer_batch_draws_the_trainers_noise():
+    """What the trainer will attach to a micro-batch: every windowed depth of the plan, and the noise of
+    the seeds the trainer derives (``sample_id + run_seed * 1,000,000,007``)."""
+    from conftest import tiny_config
+
+    from megatron_lol.model.host_layout import host_layout_for_batch, routed_depths
+    from megatron_lol.model.router import window_noise
+
+    cfg = tiny_config(routed_depth=3)
+    tokens = _tokens(2, 24, 3)
+    batch = {"tokens": tokens, "sample_ids": torch.tensor([40, 41])}
+    layout = host_layout_for_batch(batch, cfg, 0, run_seed=7)
+    assert routed_depths(cfg) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
+    ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.window_size, cfg.window_shift)
+    seeds = batch["sample_ids"] + 7 * 1_000_000_007
+    assert torch.equal(layout.noise[3][:ref.num_windows], window_noise(ref, seeds, 3, cfg.num_blocks, 24))
+    assert host_layout_for_batch({"tokens": tokens}, cfg, 0, run_seed=7).noise == {}
+
+
+# ---------------------------------------------------------------- sync-free routing functions
+def _depth_case(depth=2, L=4, seed=0, dtype=torch.float32):
+    tokens = _tokens(3, 45, seed, short_docs=True)
+    layout = build_host_layout(tokens, 0, 8, 3, [depth], L, torch.tensor([5, 6, 7]))
+    win = layout.for_depth(depth)
+    ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), depth, 8, 3)
+    states = torch.randn(3 * 45, 16, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    return layout, win, ref, states
+
+
+def _values_and_grads(fn, *leaves, weights_seed=9):
+    """``fn(*leaves)`` (a tensor or tuple) and the gradients of a random projection of it."""
+    leaves = [x.detach().clone().requires_grad_(True) for x in leaves]
+    out = fn(*leaves)
+    outs = out if isinstance(out, tuple) else (out,)
+    g = torch.Generator().manual_seed(weights_seed)
+    loss = sum((o.float() * torch.randn(o.shape, generator=g)).sum() for o in outs if o.is_floating_point())
+    loss.backward()
+    return [o.detach() for o in outs], [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
+
+
+def test_router_inputs_summaries_and_choice_equal_the_reference():
+    from megatron_lol.model import router as ref_router
+    from megatron_lol.model import static_routing as sr
+    from megatron_lol.model.core import ForcedPath
+
+    layout, win, ref, states = _depth_case()
+    n = ref.num_windows
+    depth_vector = torch.randn(16)
+    with OpCounter() as count:
+        (means, first), g_new = _values_and_grads(lambda x: tuple(t[:n] for t in sr.window_inputs(win, x)), states)
+        (summ,), gs_new = _values_and_grads(lambda x, e: sr.router_summaries(win, x, e), states, depth_vector)
+    assert count.syncs == 0, count.sync_names
+    (means_r, first_r), g_ref = _values_and_grads(lambda x: ref_router.window_inputs(ref, x), states)
+    assert torch.equal(means, means_r) and torch.equal(first, first_r)  # ordered sums: the same bits
+    torch.testing.assert_close(g_new[0], g_ref[0], **TOL)
+    (summ_r,), gs_ref = _values_and_grads(lambda x, e: ref_router.router_summaries(ref, x, e), states, depth_vector)
+    torch.testing.assert_close(summ[:n], summ_r, **TOL)
+    (_, gs_new) = _values_and_grads(lambda x, e: sr.router_summaries(win, x, e)[:n], states, depth_vector)
+    torch.testing.assert_close(gs_new[0], gs_ref[0], **TOL)
+    torch.testing.assert_close(gs_new[1], gs_ref[1], **TOL)
+
+    router = ref_router.WindowRouter(16, 4).train()
+    with torch.no_grad():
+        router.logits.weight.normal_(generator=torch.Generator().manual_seed(3))
+    bias = torch.tensor([0.0, 0.05, -0.02, 0.0])
+    eps_ref = ref_router.window_noise(ref, torch.tensor([5, 6, 7]), 2, 4, 45)
+    forced = ForcedPath(ids=torch.tensor([[-1, 2, -1], [3, -1, 1]]), gates=torch.tensor([[0.0, 0.5, 0], [0.7, 0, 0.2]]))
+    new = sr.decide(router, summ, layout.noise[2], bias, forced, 2, win)
+    probs = router.probabilities(summ_r, eps_ref)
+    choice, gate = ref_router.choose_blocks(probs, bias)
+    is_forced, ids, gates = forced.lookup(2, ref)
+    assert bool(is_forced.any()) and bool((~is_forced).any())
+    torch.testing.assert_close(new.probs[:n], probs, **TOL)
+    assert torch.equal(new.choice[:n], torch.where(is_forced, ids, choice))
+    torch.testing.assert_close(new.gate[:n], torch.where(is_forced, gates, gate), **TOL)
+
+
+def test_grouping_combine_loads_and_losses_equal_the_reference():
+    from megatron_lol.model import balancing, dispatch
+    from megatron_lol.model import static_routing as sr
+    from megatron_lol.model.library import thd_params
+    from megatron_lol.model.router import RoutingDecision
+
+    L = 4
+    layout, win, ref, states = _depth_case(L=L)
+    n, C, t = ref.num_windows, layout.capacity, states.shape[0]
+    g = torch.Generator().manual_seed(4)
+    choice = torch.randint(0, L - 1, (C,), generator=g)  # block L-1 unused: an empty group
+    logits = torch.randn(C, L, generator=g)
+    token_choice = choice.index_select(0, win.token_window)
+    with OpCounter() as count:
+        grouping = sr.group_tokens(token_choice, win.token_window, L)
+        cu = sr.grouped_cu_seqlens(win, choice, L)
+        loads = sr.window_loads(win, choice, L)
+    reference = dispatch.group_by_block(token_choice, ref.token_window, L)
+    assert torch.equal(grouping.order, reference.order) and torch.equal(grouping.segments, reference.segments)
+    assert torch.equal(grouping.group_offsets.diff(), torch.tensor(reference.counts))
+    assert torch.equal(grouping.order.index_select(0, grouping.inverse), torch.arange(t))
+    assert torch.equal(cu[:n + 1], thd_params(reference.segments, 8)[0].cu_seqlens_q)
+    assert torch.equal(loads, torch.bincount(choice[:n], minlength=L)) and int(loads[L - 1]) == 0
+
+    # gated combine through the grouped order, with and without truncated backprop
+    out_w = torch.randn(t, 16, generator=g)
+    for first_window in (None, True, False):
+        def new(x, gate_w):
+            gate = sr.token_gates(win, gate_w)
+            block_out = sr.permute_rows(sr.permute_rows(x, grouping.order, grouping.inverse) * 1.5
+                                        + out_w.index_select(0, grouping.order),
+                                        grouping.inverse, grouping.order)
+            keep = None if first_window is None else sr.truncation_keep(win, first_window)
+            if first_window is False:
+                with torch.no_grad():
+                    update = gate.unsqueeze(1) * (block_out - x)
+                return x + update
+            return sr.gated_combine(x, block_out, gate, keep)
+
+        def old(x, gate_w):
+            run = lambda block, rows, seg, idx: rows * 1.5 + out_w.index_select(0, idx)  # noqa: E731
+            if first_window is None:
+                return dispatch.gated_update(x, reference, gate_w, run)
+            keep = ref.window_ordinal.index_select(0, ref.token_window) == 0
+            if not first_window:
+                keep = torch.zeros_like(keep)
+            kept = dispatch.group_by_block(token_choice, ref.token_window, L, subset=torch.nonzero(keep).squeeze(1))
+            rest = dispatch.group_by_block(token_choice, ref.token_window, L, subset=torch.nonzero(~keep).squeeze(1))
+            out = dispatch.gated_update(x, kept, gate_w, run)
+            with torch.no_grad():
+                frozen = dispatch.block_updates(rest, x, run)
+            return dispatch.apply_gated_updates(out, rest, frozen, gate_w.detach())
+
+        gates = torch.rand(C, generator=g)
+        with OpCounter() as count_c:
+            (v_new,), g_new = _values_and_grads(new, states, gates)
+        (v_old,), g_old = _values_and_grads(lambda x, gw: old(x, gw[:n]), states, gates)
+        assert count_c.syncs == 0, count_c.sync_names
+        assert torch.equal(v_new, v_old), first_window  # the same arithmetic per element
+        torch.testing.assert_close(g_new[0], g_old[0], **TOL)
+        torch.testing.assert_close(g_new[1], g_old[1], **TOL)
+        assert bool((g_new[1][n:] == 0).all())
+
+    # balancing losses: values and the router probabilities' gradients
+    def seq_new(lg):
+        decision = sr.Decision(probs=torch.softmax(lg, -1), choice=choice, gate=None)
+        return sr.sequence_aux_loss(win, decision), sr.global_aux_loss(win, decision)
+
+    def seq_old(lg):
+        decision = RoutingDecision(probs=torch.softmax(lg, -1), choice=choice[:n], gate=None)
+        return balancing.sequence_aux_loss(ref, decision), balancing.global_aux_loss(decision)
+
+    with OpCounter() as count_l:
+        v_new, g_new = _values_and_grads(seq_new, logits)
+    v_old, g_old = _values_and_grads(lambda lg: seq_old(lg[:n]), logits)
+    assert count.syncs == 0 and count_l.syncs == 0, (count.sync_names, count_l.sync_names)
+    torch.testing.assert_close(v_new, v_old, **TOL)
+    torch.testing.assert_close(g_new[0], g_old[0], **TOL)
+    assert bool((g_new[0][n:] == 0).all())
+
+
+# ---------------------------------------------------------------- the grouped routed core
+def _lol(monkeypatch, packed=False, **model):
+    from conftest import ensure_megatron
+
+    monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")  # the reference: per-block layer calls
+    ensure_megatron()
+    torch.set_num_threads(1)
+    return _build_lol(packed, None, **model)
+
+
+def _build_lol(packed, parallel, vocab=97, **model):
+    from conftest import tiny_config
+
+    from megatron_lol.model.lol_model import LoLGPTModel
+
+    net = LoLGPTModel(tiny_config(**model), vocab, 0, parallel=parallel, init_seed=3, packed_sequences=packed)
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():  # routes spread over the blocks (zero-initialised routers tie everywhere)
+        for router in net.core.routers:
+            router.logits.weight.copy_(torch.randn(router.logits.weight.shape, generator=gen))
+    return net
+
+
+def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window, record):
+    from megatron_lol.model.grouped_core import grouped_core_forward
+
+    core = net.core
+    core.zero_grad(set_to_none=True)
+    if core.balancer is not None:
+        core.balancer.loads.zero_()
+    steps = core.plan.steps()
+    x = x0.clone().requires_grad_(True)
+    rope = net.rotary(layout.row_length)
+    with OpCounter() as count:
+        if impl == "grouped":
+            out = grouped_core_forward(core, x, layout, rope, steps, depth=len(steps), forced=forced, record=record,
+                                       backprop_depth=backprop_depth, first_window_full_backprop=first_window)
+        else:
+            out = core(x, layout.document_layout(), rope, steps, depth=len(steps), forced=forced, record=record,
+                       backprop_depth=backprop_depth, first_window_full_backprop=first_window, noise_seeds=seeds)
+        loss = (out.states * torch.randn(out.states.shape, generator=torch.Generator().manual_seed(8))).sum()
+        if out.aux_loss is not None:
+            loss = loss + 100 * out.aux_loss
+        if torch.is_grad_enabled():
+            loss.backward()
+    grads = {name: p.grad for name, p in core.named_parameters() if p.grad is not None}
+    loads = core.balancer.loads.clone() if core.balancer is not None else None
+    return out, x.grad, grads, loads, count
+
+
+CASES = {
+    # local layout; FiLM per depth, input injection, per-depth bias, forced ordinals, truncated with first windows
+    "local-film-injection-forced-truncated": dict(
+        packed=False, model=dict(film="depth", input_injection=True, per_depth_bias=True, seq_aux_loss_coeff=0.01),
+        forced="ordinal", backprop_depth=2, first_window=True),
+    # packed (THD) layout; FiLM per block, GQA, global aux loss, untied routers, forced per document, frozen depths
+    "packed-filmblock-gqa-auxloss-forced-frozen": dict(
+        packed=True, model=dict(film="depth_block", num_query_groups=2, balancing="aux_loss", router_tied=False),
+        forced="document", backprop_depth=1, first_window=False),
+    # evaluation: no noise, routing records
+    "local-eval-records": dict(packed=False, model=dict(routed_depth=3), train=False, record=True),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_core_equals_the_per_block_reference(monkeypatch, case):
+    from megatron_lol.model.core import ForcedPath
+    from megatron_lol.model.grouped_core import grouped_core_support
+
+    spec = CASES[case]
+    net = _lol(monkeypatch, spec["packed"], **spec["model"])
+    core = net.core.train(spec.get("train", True))
+    assert grouped_core_support(core) is None
+    b, s, h, L, D = 2, 40, net.cfg.hidden_size, core.plan.num_stored_blocks, core.plan.depth
+    tokens = _tokens(b, s, 11, short_docs=True)
+    seeds = torch.tensor([21, 22])
+    layout = build_host_layout(tokens, 0, net.cfg.window_size, net.cfg.window_shift, range(1, D + 1), L, seeds)
+    forced = None
+    if spec.get("forced") == "ordinal":
+        ids = torch.full((D, 6), -1)
+        ids[0, 1], ids[2, 0], ids[3, 2] = 2, 1, 0
+        forced = ForcedPath(ids=ids, gates=torch.full((D, 6), 0.75))
+    elif spec.get("forced") == "document":
+        ids = torch.full((D, layout.num_docs, 6), -1)
+        ids[1, 0, 1], ids[0, 2, 0] = 1, 2
+        forced = ForcedPath(ids=ids, gates=torch.full((D, layout.num_docs, 6), 0.5))
+    x0 = torch.randn(s, b, h, generator=torch.Generator().manual_seed(5))
+    if spec["packed"]:
+        x0 = x0.transpose(0, 1).reshape(b * s, 1, h)
+    args = (x0, layout, seeds, forced, spec.get("backprop_depth"), spec.get("first_window", True),
+            spec.get("record", False))
+    with torch.set_grad_enabled(spec.get("train", True)):
+        ref, ref_dx, ref_grads, ref_loads, _ = _run_core(net, "ref", *args)
+        new, new_dx, new_grads, new_loads, count = _run_core(net, "grouped", *args)
+    assert count.syncs == 0, count.sync_names
+    torch.testing.assert_close(new.states, ref.states, **TOL)
+    assert torch.equal(new.block_loads, ref.block_loads)
+    assert int((ref.block_loads > 0).sum(dim=1).min()) > 1, "every depth should use several blocks"
+    if ref_loads is not None:
+        assert torch.equal(new_loads, ref_loads)
+    if ref.aux_loss is not None:
+        torch.testing.assert_close(new.aux_loss, ref.aux_loss, **TOL)
+    for r_ref, r_new in zip(ref.records, new.records, strict=True):
+        assert torch.equal(r_new.choice, r_ref.choice) and torch.equal(r_new.window_ordinal, r_ref.window_ordinal)
+        torch.testing.assert_close(r_new.probs, r_ref.probs, **TOL)
+        torch.testing.assert_close(r_new.gate, r_ref.gate, **TOL)
+    if spec.get("train", True):
+        torch.testing.assert_close(new_dx, ref_dx, **TOL)
+        assert set(new_grads) == set(ref_grads)
+        for name in ref_grads:
+            torch.testing.assert_close(new_grads[name], ref_grads[name], **TOL, msg=name)
+
+
+def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
+    """The whole model (prelude, core, coda, loss) with the grouped core and the host layout's documents."""
+    from megatron_lol.model.grouped_core import grouped_core_forward
+
+    net = _lol(monkeypatch, False, film="depth").train()
+    b, s = 2, 40
+    tokens = _tokens(b, s, 12)
+    labels = torch.roll(tokens, -1, dims=1)
+    seeds = torch.tensor([3, 4])
+    layout = build_host_layout(tokens, 0, 8, 4, range(1, net.plan.depth + 1), net.plan.num_stored_blocks, seeds)
+
+    def grouped(hidden, docs, rope, steps, *, depth, forced, record, record_moe, backprop_depth,
+                first_window_full_backprop, noise_seeds):
+        return grouped_core_forward(net.core, hidden, layout, rope, steps, depth=depth, forced=forced, record=record,
+                                    backprop_depth=backprop_depth,
+                                    first_window_full_backprop=first_window_full_backprop)
+
+    results = []
+    for impl in ("ref", "grouped"):
+        net.zero_grad(set_to_none=True)
+        if impl == "grouped":
+            monkeypatch.setattr(net.core, "forward", grouped)
+        loss, core = net(tokens, labels=labels, docs=layout.document_layout(), noise_seeds=seeds, return_core=True)
+        loss.mean().backward()
+        results.append((loss.detach(), core.block_loads, {n: p.grad for n, p in net.named_parameters()}))
+    (loss_r, loads_r, grads_r), (loss_g, loads_g, grads_g) = results
+    torch.testing.assert_close(loss_g, loss_r, **TOL)
+    assert torch.equal(loads_g, loads_r)
+    for name, grad in grads_r.items():
+        torch.testing.assert_close(grads_g[name], grad, **TOL, msg=name)
+    # a broadcast gradient (loss = states.sum()) reaches the grouped GEMMs with zero strides
+    x = torch.randn(s, b, net.cfg.hidden_size, requires_grad=True)
+    out = grouped_core_forward(net.core, x, layout, net.rotary(s), net.plan.steps(), depth=net.plan.depth)
+    out.states.sum().backward()
+    assert bool(torch.isfinite(x.grad).all())
+
+
+def _tensor_parallel_check():
+    """Rank side of the TP=2 (+SP) test: grouped vs reference core per layout, and the collectives each makes."""
+    import os
+
+    import torch.distributed as dist
+    from distributed import model_parallel
+
+    from megatron_lol.config.schema import ParallelConfig
+    from megatron_lol.model.grouped_core import grouped_core_support
+
+    os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
+    results = {}
+    with model_parallel(tp=2, seed=1):
+        for packed in (False, True):
+            net = _build_lol(packed, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), vocab=98,
+                             film="depth_block", input_injection=True, num_query_groups=2).train()
+            assert grouped_core_support(net.core) is None
+            b, s, h, D = 2, 40, net.cfg.hidden_size, net.plan.depth
+            tokens = _tokens(b, s, 13, short_docs=True)
+            seeds = torch.tensor([1, 2])
+            layout = build_host_layout(tokens, 0, 8, 4, range(1, D + 1), net.plan.num_stored_blocks, seeds)
+            x0 = torch.randn(s, b, h, generator=torch.Generator().manual_seed(5))
+            if packed:
+                x0 = x0.transpose(0, 1).reshape(b * s, 1, h)
+            runs = {}
+            for impl in ("ref", "grouped"):
+                calls = []
+                real = dist.all_reduce
+
+                def counting(tensor, *args, **kwargs):
+                    calls.append(tuple(tensor.shape))
+                    return real(tensor, *args, **kwargs)
+
+                dist.all_reduce = counting
+                try:
+                    runs[impl] = _run_core(net, impl, x0, layout, seeds, None, 2, True, False)[:4] + (len(calls),)
+                finally:
+                    dist.all_reduce = real
+            ref, ref_dx, ref_grads, _, ref_calls = runs["ref"]
+            new, new_dx, new_grads, _, new_calls = runs["grouped"]
+            worst = max([(new.states - ref.states).abs().max().item(), (new_dx - ref_dx).abs().max().item()]
+                        + [(new_grads[k] - g).abs().max().item() for k, g in ref_grads.items()])
+            results[packed] = dict(worst=worst, same_params=set(new_grads) == set(ref_grads),
+                                   ref_calls=ref_calls, new_calls=new_calls, depths=D,
+                                   blocks_used=int((ref.block_loads > 0).sum()))
+    return results
+
+
+def test_grouped_core_under_tensor_parallelism_matches_with_one_collective_per_projection():
+    from distributed import run_distributed
+
+    for rank in run_distributed(_tensor_parallel_check, 2, timeout=300):
+        for packed, r in rank.items():
+            assert r["same_params"] and r["worst"] < 1e-6, (packed, r)
+            # row-parallel outputs (proj, fc2) forward and column-parallel input gradients (qkv, fc1)
+            # backward: 4 all-reduces per depth, whatever the number of blocks the depth used (the
+            # reference: 4 per block call and more at truncated depths, whose frozen windows run apart)
+            assert r["new_calls"] == 4 * r["depths"], (packed, r)
+            assert r["ref_calls"] >= 4 * r["blocks_used"] > r["new_calls"], (packed, r)
+
+
+def test_routed_depth_compiles_with_fullgraph(monkeypatch):
+    """A depth's routing, grouping and combine are each one graph: no data-dependent shape, no host
+    read. ``aot_eager`` traces forward and backward without code generation (cheap). The grouped
+    blocks compile in bf16 (torch's meta function of ``_grouped_mm`` takes bf16 only, so fp32, which
+    the CPU kernel runs, cannot be traced)."""
+    from megatron_lol.model import static_routing as sr
+    from megatron_lol.model.grouped_blocks import grouped_blocks, stack_library
+    from megatron_lol.model.grouped_core import combine_depth, group_depth
+
+    net = _lol(monkeypatch, False, film="depth_block").train()
+    core = net.core
+    L, depth = core.plan.num_stored_blocks, 2
+    layout = build_host_layout(_tokens(2, 40, 14, short_docs=True), 0, 8, 4, [depth], L, torch.tensor([1, 2]))
+    windows = layout.for_depth(depth)
+    rope = net.rotary(40)
+    positions = torch.arange(80) % 40
+    film = (core.film_gamma[depth - 1], core.film_beta[depth - 1])
+    library = stack_library([core.block(i) for i in range(L)])
+
+    def route(flat, depth_vector, eps, bias):
+        decision = sr.decide(core.routers[0], sr.router_summaries(windows, flat, depth_vector), eps, bias)
+        grouped = group_depth(flat, windows, decision, L, rope, positions, 8)
+        aux = sr.sequence_aux_loss(windows, decision)
+        return grouped, sr.window_loads(windows, decision.choice.detach(), L), aux
+
+    def combine(flat, grouped_out, grouped):
+        return combine_depth(flat, grouped_out, grouped, windows, "first")
+
+    x = torch.randn(80, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
+    args = (core.depth_vectors[depth - 1], layout.noise[depth], core.balancer.for_depth(depth))
+    torch._dynamo.reset()
+    compiled = (torch.compile(route, fullgraph=True, backend="aot_eager"),
+                torch.compile(combine, fullgraph=True, backend="aot_eager"))
+    outs = []
+    for run_route, run_combine in ((route, combine), compiled):
+        leaf = x.clone().requires_grad_(True)
+        grouped, loads, aux = run_route(leaf, *args)
+        new = run_combine(leaf, grouped_blocks(library, grouped.rows, grouped.grouping, grouped.rope,
+                                               grouped.attention_bias, 8, film), grouped)
+        (new.square().sum() + aux).backward()
+        outs.append((new.detach(), loads, aux.detach(), leaf.grad))
+    for got, want in zip(outs[1], outs[0]):
+        torch.testing.assert_close(got, want, rtol=0, atol=0) if not got.is_floating_point() else \
+            torch.testing.assert_close(got, want, **TOL)
+
+    # the grouped blocks, in bf16
+    bf16 = stack_library([core.block(i).to(torch.bfloat16) for i in range(L)])
+    with torch.no_grad():
+        grouped, _, _ = route(x, *args)
+    rows = grouped.rows.to(torch.bfloat16)
+    rows_rope = type(grouped.rope)(cos=grouped.rope.cos.to(torch.bfloat16), sin=grouped.rope.sin.to(torch.bfloat16))
+    run = lambda r: grouped_blocks(bf16, r, grouped.grouping, rows_rope, grouped.attention_bias, 8)  # noqa: E731
+    want = run(rows)
+    got = torch.compile(run, fullgraph=True, backend="aot_eager")(rows)
+    torch._dynamo.reset()
+    torch.testing.assert_close(got, want)
