@@ -134,8 +134,10 @@ def planted_cpu_tensor() -> dict:
     from megatron_lol.model import router, windows
     from megatron_lol.model.lol_model import LoLGPTModel
 
-    def planted(states, token_segment, segment_length):
+    def planted(states, first_row, segment_length, max_length):
         sums = torch.zeros(segment_length.shape[0], states.shape[-1], dtype=torch.float32)  # on the CPU
+        token_segment = torch.repeat_interleave(torch.arange(segment_length.shape[0], device=states.device),
+                                                segment_length, output_size=states.shape[0])
         sums.index_add_(0, token_segment, states.float())
         return sums / segment_length.unsqueeze(1).to(torch.float32)
 

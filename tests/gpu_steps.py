@@ -55,24 +55,66 @@ def run_one(spec: dict) -> dict:
     from megatron_lol.config import config_from_dict
     from megatron_lol.training.trainer import Trainer
 
+    from megatron_lol.parallel.routing_agreement import RoutingAgreement
+
+    if spec.get("kind") == "library_grads":
+        return library_grads()
     model = dict(BASE_MODEL, **spec.get("model", {}))
     seq, mbs = spec.get("seq_length", 128), spec.get("micro_batch_size", 4)
     steps = spec.get("steps", 3)
+    training = {"train_iters": max(steps, 2), "micro_batch_size": mbs,
+                "global_batch_size": spec.get("global_batch_size", 2 * mbs), "seq_length": seq,
+                "log_interval": 10**6, "eval_interval": 10**6, "eval_iters": 0, "seed": spec.get("seed", 7)}
     cfg = config_from_dict({
         "model": model, "parallel": spec.get("parallel", {}), "curriculum": spec.get("curriculum", {}),
-        "training": {"train_iters": max(steps, 2), "micro_batch_size": mbs,
-                     "global_batch_size": spec.get("global_batch_size", 2 * mbs), "seq_length": seq,
-                     "log_interval": 10**6, "eval_interval": 10**6, "eval_iters": 0, "seed": spec.get("seed", 7)},
+        "training": dict(training, **spec.get("training", {})),
         "optimizer": {"lr": spec.get("lr", 1e-3), "min_lr": 1e-4, "lr_warmup_iters": 0, "clip_grad": 1.0}})
-    fp32 = model.get("params_dtype", "fp32") == "fp32"
-    torch.backends.cuda.matmul.allow_tf32 = not fp32
-    torch.backends.cudnn.allow_tf32 = not fp32
     data = SyntheticTokens(seq, model["vocab_size"])
     trainer = Trainer(cfg, tokenizer=Tokenizer(model["vocab_size"]), datasets=(data, None, None)).setup()
-    it = trainer.data_iterator(trainer.train_ds, 0)
-    results = [trainer.train_step(it) for _ in range(steps)]
+    # FP32 compares against the CPU: the trainer enables TF32 for FP32 on CUDA, these runs take it back
+    fp32 = cfg.model.params_dtype == "fp32"
+    tf32 = trainer.tf32
+    if fp32:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = False
+    checks = []
+    saved = RoutingAgreement.__call__
+
+    def counting(self, depth, decision):
+        checks.append((self.step, depth))
+        return saved(self, depth, decision)
+
+    RoutingAgreement.__call__ = counting
+    try:
+        it = trainer.data_iterator(trainer.train_ds, 0)
+        results = [trainer.train_step(it) for _ in range(steps)]
+    finally:
+        RoutingAgreement.__call__ = saved
+    batch = next(trainer._batches(trainer.train_ds, 0))
     return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "device": str(trainer.device), "use_te": bool(trainer.model.use_te)}
+            "device": str(trainer.device), "use_te": bool(trainer.model.use_te), "params_dtype": cfg.model.params_dtype,
+            "fp8_recipe": cfg.model.fp8_recipe if cfg.model.fp8 else None, "tf32_enabled": tf32,
+            "routing_checks": len(checks), "pinned_batches": bool(batch["tokens"].is_pinned())}
+
+
+def library_grads() -> dict:
+    """tests/grad_accumulation_check.py on this process's device (the local spec: fused accumulation through
+    megatron-core's linears and megatron_lol.platform.no_te.TorchWgradAccumulation)."""
+    import torch
+
+    from grad_accumulation_check import errors
+    from megatron.core import parallel_state, tensor_parallel
+
+    from megatron_lol.platform import device, init_distributed, setup_platform
+
+    setup_platform()
+    init_distributed()
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(1, 1)
+    tensor_parallel.model_parallel_cuda_manual_seed(3)
+    e = errors(device())
+    return {"device": str(device()), "calls": e["calls"], "fused": e["fused"], "fp32_sum": e["fp32_sum"],
+            "bf16_sum": e["bf16_sum"], "norm_diff": float((e["fused_norm"] - e["unfused_norm"]).abs().max())}
 
 
 def main(argv: list) -> int:

@@ -8,8 +8,17 @@ import pytest
 import torch
 
 import corpus_fixtures as T
-from megatron_lol.data.datasets import (build_train_valid_test_datasets, document_ids,
-                                        document_positions, parse_blend)
+from megatron_lol.data.datasets import build_train_valid_test_datasets, parse_blend
+from megatron_lol.model.windows import DocumentLayout
+
+
+def document_ids(tokens, eod_id):
+    doc = DocumentLayout.from_tokens(tokens, eod_id).doc_index
+    return doc - doc[:, :1]
+
+
+def document_positions(tokens, eod_id):
+    return DocumentLayout.from_tokens(tokens, eod_id).positions
 from megatron_lol.data.tokenizers import build_tokenizer
 
 

@@ -262,6 +262,7 @@ def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
     from megatron_lol.model.lol_model import LoLGPTModel
 
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
+    monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)  # params_dtype auto: bf16
     for extra in ([], [("model.params_dtype", "bf16", "--bf16"), ("model.fp8", "hybrid", "--fp8-format")]):
         overrides = [("model.use_transformer_engine", True, "--set model.use_transformer_engine=true"), *extra]
         try:
@@ -271,7 +272,7 @@ def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
             assert "\n" not in message and message.split(":")[0].count(".") == 1, message
             assert message.split(":")[0].split(".")[0] in ("model", "parallel", "training", "curriculum")
             continue
-        assert cfg.model.use_transformer_engine is True
+        assert cfg.model.use_transformer_engine is True and cfg.model.params_dtype == "bf16"
     # the paper configs' own options (not their sizes) in the TE layout, with local modules
     cfg = load_config(path, [("model.use_transformer_engine", True, "--set")], check_data=False)
     tiny = config_from_dict({"model": _shrunk(cfg.model)}).model
@@ -290,9 +291,10 @@ def test_fp8_and_precision_validation(monkeypatch):
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
     fp8 = dict(base, params_dtype="bf16", fp8="hybrid")
     cfg = config_from_dict({"model": fp8, "training": {"seq_length": 64, "micro_batch_size": 2}})
-    assert (cfg.model.fp8, cfg.model.fp8_recipe, cfg.model.fp8_amax_history_len) == ("hybrid", "delayed", 1)
-    with pytest.raises(ConfigError, match=r"^training\.seq_length: FP8 GEMMs need micro_batch_size x seq_length = "
-                                          r"30 tokens in multiples of 16"):
+    # a routed plan: current scaling by default (delayed scaling is refused for it: tests/test_gpu_first_run.py)
+    assert (cfg.model.fp8, cfg.model.fp8_recipe, cfg.model.fp8_amax_history_len) == ("hybrid", "tensorwise", 1)
+    with pytest.raises(ConfigError, match=r"^training\.seq_length: FP8 GEMMs \(tensorwise\) need micro_batch_size x "
+                                          r"seq_length = 30 tokens in multiples of 16"):
         config_from_dict({"model": fp8, "training": {"seq_length": 15, "micro_batch_size": 2}})
     with pytest.raises(ConfigError, match=r"^model\.fp8: routed MoE blocks"):
         config_from_dict({"model": dict(fp8, num_experts=4, moe_layers="all")})

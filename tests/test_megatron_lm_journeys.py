@@ -243,7 +243,7 @@ def test_memory_estimate_follows_the_layout(capsys):
 
 # ------------------------------------------------------------------ --use-checkpoint-args
 def test_use_checkpoint_args_takes_model_and_tokenizer_from_the_checkpoint(tmp_path):
-    from megatron_lol.config.checkpoint_args import config_with_checkpoint_args
+    from megatron_lol.training.checkpoint_args import config_with_checkpoint_args
     from megatron_lol.errors import ConfigError
 
     saved = yaml.safe_load(TINY.read_text())

@@ -5,10 +5,16 @@
 Parts (each with its own time budget, the report rewritten after each so a killed run leaves what it had):
 
 * ``environment``: Python, torch, CUDA device, Transformer Engine, megatron-core, the wheelhouse;
+* ``wheelhouse``: every distribution the profiled runs need (megatron-lol's requirements for Python 3.12,
+  the profiled config's optimizer, the test runner, closed over their own requirements) is in
+  bench/gpu/wheelhouse.txt or provided by the GPU machine (:data:`GPU_MACHINE_PROVIDES`);
 * ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (JUnit XML parsed: passed / failed / skipped);
-* ``throughput_bf16`` / ``throughput_fp8``: ``megatron-lol profile`` of the LoL config and of a dense GPT
-  whose executed FLOPs per step (perf/flops.py) are the LoL model's, at sequence length 2048; FP8 only
-  where Transformer Engine imports;
+* ``throughput_bf16`` / ``throughput_fp8``: ``megatron-lol profile --no-breakdown`` of the LoL config
+  (whole steps timed with CUDA events, no section timers) and megatron-core's ``GPTModel`` with the same
+  layer spec (bench/gpu/gpt_baseline.py) whose executed FLOPs per step (perf/flops.py) are the LoL model's,
+  at sequence length 2048; FP8 (current scaling for both) only where Transformer Engine imports; then a
+  separate, labelled run of the LoL config with the section breakdown (``lol_*_breakdown``: its module
+  timers synchronise the GPU, so its step times are not throughput);
 * ``goals``: the dense model's BF16 MFU against 40% (Megatron-LM's published ~41% for GPT-2B class models)
   and LoL tokens/s against 0.9x the dense run.
 
@@ -35,6 +41,80 @@ TINY = ["model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden
         "model.n_coda=1", "model.num_blocks=2", "model.routed_depth=2", "model.window_size=16",
         "model.window_shift=8", "model.vocab_size=512"]
 BUDGET_S = {"gpu_tests": 270, "profile": 90}
+WHEELHOUSE_LIST = REPO / "bench" / "gpu" / "wheelhouse.txt"
+#: what the lent GPU machine has (docs/gpu.md): Python 3.12, CUDA torch and transformers, with their requirements
+GPU_MACHINE_PROVIDES = {
+    "torch", "transformers", "numpy", "pyyaml", "tqdm", "typing-extensions", "safetensors", "tokenizers",
+    "huggingface-hub", "filelock", "fsspec", "jinja2", "markupsafe", "networkx", "sympy", "mpmath", "regex",
+    "requests", "certifi", "charset-normalizer", "idna", "urllib3", "setuptools", "triton", "hf-xet",
+}
+#: what the test runner and the profiler add to megatron-lol's requirements on the GPU machine
+RUN_NEEDS = ("pytest", "pytest-timeout", "nvidia-ml-py")
+#: distributions an optimizer of the config imports (training/optimizer.py, training/muon_compat.py)
+OPTIMIZER_NEEDS = {"muon": ("emerging-optimizers", "absl-py")}
+
+
+def _norm(name: str) -> str:
+    import re
+
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def wheelhouse_list() -> dict:
+    """``{distribution: version}`` of bench/gpu/wheelhouse.txt (what build_wheelhouse.sh downloads)."""
+    out = {}
+    for line in WHEELHOUSE_LIST.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, version = line.partition("==")
+            out[_norm(name)] = version.strip()
+    return out
+
+
+def _requirements_312(lines) -> list:
+    """Names of the requirements (no extras) that apply on CPython 3.12 / Linux."""
+    from packaging.requirements import Requirement
+
+    env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
+           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
+           "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+    names = []
+    for line in lines or ():
+        req = Requirement(line)
+        if req.marker is None or req.marker.evaluate(env):
+            names.append(_norm(req.name))
+    return names
+
+
+def wheelhouse_check(configs=(LOL_CONFIG,)) -> dict:
+    """What the profiled configs need on the GPU machine and which of it the wheelhouse list lacks.
+
+    Needed: megatron-lol's own requirements (pyproject.toml) and each config's optimizer's, the test runner
+    and profiler (:data:`RUN_NEEDS`), closed over the requirements of every installed distribution among
+    them (this machine's metadata), minus :data:`GPU_MACHINE_PROVIDES`.
+    """
+    import tomllib
+    from importlib import metadata
+
+    from megatron_lol.config import load_config
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    todo = _requirements_312(project["dependencies"]) + [_norm(n) for n in RUN_NEEDS]
+    for path in configs:
+        cfg = load_config(REPO / path, check_data=False)
+        todo += [_norm(n) for n in OPTIMIZER_NEEDS.get(cfg.optimizer.name, ())]
+    needed = set()
+    while todo:
+        name = todo.pop()
+        if name in needed or name in GPU_MACHINE_PROVIDES:
+            continue
+        needed.add(name)
+        try:
+            todo += _requirements_312(metadata.requires(name))
+        except metadata.PackageNotFoundError:  # not installed here: its own requirements are not known
+            pass
+    listed = wheelhouse_list()
+    return {"configs": list(configs), "needed": sorted(needed), "missing": sorted(needed - set(listed))}
 
 
 def environment() -> dict:
@@ -119,28 +199,57 @@ def _yaml(raw: str):
     return yaml.safe_load(raw)
 
 
-def profile(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool) -> dict:
-    report = out / f"profile_{name}.json"
-    cmd = [sys.executable, "-m", "megatron_lol", "profile", "--config", LOL_CONFIG, "--synthetic-data",
-           "--steps", str(steps), "--warmup", str(warmup), "--json", str(report)]
-    for s in sets:
-        cmd += ["--set", s]
-    if fp8:
-        cmd += ["--precision", "fp8"]
+def _summary(report: Path, t0: float) -> dict:
+    r = json.loads(report.read_text())
+    return {"ran": True, "seconds": round(time.time() - t0, 1), "device": r["device"], "precision": r["precision"],
+            "timing": r.get("timing"), "step_time_s": r["step_time_s"]["median"],
+            "tokens_per_s_per_gpu": r["tokens_per_s_per_device"], "tflops_per_gpu": r["tflops_per_device"],
+            "tflops_per_gpu_executed": r["tflops_per_device_executed"], "mfu": r["mfu"],
+            "flops_per_step_executed": r["flops_per_step_executed"], "peak_memory_bytes": r["peak_memory"]["bytes"],
+            "loss": r["loss"], **({"model": r["model"], "spec": r["spec"]} if "model" in r else {})}
+
+
+def _run_json(name: str, cmd: list, out: Path, report: Path, timeout: int) -> dict:
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ran": True, "error": f"timed out after {timeout} s"}
-    (out / f"profile_{name}.log").write_text(proc.stdout + proc.stderr)
+    (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
     if proc.returncode != 0 or not report.exists():
         return {"ran": True, "error": (proc.stderr or proc.stdout)[-2000:], "exit_code": proc.returncode}
-    r = json.loads(report.read_text())
-    return {"ran": True, "seconds": round(time.time() - t0, 1), "device": r["device"], "precision": r["precision"],
-            "step_time_s": r["step_time_s"]["median"], "tokens_per_s_per_gpu": r["tokens_per_s_per_device"],
-            "tflops_per_gpu": r["tflops_per_device"], "tflops_per_gpu_executed": r["tflops_per_device_executed"],
-            "mfu": r["mfu"], "flops_per_step_executed": r["flops_per_step_executed"],
-            "peak_memory_bytes": r["peak_memory"]["bytes"], "loss": r["loss"]}
+    return _summary(report, t0)
+
+
+def profile(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool,
+            breakdown: bool = False) -> dict:
+    """``megatron-lol profile`` of the LoL config: whole-step CUDA-event times (``--no-breakdown``), or the
+    section breakdown (a run of its own: its timers synchronise the GPU at every module)."""
+    report = out / f"profile_{name}.json"
+    cmd = [sys.executable, "-m", "megatron_lol", "profile", "--config", LOL_CONFIG, "--synthetic-data",
+           "--steps", str(steps), "--warmup", str(warmup), "--json", str(report)]
+    if not breakdown:
+        cmd.append("--no-breakdown")
+    for s in sets:
+        cmd += ["--set", s]
+    if fp8:
+        cmd += ["--precision", "fp8"]
+    result = _run_json(f"profile_{name}", cmd, out, report, timeout)
+    if breakdown and "error" not in result:
+        result["breakdown_s"] = json.loads(report.read_text())["breakdown_s"]
+    return result
+
+
+def gpt_baseline(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool) -> dict:
+    """megatron-core's GPTModel with the LoL layer spec (bench/gpu/gpt_baseline.py)."""
+    report = out / f"profile_{name}.json"
+    cmd = [sys.executable, "bench/gpu/gpt_baseline.py", "--config", LOL_CONFIG, "--steps", str(steps),
+           "--warmup", str(warmup), "--json", str(report)]
+    for s in sets:
+        cmd += ["--set", s]
+    if fp8:
+        cmd += ["--precision", "fp8"]
+    return _run_json(f"gpt_baseline_{name}", cmd, out, report, timeout)
 
 
 def throughput(out: Path, args, dense: dict, fp8: bool) -> dict:
@@ -151,15 +260,21 @@ def throughput(out: Path, args, dense: dict, fp8: bool) -> dict:
     base += TINY if args.dry_run else []
     dense_sets = ["model.plan=dense", "model.num_blocks=null", "model.routed_depth=null",
                   f"model.core_layers={dense['core_layers']}", "model.dense_attention=full", "model.film='off'"]
-    precision = ["model.fp8=hybrid", "model.fp8_recipe=delayed"] if fp8 else []
+    # current scaling for both: the LoL plan refuses delayed scaling (docs/gpu.md, "FP8")
+    precision = ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"] if fp8 else []
     tag = "fp8" if fp8 else "bf16"
-    runs = {}
-    for name, sets in ((f"lol_{tag}", base + precision), (f"dense_{tag}", base + dense_sets + precision)):
-        runs[name] = profile(name, sets, out, args.steps, args.warmup, BUDGET_S["profile"], fp8)
+    runs = {f"lol_{tag}": profile(f"lol_{tag}", base + precision, out, args.steps, args.warmup,
+                                  BUDGET_S["profile"], fp8),
+            f"dense_{tag}": gpt_baseline(f"dense_{tag}", base + dense_sets + precision, out, args.steps,
+                                         args.warmup, BUDGET_S["profile"], fp8)}
     lol, dn = runs[f"lol_{tag}"], runs[f"dense_{tag}"]
     if "error" not in lol and "error" not in dn:
         runs["lol_over_dense_tokens_per_s"] = lol["tokens_per_s_per_gpu"] / dn["tokens_per_s_per_gpu"]
-    return {"ran": True, "dense_of_equal_flops": dense, "runs": runs}
+    breakdown = profile(f"lol_{tag}_breakdown", base + precision, out, args.steps, args.warmup,
+                        BUDGET_S["profile"], fp8, breakdown=True)
+    return {"ran": True, "dense_of_equal_flops": dense, "runs": runs,
+            "breakdown": {f"lol_{tag}_breakdown": dict(breakdown, note="section timers synchronise the GPU at "
+                                                                       "every timed module: not throughput")}}
 
 
 def goals(report: dict) -> dict:
@@ -205,6 +320,8 @@ def main(argv=None) -> int:
     save()
     env = report["environment"]
     parts = report["parts"]
+    parts["wheelhouse"] = wheelhouse_check()
+    save()
     parts["gpu_tests"] = {"ran": False, "reason": "--skip-tests"} if args.skip_tests else \
         run_gpu_tests(out, BUDGET_S["gpu_tests"])
     save()
@@ -222,9 +339,9 @@ def main(argv=None) -> int:
     print(json.dumps({k: report[k] for k in ("environment", "goals", "elapsed_s")}, indent=2, default=str))
     print(f"wrote {path}")
     tests = parts["gpu_tests"]
-    failed = bool(tests.get("failed")) or "error" in tests
-    failed |= any("error" in r for p in ("throughput_bf16", "throughput_fp8")
-                  for r in parts[p].get("runs", {}).values() if isinstance(r, dict))
+    failed = bool(tests.get("failed")) or "error" in tests or bool(parts["wheelhouse"]["missing"])
+    failed |= any("error" in r for p in ("throughput_bf16", "throughput_fp8") for key in ("runs", "breakdown")
+                  for r in parts[p].get(key, {}).values() if isinstance(r, dict))
     return 1 if failed else 0
 
 

@@ -4,32 +4,39 @@
 #      Transformer Engine also local vs TE spec in BF16 and FP8 vs BF16 after 50 steps; with 2 GPUs
 #      TP/EP/DP against one GPU),
 #   2. measures tokens/s per GPU and MFU of a ~350M LoL model (examples/configs/paper/lol-360m-L4.yaml)
-#      and of a dense GPT of equal executed FLOPs, at sequence length 2048, in BF16 (and FP8 with TE),
+#      and of megatron-core's GPTModel with the same layer spec at equal executed FLOPs, at sequence length
+#      2048, in BF16 (and FP8 with TE), whole steps timed with CUDA events; then the LoL run's section
+#      breakdown as a separate, labelled run,
 #   3. writes one JSON report, $OUT/gpu_report.json, saying which parts ran and what they measured.
 #
 #   bash bench/gpu/run_all.sh              # on the GPU machine (OUT defaults to runs/gpu_proof)
 #   bash bench/gpu/run_all.sh --dry-run    # anywhere: the same steps with a tiny model, one step each
 #
-# Without megatron-core (the lent GPU machine has torch, transformers and no internet), the packages come
-# from bench/gpu/wheelhouse/ (built beforehand by bench/gpu/build_wheelhouse.sh) into a virtualenv that
-# sees the system's torch.
+# Without megatron-core (the lent GPU machine has torch, transformers and no internet), the packages of
+# bench/gpu/wheelhouse.txt come from bench/gpu/wheelhouse/ (built beforehand by bench/gpu/build_wheelhouse.sh;
+# git-ignored, so it must be sent with the tree: docs/gpu.md), installed by bench/gpu/install_wheelhouse.py into
+# a virtualenv that sees the system's torch, or, where python -m venv cannot bootstrap pip (no ensurepip),
+# into a directory put on PYTHONPATH.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" CUDA_DEVICE_MAX_CONNECTIONS=1
 export OUT="${OUT:-runs/gpu_proof}"
 mkdir -p "$OUT"
 PYTHON="${PYTHON:-python3}"
-if ! "$PYTHON" -c "import megatron.core, sentencepiece, psutil, pytest, pytest_timeout" 2>/dev/null; then
+if ! "$PYTHON" -c "import megatron.core, sentencepiece, psutil, pytest, pytest_timeout, emerging_optimizers, absl" \
+    2>/dev/null; then
   WHEELS=bench/gpu/wheelhouse
   if [ ! -d "$WHEELS" ]; then
-    echo "run_all.sh: megatron-core (or a test package) is missing and $WHEELS does not exist:" \
-         "build it with bench/gpu/build_wheelhouse.sh where PyPI is reachable" >&2
+    echo "run_all.sh: megatron-core (or a package it needs) is missing and $WHEELS does not exist:" \
+         "build it with bench/gpu/build_wheelhouse.sh where PyPI is reachable and send it with the tree" >&2
     exit 2
   fi
-  VENV="${TMPDIR:-/tmp}/megatron-lol-gpu-venv"
-  "$PYTHON" -m venv --system-site-packages "$VENV"
-  "$VENV/bin/python" -m pip install -q --no-index --find-links "$WHEELS" megatron-core==0.16.1 sentencepiece \
-    psutil pytest pytest-timeout nvidia-ml-py
-  PYTHON="$VENV/bin/python"
+  setting=$("$PYTHON" bench/gpu/install_wheelhouse.py --wheels "$WHEELS" --requirements bench/gpu/wheelhouse.txt \
+    --target "${TMPDIR:-/tmp}/megatron-lol-gpu-env" | tail -n 1)
+  case "$setting" in
+    PYTHON=*) PYTHON="${setting#PYTHON=}" ;;
+    PYTHONPATH=*) export PYTHONPATH="${setting#PYTHONPATH=}:$PYTHONPATH" ;;
+    *) echo "run_all.sh: install_wheelhouse.py printed '$setting'" >&2; exit 2 ;;
+  esac
 fi
 exec timeout "${TIME_LIMIT:-480}" "$PYTHON" bench/gpu/run_all.py --out "$OUT" "$@"

@@ -113,9 +113,17 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
                                 "recompute activations in the backward: full or selective"),
     "--recompute-method": ("parallel.recompute_method", "parallelism", "METHOD",
                            "with full recomputation: uniform (every layer execution on its own)"),
+    "--distributed-timeout-minutes": ("training.distributed_timeout_minutes", "parallelism", "MIN",
+                                      "minutes a collective waits for a rank that stopped answering "
+                                      "before the job stops (default 10)"),
+    "--check-routing-agreement": ("training.check_routing_agreement", "parallelism", "N",
+                                  "compare the routing across the tensor-parallel group every N iterations "
+                                  "(default: --log-interval; 0: never)"),
     "--fp8-format": ("model.fp8", "precision", "FORMAT",
                      "FP8 for the blocks' GEMMs under Transformer Engine: e4m3 or hybrid"),
-    "--fp8-recipe": ("model.fp8_recipe", "precision", "RECIPE", "delayed, tensorwise, mxfp8 or blockwise scaling"),
+    "--fp8-recipe": ("model.fp8_recipe", "precision", "RECIPE",
+                     "delayed, tensorwise, mxfp8 or blockwise scaling (default: tensorwise for plans that run "
+                     "a layer more than once per forward, else delayed)"),
     "--fp8-margin": ("model.fp8_margin", "precision", "N", "margin of the FP8 scaling factor (delayed scaling)"),
     "--fp8-amax-history-len": ("model.fp8_amax_history_len", "precision", "N",
                                "amax history length (delayed scaling)"),
@@ -145,6 +153,8 @@ BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
                             "sequence parallelism inside the tensor-parallel group"),
     "--use-distributed-optimizer": ("parallel.use_distributed_optimizer", True, "parallelism",
                                     "shard the optimizer state over the data-parallel ranks"),
+    "--overlap-grad-reduce": ("parallel.overlap_grad_reduce", True, "parallelism",
+                              "overlap the data-parallel gradient reduction with backward"),
     "--no-resume": ("training.resume", False, "checkpointing", "start afresh even if --save holds a checkpoint"),
     "--override-opt_param-scheduler": ("training.override_opt_param_scheduler", True, "checkpointing",
                                        "on resume, take this run's learning-rate and growth schedules "
@@ -186,7 +196,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
     if unknown:
         raise ValueError(f"add_config_arguments: unknown groups {sorted(unknown)}")
     cfg = parser.add_argument_group("configuration")
-    # train may take its whole config from a checkpoint (--use-checkpoint-args): checked in config_from_args
+    # train may take its whole config from a checkpoint (--use-checkpoint-args): megatron_lol/training/checkpoint_args.py
     cfg.add_argument("--config", required="checkpointing" not in wanted, metavar="YAML",
                      help="YAML experiment config")
     cfg.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
@@ -227,6 +237,13 @@ def add_threads_argument(parser: argparse.ArgumentParser) -> None:
 
 def config_from_args(args: argparse.Namespace, check_data: bool = True) -> ExperimentConfig:
     """The validated config of ``--config`` with ``--set`` and the flags a verb declared applied."""
+    if not args.config:
+        raise ConfigError("--config: required (or --use-checkpoint-args with a checkpoint in --save or --load)")
+    return load_config(args.config, overrides_from_args(args), check_data=check_data)
+
+
+def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any, str]]:
+    """``(dotted key, value, the flag that set it)`` for ``--set`` and every flag a verb declared, in order."""
     overrides: list[tuple[str, Any, str]] = []
     for item in getattr(args, "overrides", None) or []:
         if "=" not in item:
@@ -248,13 +265,7 @@ def config_from_args(args: argparse.Namespace, check_data: bool = True) -> Exper
         value = getattr(args, _dest(flag), None)
         if value is not None:
             overrides.append((key, values[value], flag))
-    if getattr(args, "use_checkpoint_args", False):
-        from megatron_lol.config.checkpoint_args import config_with_checkpoint_args
-
-        return config_with_checkpoint_args(args.config, overrides, check_data=check_data)
-    if not args.config:
-        raise ConfigError("--config: required (or --use-checkpoint-args with a checkpoint in --save or --load)")
-    return load_config(args.config, overrides, check_data=check_data)
+    return overrides
 
 
 def flag_for_key(key: str) -> Optional[str]:

@@ -27,6 +27,36 @@ from megatron_lol.plan.stages import check_pipeline_layout
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 DENSE_ATTENTION = ("full", "sliding", "strided")
+PARAMS_DTYPES = ("auto", "fp32", "bf16")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+
+
+def resolve_params_dtype(value: str) -> str:
+    """``auto``: ``bf16`` where CUDA is present (Megatron-LM's ``--bf16`` mixed precision), ``fp32`` on CPUs."""
+    if value != "auto":
+        return value
+    from megatron_lol.platform import cuda_available
+
+    return "bf16" if cuda_available() else "fp32"
+
+
+def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
+    """Whether a forward may call one layer more than once, or a layer on some ranks only: routed plans
+    (a block runs at every depth that routes windows to it) and plans whose steps reuse a block."""
+    blocks = [step.block for step in plan.steps()]
+    return plan.routed or len(set(blocks)) < len(blocks)
+
+
+def fp8_recipe_default(plan: ExecutionPlan) -> str:
+    """Megatron-LM's ``delayed`` where every layer runs once per forward; current (``tensorwise``)
+    scaling for plans that run layers repeatedly or data-dependently (delayed scaling is refused there)."""
+    return "tensorwise" if runs_layers_repeatedly(plan) else "delayed"
+
+
+def fp8_row_multiple(recipe: Optional[str]) -> int:
+    """Rows an FP8 GEMM operand needs in multiples of: megatron-core's ``fp8_utils.get_fp8_align_size``
+    (32 for MXFP8, else 16), restated here so that validation does not import megatron-core."""
+    return 32 if recipe == "mxfp8" else 16
 
 
 @dataclass
@@ -113,12 +143,16 @@ class ModelConfig:
     loop_budget: Optional[int] = None  # fixed budget for training/eval/inference; None: sample in training
     second_pass_router: str = "shared"  # shared | separate (one extra MoE router per loopable layer)
     loop_gates: bool = True  # per-channel gates on the second pass's attention and MLP writes
-    params_dtype: str = "fp32"  # fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md)
+    # auto | fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md); auto: bf16 where
+    # CUDA is present, fp32 on CPUs, resolved by validation (run_config.yaml records the result)
+    params_dtype: str = "auto"
     use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
     # FP8 through Transformer Engine, Megatron-LM's flags (--fp8-format, --fp8-recipe, --fp8-margin,
     # --fp8-amax-history-len, --fp8-amax-compute-algo); the layers' GEMMs only, see model/precision.py
     fp8: Optional[str] = None  # e4m3 | hybrid
-    fp8_recipe: str = "delayed"  # delayed | tensorwise (current scaling) | mxfp8 | blockwise
+    # delayed | tensorwise (current scaling) | mxfp8 | blockwise; default (resolved by validation): delayed for
+    # plans that run each layer once per forward, tensorwise for the others (see fp8_recipe_default)
+    fp8_recipe: Optional[str] = None
     fp8_margin: int = 0
     fp8_amax_history_len: int = 1
     fp8_amax_compute_algo: str = "most_recent"  # most_recent | max
@@ -149,6 +183,14 @@ class ModelConfig:
         """Steps of the full core (Accordion: at its largest budget)."""
         return self.execution_plan().depth
 
+    def uses_transformer_engine(self) -> bool:
+        """The layer spec: ``use_transformer_engine``, or (unset) whether TE imports with CUDA."""
+        if self.use_transformer_engine is not None:
+            return bool(self.use_transformer_engine)
+        from megatron_lol.platform import has_transformer_engine
+
+        return has_transformer_engine()
+
     @property
     def core_experts(self) -> Optional[int]:
         """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
@@ -162,7 +204,8 @@ class ModelConfig:
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         if self.params_dtype == "fp16":
             raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")
-        choice(f"{prefix}.params_dtype", self.params_dtype, ("fp32", "bf16"))
+        choice(f"{prefix}.params_dtype", self.params_dtype, PARAMS_DTYPES)
+        self.params_dtype = resolve_params_dtype(self.params_dtype)
         positive(f"{prefix}.hidden_size", self.hidden_size)
         positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
@@ -213,6 +256,12 @@ class ModelConfig:
             if not has_transformer_engine():
                 raise ConfigError(f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
                                   f"is not available on this machine")
+        if self.params_dtype == "fp32" and self.uses_transformer_engine():
+            # TE 2.9/2.10 get_attention_backend: FlashAttention and FusedAttention take fp16/bf16 only and
+            # UnfusedDotProductAttention no THD, the packed layout of this spec (docs/gpu.md, "Precision")
+            raise ConfigError(f"{prefix}.params_dtype: fp32 under the Transformer Engine spec has no attention "
+                              f"backend (TE's fused attention needs bf16, its unfused one does not take the packed "
+                              f"THD layout); use bf16 (or auto), or model.use_transformer_engine: false")
         if self.moe_layers != "none":
             if self.num_experts is None or self.num_experts < 1:
                 raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
@@ -244,7 +293,9 @@ class ModelConfig:
         from megatron_lol.platform import cuda_available, has_transformer_engine
 
         choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
-        choice(f"{prefix}.fp8_recipe", self.fp8_recipe, ("delayed", "tensorwise", "mxfp8", "blockwise"))
+        if self.fp8_recipe is None:
+            self.fp8_recipe = fp8_recipe_default(self.execution_plan(prefix))
+        choice(f"{prefix}.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
         choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
         positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
         nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
@@ -262,9 +313,16 @@ class ModelConfig:
                 raise ConfigError(f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
                                   f"this one has {major}.x); use delayed or tensorwise")
         plan = self.execution_plan(prefix)
+        if self.fp8_recipe == "delayed" and runs_layers_repeatedly(plan):
+            # TE's autocast: with reduce_amax a module must not run more than once per region, and every
+            # rank must register the same modules in the same order for the amax all-reduce
+            raise ConfigError(f"{prefix}.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward "
+                              f"on every rank, but plan {plan.name} runs its blocks "
+                              f"{'where windows are routed' if plan.routed else 'several times'}; "
+                              f"use tensorwise (current scaling, the default for this plan)")
         if plan.routed and self.moe_layers == "all":
             raise ConfigError(f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
-                              f"windows to FP8's multiple of 16 to experts; use moe_layers: fixed or no fp8")
+                              f"windows to FP8's row multiple to experts; use moe_layers: fixed or no fp8")
 
 
 @dataclass
@@ -307,6 +365,9 @@ class ParallelConfig:
     # Megatron-LM's --recompute-method: full recomputation checkpoints every layer execution on its own,
     # which is its "uniform" method with one layer per group (the only one offered)
     recompute_method: Optional[str] = None
+    # megatron-core DDP's overlap of the data-parallel gradient reduction with backward (Megatron-LM's
+    # --overlap-grad-reduce); the core's buckets start when backward leaves the core (parallel/grad_ready.py)
+    overlap_grad_reduce: bool = False
 
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
@@ -345,6 +406,10 @@ class ParallelConfig:
                                   f"expert_model_parallel_size instead")
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel: needs tensor_model_parallel_size > 1")
+        if self.overlap_grad_reduce and self.pipeline_model_parallel_size > 1:
+            raise ConfigError(f"{prefix}.overlap_grad_reduce: not with pipeline_model_parallel_size="
+                              f"{self.pipeline_model_parallel_size}: the library's copies on several stages are "
+                              f"summed before the data-parallel reduction (parallel/library_sync.py)")
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(
                 f"{prefix}.recompute_granularity: must be full or selective "
@@ -550,6 +615,13 @@ class TrainingConfig:
     profile_ranks: list = field(default_factory=lambda: [0])
     use_pytorch_profiler: bool = False
     profile_dir: Optional[str] = None  # default: tensorboard_dir, else <save>/profile, else ./profile
+    # compare the routing decisions across the tensor-parallel group every N iterations, before each routed
+    # depth's blocks run (parallel/routing_agreement.py); None: every log_interval; 0: never
+    check_routing_agreement: Optional[int] = None
+    # Megatron-LM's --distributed-timeout-minutes: how long a collective waits for a rank that stopped
+    # answering before the job stops (torch's own default is also 10 minutes; rank 0's dataset build
+    # and a first save run under it, so a cluster with a slow file system raises it)
+    distributed_timeout_minutes: int = 10
 
     def validate(self, prefix: str = "training") -> None:
         positive(f"{prefix}.train_iters", self.train_iters)
@@ -585,6 +657,14 @@ class TrainingConfig:
         if not self.profile_ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
                                              for r in self.profile_ranks):
             raise ConfigError(f"{prefix}.profile_ranks: must be a list of ranks >= 0 (got {self.profile_ranks!r})")
+        if self.check_routing_agreement is not None:
+            nonnegative(f"{prefix}.check_routing_agreement", self.check_routing_agreement)
+        positive(f"{prefix}.distributed_timeout_minutes", self.distributed_timeout_minutes)
+
+    @property
+    def routing_agreement_interval(self) -> int:
+        """Iterations between routing-agreement checks (0: none)."""
+        return self.log_interval if self.check_routing_agreement is None else self.check_routing_agreement
 
 
 @dataclass
@@ -613,9 +693,10 @@ class ExperimentConfig:
         # a warm-up longer than the run is allowed (a smoke run of a long config): the run ends inside
         # it, and the trainer says so (training/optimizer.py, build_scheduler)
         tr = self.training
-        if self.model.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % 16:
-            raise ConfigError(f"training.seq_length: FP8 GEMMs need micro_batch_size x seq_length = "
-                              f"{tr.micro_batch_size * tr.seq_length} tokens in multiples of 16")
+        multiple = fp8_row_multiple(self.model.fp8_recipe)
+        if self.model.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % multiple:
+            raise ConfigError(f"training.seq_length: FP8 GEMMs ({self.model.fp8_recipe}) need micro_batch_size x "
+                              f"seq_length = {tr.micro_batch_size * tr.seq_length} tokens in multiples of {multiple}")
         if check_data:
             self.data.validate()
         return self

@@ -5,8 +5,8 @@
 ``BlendedMegatronDatasetBuilder``, with the sample indices cached under
 ``cache_dir``. Samples are megatron's: ``tokens``, ``labels``, ``loss_mask``,
 ``position_ids``. Position ids and attention masks are NOT reset at document
-boundaries here: the model derives the boundaries from the EOD token with
-``document_ids`` / ``document_positions`` below.
+boundaries here: the model derives the boundaries from the EOD token
+(``megatron_lol.model.windows.DocumentLayout``).
 
 Convention: the EOD token is the LAST token of the document it ends; the token
 after it starts a new document.
@@ -21,7 +21,6 @@ import os
 import tempfile
 
 import numpy as np
-import torch
 
 from megatron_lol.data.indexed import DatasetError, validate_dataset
 
@@ -249,21 +248,3 @@ def _process_group_for_build():
         finally:
             dist.destroy_process_group()
 
-
-def document_ids(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """Index of the document each token belongs to, counted from 0 in each row.
-
-    The EOD token belongs to the document it ends (the model's own rule:
-    :class:`megatron_lol.model.windows.DocumentLayout`).
-    """
-    from megatron_lol.model.windows import DocumentLayout
-
-    doc = DocumentLayout.from_tokens(tokens, eod_id).doc_index
-    return doc - doc[:, :1]
-
-
-def document_positions(tokens: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """Position of each token counted from the start of its document (0-based)."""
-    from megatron_lol.model.windows import DocumentLayout
-
-    return DocumentLayout.from_tokens(tokens, eod_id).positions

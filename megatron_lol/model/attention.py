@@ -15,6 +15,15 @@ Two algorithms, chosen by the mask:
   ``c-1`` and ``c``, so the work is ``2 * T * chunk`` instead of ``T^2`` and no
   window is padded (only the packed stream is, to a multiple of ``chunk``).
 
+Both compute the masked softmax with PyTorch's fused attention
+(``F.scaled_dot_product_attention``, the mask passed as a boolean or additive
+tensor) where the tensors are not on the CPU (:attr:`SegmentCausalAttention.fused`):
+on a GPU the ``[b, heads, s, s]`` FP32 scores of the dense algorithm would be
+about 2 GB per layer at s=2048, micro-batch 8, 16 heads; the fused kernel never
+holds them. On the CPU the explicit computation stays (the same values within
+rounding: ``tests/test_gpu_first_run.py``), bit for bit what the CPU backend
+and earlier results assume.
+
 On GPUs with Transformer Engine the same packing is expressed as THD
 ``PackedSeqParams`` for TE's fused attention instead (see ``library.py``).
 Given such parameters, this module computes what TE's attention does with
@@ -57,6 +66,8 @@ class SegmentCausalAttention(MegatronModule):
 
     #: takes a :class:`SegmentMask` as ``attention_mask`` (backends check this before calling it directly)
     accepts_segment_mask = True
+    #: PyTorch's fused attention (SDPA) for the masked softmax: None = wherever the tensors are not on the CPU
+    fused: Optional[bool] = None
 
     def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
@@ -119,6 +130,17 @@ class SegmentCausalAttention(MegatronModule):
         s, b = out.shape[0], out.shape[1]
         return out.reshape(s, b, self.heads * self.head_dim)
 
+    def _use_fused(self, t: torch.Tensor) -> bool:
+        return t.device.type != "cpu" if self.fused is None else bool(self.fused)
+
+    def _fused_attention(self, q, k, v, mask) -> torch.Tensor:
+        """``softmax(q k^T * scale + mask) v`` by PyTorch's fused attention (``mask``: boolean, True = may
+        attend, or additive in the query's dtype); every query sees at least one key."""
+        if mask.dtype != torch.bool:
+            mask = mask.to(q.dtype)
+        p = self.dropout.p if self.training else 0.0
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, scale=self.softmax_scale)
+
     def _softmax_av(self, scores, allowed, v):
         scores = scores.float() * self.softmax_scale
         scores = scores.masked_fill(~allowed, float("-inf"))
@@ -139,7 +161,10 @@ class SegmentCausalAttention(MegatronModule):
         if mask.segments is not None:
             seg = mask.segments
             allowed = allowed & (seg.unsqueeze(2) == seg.unsqueeze(1)).unsqueeze(1)
-        out = self._softmax_av(torch.matmul(q, k.transpose(-1, -2)), allowed, v)
+        if self._use_fused(q):
+            out = self._fused_attention(q, k, v, allowed)
+        else:
+            out = self._softmax_av(torch.matmul(q, k.transpose(-1, -2)), allowed, v)
         return out.permute(2, 0, 1, 3)  # [s, b, h, d]
 
     def _chunked(self, q, k, v, mask: SegmentMask):
@@ -159,19 +184,23 @@ class SegmentCausalAttention(MegatronModule):
         bias = mask.bias
         if bias is None:
             bias = chunk_bias(mask.segments.reshape(-1), mask.chunk, [0], [t_len])
+        fused = self._fused_attention if self._use_fused(q) else None
         out = chunked_attention(q.reshape(t_len, h, d), k.reshape(t_len, h, d), v.reshape(t_len, h, d), bias,
-                                mask.chunk, self.softmax_scale, self.dropout)
+                                mask.chunk, self.softmax_scale, self.dropout, fused=fused)
         return out.unsqueeze(1)  # [T, 1, h, d]
 
 
 def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, c: int,
-                      softmax_scale: float, dropout: Optional[torch.nn.Dropout] = None) -> torch.Tensor:
+                      softmax_scale: float, dropout: Optional[torch.nn.Dropout] = None, *,
+                      fused=None) -> torch.Tensor:
     """Segment-causal attention of a packed stream ``[T, heads, dim]`` whose segments are at most ``c``
     long, with the additive mask ``bias`` of :func:`chunk_bias`; returns ``[T, heads, dim]``.
 
     The algorithm of :meth:`SegmentCausalAttention._chunked`, as a function of
     tensors only (attention has no weights), so the windows of several blocks can
-    be one call.
+    be one call. ``fused(q, k, v, bias)`` (``[n, h, c, d]`` queries against ``[n, h, 2c, d]``
+    keys, the bias as the mask), when given, replaces the explicit softmax: PyTorch's fused
+    attention on GPUs (``SegmentCausalAttention._fused_attention``).
     """
     t_len, h, d = q.shape
     n = -(-t_len // c)
@@ -184,6 +213,9 @@ def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: t
     vp = F.pad(v, (0, 0, 0, 0, c, pad)).view(n + 1, c, h, d)
     k2 = torch.cat([kp[:-1], kp[1:]], dim=1)
     v2 = torch.cat([vp[:-1], vp[1:]], dim=1)
+    if fused is not None:
+        out = fused(q.view(n, c, h, d).transpose(1, 2), k2.transpose(1, 2), v2.transpose(1, 2), bias)
+        return out.transpose(1, 2).reshape(n * c, h, d)[:t_len]
     scores = torch.matmul(q.view(n, c, h, d).transpose(1, 2), k2.permute(0, 2, 3, 1))  # [n, h, c, 2c]
     scores = scores.float() * softmax_scale + bias
     probs = torch.softmax(scores, dim=-1).to(v.dtype)

@@ -21,7 +21,7 @@ from torch import nn
 
 from megatron_lol.config.schema import bias_updates_allowed
 from megatron_lol.model.router import RoutingDecision
-from megatron_lol.model.windows import WindowLayout
+from megatron_lol.model.windows import WindowLayout, segmented_inclusive_sum
 
 
 class BalancingBias(nn.Module):
@@ -76,17 +76,21 @@ def sequence_aux_loss(windows: WindowLayout, decision: RoutingDecision) -> torch
     ``abar_m`` is the mean of the probabilities used in the forward pass.
     """
     n, num_blocks = decision.probs.shape
-    docs = windows.num_docs
-    counts = torch.zeros(docs, dtype=torch.float32, device=decision.probs.device)
-    counts.index_add_(0, windows.window_doc, torch.ones(n, device=counts.device))
-    chosen = torch.zeros(docs, num_blocks, dtype=torch.float32, device=counts.device)
-    chosen.index_put_((windows.window_doc, decision.choice),
-                      torch.ones(n, device=counts.device), accumulate=True)
-    prob_sum = torch.zeros(docs, num_blocks, dtype=torch.float32, device=counts.device)
-    prob_sum = prob_sum.index_add(0, windows.window_doc, decision.probs.float())
-    f = chosen / counts.unsqueeze(1)
-    abar = prob_sum / counts.unsqueeze(1)
-    return num_blocks * (f * abar).sum()
+    device = decision.probs.device
+    if n == 0:
+        return decision.probs.float().sum()
+    # a document's windows are consecutive: its counts and probability sums are running sums that
+    # restart at ordinal 0, read at its last window (ordered sums, no scatter-add: the same bits on
+    # every rank that computes them)
+    ordinal = windows.window_ordinal
+    bound = windows._ordinal_bound()
+    chosen = (decision.choice.unsqueeze(1) == torch.arange(num_blocks, device=device)).to(torch.float32)
+    counts = segmented_inclusive_sum(chosen, ordinal, bound)  # [N, L] windows per block so far
+    prob_sums = segmented_inclusive_sum(decision.probs.float(), ordinal, bound)
+    last = torch.cat([ordinal[1:] == 0, torch.ones(1, dtype=torch.bool, device=device)])
+    windows_in_doc = (ordinal + 1).to(torch.float32)  # at a document's last window: all of them
+    per_doc = (counts * prob_sums).sum(dim=1) / (windows_in_doc * windows_in_doc)  # sum_m f_m abar_m
+    return num_blocks * torch.where(last, per_doc, 0).sum()
 
 
 def global_aux_loss(decision: RoutingDecision) -> torch.Tensor:

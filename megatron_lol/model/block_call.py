@@ -150,10 +150,11 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
     attention's own ``config.window_size`` there (see ``library.core_config``).
     ``pad_to``: the stream is padded with zero rows to a multiple of it (FP8)
     and the padding's outputs dropped. ``recompute``: full activation
-    recomputation of this call (megatron-core's checkpoint) when training.
+    recomputation of this call when training (megatron-core's checkpoint;
+    Transformer Engine's under FP8: :func:`~.precision.recompute`).
     """
     if recompute and layer.training and torch.is_grad_enabled():
-        from megatron.core import tensor_parallel
+        from megatron_lol.model.precision import recompute as checkpoint
 
         holder = {}
 
@@ -163,7 +164,7 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
                                               pad_to=pad_to)
             return out
 
-        out = tensor_parallel.checkpoint(run, False, hidden, mask.segments, rope)
+        out = checkpoint(layer.config, run, hidden, mask.segments, rope)
         return out, holder.get("route")
     if not packed:
         return layer(hidden_states=hidden, attention_mask=mask, rotary_pos_emb=rope, parts=parts, backend=backend)

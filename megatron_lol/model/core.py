@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -43,7 +43,7 @@ from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_bloc
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.stages import local_blocks
-from megatron_lol.training.tracing import trace_range, trace_steps
+from megatron_lol.platform.trace_ranges import trace_range, trace_steps
 
 
 @dataclass
@@ -282,7 +282,8 @@ class Core(nn.Module):
     def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: Optional[torch.Tensor],
                 steps: Sequence[Step], *, depth: int, forced: Optional[ForcedPath] = None, record: bool = False,
                 record_moe: bool = False, backprop_depth: Optional[int] = None,
-                first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None) -> CoreOutput:
+                first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None,
+                routing_check: Optional[Callable] = None) -> CoreOutput:
         """Run ``steps`` (this pipeline stage's share of the first ``depth`` steps of the plan).
 
         ``states``: [s, b, h] output of the prelude (or the previous stage); packed: the
@@ -291,16 +292,18 @@ class Core(nn.Module):
         seed per row for the router noise (see ``window_noise``); None draws it
         from the global RNG. ``backprop_depth`` ``k``: only the last ``k`` of the
         ``depth`` steps get gradients (first windows excepted when
-        ``first_window_full_backprop``).
+        ``first_window_full_backprop``). ``routing_check(depth, decision)``: called with each routed
+        depth's decision before its blocks run (the tensor-parallel agreement check of
+        :mod:`megatron_lol.parallel.routing_agreement`).
         """
         backend = select_backend(states.device)
         context = backend.core_context(self._needs_device_mode()) if backend is not None else contextlib.nullcontext()
         with context:
             return self._forward(states, docs, rope, steps, depth, forced, record, record_moe, backprop_depth,
-                                 first_window_full_backprop, noise_seeds, backend)
+                                 first_window_full_backprop, noise_seeds, backend, routing_check)
 
     def _forward(self, states, docs, rope, steps, depth, forced, record, record_moe, backprop_depth,
-                 first_window_full, noise_seeds, backend) -> CoreOutput:
+                 first_window_full, noise_seeds, backend, routing_check=None) -> CoreOutput:
         cfg, plan = self.cfg, self.plan
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape
@@ -323,6 +326,8 @@ class Core(nn.Module):
                 continue
             with trace_range("router"):
                 decision = self.decide(step.depth, windows, flat, forced, noise_seeds, row_len)
+            if routing_check is not None:
+                routing_check(step.depth, decision)
             if self.training:
                 if self.balancer is not None:
                     self.balancer.record(step.depth, decision.choice)

@@ -35,17 +35,56 @@ from megatron_lol.config.schema import ConfigError, ModelConfig, ParallelConfig
 
 
 class LocalRMSNorm(nn.Module):
-    """RMSNorm whose weight megatron's sequence-parallel gradient reduction recognises."""
+    """RMSNorm whose weight megatron's sequence-parallel gradient reduction recognises.
+
+    With ``config.gradient_accumulation_fusion`` (BF16 training under megatron-core's DDP) its weight
+    gradient goes the way of the fused linears': each call adds it to the FP32 ``main_grad`` itself
+    (:class:`_RMSNormMainGrad`), so a block used at many depths does not have its calls summed in BF16.
+    """
 
     def __init__(self, config, hidden_size: int, eps: float = 1e-5, **_unused):
         super().__init__()
         self.eps = eps
+        self.fuse_wgrad_accumulation = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # megatron's grad all-reduce for sequence-parallel norms keys on this attribute
         setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
+                and hasattr(self.weight, "main_grad")):
+            return _RMSNormMainGrad.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+class _RMSNormMainGrad(torch.autograd.Function):
+    """``F.rms_norm(x, weight)`` whose weight gradient (computed in FP32) is added to ``weight.main_grad``.
+
+    megatron-core's protocol of fused gradient accumulation (its linears' and Transformer Engine's):
+    the weight's own gradient becomes a zero placeholder and ``weight.grad_added_to_main_grad`` is
+    set, so megatron-core's DDP does not add it again.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, eps):
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        shape = (x.shape[-1],)
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            with torch.enable_grad():
+                xd = x.detach().requires_grad_(True)
+                (grad_x,) = torch.autograd.grad(F.rms_norm(xd, shape, weight.detach(), ctx.eps), xd, grad)
+        normed = F.rms_norm(x.float(), shape, None, ctx.eps)
+        weight.main_grad.add_((grad.float() * normed).reshape(-1, shape[0]).sum(dim=0))
+        if hasattr(weight, "grad_added_to_main_grad"):
+            weight.grad_added_to_main_grad = True
+        return grad_x, torch.zeros_like(weight), None
 
 
 def transformer_engine_usable() -> bool:
@@ -65,7 +104,8 @@ def use_te_for(model: ModelConfig) -> bool:
 
 
 def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = None,
-                       num_layers: Optional[int] = None, use_te: bool = False):
+                       num_layers: Optional[int] = None, use_te: bool = False,
+                       gradient_accumulation_fusion: bool = False):
     """megatron-core ``TransformerConfig`` for the blocks and fixed layers of ``model``.
 
     ``use_te``: the layers are Transformer Engine modules (fused RoPE for THD
@@ -74,11 +114,21 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
     megatron-core's DDP and optimizer, as Megatron-LM's ``--bf16`` does; the
     router and the window arithmetic stay FP32 whatever the dtype (see
     :class:`~megatron_lol.model.router.WindowRouter`).
+
+    ``gradient_accumulation_fusion``: the model trains under megatron-core's DDP
+    (the trainer's models): with BF16 parameters every call of a linear (and of
+    a local norm) adds its weight gradient to the FP32 ``main_grad`` itself
+    (Transformer Engine's ``fuse_wgrad_accumulation``, megatron-core's fused
+    accumulation on the local spec: ``platform.no_te.TorchWgradAccumulation``
+    without apex), instead of autograd summing a block's calls at all its depths
+    in BF16 first. Layers built with it need ``main_grad`` to run backward.
     """
     from megatron.core.transformer.transformer_config import TransformerConfig
 
+    from megatron_lol.config.schema import fp8_recipe_default, resolve_params_dtype
+
     parallel = parallel or ParallelConfig()
-    dtype = torch.bfloat16 if model.params_dtype == "bf16" else torch.float32
+    dtype = torch.bfloat16 if resolve_params_dtype(model.params_dtype) == "bf16" else torch.float32
     kwargs = dict(
         num_layers=num_layers or max(1, model.n_prelude + model.n_coda + model.execution_plan().num_stored_blocks),
         hidden_size=model.hidden_size,
@@ -114,7 +164,7 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         masked_softmax_fusion=False,
         # TE's fused RoPE takes THD cu_seqlens (megatron's unfused THD RoPE loops over sequences)
         apply_rope_fusion=use_te,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=gradient_accumulation_fusion and dtype == torch.bfloat16,
         persist_layer_norm=False,
         bias_dropout_fusion=False,
         recompute_granularity=parallel.recompute_granularity,
@@ -135,7 +185,8 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
                       moe_router_dtype="fp32")
     if model.fp8 is not None:
         # Megatron-LM's --fp8-format / --fp8-recipe / --fp8-margin / --fp8-amax-* (TransformerConfig's own fields)
-        kwargs.update(fp8=model.fp8, fp8_recipe=model.fp8_recipe, fp8_margin=model.fp8_margin,
+        recipe = model.fp8_recipe or fp8_recipe_default(model.execution_plan())
+        kwargs.update(fp8=model.fp8, fp8_recipe=recipe, fp8_margin=model.fp8_margin,
                       fp8_amax_history_len=model.fp8_amax_history_len,
                       fp8_amax_compute_algo=model.fp8_amax_compute_algo)
         if model.num_experts and model.moe_layers != "none":

@@ -41,7 +41,7 @@ from megatron_lol.model.library import (LocalRMSNorm, block_spec, build_layer, c
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
-from megatron_lol.training.tracing import trace_range
+from megatron_lol.platform.trace_ranges import trace_range
 
 
 class AuxLossAttach(torch.autograd.Function):
@@ -89,7 +89,8 @@ class LoLGPTModel(_language_module()):
 
     def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], parallel=None,
                  max_sequence_length: int = 4096, tconfig=None, init_seed: Optional[int] = 1234,
-                 vp_stage: Optional[int] = None, packed_sequences: Optional[bool] = None):
+                 vp_stage: Optional[int] = None, packed_sequences: Optional[bool] = None,
+                 gradient_accumulation_fusion: bool = False):
         """Build this rank's share of the model.
 
         Under pipeline parallelism the stage (and virtual stage ``vp_stage``) is
@@ -97,7 +98,8 @@ class LoLGPTModel(_language_module()):
         Layers are keyed by their global index, so checkpoint keys do not
         depend on the layout. ``packed_sequences``: the packed layout (default:
         with the Transformer Engine spec, which needs it); tests run the local
-        spec packed to check that layout on the CPU.
+        spec packed to check that layout on the CPU. ``gradient_accumulation_fusion``:
+        the model trains under megatron-core's DDP (see ``library.transformer_config``).
         """
         import dataclasses
 
@@ -109,7 +111,8 @@ class LoLGPTModel(_language_module()):
         plan = model.execution_plan()
         n_layers = model.n_prelude + model.n_coda + plan.num_stored_blocks
         use_te = use_te_for(model)
-        super().__init__(config=tconfig or transformer_config(model, parallel, num_layers=n_layers, use_te=use_te))
+        super().__init__(config=tconfig or transformer_config(
+            model, parallel, num_layers=n_layers, use_te=use_te, gradient_accumulation_fusion=gradient_accumulation_fusion))
         self.model_type = ModelType.encoder_or_decoder
         self.cfg = model
         self.plan = plan
@@ -187,7 +190,7 @@ class LoLGPTModel(_language_module()):
                 forced_path: Optional[ForcedPath] = None, record: bool = False, record_moe: bool = False,
                 backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
                 noise_seeds: Optional[torch.Tensor] = None, aux_loss_scale: float = 1.0,
-                return_hidden: bool = False, return_core: bool = False):
+                return_hidden: bool = False, return_core: bool = False, routing_check=None):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
         else the logits [b, s, vocab] (this rank's vocab shard under TP). A
         pipeline stage without the head returns its output hidden states.
@@ -199,7 +202,7 @@ class LoLGPTModel(_language_module()):
         trainer passes ``1 / num_microbatches``, as the LM loss is scaled).
         ``return_core``: return ``(output, CoreOutput or None)``: the routing
         records (``record``), MoE records (``record_moe``), block loads and
-        balancing loss of this stage's core.
+        balancing loss of this stage's core. ``routing_check``: see ``Core.forward``.
         """
         b, s = input_ids.shape
         if docs is None:
@@ -213,12 +216,13 @@ class LoLGPTModel(_language_module()):
         rope = self.rotary(s)  # [s, 1, 1, d]
         with fp8_autocast(self.config):  # FP8 (when configured) for the layers' GEMMs, not the head
             hidden, core = self._layers(hidden, docs, rope, depth, budget, forced_path, record, record_moe,
-                                        backprop_depth, first_window_full_backprop, noise_seeds, aux_loss_scale)
+                                        backprop_depth, first_window_full_backprop, noise_seeds, aux_loss_scale,
+                                        routing_check)
         out = self._head(hidden, labels, return_hidden, b, s)
         return (out, core) if return_core else out
 
     def _layers(self, hidden, docs, rope, depth, budget, forced_path, record, record_moe, backprop_depth,
-                first_window_full_backprop, noise_seeds, aux_loss_scale) -> tuple:
+                first_window_full_backprop, noise_seeds, aux_loss_scale, routing_check=None) -> tuple:
         """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
         from megatron.core import tensor_parallel
 
@@ -245,7 +249,8 @@ class LoLGPTModel(_language_module()):
                     hidden, tensor_parallel_output_grad=False)
             core = self.core(hidden, docs, rope, steps, depth=depth, forced=forced_path, record=record,
                              record_moe=record_moe, backprop_depth=backprop_depth,
-                             first_window_full_backprop=first_window_full_backprop, noise_seeds=noise_seeds)
+                             first_window_full_backprop=first_window_full_backprop, noise_seeds=noise_seeds,
+                             routing_check=routing_check)
             hidden = core.states
             if sequence_parallel:
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)

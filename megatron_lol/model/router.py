@@ -44,7 +44,10 @@ def choose_blocks(probs: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[to
     """
     biased = probs if bias is None else probs + bias.to(probs.dtype)
     choice = torch.argmax(biased.detach(), dim=-1)
-    gate = probs.gather(-1, choice.unsqueeze(-1)).squeeze(-1)
+    # a_rho as a masked sum (one non-zero term: exact) rather than ``gather``, whose backward is a
+    # scatter-add (CUDA atomics): the router's gradient is the same on every rank that computes it
+    chosen = choice.unsqueeze(-1) == torch.arange(probs.shape[-1], device=probs.device)
+    gate = torch.where(chosen, probs, 0).sum(dim=-1)
     return choice, gate
 
 
@@ -128,7 +131,8 @@ def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Te
     """
     if not (torch.is_grad_enabled() and states.requires_grad):
         return windows.window_means(states), states.index_select(0, windows.window_first_token).float()
-    return _WindowInputs.apply(states, windows.token_window, windows.window_length, windows.window_first_token)
+    return _WindowInputs.apply(states, windows.token_window, windows.window_length, windows.window_first_token,
+                               windows._max_length())
 
 
 class _WindowInputs(torch.autograd.Function):
@@ -136,16 +140,18 @@ class _WindowInputs(torch.autograd.Function):
 
     Forward is ``windows.segment_means`` (what ``WindowLayout.window_means``
     runs) and an ``index_select``. Backward: the means' gradient divided by the lengths,
-    expanded to the tokens (the ``index_add_``'s backward), plus the first
-    rows' gradient added at their rows, cast back to the states' dtype: the sum
-    autograd would form for the two, in one buffer.
+    expanded to the tokens, plus the first rows' gradient at their rows, cast back to the
+    states' dtype: the sum autograd would form for the two, in one buffer. Both are gathers
+    (every token reads its window's row) and an elementwise select, no scatter-add: the
+    same bits on every rank.
     """
 
     @staticmethod
-    def forward(ctx, states, token_window, window_length, first_token):
+    def forward(ctx, states, token_window, window_length, first_token, max_length):
         ctx.save_for_backward(token_window, window_length, first_token)
         ctx.dtype = states.dtype
-        return segment_means(states, token_window, window_length), states.index_select(0, first_token).float()
+        return (segment_means(states, first_token, window_length, max_length),
+                states.index_select(0, first_token).float())
 
     @staticmethod
     @once_differentiable
@@ -157,5 +163,7 @@ class _WindowInputs(torch.autograd.Function):
         else:
             grad = (grad_means / window_length.unsqueeze(1).to(torch.float32)).index_select(0, token_window)
         if grad_first is not None:
-            grad.index_add_(0, first_token, grad_first)
-        return grad.to(ctx.dtype), None, None, None
+            tokens = torch.arange(token_window.shape[0], device=token_window.device)
+            is_first = (first_token.index_select(0, token_window) == tokens).unsqueeze(1)
+            grad = grad + torch.where(is_first, grad_first.index_select(0, token_window), 0)
+        return grad.to(ctx.dtype), None, None, None, None

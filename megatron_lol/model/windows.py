@@ -111,11 +111,54 @@ class DocumentLayout:
         return cls.from_starts(torch.zeros(b, s, dtype=torch.bool, device=device))
 
 
-def segment_means(states: torch.Tensor, token_segment: torch.Tensor, segment_length: torch.Tensor) -> torch.Tensor:
-    """Mean of the rows of ``states`` [T, h] in each segment, fp32 [N, h] (``N = len(segment_length)``)."""
-    sums = torch.zeros(segment_length.shape[0], states.shape[-1], dtype=torch.float32, device=states.device)
-    sums.index_add_(0, token_segment, states.float())
-    return sums / segment_length.unsqueeze(1).to(torch.float32)
+def segment_means(states: torch.Tensor, first_row: torch.Tensor, segment_length: torch.Tensor,
+                  max_length: int) -> torch.Tensor:
+    """Mean of the rows of ``states`` [T, h] in each segment, fp32 [N, h] (``N = len(segment_length)``).
+
+    Segments are contiguous runs of rows (segment ``j``: ``first_row[j]`` and the
+    ``segment_length[j] - 1`` rows after it), at most ``max_length`` long. Their
+    sums are ordered: each segment's rows are gathered into a row of a padded
+    ``[N, max_length, h]`` layout (padding slots zero) and summed along it, a
+    reduction whose order is fixed by the shape. An ``index_add_`` would be one
+    atomic FP32 addition per row on CUDA, in whatever order the threads run, and
+    ranks that route the same windows could then disagree in the last bit.
+    The padded layout is built for at most about ``T / max_length`` segments at a
+    time, so it stays about the size of ``states``.
+    """
+    n, h = segment_length.shape[0], states.shape[-1]
+    total = states.shape[0]
+    if n == 0:
+        return torch.zeros(0, h, dtype=torch.float32, device=states.device)
+    slots = torch.arange(max_length, device=states.device)
+    per_chunk = max(1, total // max_length)
+    sums = []
+    for start in range(0, n, per_chunk):
+        first, length = first_row[start:start + per_chunk], segment_length[start:start + per_chunk]
+        rows = (first.unsqueeze(1) + slots).clamp_(max=total - 1)  # [c, max_length] row of each slot
+        valid = (slots < length.unsqueeze(1)).unsqueeze(2)
+        gathered = states.index_select(0, rows.reshape(-1)).view(rows.shape[0], max_length, h)
+        sums.append(torch.where(valid, gathered, 0).sum(dim=1, dtype=torch.float32))
+    total_sums = sums[0] if len(sums) == 1 else torch.cat(sums)
+    return total_sums / segment_length.unsqueeze(1).to(torch.float32)
+
+
+def segmented_inclusive_sum(values: torch.Tensor, ordinal: torch.Tensor, bound: int) -> torch.Tensor:
+    """Running sums of ``values`` [N, ...] along dim 0 that restart wherever ``ordinal`` (the row's index
+    inside its run) is 0; ``bound``: an upper bound of any ordinal + 1.
+
+    A doubling scan (``ceil(log2(bound))`` shifted additions, each masked at run starts): sums in a
+    fixed order, no atomics and no floating-point ``cumsum`` (which CUDA does not compute in a fixed
+    order either), and no device-to-host read.
+    """
+    out = values
+    n = values.shape[0]
+    shape = (n,) + (1,) * (values.dim() - 1)
+    step = 1
+    while step < bound:
+        shifted = torch.cat([out.new_zeros((min(step, n),) + tuple(out.shape[1:])), out[:max(0, n - step)]])
+        out = out + torch.where((ordinal >= step).view(shape), shifted, 0)
+        step *= 2
+    return out
 
 
 @dataclass
@@ -134,6 +177,8 @@ class WindowLayout:
     window_length: torch.Tensor  # [N]
     num_windows: int
     num_docs: int
+    window_size: Optional[int] = None  # W: no window is longer
+    max_windows_per_doc: Optional[int] = None  # an upper bound of a document's windows (from the row length)
 
     @classmethod
     def build(cls, docs: DocumentLayout, depth: int, window_size: int, window_shift: int) -> "WindowLayout":
@@ -145,29 +190,38 @@ class WindowLayout:
         num_windows = first.numel()
         ordinal = torch.div(pos[first] + delta, window_size, rounding_mode="floor")
         length = torch.bincount(token_window, minlength=num_windows)
+        row_length = docs.shape[1]
         return cls(depth=depth, token_window=token_window, window_ordinal=ordinal,
                    window_doc=docs.doc_index.reshape(-1)[first], window_first_token=first,
-                   window_length=length, num_windows=num_windows, num_docs=docs.num_docs)
+                   window_length=length, num_windows=num_windows, num_docs=docs.num_docs,
+                   window_size=window_size, max_windows_per_doc=-(-(row_length + delta) // window_size))
+
+    def _max_length(self) -> int:
+        return self.window_size if self.window_size is not None else int(self.window_length.max())
+
+    def _ordinal_bound(self) -> int:
+        if self.max_windows_per_doc is not None:
+            return self.max_windows_per_doc
+        return int(self.window_ordinal.max()) + 1 if self.num_windows else 1
 
     def window_means(self, states: torch.Tensor) -> torch.Tensor:
-        """``mu_j``: mean of each window's token states, fp32, equal weight per token. [N, h]"""
-        return segment_means(states, self.token_window, self.window_length)
+        """``mu_j``: mean of each window's token states, fp32, equal weight per token. [N, h]
+
+        Ordered sums (:func:`segment_means`): the same bits on every rank that computes them."""
+        return segment_means(states, self.window_first_token, self.window_length, self._max_length())
 
     def prefix_means(self, window_means: torch.Tensor) -> torch.Tensor:
         """``r_k = (1/k) sum_{j<k} mu_j`` per document (rows for k = 0 are zero). [N, h]
 
-        The cumulative sum restarts at each document exactly: windows are laid
-        out in a ``[num_docs, max_ordinal + 1, h]`` grid and summed along the
-        ordinal axis, so a document's prefixes do not depend on what precedes
-        it in the row (no subtraction of long running sums).
+        Windows of a document are consecutive and numbered by their ordinal, so
+        the prefix sums are a running sum that restarts at every ordinal 0
+        (:func:`segmented_inclusive_sum`), shifted by one window: a document's
+        prefixes are sums of its own window means only (no subtraction of long
+        running sums), in an order that does not depend on the device.
         """
-        n, h = window_means.shape
-        k_max = int(self.window_ordinal.max()) + 1 if n else 1
-        grid = torch.zeros(self.num_docs, k_max, h, dtype=window_means.dtype, device=window_means.device)
-        grid[self.window_doc, self.window_ordinal] = window_means
-        exclusive = torch.cumsum(grid, dim=1) - grid
-        prefix = exclusive[self.window_doc, self.window_ordinal]
-        k = self.window_ordinal.clamp(min=1).unsqueeze(1).to(prefix.dtype)
-        # rows with k = 0 are exactly zero already: the exclusive sum of the first ordinal is
-        # x - x = 0, divided by 1 (so no masking is needed, and none is done)
-        return prefix / k
+        n = window_means.shape[0]
+        ordinal = self.window_ordinal
+        inclusive = segmented_inclusive_sum(window_means, ordinal, self._ordinal_bound())
+        before = torch.cat([inclusive.new_zeros((min(1, n),) + tuple(inclusive.shape[1:])), inclusive[:n - 1]])
+        exclusive = torch.where((ordinal >= 1).unsqueeze(1), before, 0)
+        return exclusive / ordinal.clamp(min=1).unsqueeze(1).to(exclusive.dtype)

@@ -53,7 +53,11 @@ the submodule named:
    ``moe_utils.te_general_gemm`` which is only defined when TE imports
    (NameError); ``_patch_distrib_optimizer_torch_adam_step``: loading a
    distributed-optimizer checkpoint with the torch AdamW fallback fails on
-   ``assert len(steps) == 1`` and then resumes Adam's step counter at 0.
+   ``assert len(steps) == 1`` and then resumes Adam's step counter at 0;
+   ``_patch_wgrad_accumulation_fusion`` (whenever apex's
+   ``fused_weight_gradient_mlp_cuda`` is absent): megatron-core refuses
+   ``gradient_accumulation_fusion`` without it; a torch version of its two
+   functions takes its place (FP32 weight-gradient accumulation of the local spec).
 7. (always) ``megatron_fixes._patch_moe_aux_loss_scale_shape``: a MoE backward outside
    megatron's schedules leaves a 0-dim aux-loss scale that every later schedule-driven
    step fails to ``copy_`` its ``[1]`` scale into.
@@ -173,6 +177,7 @@ def setup_platform() -> str:
             no_te._patch_te_general_gemm()
         if not (has_transformer_engine() or has_apex()):
             no_te._patch_distrib_optimizer_torch_adam_step()
+        no_te._patch_wgrad_accumulation_fusion()  # a no-op where apex's extension imports
         megatron_fixes._patch_moe_aux_loss_scale_shape()
         megatron_fixes._patch_float16_optimizer_fp32_params()
         megatron_fixes._patch_distributed_optimizer_fp32_params()
@@ -188,7 +193,18 @@ def _free_port() -> int:
 
 
 def _local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    """``LOCAL_RANK``: the process's index on its node, which picks its GPU. Required under a launcher
+    (``RANK`` set): falling back to the global rank would put rank 8 of a two-node job on ``cuda:8``
+    of a node with eight GPUs, or two ranks on one GPU."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None:
+        if "RANK" in os.environ:
+            from megatron_lol.errors import CliError
+
+            raise CliError(f"LOCAL_RANK is not set, but RANK={os.environ['RANK']} is: launch with torchrun, or srun "
+                           f"through slurm/launch_task.sh (which exports it); it picks the process's GPU")
+        return 0
+    return int(value)
 
 
 def device() -> torch.device:
@@ -228,7 +244,10 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     ``LOCAL_RANK``. When ``WORLD_SIZE`` is absent (or 1) and no address is set,
     runs a single process on a free localhost port. ``backend`` defaults to
     ``"nccl"`` with CUDA and ``"gloo"`` without; with CUDA the current device
-    is set to ``LOCAL_RANK``. Idempotent: returns at once if already initialised.
+    is set to ``LOCAL_RANK`` and NCCL process groups are bound to it
+    (``device_id``). ``LOCAL_RANK`` is required when ``RANK`` is set (a
+    launcher): one-line :class:`~megatron_lol.errors.CliError` otherwise.
+    Idempotent: returns at once if already initialised.
     """
     import torch.distributed as dist
 
@@ -242,17 +261,22 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
             f"init_distributed: WORLD_SIZE={world_size} but MASTER_ADDR/MASTER_PORT are not set "
             "(launch with torchrun or set them)"
         )
+    local_rank = _local_rank()  # one-line error under a launcher that did not set it
     os.environ.setdefault("RANK", str(rank))
     os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("LOCAL_RANK", str(rank))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     if "MASTER_PORT" not in os.environ:
         os.environ["MASTER_PORT"] = str(_free_port())
     if backend is None:
         backend = "nccl" if cuda_available() else "gloo"
+    kwargs: dict[str, Any] = {}
     if cuda_available():
         torch.cuda.set_device(device())
-    kwargs: dict[str, Any] = {}
+        if backend == "nccl":
+            # NCCL binds its communicator to this GPU at once (Megatron-LM's initialize does the same)
+            # instead of guessing it at the first collective, and may create sub-groups eagerly
+            kwargs["device_id"] = device()
     if timeout is not None:
         kwargs["timeout"] = timeout
     if lone:

@@ -129,3 +129,53 @@ def _patch_distrib_optimizer_torch_adam_step() -> None:
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
 
 
+
+
+class TorchWgradAccumulation:
+    """The two functions of apex's ``fused_weight_gradient_mlp_cuda`` extension, in torch.
+
+    megatron-core's local linears with ``gradient_accumulation_fusion`` (model/library.py turns it on for
+    BF16 training under megatron-core's DDP) add each call's weight gradient ``grad_output^T @ input``
+    straight into the parameter's FP32 ``main_grad`` instead of returning it to autograd, which would
+    sum the calls of a layer used at several depths in BF16 first. Without apex the extension is
+    missing and megatron-core refuses the option; this class does what apex's kernels do.
+    """
+
+    @staticmethod
+    def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.add_(fp32_product(grad_output.t(), total_input))
+
+    @staticmethod
+    def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
+        main_grad.add_(torch.matmul(grad_output.t(), total_input).to(main_grad.dtype))
+
+
+def fp32_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of 16-bit operands with an FP32 result: on CUDA one GEMM with FP32 output (products of
+    BF16 values are exact, sums FP32); elsewhere, or where that overload is missing, the operands are
+    widened first (exact too, slower)."""
+    if a.dtype == torch.float32 and b.dtype == torch.float32:
+        return torch.mm(a, b)
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b, out_dtype=torch.float32)
+        except (RuntimeError, TypeError, NotImplementedError):  # torch without the out_dtype overload
+            pass
+    return torch.mm(a.float(), b.float())
+
+
+def _patch_wgrad_accumulation_fusion() -> None:
+    """Item 6c (without apex's ``fused_weight_gradient_mlp_cuda``): megatron-core's
+    ``tensor_parallel.layers`` gets :class:`TorchWgradAccumulation` in its place, so
+    ``gradient_accumulation_fusion`` works on the local spec."""
+    if not _mark("wgrad_accumulation_fusion"):
+        return
+    from megatron.core.tensor_parallel import layers
+
+    name = "wgrad_accumulation_fusion"
+    if _require(layers, "_grad_accum_fusion_available", name):
+        return  # apex's extension is there
+    _require_source(layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
+                    "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32", name)
+    layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
+    layers._grad_accum_fusion_available = True

@@ -22,6 +22,7 @@ import os
 import sys
 
 from megatron_lol.config import add_config_arguments, config_from_args
+from megatron_lol.config.loader import overrides_from_args
 from megatron_lol.config.loader import add_threads_argument
 from megatron_lol.errors import CliError, ConfigError
 
@@ -63,7 +64,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace) -> tuple[int, str]:
     check_data = args.dry_run != "config"
-    cfg = config_from_args(args, check_data=check_data)  # validates everything before any process group work
+    # validates everything before any process group work
+    if args.use_checkpoint_args:
+        from megatron_lol.training.checkpoint_args import config_with_checkpoint_args  # torch: only when used
+
+        cfg = config_with_checkpoint_args(args.config, overrides_from_args(args), check_data=check_data)
+    else:
+        cfg = config_from_args(args, check_data=check_data)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = cfg.parallel.data_parallel_size(world)  # layout vs world size
     if args.dry_run:
@@ -79,11 +86,24 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
 
     trainer = Trainer(cfg).setup()
     log_rank0(f"threads: {threads} per process ({why})")
+    return train_to_exit(trainer)
+
+
+def train_to_exit(trainer) -> tuple[int, str]:
+    """Run the training loop; ``(exit status, one-line message)`` of how it ended: 0, 3 (non-finite loss),
+    4 (tensor-parallel ranks routed differently: every rank of the group stops at the same depth) or the
+    status a callback stopped with (85: saved for a requeue)."""
+    from megatron_lol.log import log_rank0
+    from megatron_lol.parallel.routing_agreement import RoutingDisagreement
+
     try:
         outcome = trainer.train()
     except FloatingPointError as err:
         log_rank0(f"megatron-lol train: error: {err}")
         return 3, f"megatron-lol train: error: {err}"
+    except RoutingDisagreement as err:
+        log_rank0(f"megatron-lol train: error: {err}")
+        return 4, f"megatron-lol train: error: {err}"
     if outcome.exit_code:
         return outcome.exit_code, (f"megatron-lol train: saved iteration {trainer.iteration} before stopping "
                                    f"({outcome.reason}, status {outcome.exit_code}): relaunch to continue")

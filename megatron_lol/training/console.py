@@ -69,7 +69,9 @@ def startup_line(cfg, config_path: str, world_size: int) -> str:
 
     m, tr = cfg.model, cfg.training
     plan = m.execution_plan()
-    shape = f"plan {plan.name}, width {m.hidden_size}, {plan.describe()}"
+    shape = f"plan {plan.name}, width {m.hidden_size}, {plan.describe()}, params {m.params_dtype}"
+    if m.fp8:
+        shape += f" + FP8 {m.fp8} ({m.fp8_recipe})"
     sinks = [name for name, on in (("TensorBoard", tr.tensorboard_dir), ("W&B", tr.wandb_project)) if on]
     line = (f"megatron-lol {__version__} train: {config_path} ({shape}), {tr.train_iters} iterations, "
             f"{world_size} process{'es' if world_size != 1 else ''}")

@@ -14,12 +14,17 @@ depth, whatever the growing curriculum would use). It reports:
   device's peak (:mod:`megatron_lol.perf.peaks`, ``--peak-tflops`` overrides;
   omitted on CPU); the executed-FLOP rate (hardware FLOPs of the local
   attention, masked scores included) as well;
-* a step-time breakdown: forward of the prelude, routed core (of which: the
-  library blocks, the dispatch bookkeeping = plan + gather/scatter, and the
-  rest = windows, router, balancing, gated update), coda (+ final norm and LM
-  head), then backward (the rest of the step), optimizer, data. Forward
-  sections are timed with module hooks (``torch.cuda.synchronize`` around
-  them on GPUs, unless ``--no-sync``), so they cost a little overlap;
+* step times of whole training steps: CUDA events recorded around each step
+  and read once after the last (wall clock on CPUs), so the GPU keeps its queue;
+* a step-time breakdown (unless ``--no-breakdown``): forward of the prelude,
+  routed core (of which: the library blocks, the dispatch bookkeeping = plan +
+  gather/scatter, and the rest = windows, router, balancing, gated update),
+  coda (+ final norm and LM head), then backward (the rest of the step),
+  optimizer, data. Forward sections are timed with module hooks
+  (``torch.cuda.synchronize`` around them on GPUs, unless ``--no-sync``):
+  on a GPU that stalls the queue at every module, and a LoL step calls many
+  modules, so throughput is measured in a run without it (``--no-breakdown``;
+  the report's ``timing`` says which kind of run it is);
 * peak memory (CUDA allocator peak, or the process's peak RSS on CPU) beside
   the per-rank estimate of ``megatron-lol memory`` (:mod:`megatron_lol.perf.memory`);
 * a warning on stderr when the timed steps differ by more than 2x (a busy
@@ -50,6 +55,7 @@ import time
 from typing import Optional
 
 from megatron_lol.errors import CliError
+from megatron_lol.perf.timing import StepTimer
 from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
     format_nodes,
     format_report,
@@ -84,6 +90,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--synthetic-data", action="store_true",
                         help="random tokens (with EOD-separated documents) instead of data.paths")
     parser.add_argument("--no-sync", action="store_true", help="do not synchronise the GPU in section timers")
+    parser.add_argument("--no-breakdown", action="store_true",
+                        help="no section timers: whole-step times only (what throughput should be read from)")
     parser.add_argument("--sample-interval", type=float, default=0.5, help="NVML sampling period in seconds")
     parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
                         help="merge these profile reports (JSON) into one; no training")
@@ -338,16 +346,14 @@ def _precision(cfg, override: Optional[str]) -> str:
 
 def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = None, sync: bool = True,
                     sample_interval: float = 0.5, peak_override: Optional[float] = None,
-                    precision: Optional[str] = None, sampler=None) -> dict:
-    """Run ``warmup`` + ``steps`` training steps of a set-up trainer; return this rank's report."""
+                    precision: Optional[str] = None, sampler=None, breakdown: bool = True) -> dict:
+    """Run ``warmup`` + ``steps`` training steps of a set-up trainer; return this rank's report.
+
+    ``breakdown``: time sections with module hooks too (synchronised on GPUs when ``sync``); without it the
+    report has whole-step times only (``breakdown_s`` None)."""
     import torch
 
-    import megatron_lol.model.core as core_mod
-    from megatron_lol.perf import flops as fl
     from megatron_lol.perf.gpu_monitor import start_if_available
-    from megatron_lol.perf.peaks import mfu, peak_tflops
-
-    from megatron_lol.backends import select_backend
 
     cfg = trainer.cfg
     plan = trainer.plan
@@ -358,37 +364,19 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     cuda = torch.cuda.is_available()
     timer = SectionTimer(sync=cuda and sync)
     model = trainer.model
-    for layer in _layers(getattr(model, "prelude", None)):
-        timer.hook_module(layer, "prelude")
     core = getattr(model, "core", None)
     routing = None
-    if core is not None:
-        timer.hook_module(core, "core")
-        for blk in _layers(getattr(core, "blocks", None)):
-            timer.hook_module(blk, "core.blocks")
-        # the names core.py calls: bookkeeping alone, and grouped block runs (blocks timed inside)
-        for name in ("group_by_block", "apply_gated_updates"):
-            timer.wrap(core_mod, name, "core.dispatch_calls")
-        for name in ("block_updates", "gated_update"):
-            timer.wrap(core_mod, name, "core.run_grouped")
-        backend = select_backend(next(model.parameters()).device)
-        if backend is not None:  # the CPU backend's fused update (an instance attribute while profiling)
-            timer.wrap(backend, "gated_update", "core.run_grouped")
-        if core.plan.routed:
-            routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, core.plan.num_stored_blocks)
-    for layer in _layers(getattr(model, "coda", None)):
-        timer.hook_module(layer, "coda_head")
-    for name in ("final_norm", "output_layer"):
-        if getattr(model, name, None) is not None:
-            timer.hook_module(getattr(model, name), "coda_head")
-    timer.hook_module(model, "forward")
-    timer.wrap(trainer.optimizer, "step", "optimizer")
+    if core is not None and core.plan.routed:
+        routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, core.plan.num_stored_blocks)
+    if breakdown:
+        _hook_sections(timer, trainer, core)
 
     own_sampler = sampler is None and int(os.environ.get("LOCAL_RANK", "0")) == 0
     if own_sampler:
         sampler = start_if_available(sample_interval)
     data = trainer.data_iterator(trainer.train_ds, trainer.consumed_train_samples)
     data = [_TimedIterator(d, timer) for d in data] if isinstance(data, list) else _TimedIterator(data, timer)
+    steps_timer = StepTimer(cuda)
     try:
         timer.enabled = False
         for _ in range(warmup):
@@ -402,19 +390,58 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         timer.totals = {}
         if routing is not None:
             routing.enabled = True
-        step_times, results = [], []
+        results = []
         for _ in range(steps):
-            t0 = time.perf_counter()
-            res = trainer.train_step(data, depth=depth)
-            if cuda:
-                torch.cuda.synchronize()
-            step_times.append(time.perf_counter() - t0)
-            results.append(res)
+            steps_timer.start()
+            results.append(trainer.train_step(data, depth=depth))
+            steps_timer.stop()
+        step_times = steps_timer.seconds()
     finally:
         timer.remove()
         if routing is not None:
             routing.remove()
-    gpu = sampler.stop() if (sampler is not None and own_sampler) else None
+    return _report(trainer, timer, routing, results, step_times, steps_timer.method, breakdown, depth, full,
+                   precision, peak_override, sampler if own_sampler else None, warmup, sync and cuda)
+
+
+def _hook_sections(timer: SectionTimer, trainer, core) -> None:
+    """The section timers of the breakdown: module hooks and wrapped dispatch functions."""
+    import megatron_lol.model.core as core_mod
+    from megatron_lol.backends import select_backend
+
+    model = trainer.model
+    for layer in _layers(getattr(model, "prelude", None)):
+        timer.hook_module(layer, "prelude")
+    if core is not None:
+        timer.hook_module(core, "core")
+        for blk in _layers(getattr(core, "blocks", None)):
+            timer.hook_module(blk, "core.blocks")
+        # the names core.py calls: bookkeeping alone, and grouped block runs (blocks timed inside)
+        for name in ("group_by_block", "apply_gated_updates"):
+            timer.wrap(core_mod, name, "core.dispatch_calls")
+        for name in ("block_updates", "gated_update"):
+            timer.wrap(core_mod, name, "core.run_grouped")
+        backend = select_backend(next(model.parameters()).device)
+        if backend is not None:  # the CPU backend's fused update (an instance attribute while profiling)
+            timer.wrap(backend, "gated_update", "core.run_grouped")
+    for layer in _layers(getattr(model, "coda", None)):
+        timer.hook_module(layer, "coda_head")
+    for name in ("final_norm", "output_layer"):
+        if getattr(model, name, None) is not None:
+            timer.hook_module(getattr(model, name), "coda_head")
+    timer.hook_module(model, "forward")
+    timer.wrap(trainer.optimizer, "step", "optimizer")
+
+
+def _report(trainer, timer, routing, results, step_times, method, breakdown, depth, full, precision,
+            peak_override, sampler, warmup, synced) -> dict:
+    import torch
+
+    from megatron_lol.perf import flops as fl
+    from megatron_lol.perf.peaks import mfu, peak_tflops
+
+    cfg, plan = trainer.cfg, trainer.plan
+    gpu = sampler.stop() if sampler is not None else None
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     seq = cfg.training.seq_length
@@ -442,7 +469,7 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
     core_t = per.get("core", 0.0)
     forward = per.get("forward", 0.0)
     fwd_known = per.get("prelude", 0.0) + core_t + per.get("coda_head", 0.0)
-    breakdown = {
+    sections = {
         "prelude": per.get("prelude", 0.0),
         "core": core_t,
         "core.blocks": blocks,
@@ -453,7 +480,7 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         "optimizer": per.get("optimizer", 0.0),
         "data": per.get("data", 0.0),
     }
-    breakdown["backward"] = max(0.0, step_mean - forward - breakdown["optimizer"] - breakdown["data"])
+    sections["backward"] = max(0.0, step_mean - forward - sections["optimizer"] - sections["data"])
     mem = _peak_memory_bytes()
     from megatron.core import parallel_state
 
@@ -494,7 +521,9 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         "precision": prec,
         "peak_tflops": peak,
         "mfu": mfu(tflops, peak),
-        "breakdown_s": breakdown,
+        "breakdown_s": sections if breakdown else None,
+        # how the step times were taken: throughput is only meaningful from a run without section timers
+        "timing": {"steps": method, "section_timers": breakdown, "synchronised_sections": breakdown and synced},
         "peak_memory": mem,
         "memory_model_bytes": mem_model.to_dict(),
         "routing": routing.summary() if routing is not None else None,
@@ -536,7 +565,7 @@ def run(args: argparse.Namespace) -> int:
     trainer = build_trainer(cfg, args.synthetic_data)
     local = profile_trainer(trainer, args.steps, args.warmup, depth=args.depth, sync=not args.no_sync,
                             sample_interval=args.sample_interval, peak_override=args.peak_tflops,
-                            precision=args.precision)
+                            precision=args.precision, breakdown=not args.no_breakdown)
     import torch
 
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:

@@ -118,12 +118,17 @@ def format_report(rep: dict) -> str:
                      f"({rep['precision']})")
     else:
         lines.append("  MFU              - (no peak for this device; --peak-tflops sets one)")
-    lines.append("  breakdown per step:")
+    timing = rep.get("timing") or {}
     b = rep["breakdown_s"]
-    for key in ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head", "forward_other",
-                "backward", "optimizer", "data"):
-        label = ("    " + key.split(".", 1)[1]) if "." in key else key
-        lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
+    if b is None:
+        lines.append(f"  timing           whole steps ({timing.get('steps', '?')}), no section timers")
+    else:
+        synced = " synchronised at every timed module" if timing.get("synchronised_sections") else ""
+        lines.append(f"  breakdown per step (section timers{synced}; read throughput from a --no-breakdown run):")
+        for key in ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head", "forward_other",
+                    "backward", "optimizer", "data"):
+            label = ("    " + key.split(".", 1)[1]) if "." in key else key
+            lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
     m = rep["peak_memory"]
     lines.append(f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
                  f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB")

@@ -14,70 +14,22 @@ global ranks (default 0):
   ``cudaProfilerStop``) around those iterations, with autograd's NVTX ranges
   (``emit_nvtx``), for ``nsys profile --capture-range=cudaProfilerApi``.
 
-Either way the forward is annotated with named ranges (:func:`trace_range`):
+Either way the forward is annotated with named ranges
+(:func:`megatron_lol.platform.trace_ranges.trace_range`):
 ``prelude``, ``depth {l}`` for every step of the core (routed depths and
 fixed steps), inside a routed depth ``router`` and ``dispatch`` (grouping,
 gather / scatter and the block calls), ``block {b}`` for every block call, and
-``coda``. They are ``torch.profiler.record_function`` ranges (in the Chrome
-trace) and, on CUDA, NVTX ranges (in nsys). Outside a profiled window
-:func:`trace_range` is a shared no-op context, so unprofiled steps pay nothing.
+``coda``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
-from typing import Iterable, Iterator, Optional
+from typing import Optional
 
 from megatron_lol.log import log_rank0
+from megatron_lol.platform.trace_ranges import enable_ranges
 from megatron_lol.training.hooks import Hook, Stop
-
-_NULL = contextlib.nullcontext()
-_STATE = {"ranges": False, "nvtx": False}
-
-
-class _Range:
-    """``record_function(name)`` plus an NVTX range on CUDA (``_STATE["nvtx"]``)."""
-
-    __slots__ = ("name", "record")
-
-    def __init__(self, name: str):
-        self.name = name
-        self.record = None
-
-    def __enter__(self):
-        import torch
-
-        self.record = torch.profiler.record_function(self.name)
-        self.record.__enter__()
-        if _STATE["nvtx"]:
-            torch.cuda.nvtx.range_push(self.name)
-        return self
-
-    def __exit__(self, *exc):
-        import torch
-
-        if _STATE["nvtx"]:
-            torch.cuda.nvtx.range_pop()
-        self.record.__exit__(*exc)
-        return False
-
-
-def trace_range(name: str):
-    """A named range in the profiler trace (and nsys, on CUDA) while a profile window is open; else a no-op."""
-    return _Range(name) if _STATE["ranges"] else _NULL
-
-
-def trace_steps(steps: Iterable, name=lambda step: f"depth {step.depth}") -> Iterator:
-    """``steps``, each one's loop body inside the range ``name(step)`` (a one-line change to a ``for``)."""
-    for step in steps:
-        with trace_range(name(step)):
-            yield step
-
-
-def enable_ranges(on: bool, nvtx: bool = False) -> None:
-    _STATE["ranges"], _STATE["nvtx"] = on, on and nvtx
-
 
 def profile_dir(training_cfg) -> str:
     tr = training_cfg

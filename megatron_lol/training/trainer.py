@@ -22,6 +22,7 @@ returned by the model (``return_core=True``) and collected per step in a
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import time
@@ -97,6 +98,7 @@ class Trainer:
         # iterations the growing depth and the bias stop are measured against: train_iters, or a resumed
         # checkpoint's with --use-checkpoint-opt_param-scheduler (checkpointing/schedule.py)
         self.schedule_iters = cfg.training.train_iters
+        self._routing_check = None
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> "Trainer":
@@ -106,8 +108,12 @@ class Trainer:
 
         cfg = self.cfg
         self.device_kind = setup_platform()
-        init_distributed()
+        timeout = datetime.timedelta(minutes=cfg.training.distributed_timeout_minutes)
+        init_distributed(timeout=timeout)
         self.device = device()  # the policy: cuda:LOCAL_RANK (NCCL) or cpu (gloo)
+        from megatron_lol.model.precision import enable_tf32
+
+        self.tf32 = enable_tf32(self.device, cfg.model.params_dtype)  # FP32 on CUDA: TF32 matmuls
         world = torch.distributed.get_world_size()
         par = cfg.parallel
         self.dp_size = par.data_parallel_size(world)
@@ -118,6 +124,7 @@ class Trainer:
             pipeline_model_parallel_size=par.pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=par.virtual_pipeline_model_parallel_size,
             expert_model_parallel_size=par.expert_model_parallel_size,
+            distributed_timeout_minutes=cfg.training.distributed_timeout_minutes,
         )
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         torch.manual_seed(cfg.training.seed)
@@ -161,14 +168,15 @@ class Trainer:
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
         chunks = []
         for vp_stage in range(vpp or 1):
+            # BF16: each layer call adds its weight gradients to DDP's FP32 main_grad (library.transformer_config)
             model = LoLGPTModel(cfg.model, vocab_size=vocab, eod_id=self.eod_id, parallel=cfg.parallel,
                                 max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed,
-                                vp_stage=vp_stage if vpp else None)
+                                vp_stage=vp_stage if vpp else None, gradient_accumulation_fusion=True)
             # built on the CPU (the same master weights for every layout), moved before DDP allocates
             # its gradient buffers on the device, as Megatron-LM's get_model does; a no-op on CPU
             model.to(self.device)
             ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+                grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
                 use_distributed_optimizer=ddp_uses_distributed_optimizer(cfg))
             chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
                                                   disable_bucketing=vp_stage > 0))
@@ -181,7 +189,26 @@ class Trainer:
 
         self.library_sync = LibrarySync(chunks, cfg.model)
         for chunk in chunks:
-            chunk.module.config.finalize_model_grads_func = self.library_sync.finalize_model_grads
+            chunk.module.config.finalize_model_grads_func = self._finalize_model_grads
+        self.grad_readiness = None
+        if cfg.parallel.overlap_grad_reduce:
+            # the core's buckets are declared ready when backward leaves the core (routing-independent)
+            from megatron_lol.parallel.grad_ready import CoreGradReadiness
+
+            self.grad_readiness = CoreGradReadiness(chunks)
+            for chunk in chunks:  # gradients of earlier micro-batches are not reduced (Megatron-LM's no_sync_func)
+                chunk.module.config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [
+                    c.no_sync for c in chunks]
+
+    def _finalize_model_grads(self, *args, **kwargs):
+        """The schedules call this after the last backward: the library summed over the pipeline stages that
+        share it, megatron's DP / SP-norm / tied-embedding reductions, then the routing parameters averaged
+        over the tensor-parallel group (every TP rank routes the same windows with its own copy)."""
+        from megatron_lol.parallel.routing_agreement import average_routing_grads
+
+        out = self.library_sync.finalize_model_grads(*args, **kwargs)
+        average_routing_grads(self.model_chunks)
+        return out
 
     def _build_optimizer(self) -> None:
         from megatron_lol.training.optimizer import build_optimizer, build_scheduler
@@ -217,14 +244,17 @@ class Trainer:
         per_rank = self.global_batch_size // self.dp_size
         sample = start_sample
         n = len(dataset)
+        pin = self.device.type == "cuda"  # page-locked, so the forward's non_blocking copy does not wait
         while True:
             base = sample + dp_rank * per_rank
             for m in range(self.num_microbatches):
                 idx = [(base + m * mbs + j) % n for j in range(mbs)]
                 items = [dataset[i] for i in idx]
-                batch = {k: torch.stack([torch.as_tensor(it[k]) for it in items]) for k in ("tokens", "labels", "loss_mask")}
+                batch = {k: stack_batch([torch.as_tensor(it[k]) for it in items], pin)
+                         for k in ("tokens", "labels", "loss_mask")}
                 # global sample numbers: router noise is drawn per sample from them
-                batch["sample_ids"] = torch.tensor([base + m * mbs + j for j in range(mbs)], dtype=torch.long)
+                batch["sample_ids"] = stack_batch([torch.tensor(base + m * mbs + j, dtype=torch.long)
+                                                   for j in range(mbs)], pin)
                 yield batch
             sample += self.global_batch_size
 
@@ -254,9 +284,11 @@ class Trainer:
         budget = budgets.pop(0) if budgets else None
         if budget is not None and model.training:
             stats.budgets.append(budget)
+        check = self._routing_check if model.training else None
         output, core = model(tokens, labels=labels, depth=depth, budget=budget, backprop_depth=cur.backprop_depth,
                              first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds,
-                             aux_loss_scale=1.0 / self.num_microbatches, record_moe=record_moe, return_core=True)
+                             aux_loss_scale=1.0 / self.num_microbatches, record_moe=record_moe, return_core=True,
+                             routing_check=check)
         if model.training:
             stats.add(core)
         return output, partial(self._loss_func, loss_mask)
@@ -310,7 +342,11 @@ class Trainer:
         budgets = [self.plan.sample_budget(self.cfg.training.seed, self.iteration, m)
                    for m in range(self.num_microbatches)]
         record_moe = self._records_moe() and (self.iteration + 1) % self.cfg.training.log_interval == 0
-        outputs = self._run_schedule(data_iterator, depth, False, stats, budgets, record_moe)
+        self._routing_check = self._routing_agreement(self.iteration + 1)
+        try:
+            outputs = self._run_schedule(data_iterator, depth, False, stats, budgets, record_moe)
+        finally:
+            self._routing_check = None
         moe_routing = self._moe_routing_metrics(stats.moe_records) if record_moe else None
         loss = self._reduce_loss(outputs)
         finite = math.isfinite(loss)
@@ -352,6 +388,16 @@ class Trainer:
         return StepResult(step=self.iteration, loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm,
                           depth=depth, tokens=tokens, seconds=time.perf_counter() - t0, skipped=skipped,
                           utilisation=utilisation, budgets=list(stats.budgets), moe_routing=moe_routing)
+
+    def _routing_agreement(self, step: int):
+        """The tensor-parallel routing check of iteration ``step`` (None: not checked then, or nothing to
+        compare): see :mod:`megatron_lol.parallel.routing_agreement`."""
+        if not self.plan.routed:
+            return None
+        from megatron_lol.parallel.routing_agreement import tensor_parallel_check
+
+        return tensor_parallel_check(step, self.plan.num_stored_blocks,
+                                     self.cfg.training.routing_agreement_interval)
 
     def _records_moe(self) -> bool:
         """Whether this model's core has MoE blocks whose routing is measured (U_t, B2, MMR)."""
@@ -490,3 +536,13 @@ class Trainer:
             mfu=tflops_per_device / peak if peak else None, eval_loss=eval_loss,
             eval_by_budget=self.last_eval_by_budget if eval_loss is not None else None,
             consumed_samples=self.consumed_train_samples, bias_spread=bias_spread(self._balancers()))
+
+
+def stack_batch(rows: list, pin: bool) -> torch.Tensor:
+    """``torch.stack(rows)``; with ``pin`` into page-locked host memory, so that the copy to the GPU
+    (``platform.to_device``, ``non_blocking=True``) is asynchronous: from pageable memory CUDA first
+    copies to a staging buffer, synchronously."""
+    if not pin:
+        return torch.stack(rows)
+    out = torch.empty((len(rows),) + tuple(rows[0].shape), dtype=rows[0].dtype, pin_memory=True)
+    return torch.stack(rows, out=out)

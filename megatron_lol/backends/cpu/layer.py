@@ -15,6 +15,7 @@ order as megatron-core's modules (``x @ W^T`` linears, ``residual + out``,
 for bit the reference's (``megatron_lol.model.block_call``), when nothing
 needs that generality: one tensor-parallel rank, no sequence / context
 parallelism, no biases, dropout, QK norms, FP8, recomputation or offloading,
+no fused weight-gradient accumulation (BF16 training: weight gradients go to ``main_grad``),
 SwiGLU, non-interleaved RoPE over the whole head, a segment-mask core
 attention, and no hooks on the modules skipped (the hooks then fire on the
 reference path). Otherwise they return None and the caller runs the reference.
@@ -44,7 +45,8 @@ def _hooked(*modules) -> bool:
 def _common_ok(config) -> bool:
     return (config.tensor_model_parallel_size == 1 and not config.sequence_parallel
             and not config.add_bias_linear and config.hidden_dropout == 0.0
-            and config.fp8 is None and getattr(config, "fp4", None) is None)
+            and config.fp8 is None and getattr(config, "fp4", None) is None
+            and not getattr(config, "gradient_accumulation_fusion", False))
 
 
 def _attention_eligible(att) -> bool:

@@ -26,6 +26,7 @@ import yaml
 
 from megatron_lol.config.loader import config_from_raw, without_checkpoint_record
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
+from megatron_lol.training.checkpointing.files import checkpoint_dir, latest_checkpoint
 
 TOKENIZER_KEYS = ("tokenizer_type", "tokenizer_model", "vocab_file", "merge_file")
 
@@ -41,8 +42,6 @@ def _setting(overrides: list, raw: dict, key: str) -> Any:
 
 def checkpoint_iteration_dir(overrides: list, raw: dict) -> tuple[str, str]:
     """``(iter_ directory, the flag it came from)`` of the checkpoint this run starts from."""
-    from megatron_lol.training.checkpointing.files import checkpoint_dir, latest_checkpoint
-
     save, load = _setting(overrides, raw, "training.save"), _setting(overrides, raw, "training.load")
     resume = _setting(overrides, raw, "training.resume")
     if save and resume is not False:

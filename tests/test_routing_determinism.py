@@ -1,0 +1,166 @@
+"""Routing decisions are the same on every rank that computes them (docs/gpu.md, "Routing on every rank").
+
+* The routing path (document and window layouts, window sums, prefix means, router, noise, argmax,
+  balancing loads, both auxiliary losses, and their backward) runs under a TorchDispatchMode that fails
+  on any aten operation whose result depends on the order CUDA threads run in (the operations listed in
+  ``torch.use_deterministic_algorithms``' documentation: float atomics of ``index_add_``, scatter-adds,
+  accumulating ``index_put_``, floating-point ``cumsum``, ...).
+* The ordered window sums and segmented prefix sums equal float64 references, also where the padded
+  window layout is built in several chunks (many short documents).
+* The routing digest changes with any single choice or gate bit.
+
+The two-process checks (a planted divergent decision stopped by the agreement check; overlapped
+gradient reduction with a block unused on one rank) are in tests/test_gpu_first_run_distributed.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+#: aten overloads whose CUDA kernels accumulate floats in thread order (torch.use_deterministic_algorithms)
+_ALWAYS = {
+    "index_add", "index_add_", "scatter_add", "scatter_add_", "put", "put_", "index_copy", "index_copy_",
+    "histc", "embedding_dense_backward", "_embedding_bag_backward", "nll_loss2d_forward",
+}
+_SCATTER_REDUCE = {"scatter_reduce", "scatter_reduce_"}
+_INDEX_PUT = {"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
+_SCANS = {"cumsum", "cumsum_", "cumprod", "cumprod_", "_cummax_helper", "logcumsumexp"}
+
+
+def _name(func) -> str:
+    return func._schema.name.split("::")[-1]
+
+
+class NondeterminismRecorder(TorchDispatchMode):
+    """Records every operation of the body that is nondeterministic on CUDA (values are CPU values)."""
+
+    def __init__(self):
+        super().__init__()
+        self.found: list = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _name(func)
+        why = None
+        if name in _ALWAYS:
+            why = "atomic float accumulation"
+        elif name in _SCATTER_REDUCE:
+            why = "scatter_reduce"
+        elif name in _SCANS and args[0].is_floating_point():
+            why = "floating-point scan"
+        elif name == "bincount" and (len(args) > 1 and args[1] is not None or kwargs.get("weights") is not None):
+            why = "weighted bincount"
+        elif name in _INDEX_PUT:
+            accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+            if accumulate and args[0].is_floating_point():
+                why = "accumulating index_put"
+            elif not accumulate:
+                index = [i for i in args[1] if i is not None]
+                keys = torch.stack([i.reshape(-1).long() for i in index]) if index else None
+                if keys is not None and torch.unique(keys, dim=1).shape[1] != keys.shape[1]:
+                    why = "index_put with repeated indices"
+        elif name in ("scatter", "scatter_") and len(args) > 3 and isinstance(args[3], torch.Tensor):
+            why = "scatter of a tensor"
+        if why:
+            self.found.append(f"{func} ({why})")
+        return func(*args, **kwargs)
+
+
+def _routing_path(core, tokens, eod, depths, seeds):
+    """What the core computes for routing, forward and backward, on one micro-batch."""
+    from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
+    from megatron_lol.model.windows import DocumentLayout, WindowLayout
+
+    docs = DocumentLayout.from_tokens(tokens, eod)
+    b, s = tokens.shape
+    states = torch.randn(b * s, core.cfg.hidden_size, generator=torch.Generator().manual_seed(3),
+                         requires_grad=True)
+    loss = 0.0
+    loads = []
+    for depth in depths:
+        windows = WindowLayout.build(docs, depth, core.cfg.window_size, core.cfg.window_shift)
+        decision = core.decide(depth, windows, states, None, seeds, s)
+        core.balancer.record(depth, decision.choice)
+        loads.append(torch.bincount(decision.choice, minlength=core.plan.num_stored_blocks))
+        loss = loss + decision.gate.sum() + sequence_aux_loss(windows, decision) + global_aux_loss(decision)
+    loss.backward()
+    return states.grad, loads
+
+
+def test_routing_path_has_no_cuda_nondeterministic_operation(make_model):
+    net = make_model(router_std=0.5, window_size=8, window_shift=3, num_blocks=3, routed_depth=3).train()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 97, (3, 40), generator=g)
+    tokens[0, 5] = tokens[1, 17] = tokens[1, 18] = tokens[2, 33] = 0  # documents of many lengths
+    recorder = NondeterminismRecorder()
+    with recorder:
+        grad, loads = _routing_path(net.core, tokens, 0, [1, 2, 3], torch.tensor([5, 6, 7]))
+    assert not recorder.found, recorder.found
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert sum(int(x.sum()) for x in loads) > 0
+
+    # the recorder does catch what the routing path used to run
+    with NondeterminismRecorder() as caught:
+        torch.zeros(3, 2).index_add_(0, torch.tensor([0, 0, 1]), torch.ones(3, 2))
+        torch.cumsum(torch.ones(4), 0)
+        torch.zeros(3).index_put_((torch.tensor([0, 0]),), torch.ones(2), accumulate=True)
+        torch.ones(4, 2).gather(0, torch.zeros(1, 2, dtype=torch.long)).sum()
+    names = " ".join(caught.found)
+    assert "index_add_" in names and "cumsum" in names and "accumulating index_put" in names
+
+
+def _naive_means(states, layout):
+    out = torch.zeros(layout.num_windows, states.shape[1], dtype=torch.float64)
+    for j in range(layout.num_windows):
+        first, n = int(layout.window_first_token[j]), int(layout.window_length[j])
+        out[j] = states[first:first + n].double().mean(0)
+    return out
+
+
+@pytest.mark.parametrize("doc_every", [3, 50])
+def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
+    """``doc_every=3``: documents of 3 tokens, so the padded layout [N, W, h] is built in several chunks."""
+    from megatron_lol.model.windows import DocumentLayout, WindowLayout
+
+    g = torch.Generator().manual_seed(1)
+    tokens = torch.randint(1, 50, (2, 64), generator=g)
+    tokens[:, doc_every - 1::doc_every] = 0
+    docs = DocumentLayout.from_tokens(tokens, 0)
+    states = torch.randn(2 * 64, 16, generator=g).to(torch.bfloat16)
+    for depth in (1, 2):
+        layout = WindowLayout.build(docs, depth, 16, 5)
+        means = layout.window_means(states)
+        want = _naive_means(states, layout)
+        assert means.dtype == torch.float32
+        torch.testing.assert_close(means.double(), want, rtol=1e-6, atol=1e-6)
+        prefix = layout.prefix_means(means)
+        for j in range(layout.num_windows):
+            k = int(layout.window_ordinal[j])
+            ref = means[j - k:j].double().sum(0) / k if k else torch.zeros(16, dtype=torch.float64)
+            torch.testing.assert_close(prefix[j].double(), ref, rtol=1e-6, atol=1e-6)
+
+
+def test_routing_digest_sees_one_choice_and_one_gate_bit():
+    from megatron_lol.parallel.routing_agreement import routing_digest
+
+    g = torch.Generator().manual_seed(2)
+    choice = torch.randint(0, 4, (300,), generator=g)
+    gate = torch.rand(300, generator=g)
+    base = routing_digest(choice, gate, 4)
+    assert base.dtype == torch.int64 and base.shape == (7,) and int(base[0]) == 300
+    assert int(base[3:].sum()) == 300
+    flipped = choice.clone()
+    flipped[123] = (flipped[123] + 1) % 4
+    assert not torch.equal(routing_digest(flipped, gate, 4), base)
+    swapped = choice.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]  # same counts, other windows
+    if swapped[10] != swapped[11]:
+        assert not torch.equal(routing_digest(swapped, gate, 4), base)
+    nudged = gate.clone()
+    nudged[250] = torch.nextafter(nudged[250], torch.tensor(2.0))  # one ulp
+    assert not torch.equal(routing_digest(choice, nudged, 4), base)
+    assert torch.equal(routing_digest(choice.clone(), gate.clone(), 4), base)
