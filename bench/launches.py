@@ -153,7 +153,8 @@ def model_runner(net, impl, layout, tokens, labels, seeds):
     def run():
         if impl == "grouped":
             def forward(hidden, docs, rope, steps, *, depth, forced, record, record_moe, backprop_depth,
-                        first_window_full_backprop, noise_seeds):
+                        first_window_full_backprop, noise_seeds, routing_check=None):
+                assert routing_check is None, "the grouped core has no routing-agreement check (one process)"
                 return grouped_core_forward(net.core, hidden, layout, rope, steps, depth=depth, forced=forced,
                                             record=record, backprop_depth=backprop_depth,
                                             first_window_full_backprop=first_window_full_backprop)

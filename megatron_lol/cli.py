@@ -42,6 +42,7 @@ from typing import Callable
 
 from megatron_lol import __version__
 from megatron_lol.errors import CliError, ConfigError
+from megatron_lol.log import VERBOSE_ENV, add_general_arguments
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -59,7 +60,6 @@ VERBS: dict[str, tuple[str, str]] = {
     "evaluate": ("megatron_lol.inference.evaluate", "loss, perplexity, bits per byte of a checkpoint on held-out text"),
 }
 
-VERBOSE_ENV = "MEGATRON_LOL_VERBOSE"
 
 # (message pattern, whether it is about a missing optional accelerator); only warnings raised
 # from megatron-core's own files are matched
@@ -163,14 +163,6 @@ def _option_strings(parser: argparse.ArgumentParser) -> set:
             for sub in action.choices.values():
                 out |= _option_strings(sub)
     return out
-
-
-def add_general_arguments(parser: argparse.ArgumentParser) -> None:
-    """``--verbose``, accepted by every verb (and every ``analyze`` subcommand)."""
-    group = parser.add_argument_group("general")
-    group.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                       help=f"show megatron-core's start-up warnings about missing Apex / Transformer "
-                            f"Engine in full (also {VERBOSE_ENV}=1)")
 
 
 def version_string() -> str:

@@ -20,7 +20,7 @@ DEFAULT_INTERVAL_S = 30.0
 T = TypeVar("T")
 
 
-def _isatty(stream) -> bool:
+def isatty(stream) -> bool:
     try:
         return bool(stream.isatty())
     except (AttributeError, ValueError):  # no isatty, or a closed stream
@@ -36,7 +36,7 @@ def progress(iterable: Iterable[T], *, desc: str, unit: str = "item", total: Opt
             total = len(iterable)  # type: ignore[arg-type]
         except TypeError:
             total = None
-    if _isatty(stream):
+    if isatty(stream):
         from tqdm import tqdm
 
         yield from tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, leave=False,

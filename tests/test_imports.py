@@ -1,9 +1,12 @@
-"""The package's layering: no import cycles between its subpackages, and each imports alone.
+"""The package's layering: no import cycles, no upward imports, no private names across packages.
 
 Every ``import megatron_lol.X`` / ``from megatron_lol.X import`` in the package,
 at module level or inside a function, is an edge between two subpackages (or
-top-level modules); the graph must be acyclic, so each layer can be read,
-tested and replaced without the ones above it.
+top-level modules). Each unit sits on a layer of :data:`LAYERS`; an edge may
+only point to the same layer or one below, so each layer can be read, tested
+and replaced without the ones above it (and the graph is acyclic). A name with a
+leading underscore is private to its subpackage: importing it from another one
+makes that helper an API nobody maintains as one.
 """
 
 from __future__ import annotations
@@ -17,6 +20,23 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "megatron_lol"
+
+
+# bottom to top; a unit may import units of its own layer or of the layers below
+LAYERS = (
+    ("errors", "log", "process_guard", "progress"),
+    ("plan", "platform"),
+    ("backends", "parallel", "data"),
+    ("config",),
+    ("model",),
+    ("perf",),
+    ("training",),
+    ("convert",),
+    ("inference",),
+    ("analysis",),
+    ("cli", "__main__"),
+)
+LAYER_OF = {f"megatron_lol.{name}": level for level, names in enumerate(LAYERS) for name in names}
 
 
 def _unit(module: str) -> str:
@@ -70,6 +90,46 @@ def test_no_import_cycles_between_subpackages():
     edges = import_graph()
     assert edges["megatron_lol.model"], "the graph is empty: the scan is broken"
     assert _cycle(edges) is None, " -> ".join(_cycle(edges))
+
+
+def upward_imports(edges: dict) -> list:
+    """``(importer, imported)`` pairs where the imported unit sits on a higher layer."""
+    return sorted((a, b) for a, targets in edges.items() for b in targets if LAYER_OF[b] > LAYER_OF[a])
+
+
+def test_every_unit_has_a_layer():
+    units = {_unit(".".join(p.relative_to(PKG.parent).with_suffix("").parts)) for p in PKG.rglob("*.py")}
+    units.discard("megatron_lol.__init__")
+    assert units <= set(LAYER_OF), f"add to LAYERS: {sorted(units - set(LAYER_OF))}"
+
+
+def test_no_package_imports_one_above_it():
+    assert upward_imports(import_graph()) == []
+
+
+def test_a_planted_upward_import_is_found():
+    edges = import_graph()
+    edges["megatron_lol.model"].add("megatron_lol.training")  # as if model/ imported the trainer
+    assert ("megatron_lol.model", "megatron_lol.training") in upward_imports(edges)
+
+
+def private_imports_across_packages() -> list:
+    """``(file, module, name)`` for every ``from megatron_lol.X import _name`` from outside X's unit."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        rel = path.relative_to(PKG.parent).with_suffix("")
+        source = _unit(".".join(rel.parts))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("megatron_lol"):
+                for alias in node.names:
+                    private = alias.name.startswith("_") and not alias.name.startswith("__")
+                    if private and _unit(node.module) != source:
+                        found.append((str(rel), node.module, alias.name))
+    return found
+
+
+def test_no_private_name_is_imported_across_packages():
+    assert private_imports_across_packages() == []
 
 
 def test_a_cycle_is_detected():

@@ -28,14 +28,13 @@ import os
 import time
 
 from megatron_lol.errors import CliError
+from megatron_lol.log import add_general_arguments
 
 SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 
 
 def _common(p: argparse.ArgumentParser, data_required: bool = True) -> argparse._ArgumentGroup:
     """The options every analysis takes, grouped; returns the group for the analysis's own options."""
-    from megatron_lol.cli import add_general_arguments
-
     ck = p.add_argument_group("checkpoint")
     ck.add_argument("--load", required=True, metavar="DIR",
                     help="checkpoint directory (a training --save dir or an iter_XXXXXXX dir)")
@@ -99,7 +98,7 @@ def _load(args):
 
     ckpt = load_checkpoint(args.load, args.iteration)
     m, plan = ckpt.cfg.model, ckpt.model.plan
-    has_budgets = plan.budgets != [None]
+    has_budgets = plan.has_budgets
     if args.analysis == "moe-routing":
         if plan.routed or plan.core_experts is None:
             raise CliError(f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
@@ -234,7 +233,7 @@ def run_moe_routing(args, ckpt, toks, labels) -> dict:
     from megatron_lol.model.moe_metrics import summarise
 
     m, plan = ckpt.cfg.model, ckpt.model.plan
-    kw = {"budget": args.budget} if plan.budgets != [None] else {}
+    kw = {"budget": args.budget} if plan.has_budgets else {}
     batches = collect_moe_records(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch, **kw)
     records = [r for batch in batches for r in batch]
     if not records:

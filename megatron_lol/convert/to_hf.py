@@ -167,7 +167,7 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
                     loop_budget: Optional[int] = None) -> dict:
     m, d = cfg.model, mapping.Dims.of(cfg.model)
     plan = m.execution_plan()
-    accordion = plan.budgets != [None]
+    accordion = plan.has_budgets
     return {
         "architectures": ["LoLForCausalLM"],
         "model_type": "lol",
@@ -288,7 +288,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
             from megatron_lol.convert.tokenizer_export import export_tokenizer as write_tokenizer
 
             d = cfg.data
-            files = _tokenizer_files(path, cfg, info)
+            files = tokenizer_files(path, cfg, info)
             tokens = write_tokenizer(tokenizer_type or d.tokenizer_type, tokenizer or files["tokenizer_model"], tmp,
                                      vocab_file=files["vocab_file"], merge_file=files["merge_file"],
                                      max_length=cfg.training.seq_length)
@@ -307,7 +307,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
         d = mapping.Dims.of(m)
         for name in progress(mapping.native_shapes(m, vocab), desc="convert-hf", unit="tensor"):
             tensor = reader.read(keys[name])
-            for hf_name, t in _hf_tensors(name, tensor, m, d, llama):
+            for hf_name, t in hf_tensors(name, tensor, m, d, llama):
                 keep32 = not llama and keep_fp32(hf_name)
                 writer.add(hf_name, t.to(torch.float32 if keep32 else torch_dtype))
             del tensor
@@ -335,7 +335,7 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
             "num_shards": num_shards, "dtype": DTYPE_NAMES[torch_dtype], "source": path, "iteration": it}
 
 
-def _tokenizer_files(path: str, cfg: ExperimentConfig, info: dict) -> dict:
+def tokenizer_files(path: str, cfg: ExperimentConfig, info: dict) -> dict:
     """Tokenizer files of the run: the copies saved in the checkpoint when present, else the config's paths."""
     saved = (info.get("tokenizer") or {}).get("copied_files") or {}
     out = {}
@@ -352,7 +352,11 @@ def _model_dict(m: ModelConfig) -> dict:
     return asdict(m)
 
 
-def _hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims, llama: bool):
+def hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims, llama: bool):
+    """``[(HF name, tensor)]`` for one checkpoint tensor: a layer's fused tensors split into HF's
+    (convert/mapping.py), names in the Llama layout (``llama``) or the LoL remote code's; ``[]`` for
+    tensors the HF model does not keep. The exporter and in-process loading share it, so both see
+    the same model."""
     if name.startswith(("prelude.", "core.blocks.", "core.pass_attention.", "coda.")):
         prefix, suffix = mapping.split_layer_name(name)
         if llama:

@@ -278,7 +278,7 @@ class TokenProgress:
     every ``MEGATRON_LOL_PROGRESS_INTERVAL`` seconds (default 30) and a closing line with the throughput."""
 
     def __init__(self, total: int, desc: str):
-        from megatron_lol.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, _isatty
+        from megatron_lol.progress import DEFAULT_INTERVAL_S, INTERVAL_ENV, isatty
 
         self.total, self.desc, self.done = total, desc, 0
         self.rank0 = os.environ.get("RANK", "0") == "0"
@@ -288,7 +288,7 @@ class TokenProgress:
             self.interval = float(os.environ.get(INTERVAL_ENV, DEFAULT_INTERVAL_S))
         except ValueError:
             self.interval = DEFAULT_INTERVAL_S
-        if self.rank0 and _isatty(sys.stderr):
+        if self.rank0 and isatty(sys.stderr):
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, unit="tok", desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True)

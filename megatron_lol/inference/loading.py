@@ -81,7 +81,7 @@ def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[s
     from megatron_lol.convert.checkpoint import DistCheckpointReader
     from megatron_lol.convert.hf_modeling.configuration_lol import LoLConfig
     from megatron_lol.convert.hf_modeling.modeling_lol import LoLForCausalLM
-    from megatron_lol.convert.to_hf import _hf_tensors, keep_fp32, lol_config_json, validate_checkpoint
+    from megatron_lol.convert.to_hf import hf_tensors, keep_fp32, lol_config_json, validate_checkpoint
 
     run = load_run(load, iteration, config=config, loop_budget=loop_budget)
     path, it, cfg, info, budget = run.path, run.iteration, run.cfg, run.info, run.loop_budget
@@ -100,7 +100,7 @@ def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[s
     d = mapping.Dims.of(m)
     state = {}
     for name in mapping.native_shapes(m, vocab):
-        for hf_name, t in _hf_tensors(name, reader.read(keys[name]), m, d, llama=False):
+        for hf_name, t in hf_tensors(name, reader.read(keys[name]), m, d, llama=False):
             state[hf_name] = t.to(torch.float32 if keep_fp32(hf_name) else torch_dtype)
     if lol_config.tie_word_embeddings:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
@@ -118,12 +118,12 @@ def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[s
 
 def load_tokenizer(loaded: LoadedModel, tokenizer: Optional[str] = None, tokenizer_type: Optional[str] = None):
     """The run's tokenizer (the copy saved with the checkpoint first); a clear error when its file is gone."""
-    from megatron_lol.convert.to_hf import _tokenizer_files
+    from megatron_lol.convert.to_hf import tokenizer_files
     from megatron_lol.data.tokenizers import build_tokenizer
 
     tok_info = loaded.info.get("tokenizer") or {}
     kind = tokenizer_type or tok_info.get("type") or loaded.cfg.data.tokenizer_type
-    files = _tokenizer_files(loaded.path, loaded.cfg, loaded.info)
+    files = tokenizer_files(loaded.path, loaded.cfg, loaded.info)
     if tokenizer is not None:
         files["tokenizer_model"] = tokenizer
     needed = ("vocab_file", "merge_file") if kind == "GPT2BPETokenizer" else ("tokenizer_model",)

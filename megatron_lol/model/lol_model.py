@@ -235,7 +235,7 @@ class LoLGPTModel(_language_module()):
                                        backend=backend)
         core = None
         if self.core is not None:
-            if self.plan.budgets != [None]:
+            if self.plan.has_budgets:
                 depth = self.plan.depth_for(budget)
             else:
                 self.plan.resolve_budget(budget)  # refuses a budget for a plan without one

@@ -307,7 +307,7 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     pass_attention_linear = sets * block.attention
     pass_attention = pass_attention_linear + sets * d
     # accordion: per-channel second-pass gates (one pair per stored block), optional separate routers
-    accordion = plan.budgets != [None]
+    accordion = plan.has_budgets
     gate_each = 2 * d if plan.gated_blocks() else 0
     loop_gates = L * gate_each
     second_pass_router = len(plan.separate_router_blocks()) * block.moe_router

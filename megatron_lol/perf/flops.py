@@ -251,7 +251,7 @@ def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: i
                               first_window_full_backprop=cur.first_window_full_backprop).total * batch
 
     plan = m.execution_plan()
-    if plan.budgets != [None] and depth is None:
+    if plan.has_budgets and depth is None:
         if budgets:
             per = global_batch / len(budgets)
             return sum(at(plan.depth_for(k), per) for k in budgets)
@@ -270,7 +270,7 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, depth: Optional
     plan = model.execution_plan()
     full_depth = plan.depth
     depth = plan.depth_for(None) if depth is None else depth
-    lowest = plan.depth_for(min(plan.budgets)) if plan.budgets != [None] else 0  # budget 0 runs the whole window
+    lowest = plan.depth_for(min(plan.budgets)) if plan.has_budgets else 0  # budget 0 runs the whole window
     if not lowest <= depth <= full_depth:
         raise ValueError(f"depth must be in [{lowest}, {full_depth}] (got {depth})")
     T = batch * seq

@@ -101,7 +101,7 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
             shape += f", 1 shared expert of {m.moe_shared_expert_intermediate_size}"
         shape += ")"
     vocab_note = f"vocab {counts.vocab_size:,}" + (f" (padded from {vocab:,})" if vocab != counts.vocab_size else "")
-    accordion = plan.budgets != [None]
+    accordion = plan.has_budgets
     rows = [
         ("total", counts.total),
         ("non-embedding", counts.non_embedding),

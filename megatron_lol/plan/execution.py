@@ -169,6 +169,12 @@ class ExecutionPlan:
         """Accordion's loop budgets; ``[None]`` for plans without one."""
         return [None]
 
+    @property
+    def has_budgets(self) -> bool:
+        """Whether the depth of a call depends on a loop budget (Accordion): exports, FLOP and parameter
+        counts and evaluation then report per budget."""
+        return False
+
     def resolve_budget(self, budget: Optional[int]) -> Optional[int]:
         """The budget a call runs with (plans without budgets: None; a given one is refused)."""
         if budget is not None:
@@ -193,7 +199,7 @@ class ExecutionPlan:
         """The schedule as plain data (written into exported ``config.json``)."""
         out = {"name": self.name, "num_stored_blocks": self.num_stored_blocks,
                "steps": [s.to_dict() for s in self._steps]}
-        if self.budgets != [None]:
+        if self.has_budgets:
             out["depth_for_budget"] = {str(k): self.depth_for(k) for k in self.budgets}
         return out
 
@@ -388,6 +394,10 @@ class AccordionPlan(ExecutionPlan):
     @property
     def budgets(self) -> list:
         return list(self.model.loop_budgets)
+
+    @property
+    def has_budgets(self) -> bool:
+        return True
 
     def resolve_budget(self, budget: Optional[int]) -> int:
         """The given budget, else the config's ``loop_budget``, else the largest."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 
 from megatron_lol.config import add_config_arguments, config_from_args
 from megatron_lol.config.loader import overrides_from_args
@@ -128,8 +127,3 @@ def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
               f"{'' if check_data else ' (data files not checked)'}", flush=True)
     return 0
 
-
-if __name__ == "__main__":  # pragma: no cover
-    from megatron_lol.cli import main
-
-    sys.exit(main(["train", *sys.argv[1:]]))
