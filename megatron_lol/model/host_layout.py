@@ -72,6 +72,7 @@ class DepthWindows:
     cu_seqlens: torch.Tensor  # [C + 1] int32: THD offsets of the windows in token order
     doc_window_offsets: torch.Tensor  # [C + 1] long: windows [o[d], o[d+1]) belong to document d
     num_windows: int  # real windows (host integer: never read from the device)
+    max_length: int  # bound of a window's length: the padded width of the ordered window sums
     num_docs: int
 
     @property
@@ -116,6 +117,7 @@ def _depth_windows(windows: WindowLayout, capacity: int) -> DepthWindows:
         cu_seqlens=cu.to(torch.int32),
         doc_window_offsets=doc_offsets,
         num_windows=n,
+        max_length=windows._max_length(),
         num_docs=windows.num_docs,
     )
 

@@ -13,9 +13,9 @@ Reductions that decide routes, or produce gradients that replicated ranks
 must agree on, are ordered: segment sums over contiguous runs
 (``torch.segment_reduce``, one sequential sum per segment) and gathers, never
 ``index_add_`` / ``scatter_add_`` with repeated indices, whose floating-point
-result depends on the order of atomic adds on CUDA. Window sums therefore
-add a window's tokens in token order, as the reference's ``index_add_`` does
-on the CPU (the values are bit for bit the reference's there); the
+result depends on the order of atomic adds on CUDA. Window sums are the
+reference's own (:func:`~.windows.segment_means`, a padded layout summed along
+its rows: bit for bit the same means, so the same routes); the
 per-document prefix over windows is a float64 cumulative sum (its rounding is
 below float32's, so no long running sum leaks into a document's prefix).
 
@@ -33,6 +33,7 @@ from torch.autograd.function import once_differentiable
 
 from megatron_lol.model.host_layout import DepthWindows
 from megatron_lol.model.router import choose_blocks
+from megatron_lol.model.windows import segment_means
 
 
 def segment_sum(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -86,17 +87,20 @@ def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) ->
 class _WindowInputs(torch.autograd.Function):
     """``(window means, first-token rows)`` of ``states``, both fp32 ``[C, h]``.
 
-    Forward: ordered segment sums of the windows (token order). Backward: the
+    Forward: the reference's ordered window sums (a padded ``[C, max_length, h]``
+    layout summed along its rows, :func:`~.windows.segment_means`). Backward: the
     means' gradient divided by the lengths, gathered to the tokens, plus the
     first rows' gradient at first tokens (a gather as well): one dense buffer.
     """
 
     @staticmethod
-    def forward(ctx, states, cu_seqlens, window_length, first_token, token_window, token_is_first):
+    def forward(ctx, states, window_length, first_token, token_window, token_is_first, max_length):
         lengths = window_length.clamp(min=1).unsqueeze(1).to(torch.float32)
         ctx.save_for_backward(lengths, token_window, token_is_first)
         ctx.dtype = states.dtype
-        means = segment_sum(states.float(), cu_seqlens) / lengths
+        # the reference's ordered sums (windows.segment_means): the same bits, so the same routes
+        means = segment_means(states, first_token, window_length, max_length)
+        means = torch.where(window_length.unsqueeze(1) > 0, means, torch.zeros_like(means))  # padding: 0, not 0/0
         return means, states.index_select(0, first_token).float()
 
     @staticmethod
@@ -112,8 +116,8 @@ class _WindowInputs(torch.autograd.Function):
 
 def window_inputs(windows: DepthWindows, states: torch.Tensor) -> tuple:
     """Window means ``mu_j`` and first-token rows of the depth's input ``states`` ``[T, h]``, fp32 ``[C, h]``."""
-    return _WindowInputs.apply(states, windows.cu_seqlens, windows.window_length, windows.window_first_token,
-                               windows.token_window, windows.token_is_first)
+    return _WindowInputs.apply(states, windows.window_length, windows.window_first_token, windows.token_window,
+                               windows.token_is_first, windows.max_length)
 
 
 class _PrefixMeans(torch.autograd.Function):
