@@ -3,13 +3,13 @@ against a naive per-window loop, path forcing, truncated backprop, FiLM, input i
 
 from __future__ import annotations
 
-import types
 
 import pytest
 import torch
 
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.core import ForcedPath
+from megatron_lol.model.core_steps import RoutedStep
 from megatron_lol.model.router import choose_blocks
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 
@@ -105,21 +105,22 @@ def test_packed_documents_see_no_previous_document(make_model):
 
 
 # ---------------------------------------------------- grouped dispatch == naive loop
-def _naive_routed_update(self, step, flat, windows, decision, token_rope, rope_table, s_len, truncated,
-                         first_window_full, backend, moe_records):
+class NaiveRoutedStep(RoutedStep):
     """Each window alone: its chosen block on [len, 1, h] with a plain causal mask, gated."""
-    assert not truncated
-    pieces, expect_first = [], 0
-    for w in range(windows.num_windows):
-        first, n = int(windows.window_first_token[w]), int(windows.window_length[w])
-        assert first == expect_first  # windows tile the flat tokens in order
-        expect_first += n
-        x = flat[first:first + n]
-        y = self._call(step, int(decision.choice[w]), x.unsqueeze(1), SegmentMask(), token_rope[first:first + n],
-                       None, None).squeeze(1)
-        pieces.append(x + decision.gate[w].to(x.dtype) * (y - x))
-    assert expect_first == flat.shape[0]
-    return torch.cat(pieces, 0)
+
+    def update(self, flat, windows, decision, ctx):
+        assert not ctx.truncated(self.step)
+        pieces, expect_first = [], 0
+        for w in range(windows.num_windows):
+            first, n = int(windows.window_first_token[w]), int(windows.window_length[w])
+            assert first == expect_first  # windows tile the flat tokens in order
+            expect_first += n
+            x = flat[first:first + n]
+            y = self.core.call(self.step, int(decision.choice[w]), x.unsqueeze(1), SegmentMask(),
+                               ctx.token_rope[first:first + n], ctx).squeeze(1)
+            pieces.append(x + decision.gate[w].to(x.dtype) * (y - x))
+        assert expect_first == flat.shape[0]
+        return torch.cat(pieces, 0)
 
 
 @pytest.mark.parametrize("extra", [{}, {"film": "depth_block", "input_injection": True}])
@@ -134,7 +135,7 @@ def test_grouped_dispatch_equals_naive_window_loop(make_model, extra):
                 m.core.film_gamma.add_(0.3 * torch.randn_like(m.core.film_gamma))
                 m.core.film_beta.add_(0.3 * torch.randn_like(m.core.film_beta))
                 m.core.injection_logit.add_(torch.randn_like(m.core.injection_logit))
-    naive.core._routed_update = types.MethodType(_naive_routed_update, naive.core)
+    naive.core.routed_step_class = NaiveRoutedStep
     x = _tokens(2, 40, seed=5)
     x[0, 18] = 0
     labels = _tokens(2, 40, seed=6)
@@ -424,14 +425,14 @@ def test_input_injection_formula_and_router_reads_injected_state(make_model, mon
 
     monkeypatch.setattr(core_mod, "router_summaries", spy)
     outs = []
-    orig = model.core._routed_update
 
-    def keep(*a, **k):
-        out = orig(*a, **k)
-        outs.append(out.detach().clone())
-        return out
+    class KeepOutputs(RoutedStep):
+        def update(self, *a, **k):
+            out = super().update(*a, **k)
+            outs.append(out.detach().clone())
+            return out
 
-    model.core._routed_update = keep
+    model.core.routed_step_class = KeepOutputs
     with torch.no_grad():
         model(_tokens(1, 24, seed=1))
     s0 = seen[0]  # depth 1 input: sig(t) s0 + (1 - sig(t)) s0 == s0

@@ -368,7 +368,8 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
     layout = build_host_layout(tokens, 0, 8, 4, range(1, net.plan.depth + 1), net.plan.num_stored_blocks, seeds)
 
     def grouped(hidden, docs, rope, steps, *, depth, forced, record, record_moe, backprop_depth,
-                first_window_full_backprop, noise_seeds):
+                first_window_full_backprop, noise_seeds, routing_check=None):
+        assert routing_check is None  # one process: no agreement check
         return grouped_core_forward(net.core, hidden, layout, rope, steps, depth=depth, forced=forced, record=record,
                                     backprop_depth=backprop_depth,
                                     first_window_full_backprop=first_window_full_backprop)

@@ -1,18 +1,17 @@
 """The core: the stored blocks and the execution plan that runs them.
 
-This is the paper's Algorithm 1 (docs/model.md, "The routed core"), for every
-step ``l`` of the plan's steps this forward runs:
+This is the paper's Algorithm 1 (docs/model.md, "The routed core"). The forward
+is its loop::
 
-1. (optional) diagonal input injection ``s <- sig(theta) s + (1 - sig(theta)) s0``;
-2. a *routed* step (LoL): the windows of depth ``l`` (shifted by
-   ``((l-1) S) mod W``, restarting per document); the router reads the prefix
-   summaries of the step's *input* and picks a block ``rho`` and a gate
-   ``alpha`` per window (or a forced path supplies them); every block runs all
-   windows routed to it as one packed batch, and
-   ``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` (:func:`~.dispatch.gated_update`);
-3. a *fixed* step (dense, looped, Foil, Accordion): ``s <- E_b(s)`` for the
-   step's block ``b``, attention full, sliding or strided, with the pass's
-   own parts (Foil's untied attention, Accordion's gates and router).
+    state = CoreState(flat=s0, injected=s0)
+    for step in steps:
+        state = self.step_for(step).run(state, ctx)
+
+where each step (:mod:`.core_steps`) first applies the optional input injection,
+then either routes (LoL: windows of depth ``l``, the router's block ``rho`` and
+gate ``alpha`` per window, ``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` with every
+block run once on all windows routed to it) or runs its fixed block
+(``s <- E_b(s)``: dense, looped, Foil, Accordion, with the pass's own parts).
 
 Which steps run is the plan's business (:mod:`megatron_lol.plan`); what runs
 faster on a device is a backend's (:mod:`megatron_lol.backends`). Everything a
@@ -32,10 +31,9 @@ from torch import nn
 
 from megatron_lol.backends import select_backend
 from megatron_lol.config.schema import ModelConfig
-from megatron_lol.model.attention import SegmentMask
-from megatron_lol.model.balancing import BalancingBias, global_aux_loss, sequence_aux_loss
+from megatron_lol.model.balancing import BalancingBias
 from megatron_lol.model.block_call import BlockParts, call_block
-from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
+from megatron_lol.model.core_steps import CoreContext, CoreState, DepthRecord, FixedStep, RoutedStep
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
 from megatron_lol.model.precision import fp8_disabled, row_multiple
@@ -44,6 +42,8 @@ from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.stages import local_blocks
 from megatron_lol.platform.trace_ranges import trace_range, trace_steps
+
+__all__ = ["Core", "CoreOutput", "DepthRecord", "ForcedPath", "MoERecord"]
 
 
 @dataclass
@@ -69,18 +69,6 @@ class ForcedPath:
             wid, wgate = ids[windows.window_doc, ordinal], gates[windows.window_doc, ordinal]
         forced = (wid >= 0) & (windows.window_ordinal < k_max)
         return forced, wid.clamp(min=0), wgate.float()
-
-
-@dataclass
-class DepthRecord:
-    """Routing record of one depth: what every window chose and with what probabilities."""
-
-    depth: int
-    choice: torch.Tensor  # [N]
-    gate: torch.Tensor  # [N]
-    probs: Optional[torch.Tensor]  # [N, L]
-    window_doc: torch.Tensor  # [N]
-    window_ordinal: torch.Tensor  # [N]
 
 
 @dataclass
@@ -121,6 +109,10 @@ def _expert_parallel() -> tuple:
 
 class Core(nn.Module):
     """Stored blocks, their per-step parts, the router(s) and the balancing bias of one model."""
+
+    #: what a routed / a fixed plan step runs as (:mod:`.core_steps`); a subclass or an instance may swap them
+    routed_step_class = RoutedStep
+    fixed_step_class = FixedStep
 
     def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None,
                  vp_stage: Optional[int] = None, packed: bool = False):
@@ -210,7 +202,8 @@ class Core(nn.Module):
         ep, ep_rank = _expert_parallel()
         return local_blocks(L, ep, ep_rank)
 
-    def _expert_group(self):
+    def expert_group(self):
+        """The expert-parallel group the library is sharded over (None: not sharded)."""
         ep, _ = _expert_parallel()
         if ep == 1 or not self.plan.shards_library:
             return None
@@ -241,11 +234,13 @@ class Core(nn.Module):
             moe_router=self.second_pass_routers[str(block)] if step.separate_router else None,
             record_moe=record_moe)
 
-    def _call(self, step: Step, block: int, x, mask, rope, backend, moe_records: Optional[list], pad_to: int = 1):
+    def call(self, step: Step, block: int, x, mask, rope, ctx: CoreContext, *, pad_to: int = 1):
+        """One call of stored ``block`` at ``step`` (its per-pass parts, recompute, the backend)."""
         recompute = self.recompute_full and self.training and torch.is_grad_enabled()
+        moe_records = ctx.moe_records
         with trace_range(f"block {block}"):
             out, route = call_block(self.block(block), x, mask, rope, self.parts(step, block, moe_records is not None),
-                                    packed=self.packed, recompute=recompute, backend=backend, pad_to=pad_to)
+                                    packed=self.packed, recompute=recompute, backend=ctx.backend, pad_to=pad_to)
         if route is not None and moe_records is not None:
             moe_records.append(MoERecord(block, step.pass_index, route.logits, route.routing_map))
         return out
@@ -297,136 +292,36 @@ class Core(nn.Module):
         :mod:`megatron_lol.parallel.routing_agreement`).
         """
         backend = select_backend(states.device)
-        context = backend.core_context(self._needs_device_mode()) if backend is not None else contextlib.nullcontext()
-        with context:
-            return self._forward(states, docs, rope, steps, depth, forced, record, record_moe, backprop_depth,
-                                 first_window_full_backprop, noise_seeds, backend, routing_check)
-
-    def _forward(self, states, docs, rope, steps, depth, forced, record, record_moe, backprop_depth,
-                 first_window_full, noise_seeds, backend, routing_check=None) -> CoreOutput:
-        cfg, plan = self.cfg, self.plan
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape
-        flat = states.transpose(0, 1).reshape(b * s_len, h)
-        injected_from = flat
-        token_rope = rope.repeat(rows, 1, 1, 1) if rope is not None else None  # [T, 1, 1, d], row-major
-        out = CoreOutput(states=states)
-        moe_records = out.moe_records if record_moe else None
-        aux_terms, loads = [], []
-        for step in trace_steps(steps):  # profiler range "depth {l}" around each step
-            if cfg.input_injection:
-                mix = torch.sigmoid(self.injection_logit)
-                flat = mix * flat + (1 - mix) * injected_from
-            truncated = (backprop_depth is not None and self.training and torch.is_grad_enabled()
-                         and step.depth <= depth - backprop_depth)
-            windows = WindowLayout.build(docs, step.depth, cfg.window_size, cfg.window_shift) if step.windowed else None
-            if not step.routed:
-                flat = self._fixed_update(step, flat, docs, windows, token_rope, rope, b, s_len, truncated, backend,
-                                          moe_records)
-                continue
-            with trace_range("router"):
-                decision = self.decide(step.depth, windows, flat, forced, noise_seeds, row_len)
-            if routing_check is not None:
-                routing_check(step.depth, decision)
-            if self.training:
-                if self.balancer is not None:
-                    self.balancer.record(step.depth, decision.choice)
-                if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                    aux_terms.append(cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision)
-                                     / max(1, windows.num_docs))
-                elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
-                    aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
-            loads.append((step.depth, torch.bincount(decision.choice.detach(), minlength=plan.num_stored_blocks)))
-            if record:
-                out.records.append(DepthRecord(step.depth, decision.choice.detach(), decision.gate.detach(),
-                                               decision.probs.detach(), windows.window_doc, windows.window_ordinal))
-            with trace_range("dispatch"):
-                flat = self._routed_update(step, flat, windows, decision, token_rope, rope, row_len, truncated,
-                                           first_window_full, backend, moe_records)
-        out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
-        if aux_terms:
-            out.aux_loss = torch.stack(aux_terms).sum()
-        if plan.routed:
+        context = backend.core_context(self._needs_device_mode()) if backend is not None else contextlib.nullcontext()
+        with context:
+            ctx = CoreContext(
+                docs=docs, rope=rope, token_rope=rope.repeat(rows, 1, 1, 1) if rope is not None else None,
+                rows=rows, row_length=row_len, stream_shape=(s_len, b), depth=depth, training=self.training, forced=forced,
+                noise_seeds=noise_seeds, backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window_full_backprop, backend=backend,
+                routing_check=routing_check, moe_records=[] if record_moe else None, record=record)
+            flat = states.transpose(0, 1).reshape(b * s_len, h)
+            state = CoreState(flat=flat, injected=flat)
+            for step in trace_steps(steps):  # profiler range "depth {l}" around each step
+                state = self.step_for(step).run(state, ctx)
+        return self._output(state, ctx, (s_len, b, h))
+
+    def step_for(self, step: Step):
+        """The runnable form of plan step ``step`` (``routed_step_class`` / ``fixed_step_class``)."""
+        return (self.routed_step_class if step.routed else self.fixed_step_class)(self, step)
+
+    def _output(self, state: CoreState, ctx: CoreContext, shape: tuple) -> CoreOutput:
+        s_len, b, h = shape
+        out = CoreOutput(states=state.flat.view(b, s_len, h).transpose(0, 1).contiguous(), records=state.records,
+                         moe_records=ctx.moe_records if ctx.moe_records is not None else [])
+        if state.aux_terms:
+            out.aux_loss = torch.stack(state.aux_terms).sum()
+        if self.plan.routed:
             # rows for every depth of the plan; zero for depths not run here (other stages, not grown yet)
-            out.block_loads = torch.zeros(plan.depth, plan.num_stored_blocks, dtype=torch.long,
-                                          device=flat.device)
-            for l, row in loads:
+            out.block_loads = torch.zeros(self.plan.depth, self.plan.num_stored_blocks, dtype=torch.long,
+                                          device=state.flat.device)
+            for l, row in state.loads:
                 out.block_loads[l - 1] = row
         return out
-
-    def _routed_update(self, step, flat, windows, decision, token_rope, rope_table, row_len, truncated,
-                       first_window_full, backend, moe_records):
-        L, W = self.plan.num_stored_blocks, self.cfg.window_size
-        token_choice = decision.choice.index_select(0, windows.token_window)
-        ep_group = self._expert_group()
-
-        def runner(biases: Optional[dict]):
-            def run_block(block, rows, segments, token_index):
-                # token_index: flat token index or row position (< row_len); the row-major token_rope
-                # holds row position t mod row_len at flat index t, so both index it directly.
-                # Packed (THD) attention restarts positions per window itself: it takes the table.
-                rope = rope_table if self.packed else (
-                    token_rope.index_select(0, token_index) if token_rope is not None else None)
-                mask = SegmentMask(segments=segments.view(1, -1), chunk=W,
-                                   bias=None if biases is None else biases.get(block))
-                return self._call(step, block, rows.unsqueeze(1), mask, rope, backend, moe_records,
-                                  pad_to=self.row_multiple).squeeze(1)
-            return run_block
-
-        def updates(grouping):
-            """``E(s) - s`` of the grouped tokens (under EP their windows travel to their block's rank)."""
-            if ep_group is None:
-                return block_updates(grouping, flat, runner(None if self.packed else grouping.chunk_biases(W)))
-            from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
-
-            rope_index = torch.arange(flat.shape[0], device=flat.device) % row_len
-            return run_grouped_expert_parallel(grouping, flat, runner(None), rope_index, ep_group)
-
-        def update(states, grouping, gate):
-            if ep_group is None:
-                run_block = runner(None if self.packed else grouping.chunk_biases(W))
-                new = backend.gated_update(states, grouping, gate, run_block) if backend is not None else None
-                return new if new is not None else gated_update(states, grouping, gate, run_block)
-            return apply_gated_updates(states, grouping, updates(grouping), gate)
-
-        if not truncated:
-            return update(flat, group_by_block(token_choice, windows.token_window, L), decision.gate)
-        # Truncated backprop through depth: this depth's block updates are constants for autograd,
-        # except for first-window tokens when enabled. The state keeps its identity path, so
-        # earlier layers still get gradients.
-        keep = windows.window_ordinal.index_select(0, windows.token_window) == 0
-        if not first_window_full:
-            keep = torch.zeros_like(keep)
-        new = flat
-        collective = ep_group is not None  # EP ranks must all take part, even with nothing to send
-        grad_idx = torch.nonzero(keep).squeeze(1)
-        if grad_idx.numel() or collective:
-            new = update(new, group_by_block(token_choice, windows.token_window, L, subset=grad_idx), decision.gate)
-        rest = torch.nonzero(~keep).squeeze(1)
-        if rest.numel() or collective:
-            grouping = group_by_block(token_choice, windows.token_window, L, subset=rest)
-            with torch.no_grad():
-                frozen = updates(grouping)
-            # added outside no_grad, so the state keeps its identity path (and the first-window graph)
-            new = apply_gated_updates(new, grouping, frozen, decision.gate.detach())
-        return new
-
-    def _fixed_update(self, step, flat, docs, windows, token_rope, rope_table, b, s_len, truncated, backend,
-                      moe_records):
-        cfg = self.cfg
-        with torch.no_grad() if truncated else contextlib.nullcontext():
-            if step.attention == "strided":
-                mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
-                rope = rope_table if self.packed else token_rope
-                new = self._call(step, step.block, flat.unsqueeze(1), mask, rope, backend, moe_records).squeeze(1)
-            else:
-                x = flat.view(b, s_len, -1).transpose(0, 1)
-                sliding = cfg.window_size if step.attention == "sliding" else None
-                mask = SegmentMask(segments=docs.doc_index, sliding=sliding)
-                # the whole sequence's positions: under sequence parallelism x holds s/tp rows and
-                # megatron's attention gathers them before RoPE
-                new = self._call(step, step.block, x, mask, rope_table, backend, moe_records)
-                new = new.transpose(0, 1).reshape(b * s_len, -1)
-        if truncated:
-            return flat + (new - flat).detach()
-        return new

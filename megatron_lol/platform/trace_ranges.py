@@ -5,8 +5,11 @@ The model marks ``prelude``, ``depth {l}``, ``router``, ``dispatch``,
 (:mod:`megatron_lol.training.tracing`) switches them on with
 :func:`enable_ranges`. They are ``torch.profiler.record_function`` ranges (in
 the Chrome trace) and, on CUDA, NVTX ranges (in nsys). Outside a profiled
-window :func:`trace_range` is a shared no-op context, so unprofiled steps pay
-nothing. This sits below the model so the model can mark its ranges without
+window, and with no listener, :func:`trace_range` is a shared no-op context, so
+unprofiled steps pay nothing. Listeners (:func:`add_listener`: objects with
+``enter(name)`` / ``exit(name)``) see every range as it opens and closes;
+``megatron-lol profile`` times the core's sections this way, through the same
+named points the traces show. This sits below the model so the model can mark its ranges without
 depending on the training loop.
 """
 
@@ -17,6 +20,7 @@ from typing import Iterable, Iterator
 
 _NULL = contextlib.nullcontext()
 _STATE = {"ranges": False, "nvtx": False}
+_LISTENERS: list = []
 
 
 class _Range:
@@ -31,24 +35,30 @@ class _Range:
     def __enter__(self):
         import torch
 
-        self.record = torch.profiler.record_function(self.name)
-        self.record.__enter__()
-        if _STATE["nvtx"]:
-            torch.cuda.nvtx.range_push(self.name)
+        if _STATE["ranges"]:
+            self.record = torch.profiler.record_function(self.name)
+            self.record.__enter__()
+            if _STATE["nvtx"]:
+                torch.cuda.nvtx.range_push(self.name)
+        for listener in _LISTENERS:
+            listener.enter(self.name)
         return self
 
     def __exit__(self, *exc):
         import torch
 
-        if _STATE["nvtx"]:
-            torch.cuda.nvtx.range_pop()
-        self.record.__exit__(*exc)
+        for listener in reversed(_LISTENERS):
+            listener.exit(self.name)
+        if self.record is not None:
+            if _STATE["nvtx"]:
+                torch.cuda.nvtx.range_pop()
+            self.record.__exit__(*exc)
         return False
 
 
 def trace_range(name: str):
     """A named range in the profiler trace (and nsys, on CUDA) while a profile window is open; else a no-op."""
-    return _Range(name) if _STATE["ranges"] else _NULL
+    return _Range(name) if _STATE["ranges"] or _LISTENERS else _NULL
 
 
 def trace_steps(steps: Iterable, name=lambda step: f"depth {step.depth}") -> Iterator:
@@ -60,3 +70,13 @@ def trace_steps(steps: Iterable, name=lambda step: f"depth {step.depth}") -> Ite
 
 def enable_ranges(on: bool, nvtx: bool = False) -> None:
     _STATE["ranges"], _STATE["nvtx"] = on, on and nvtx
+
+
+def add_listener(listener) -> None:
+    """Call ``listener.enter(name)`` / ``listener.exit(name)`` at every range from now on."""
+    _LISTENERS.append(listener)
+
+
+def remove_listener(listener) -> None:
+    if listener in _LISTENERS:
+        _LISTENERS.remove(listener)

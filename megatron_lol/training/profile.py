@@ -56,6 +56,7 @@ from typing import Optional
 
 from megatron_lol.errors import CliError
 from megatron_lol.perf.timing import StepTimer
+from megatron_lol.platform.trace_ranges import add_listener, remove_listener
 from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
     format_nodes,
     format_report,
@@ -175,6 +176,7 @@ class SectionTimer:
         self.handles: list = []
         self.enabled = True
         self._open: dict = {}
+        self._stack: list = []  # open trace ranges: (name, start)
 
     def now(self) -> float:
         if self.sync:
@@ -200,7 +202,7 @@ class SectionTimer:
         self.handles.append(module.register_forward_hook(post))
 
     def wrap(self, owner, name: str, key: str) -> None:
-        """Replace ``owner.name`` (a function attribute) by a timed version."""
+        """Time calls of the bound method ``owner.name`` (the optimizer's step) on this instance only."""
         original = getattr(owner, name)
         timer = self
 
@@ -214,6 +216,23 @@ class SectionTimer:
         setattr(owner, name, timed)
         self.handles.append(_Restore(owner, name, original))
 
+    def listen_to_ranges(self) -> None:
+        """Time the core's named ranges (platform/trace_ranges.py): ``dispatch``, and the block calls
+        made inside it, so that dispatch overhead = dispatch range - its block calls."""
+        add_listener(self)
+        self.handles.append(_StopListening(self))
+
+    def enter(self, name: str) -> None:
+        self._stack.append((name, self.now() if name == "dispatch" or name.startswith("block ") else 0.0))
+
+    def exit(self, name: str) -> None:
+        opened, t0 = self._stack.pop()
+        assert opened == name, f"trace ranges closed out of order: {opened!r} then {name!r}"
+        if name == "dispatch":
+            self.add("core.dispatch_range", self.now() - t0)
+        elif name.startswith("block ") and any(n == "dispatch" for n, _ in self._stack):
+            self.add("core.blocks_in_dispatch", self.now() - t0)
+
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
@@ -226,6 +245,14 @@ class _Restore:
 
     def remove(self):
         setattr(self.owner, self.name, self.original)
+
+
+class _StopListening:
+    def __init__(self, timer):
+        self.timer = timer
+
+    def remove(self):
+        remove_listener(self.timer)
 
 
 def _layers(container) -> list:
@@ -344,7 +371,7 @@ def _precision(cfg, override: Optional[str]) -> str:
     return "bf16" if cfg.model.params_dtype == "bf16" else "tf32"
 
 
-def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = None, sync: bool = True,
+def profile_trainer(trainer, steps: int, warmup: int, *, depth: Optional[int] = None, sync: bool = True,
                     sample_interval: float = 0.5, peak_override: Optional[float] = None,
                     precision: Optional[str] = None, sampler=None, breakdown: bool = True) -> dict:
     """Run ``warmup`` + ``steps`` training steps of a set-up trainer; return this rank's report.
@@ -400,15 +427,13 @@ def profile_trainer(trainer, steps: int, warmup: int, depth: Optional[int] = Non
         timer.remove()
         if routing is not None:
             routing.remove()
-    return _report(trainer, timer, routing, results, step_times, steps_timer.method, breakdown, depth, full,
-                   precision, peak_override, sampler if own_sampler else None, warmup, sync and cuda)
+    return _report(trainer, timer, routing, results, step_times, method=steps_timer.method, breakdown=breakdown,
+                   depth=depth, full=full, precision=precision, peak_override=peak_override,
+                   sampler=sampler if own_sampler else None, warmup=warmup, synced=sync and cuda)
 
 
 def _hook_sections(timer: SectionTimer, trainer, core) -> None:
-    """The section timers of the breakdown: module hooks and wrapped dispatch functions."""
-    import megatron_lol.model.core as core_mod
-    from megatron_lol.backends import select_backend
-
+    """The section timers of the breakdown: module hooks and the core's named ranges."""
     model = trainer.model
     for layer in _layers(getattr(model, "prelude", None)):
         timer.hook_module(layer, "prelude")
@@ -416,14 +441,7 @@ def _hook_sections(timer: SectionTimer, trainer, core) -> None:
         timer.hook_module(core, "core")
         for blk in _layers(getattr(core, "blocks", None)):
             timer.hook_module(blk, "core.blocks")
-        # the names core.py calls: bookkeeping alone, and grouped block runs (blocks timed inside)
-        for name in ("group_by_block", "apply_gated_updates"):
-            timer.wrap(core_mod, name, "core.dispatch_calls")
-        for name in ("block_updates", "gated_update"):
-            timer.wrap(core_mod, name, "core.run_grouped")
-        backend = select_backend(next(model.parameters()).device)
-        if backend is not None:  # the CPU backend's fused update (an instance attribute while profiling)
-            timer.wrap(backend, "gated_update", "core.run_grouped")
+        timer.listen_to_ranges()
     for layer in _layers(getattr(model, "coda", None)):
         timer.hook_module(layer, "coda_head")
     for name in ("final_norm", "output_layer"):
@@ -433,7 +451,7 @@ def _hook_sections(timer: SectionTimer, trainer, core) -> None:
     timer.wrap(trainer.optimizer, "step", "optimizer")
 
 
-def _report(trainer, timer, routing, results, step_times, method, breakdown, depth, full, precision,
+def _report(trainer, timer, routing, results, step_times, *, method, breakdown, depth, full, precision,
             peak_override, sampler, warmup, synced) -> dict:
     import torch
 
@@ -464,8 +482,7 @@ def _report(trainer, timer, routing, results, step_times, method, breakdown, dep
     n = len(step_times)
     per = {k: v / n for k, v in tot.items()}
     blocks = per.get("core.blocks", 0.0)
-    run_grouped = per.get("core.run_grouped", 0.0)
-    dispatch = per.get("core.dispatch_calls", 0.0) + max(0.0, run_grouped - blocks)
+    dispatch = max(0.0, per.get("core.dispatch_range", 0.0) - per.get("core.blocks_in_dispatch", 0.0))
     core_t = per.get("core", 0.0)
     forward = per.get("forward", 0.0)
     fwd_known = per.get("prelude", 0.0) + core_t + per.get("coda_head", 0.0)

@@ -1,0 +1,237 @@
+"""The steps of the core's loop: ``for step in steps: state = step.run(state, ctx)``.
+
+:class:`~megatron_lol.model.core.Core` turns each :class:`~megatron_lol.plan.Step`
+of the plan into one of the step classes here and runs them in order over a
+:class:`CoreState`; what every step of one forward reads (documents, RoPE,
+forcing, truncation, the backend) is one :class:`CoreContext`. A step is
+Algorithm 1's body at depth ``l`` (docs/model.md, "The routed core"):
+
+* the optional diagonal input injection, ``s <- sig(theta) s + (1 - sig(theta)) s0``
+  (:meth:`CoreStep.run`, shared by every kind);
+* :class:`RoutedStep` (LoL): windows of depth ``l``, the router's decision (or a
+  forced path), balancing terms, then ``s_I <- s_I + alpha (E_rho(s_I) - s_I)``
+  with every block run once on all windows routed to it;
+* :class:`FixedStep` (dense, looped, Foil, Accordion): ``s <- E_b(s)`` with the
+  step's attention (full, sliding, strided) and the pass's own parts.
+
+The step classes are the extension point: a core uses ``Core.routed_step_class``
+and ``Core.fixed_step_class``, so a variant (or a test's naive reference) swaps
+one kind's update without touching the loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from megatron_lol.model.attention import SegmentMask
+from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
+from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
+from megatron_lol.model.router import RoutingDecision
+from megatron_lol.model.windows import DocumentLayout, WindowLayout
+from megatron_lol.plan import Step
+from megatron_lol.platform.trace_ranges import trace_range
+
+
+@dataclass
+class DepthRecord:
+    """Routing record of one depth: what every window chose and with what probabilities."""
+
+    depth: int
+    choice: torch.Tensor  # [N]
+    gate: torch.Tensor  # [N]
+    probs: Optional[torch.Tensor]  # [N, L]
+    window_doc: torch.Tensor  # [N]
+    window_ordinal: torch.Tensor  # [N]
+
+
+@dataclass
+class CoreContext:
+    """What every step of one core forward reads; fixed for the forward.
+
+    ``rope``: megatron's RoPE table ``[s, 1, 1, d]`` (row positions);
+    ``token_rope``: the same angles per flat token ``[b*s, 1, 1, d]``, row-major.
+    ``backprop_depth`` ``k``: only the last ``k`` of the ``depth`` steps get
+    gradients (first windows excepted when ``first_window_full_backprop``).
+    ``routing_check(depth, decision)``: the tensor-parallel agreement check, called
+    before a routed depth's blocks run. ``moe_records``: the list MoE block calls
+    append to (None: not recorded).
+    """
+
+    docs: DocumentLayout
+    rope: Optional[torch.Tensor]
+    token_rope: Optional[torch.Tensor]
+    rows: int  # of the micro-batch (docs' shape [rows, row_length])
+    row_length: int
+    stream_shape: tuple  # (s, b) of the core's input states: (b*s, 1) when packed
+    depth: int
+    training: bool
+    forced: Optional[object] = None  # ForcedPath
+    noise_seeds: Optional[torch.Tensor] = None
+    backprop_depth: Optional[int] = None
+    first_window_full_backprop: bool = True
+    backend: Optional[object] = None
+    routing_check: Optional[Callable] = None
+    moe_records: Optional[list] = None
+    record: bool = False
+
+    def truncated(self, step: Step) -> bool:
+        """Whether ``step``'s updates are constants for autograd (truncated backprop through depth)."""
+        return (self.backprop_depth is not None and self.training and torch.is_grad_enabled()
+                and step.depth <= self.depth - self.backprop_depth)
+
+
+@dataclass
+class CoreState:
+    """The residual stream between steps and what the steps observed so far.
+
+    ``flat``: the states as one row-major token stream ``[b*s, h]``;
+    ``injected``: the core's input ``s0`` (input injection mixes it back in).
+    """
+
+    flat: torch.Tensor
+    injected: torch.Tensor
+    aux_terms: list = field(default_factory=list)  # balancing losses, coefficients applied
+    loads: list = field(default_factory=list)  # (depth, [L] windows per block)
+    records: list = field(default_factory=list)  # DepthRecord per routed step (ctx.record)
+
+
+class CoreStep:
+    """One step of the plan bound to the core that runs it."""
+
+    def __init__(self, core, step: Step):
+        self.core = core
+        self.step = step
+
+    def run(self, state: CoreState, ctx: CoreContext) -> CoreState:
+        if self.core.cfg.input_injection:
+            mix = torch.sigmoid(self.core.injection_logit)
+            state.flat = mix * state.flat + (1 - mix) * state.injected
+        return self.advance(state, ctx)
+
+    def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:
+        raise NotImplementedError
+
+    def windows(self, ctx: CoreContext) -> Optional[WindowLayout]:
+        """The step's windows (shifted per depth, restarting per document), when it uses them."""
+        if not self.step.windowed:
+            return None
+        cfg = self.core.cfg
+        return WindowLayout.build(ctx.docs, self.step.depth, cfg.window_size, cfg.window_shift)
+
+
+class FixedStep(CoreStep):
+    """``s <- E_b(s)``: the step's block on every token, attention full, sliding or strided."""
+
+    def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:
+        core, step, cfg = self.core, self.step, self.core.cfg
+        flat = state.flat
+        truncated = ctx.truncated(step)
+        with torch.no_grad() if truncated else contextlib.nullcontext():
+            if step.attention == "strided":
+                windows = self.windows(ctx)
+                mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
+                rope = ctx.rope if core.packed else ctx.token_rope
+                new = core.call(step, step.block, flat.unsqueeze(1), mask, rope, ctx).squeeze(1)
+            else:
+                s_len, b = ctx.stream_shape
+                x = flat.view(b, s_len, -1).transpose(0, 1)
+                sliding = cfg.window_size if step.attention == "sliding" else None
+                mask = SegmentMask(segments=ctx.docs.doc_index, sliding=sliding)
+                # the whole sequence's positions: under sequence parallelism x holds s/tp rows and
+                # megatron's attention gathers them before RoPE
+                new = core.call(step, step.block, x, mask, ctx.rope, ctx)
+                new = new.transpose(0, 1).reshape(b * s_len, -1)
+        state.flat = flat + (new - flat).detach() if truncated else new
+        return state
+
+
+class RoutedStep(CoreStep):
+    """A routed depth: decide per window, then run each block once on the windows routed to it."""
+
+    def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:
+        core, step, cfg = self.core, self.step, self.core.cfg
+        windows = self.windows(ctx)
+        with trace_range("router"):
+            decision = core.decide(step.depth, windows, state.flat, ctx.forced, ctx.noise_seeds, ctx.row_length)
+        if ctx.routing_check is not None:
+            ctx.routing_check(step.depth, decision)
+        if ctx.training:
+            if core.balancer is not None:
+                core.balancer.record(step.depth, decision.choice)
+            if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
+                state.aux_terms.append(cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision)
+                                       / max(1, windows.num_docs))
+            elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
+                state.aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
+        L = core.plan.num_stored_blocks
+        state.loads.append((step.depth, torch.bincount(decision.choice.detach(), minlength=L)))
+        if ctx.record:
+            state.records.append(DepthRecord(step.depth, decision.choice.detach(), decision.gate.detach(),
+                                             decision.probs.detach(), windows.window_doc, windows.window_ordinal))
+        with trace_range("dispatch"):
+            state.flat = self.update(state.flat, windows, decision, ctx)
+        return state
+
+    def update(self, flat: torch.Tensor, windows: WindowLayout, decision: RoutingDecision,
+               ctx: CoreContext) -> torch.Tensor:
+        """``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` for every window ``I`` of this depth."""
+        core, step = self.core, self.step
+        L, W = core.plan.num_stored_blocks, core.cfg.window_size
+        token_choice = decision.choice.index_select(0, windows.token_window)
+        ep_group = core.expert_group()
+
+        def runner(biases: Optional[dict]):
+            def run_block(block, rows, segments, token_index):
+                # token_index: flat token index or row position (< row_length); the row-major token_rope
+                # holds row position t mod row_length at flat index t, so both index it directly.
+                # Packed (THD) attention restarts positions per window itself: it takes the table.
+                rope = ctx.rope if core.packed else (
+                    ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None)
+                mask = SegmentMask(segments=segments.view(1, -1), chunk=W,
+                                   bias=None if biases is None else biases.get(block))
+                return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx,
+                                 pad_to=core.row_multiple).squeeze(1)
+            return run_block
+
+        def updates(grouping):
+            """``E(s) - s`` of the grouped tokens (under EP their windows travel to their block's rank)."""
+            if ep_group is None:
+                return block_updates(grouping, flat, runner(None if core.packed else grouping.chunk_biases(W)))
+            from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
+
+            rope_index = torch.arange(flat.shape[0], device=flat.device) % ctx.row_length
+            return run_grouped_expert_parallel(grouping, flat, runner(None), rope_index, ep_group)
+
+        def update(states, grouping, gate):
+            if ep_group is None:
+                run_block = runner(None if core.packed else grouping.chunk_biases(W))
+                backend = ctx.backend
+                new = backend.gated_update(states, grouping, gate, run_block) if backend is not None else None
+                return new if new is not None else gated_update(states, grouping, gate, run_block)
+            return apply_gated_updates(states, grouping, updates(grouping), gate)
+
+        if not ctx.truncated(step):
+            return update(flat, group_by_block(token_choice, windows.token_window, L), decision.gate)
+        # Truncated backprop through depth: this depth's block updates are constants for autograd,
+        # except for first-window tokens when enabled. The state keeps its identity path, so
+        # earlier layers still get gradients.
+        keep = windows.window_ordinal.index_select(0, windows.token_window) == 0
+        if not ctx.first_window_full_backprop:
+            keep = torch.zeros_like(keep)
+        new = flat
+        collective = ep_group is not None  # EP ranks must all take part, even with nothing to send
+        grad_idx = torch.nonzero(keep).squeeze(1)
+        if grad_idx.numel() or collective:
+            new = update(new, group_by_block(token_choice, windows.token_window, L, subset=grad_idx), decision.gate)
+        rest = torch.nonzero(~keep).squeeze(1)
+        if rest.numel() or collective:
+            grouping = group_by_block(token_choice, windows.token_window, L, subset=rest)
+            with torch.no_grad():
+                frozen = updates(grouping)
+            # added outside no_grad, so the state keeps its identity path (and the first-window graph)
+            new = apply_gated_updates(new, grouping, frozen, decision.gate.detach())
+        return new
