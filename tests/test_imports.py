@@ -142,3 +142,21 @@ def test_each_package_imports_alone(package):
     proc = subprocess.run([sys.executable, "-c", f"import megatron_lol.{package}"], capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def long_positional_signatures(limit: int = 8) -> list:
+    """``(file, line, function, count)`` of every function taking more than ``limit`` positional
+    parameters (``self`` included; keyword-only ones are free): past that, a call site cannot be
+    read without the signature beside it."""
+    found = []
+    for path in PKG.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                count = len(node.args.posonlyargs) + len(node.args.args)
+                if count > limit:
+                    found.append((str(path.relative_to(PKG.parent)), node.lineno, node.name, count))
+    return found
+
+
+def test_no_function_takes_more_than_eight_positional_parameters():
+    assert long_positional_signatures() == []

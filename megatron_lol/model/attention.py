@@ -69,7 +69,7 @@ class SegmentCausalAttention(MegatronModule):
     #: PyTorch's fused attention (SDPA) for the masked softmax: None = wherever the tensors are not on the CPU
     fused: Optional[bool] = None
 
-    def __init__(self, config, layer_number: int, attn_mask_type=None, attention_type: str = "self",
+    def __init__(self, config, layer_number: int, attn_mask_type=None, *, attention_type: str = "self",
                  attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
                  cp_comm_type: Optional[str] = None, pg_collection=None):
         super().__init__(config=config)

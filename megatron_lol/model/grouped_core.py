@@ -72,11 +72,12 @@ def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: O
     backend = select_backend(states.device)
     context = backend.core_context(core._needs_device_mode()) if backend is not None else contextlib.nullcontext()
     with context:
-        return _forward(core, states, layout, rope, steps, depth, _forced_on(forced, states.device), record,
-                        backprop_depth, first_window_full_backprop)
+        return _forward(core, states, layout, rope, steps, depth=depth, forced=_forced_on(forced, states.device),
+                        record=record, backprop_depth=backprop_depth, first_window_full=first_window_full_backprop)
 
 
-def _forward(core, states, layout, rope, steps, depth, forced, record, backprop_depth, first_window_full) -> CoreOutput:
+def _forward(core, states, layout, rope, steps, *, depth, forced, record, backprop_depth,
+             first_window_full) -> CoreOutput:
     cfg, plan = core.cfg, core.plan
     num_blocks, window = plan.num_stored_blocks, cfg.window_size
     s_len, b, h = states.shape
@@ -121,8 +122,8 @@ def _forward(core, states, layout, rope, steps, depth, forced, record, backprop_
                                            decision.probs.detach()[:n], windows.window_doc[:n],
                                            windows.window_ordinal[:n]))
 
-        flat = apply_routed_update(flat, windows, decision, library, rope, positions, film, window,
-                                   truncation_mode(truncated, first_window_full))
+        flat = apply_routed_update(flat, windows, decision, library, rope, positions, film=film, window_size=window,
+                                   truncation=truncation_mode(truncated, first_window_full))
     out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
     if aux_terms:
         out.aux_loss = torch.stack(aux_terms).sum()
@@ -176,7 +177,7 @@ def combine_depth(flat: torch.Tensor, grouped_out: torch.Tensor, depth: GroupedD
 
 
 def apply_routed_update(flat: torch.Tensor, windows, decision, library, rope: Optional[torch.Tensor],
-                        positions: torch.Tensor, film: Optional[tuple], window_size: int,
+                        positions: torch.Tensor, *, film: Optional[tuple], window_size: int,
                         truncation: Optional[str] = None) -> torch.Tensor:
     """``s + alpha (E_rho(s) - s)`` of one depth: :func:`group_depth`, every block at once
     (:func:`~.grouped_blocks.grouped_blocks`), :func:`combine_depth`. Static shapes, no host read.

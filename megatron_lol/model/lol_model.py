@@ -87,7 +87,7 @@ class LoLGPTModel(_language_module()):
     the tied / pipeline-shared embedding plumbing.
     """
 
-    def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], parallel=None,
+    def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], *, parallel=None,
                  max_sequence_length: int = 4096, tconfig=None, init_seed: Optional[int] = 1234,
                  vp_stage: Optional[int] = None, packed_sequences: Optional[bool] = None,
                  gradient_accumulation_fusion: bool = False):
@@ -215,13 +215,15 @@ class LoLGPTModel(_language_module()):
             hidden = self.input_tensor
         rope = self.rotary(s)  # [s, 1, 1, d]
         with fp8_autocast(self.config):  # FP8 (when configured) for the layers' GEMMs, not the head
-            hidden, core = self._layers(hidden, docs, rope, depth, budget, forced_path, record, record_moe,
-                                        backprop_depth, first_window_full_backprop, noise_seeds, aux_loss_scale,
-                                        routing_check)
+            hidden, core = self._layers(hidden, docs, rope, depth=depth, budget=budget, forced_path=forced_path,
+                                        record=record, record_moe=record_moe, backprop_depth=backprop_depth,
+                                        first_window_full_backprop=first_window_full_backprop,
+                                        noise_seeds=noise_seeds, aux_loss_scale=aux_loss_scale,
+                                        routing_check=routing_check)
         out = self._head(hidden, labels, return_hidden, b, s)
         return (out, core) if return_core else out
 
-    def _layers(self, hidden, docs, rope, depth, budget, forced_path, record, record_moe, backprop_depth,
+    def _layers(self, hidden, docs, rope, *, depth, budget, forced_path, record, record_moe, backprop_depth,
                 first_window_full_backprop, noise_seeds, aux_loss_scale, routing_check=None) -> tuple:
         """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
         from megatron.core import tensor_parallel

@@ -210,15 +210,15 @@ def forward_flops(model: ModelConfig, vocab_size: int, seq: int, batch: int = 1,
                   attention_pairs: str = "allowed", training: bool = False,
                   streams_per_depth: int = 1) -> StepFlops:
     """Forward FLOPs of a micro-batch ``[batch, seq]`` (no backward)."""
-    return _flops(model, vocab_size, seq, batch, depth, attention_pairs, training, backward=False,
+    return _flops(model, vocab_size, seq, batch, depth=depth, mode=attention_pairs, training=training, backward=False,
                   backprop_depth=None, first_window_full_backprop=True, streams_per_depth=streams_per_depth)
 
 
-def training_flops(model: ModelConfig, vocab_size: int, seq: int, batch: int = 1, depth: Optional[int] = None,
+def training_flops(model: ModelConfig, vocab_size: int, seq: int, batch: int = 1, *, depth: Optional[int] = None,
                    attention_pairs: str = "allowed", backprop_depth: Optional[int] = None,
                    first_window_full_backprop: bool = True, streams_per_depth: int = 1) -> StepFlops:
     """Forward + backward FLOPs of ``batch`` sequences of ``seq`` tokens at core depth ``depth``."""
-    return _flops(model, vocab_size, seq, batch, depth, attention_pairs, True, backward=True,
+    return _flops(model, vocab_size, seq, batch, depth=depth, mode=attention_pairs, training=True, backward=True,
                   backprop_depth=backprop_depth, first_window_full_backprop=first_window_full_backprop,
                   streams_per_depth=streams_per_depth)
 
@@ -262,7 +262,7 @@ def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: i
                           first_window_full_backprop=cur.first_window_full_backprop).total
 
 
-def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, depth: Optional[int], mode: str,
+def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, *, depth: Optional[int], mode: str,
            training: bool, backward: bool, backprop_depth: Optional[int], first_window_full_backprop: bool,
            streams_per_depth: int) -> StepFlops:
     if mode not in PAIR_MODES:
@@ -392,7 +392,7 @@ class MemoryEstimate:
         return d
 
 
-def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int, depth: Optional[int] = None,
+def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int, *, depth: Optional[int] = None,
                  data_parallel: int = 1, tensor_parallel: int = 1, distributed_optimizer: bool = False,
                  recompute: Optional[str] = None, backprop_depth: Optional[int] = None) -> MemoryEstimate:
     """Per-device bytes of a training step (TP divides weights and activations evenly; PP ignored).

@@ -32,6 +32,7 @@ class LoLConfig(PretrainedConfig):
 
     def __init__(
         self,
+        *,
         vocab_size=32000,
         hidden_size=128,
         intermediate_size=384,

@@ -178,7 +178,7 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config) if num_experts is None else MoEMLP(config, num_experts)
 
-    def forward(self, x, positions, allowed, film=None, attention: Optional[AttentionSet] = None, gates=None,
+    def forward(self, x, positions, allowed, *, film=None, attention: Optional[AttentionSet] = None, gates=None,
                 router_weight: Optional[torch.Tensor] = None, cache=None, cache_index: Optional[int] = None,
                 cache_kwargs: Optional[dict] = None, rope=None):
         """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;

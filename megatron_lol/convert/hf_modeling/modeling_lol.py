@@ -255,7 +255,7 @@ class LoLModel(LoLPreTrainedModel):
         out = self.blocks[block](x, flat_pos[index], causal.unsqueeze(0) & valid.unsqueeze(1), **parts)
         return x[valid], out[valid], index[valid]
 
-    def _routed_step(self, step, s, positions, doc, doc_pos, cache, index, routes):
+    def _routed_step(self, step, s, positions, doc, doc_pos, *, cache, index, routes):
         """A routed step: every window runs the block its router chose."""
         depth = step["depth"]
         b, n, h = s.shape
@@ -279,7 +279,7 @@ class LoLModel(LoLPreTrainedModel):
         token_gate = route["gate"][window]
         return s + token_gate.unsqueeze(-1).to(s.dtype) * update.view(b, n, h)
 
-    def _fixed_step(self, step, s, positions, doc, doc_pos, cache, index, queries):
+    def _fixed_step(self, step, s, positions, doc, doc_pos, *, cache, index, queries):
         """dense / looped / Foil / accordion: the step's block on every token."""
         block = step["block"]
         parts = self.step_parts(step, block)
@@ -341,9 +341,9 @@ class LoLModel(LoLPreTrainedModel):
             s = self.inject(s, s0)
             index = cfg.n_prelude + i
             if step["block"] is None:
-                s = self._routed_step(step, s, positions, doc, doc_pos, cache, index, routes)
+                s = self._routed_step(step, s, positions, doc, doc_pos, cache=cache, index=index, routes=routes)
             else:
-                s = self._fixed_step(step, s, positions, doc, doc_pos, cache, index, queries)
+                s = self._fixed_step(step, s, positions, doc, doc_pos, cache=cache, index=index, queries=queries)
         first_coda = cfg.n_prelude + len(steps)
         for i, layer in enumerate(self.coda):
             s = layer(s, positions, allowed, cache=cache, cache_index=first_coda + i)
@@ -381,7 +381,7 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
         self.lm_head = value
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None,
+                labels: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None, *,
                 return_dict: Optional[bool] = None, loop_budget: Optional[int] = None, use_cache: Optional[bool] = None,
                 cache: Optional[LoLCache] = None, past_key_values=None, context_ids: Optional[torch.LongTensor] = None,
                 routes: Optional[list] = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
@@ -413,7 +413,7 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
             return (loss, logits) if loss is not None else (logits,)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **({_CACHE_FIELD: cache} if cache is not None else {}))
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length: Optional[int] = None, cache=None,
+    def prepare_inputs_for_generation(self, input_ids, *, next_sequence_length: Optional[int] = None, cache=None,
                                       past_key_values=None, attention_mask=None, inputs_embeds=None, use_cache=None,
                                       loop_budget=None, **kwargs):
         inputs = {"attention_mask": attention_mask}
