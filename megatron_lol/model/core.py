@@ -263,16 +263,6 @@ class Core(nn.Module):
             gate = torch.where(is_forced, gates.to(gate.dtype), gate)
         return RoutingDecision(probs=probs, choice=choice, gate=gate)
 
-    def _needs_device_mode(self) -> bool:
-        """Whether this forward may create tensors through megatron's CUDA device calls (the CPU
-        backend runs it outside the platform's CUDA-to-CPU mode otherwise)."""
-        from megatron.core import parallel_state
-
-        if self.packed or self.recompute_full or self.cfg.moe_layers == "all" or _expert_parallel()[0] > 1:
-            return True
-        return (parallel_state.model_parallel_is_initialized()
-                and parallel_state.get_tensor_model_parallel_world_size() > 1)
-
     # ------------------------------------------------------------------ forward
     def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: Optional[torch.Tensor],
                 steps: Sequence[Step], *, depth: int, forced: Optional[ForcedPath] = None, record: bool = False,
@@ -294,7 +284,7 @@ class Core(nn.Module):
         backend = select_backend(states.device)
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape
-        context = backend.core_context(self._needs_device_mode()) if backend is not None else contextlib.nullcontext()
+        context = backend.core_context(self) if backend is not None else contextlib.nullcontext()
         with context:
             ctx = CoreContext(
                 docs=docs, rope=rope, token_rope=rope.repeat(rows, 1, 1, 1) if rope is not None else None,

@@ -70,7 +70,7 @@ def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: O
     from megatron_lol.backends import select_backend
 
     backend = select_backend(states.device)
-    context = backend.core_context(core._needs_device_mode()) if backend is not None else contextlib.nullcontext()
+    context = backend.core_context(core) if backend is not None else contextlib.nullcontext()
     with context:
         return _forward(core, states, layout, rope, steps, depth=depth, forced=_forced_on(forced, states.device),
                         record=record, backprop_depth=backprop_depth, first_window_full=first_window_full_backprop)

@@ -35,15 +35,30 @@ class CpuBackend:
     mlp_half = staticmethod(mlp_half)
 
     @staticmethod
-    def core_context(needs_device_mode: bool):
-        """Run a core forward outside the platform's CUDA-to-CPU mode unless it may need it.
+    def needs_device_mode(core) -> bool:
+        """Whether a forward of ``core`` may create tensors through megatron-core's CUDA device calls:
+        packed (THD) attention, full recomputation, MoE layers, or a tensor- / expert-parallel group
+        (megatron's collectives and RNG trackers name CUDA devices)."""
+        from megatron.core import parallel_state
+
+        if core.packed or core.recompute_full or core.cfg.moe_layers == "all":
+            return True
+        if not parallel_state.model_parallel_is_initialized():
+            return False
+        return (parallel_state.get_tensor_model_parallel_world_size() > 1
+                or parallel_state.get_expert_model_parallel_world_size() > 1)
+
+    @classmethod
+    def core_context(cls, core):
+        """Run a forward of ``core`` outside the platform's CUDA-to-CPU mode unless it may need it.
 
         The mode costs about 10 us per torch call, and a routed core makes ``L``
         block calls per depth. Code that creates no CUDA tensors (a core on one
         TP / EP rank without MoE layers or recomputation) runs without it; safe
         by failure, as any CUDA use there raises instead of running elsewhere.
+        The model does not ask which platform it runs on: this backend decides.
         """
-        if needs_device_mode:
+        if cls.needs_device_mode(core):
             return contextlib.nullcontext()
         from megatron_lol.platform import device_mode_suspended
 
