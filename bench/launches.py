@@ -148,21 +148,12 @@ def core_runner(net, impl, layout, seeds, args):
 
 
 def model_runner(net, impl, layout, tokens, labels, seeds):
-    from megatron_lol.model.grouped_core import grouped_core_forward
+    """One training forward of the whole model: the reference, or the grouped core on the micro-batch's
+    host-built layout as the trainer passes it (``model.routed_core: grouped``)."""
 
     def run():
         if impl == "grouped":
-            def forward(hidden, docs, rope, steps, *, depth, forced, record, record_moe, backprop_depth,
-                        first_window_full_backprop, noise_seeds, routing_check=None):
-                assert routing_check is None, "the grouped core has no routing-agreement check (one process)"
-                return grouped_core_forward(net.core, hidden, layout, rope, steps, depth=depth, forced=forced,
-                                            record=record, backprop_depth=backprop_depth,
-                                            first_window_full_backprop=first_window_full_backprop)
-            net.core.forward = forward
-            try:
-                out = net(tokens, labels=labels, docs=layout.document_layout(), noise_seeds=seeds)
-            finally:
-                del net.core.forward
+            out = net(tokens, labels=labels, layout=layout, noise_seeds=seeds)
         else:
             out = net(tokens, labels=labels, noise_seeds=seeds)
         return out.float().mean()

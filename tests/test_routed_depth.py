@@ -367,19 +367,11 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
     seeds = torch.tensor([3, 4])
     layout = build_host_layout(tokens, 0, 8, 4, range(1, net.plan.depth + 1), net.plan.num_stored_blocks, seeds)
 
-    def grouped(hidden, docs, rope, steps, *, depth, forced, record, record_moe, backprop_depth,
-                first_window_full_backprop, noise_seeds, routing_check=None):
-        assert routing_check is None  # one process: no agreement check
-        return grouped_core_forward(net.core, hidden, layout, rope, steps, depth=depth, forced=forced, record=record,
-                                    backprop_depth=backprop_depth,
-                                    first_window_full_backprop=first_window_full_backprop)
-
     results = []
     for impl in ("ref", "grouped"):
         net.zero_grad(set_to_none=True)
-        if impl == "grouped":
-            monkeypatch.setattr(net.core, "forward", grouped)
-        loss, core = net(tokens, labels=labels, docs=layout.document_layout(), noise_seeds=seeds, return_core=True)
+        grouped = {"layout": layout} if impl == "grouped" else {"docs": layout.document_layout()}
+        loss, core = net(tokens, labels=labels, noise_seeds=seeds, return_core=True, **grouped)
         loss.mean().backward()
         results.append((loss.detach(), core.block_loads, {n: p.grad for n, p in net.named_parameters()}))
     (loss_r, loads_r, grads_r), (loss_g, loads_g, grads_g) = results
@@ -511,3 +503,48 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     got = torch.compile(run, fullgraph=True, backend="aot_eager")(rows)
     torch._dynamo.reset()
     torch.testing.assert_close(got, want)
+
+
+# ------------------------------------------------------------------ the trainer builds the layout
+def _grouped_trainer(routed_core: str, **model):
+    from test_parallel_lol import SEQ, SyntheticTokens, TinyTokenizer
+
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.training.trainer import Trainer
+
+    shape = dict(num_blocks=3, routed_depth=3, film="depth")
+    shape.update(model)
+    cfg = config_from_dict({
+        "model": dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, n_prelude=1, n_coda=1,
+                      window_size=8, window_shift=4, vocab_size=128, routed_core=routed_core,
+                      **{k: v for k, v in shape.items() if v is not None}),
+        "training": {"train_iters": 3, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": SEQ,
+                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7},
+        "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0},
+    })
+    return Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(16, 0), None, None)).setup()
+
+
+def test_training_with_the_grouped_core_equals_the_reference(megatron_env, monkeypatch):
+    """model.routed_core: grouped trains on layouts the trainer builds on the host, with the reference's losses
+    (router noise included: both draw it from the samples' seeds); auto stays on the reference on CPU."""
+    monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")  # the reference: per-block layer calls
+    losses = {}
+    for mode in ("reference", "grouped", "auto"):
+        trainer = _grouped_trainer(mode)
+        assert trainer.grouped_core == (mode == "grouped")
+        batches = trainer.data_iterator(trainer.train_ds, 0)
+        assert ("layout" in next(trainer.data_iterator(trainer.train_ds, 0))) == (mode == "grouped")
+        losses[mode] = [trainer.train_step(batches).loss for _ in range(3)]
+    torch.testing.assert_close(torch.tensor(losses["grouped"]), torch.tensor(losses["reference"]),
+                               rtol=1e-5, atol=1e-5)
+    assert losses["auto"] == losses["reference"]
+
+
+def test_grouped_core_refuses_what_it_cannot_run(megatron_env):
+    from megatron_lol.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"model.routed_core: grouped runs routed depths, and plan 'dense'"):
+        _grouped_trainer("grouped", plan="dense", core_layers=2, num_blocks=None, routed_depth=None, film=None)
+    with pytest.raises(ConfigError, match=r"model.routed_core: grouped cannot run this model: .*(MoE|expert)"):
+        _grouped_trainer("grouped", moe_layers="all", num_experts=2, moe_ffn_hidden_size=16)

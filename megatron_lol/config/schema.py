@@ -26,6 +26,7 @@ from megatron_lol.plan.stages import check_pipeline_layout
 
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
+ROUTED_CORES = ("auto", "reference", "grouped")
 DENSE_ATTENTION = ("full", "sliding", "strided")
 PARAMS_DTYPES = ("auto", "fp32", "bf16")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -123,6 +124,11 @@ class ModelConfig:
     # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
+    # how a LoL core's routed depths run (docs/gpu.md, "The routed depth on a GPU"): "reference" = per-block
+    # calls on a layout measured on the device; "grouped" = the host-built layout, sync-free routing and all
+    # blocks of a depth as one grouped computation (model/grouped_core.py); "auto" = grouped on CUDA where the
+    # model supports it, the reference elsewhere (on CPU the reference with the CPU backend is faster)
+    routed_core: str = "auto"
     # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
     num_experts: Optional[int] = None
     moe_ffn_hidden_size: Optional[int] = None
@@ -201,6 +207,7 @@ class ModelConfig:
         choice(f"{prefix}.plan", self.plan, tuple(PLANS))
         choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.film", self.film, FILM_MODES)
+        choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         if self.params_dtype == "fp16":
             raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")

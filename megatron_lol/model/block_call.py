@@ -159,7 +159,8 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
         holder = {}
 
         def run(h, segments, rope_):
-            m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias)
+            m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias,
+                           cu_seqlens=mask.cu_seqlens)
             out, holder["route"] = call_block(layer, h, m, rope_, parts, packed=packed, backend=backend,
                                               pad_to=pad_to)
             return out
@@ -175,7 +176,7 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
     if mask.sliding is not None:
         _check_window_size(parts.attention if parts.attention is not None else layer, mask.sliding)
     segments = mask.segments.reshape(-1)
-    params, padded = thd_params(segments, mask.chunk or mask.segments.shape[-1], pad_to)
+    params, padded = thd_params(segments, mask.chunk or mask.segments.shape[-1], pad_to, cu_seqlens=mask.cu_seqlens)
     rows = hidden.shape[0]
     if padded > segments.numel():  # never under sequence parallelism: the trunk is a multiple already
         hidden = pad_rows(hidden, rows + padded - segments.numel())

@@ -268,7 +268,7 @@ class Core(nn.Module):
                 steps: Sequence[Step], *, depth: int, forced: Optional[ForcedPath] = None, record: bool = False,
                 record_moe: bool = False, backprop_depth: Optional[int] = None,
                 first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None,
-                routing_check: Optional[Callable] = None) -> CoreOutput:
+                routing_check: Optional[Callable] = None, layout=None) -> CoreOutput:
         """Run ``steps`` (this pipeline stage's share of the first ``depth`` steps of the plan).
 
         ``states``: [s, b, h] output of the prelude (or the previous stage); packed: the
@@ -279,8 +279,21 @@ class Core(nn.Module):
         ``depth`` steps get gradients (first windows excepted when
         ``first_window_full_backprop``). ``routing_check(depth, decision)``: called with each routed
         depth's decision before its blocks run (the tensor-parallel agreement check of
-        :mod:`megatron_lol.parallel.routing_agreement`).
+        :mod:`megatron_lol.parallel.routing_agreement`). ``layout``: the micro-batch's host-built
+        :class:`~.host_layout.HostLayout` on the states' device: the routed depths then run grouped
+        (:mod:`.grouped_core`, which the caller checked with ``grouped_core_support``), routed by the
+        layout's noise instead of ``noise_seeds``.
         """
+        if layout is not None:
+            if record_moe:
+                raise ValueError("Core.forward: record_moe with a grouped core (MoE blocks do not run grouped)")
+            # grouped_core builds on this module: imported at the call
+            from megatron_lol.model.grouped_core import grouped_core_forward
+
+            return grouped_core_forward(self, states, layout, rope, steps, depth=depth, forced=forced, record=record,
+                                        backprop_depth=backprop_depth,
+                                        first_window_full_backprop=first_window_full_backprop,
+                                        routing_check=routing_check)
         backend = select_backend(states.device)
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape

@@ -57,7 +57,8 @@ def _forced_on(forced: Optional[ForcedPath], device) -> Optional[ForcedPath]:
 
 def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: Optional[torch.Tensor],
                          steps: Sequence, *, depth: int, forced: Optional[ForcedPath] = None, record: bool = False,
-                         backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True) -> CoreOutput:
+                         backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
+                         routing_check=None) -> CoreOutput:
     """:meth:`Core.forward <megatron_lol.model.core.Core.forward>` of the routed ``steps`` of ``core``.
 
     ``states``: ``[s, b, h]`` (local layout) or the packed stream ``[b*s, 1, h]``;
@@ -66,6 +67,7 @@ def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: O
     noise from the global RNG); ``rope``: megatron's RoPE angles ``[s, 1, 1, c]``.
     RoPE positions are row positions on the local layout and positions inside
     the window on the packed one, as the reference's attention applies them.
+    ``routing_check(depth, decision)``: the tensor-parallel agreement check, before the blocks run.
     """
     from megatron_lol.backends import select_backend
 
@@ -73,11 +75,12 @@ def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: O
     context = backend.core_context(core) if backend is not None else contextlib.nullcontext()
     with context:
         return _forward(core, states, layout, rope, steps, depth=depth, forced=_forced_on(forced, states.device),
-                        record=record, backprop_depth=backprop_depth, first_window_full=first_window_full_backprop)
+                        record=record, backprop_depth=backprop_depth, first_window_full=first_window_full_backprop,
+                        routing_check=routing_check)
 
 
 def _forward(core, states, layout, rope, steps, *, depth, forced, record, backprop_depth,
-             first_window_full) -> CoreOutput:
+             first_window_full, routing_check=None) -> CoreOutput:
     cfg, plan = core.cfg, core.plan
     num_blocks, window = plan.num_stored_blocks, cfg.window_size
     s_len, b, h = states.shape
@@ -106,6 +109,8 @@ def _forward(core, states, layout, rope, steps, *, depth, forced, record, backpr
         bias = core.balancer.for_depth(step.depth) if core.balancer is not None else None
         with fp8_disabled(core.tconfig):  # the router stays FP32 (it is no TE module either)
             decision = decide(router, summaries, eps, bias, forced, step.depth, windows)
+        if routing_check is not None:
+            routing_check(step.depth, decision)
         counts = window_loads(windows, decision.choice.detach(), num_blocks)
         if core.training:
             if core.balancer is not None:

@@ -214,7 +214,8 @@ def core_config(config, model: ModelConfig, packed: bool = False):
     return config
 
 
-def thd_params(segments: torch.Tensor, max_seqlen: int, pad_to: int = 1) -> tuple:
+def thd_params(segments: torch.Tensor, max_seqlen: int, pad_to: int = 1,
+               cu_seqlens: Optional[torch.Tensor] = None) -> tuple:
     """``(PackedSeqParams, padded length)``: THD packing of a stream of contiguous segments ``[T]``.
 
     Windows (or documents) are the packed sequences: ``cu_seqlens`` are the
@@ -225,18 +226,25 @@ def thd_params(segments: torch.Tensor, max_seqlen: int, pad_to: int = 1) -> tupl
     sequence lengths (a window size, a row length): no device-to-host read for
     it. ``pad_to``: FP8 GEMMs need a row count that is a multiple of 16; the
     stream is then padded by ``(-T) % pad_to`` rows forming one more sequence of
-    their own, whose outputs the caller drops (:func:`pad_rows`).
+    their own, whose outputs the caller drops (:func:`pad_rows`). ``cu_seqlens``:
+    the segments' offsets ``[..., T]`` when the caller built them on the host
+    (zero-length sequences allowed); otherwise found here, a device-to-host read.
     """
     from megatron.core.packed_seq_params import PackedSeqParams
 
     seg = segments.reshape(-1)
     n = seg.numel()
-    starts = torch.ones_like(seg, dtype=torch.bool)
-    starts[1:] = seg[1:] != seg[:-1]
-    first = torch.nonzero(starts).squeeze(1)
     padded = n + (-n) % pad_to
-    ends = [n, padded] if padded > n else [n]
-    cu = torch.cat([first, first.new_tensor(ends)]).to(torch.int32)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(torch.int32)
+        if padded > n:
+            cu = torch.cat([cu, cu.new_full((1,), padded)])
+    else:
+        starts = torch.ones_like(seg, dtype=torch.bool)
+        starts[1:] = seg[1:] != seg[:-1]
+        first = torch.nonzero(starts).squeeze(1)
+        ends = [n, padded] if padded > n else [n]
+        cu = torch.cat([first, first.new_tensor(ends)]).to(torch.int32)
     longest = max(max_seqlen, padded - n)
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
                              max_seqlen_q=longest, max_seqlen_kv=longest)

@@ -190,7 +190,7 @@ class LoLGPTModel(_language_module()):
                 forced_path: Optional[ForcedPath] = None, record: bool = False, record_moe: bool = False,
                 backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
                 noise_seeds: Optional[torch.Tensor] = None, aux_loss_scale: float = 1.0,
-                return_hidden: bool = False, return_core: bool = False, routing_check=None):
+                return_hidden: bool = False, return_core: bool = False, routing_check=None, layout=None):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
         else the logits [b, s, vocab] (this rank's vocab shard under TP). A
         pipeline stage without the head returns its output hidden states.
@@ -203,8 +203,12 @@ class LoLGPTModel(_language_module()):
         ``return_core``: return ``(output, CoreOutput or None)``: the routing
         records (``record``), MoE records (``record_moe``), block loads and
         balancing loss of this stage's core. ``routing_check``: see ``Core.forward``.
+        ``layout``: the micro-batch's host-built layout on the device (``model.routed_core: grouped``):
+        the documents come from it and the core's routed depths run grouped (``Core.forward``).
         """
         b, s = input_ids.shape
+        if layout is not None:
+            docs = layout.document_layout()
         if docs is None:
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
         if self.pre_process:
@@ -219,16 +223,17 @@ class LoLGPTModel(_language_module()):
                                         record=record, record_moe=record_moe, backprop_depth=backprop_depth,
                                         first_window_full_backprop=first_window_full_backprop,
                                         noise_seeds=noise_seeds, aux_loss_scale=aux_loss_scale,
-                                        routing_check=routing_check)
+                                        routing_check=routing_check, layout=layout)
         out = self._head(hidden, labels, return_hidden, b, s)
         return (out, core) if return_core else out
 
     def _layers(self, hidden, docs, rope, *, depth, budget, forced_path, record, record_moe, backprop_depth,
-                first_window_full_backprop, noise_seeds, aux_loss_scale, routing_check=None) -> tuple:
+                first_window_full_backprop, noise_seeds, aux_loss_scale, routing_check=None, layout=None) -> tuple:
         """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
         from megatron.core import tensor_parallel
 
-        doc_mask = SegmentMask(segments=docs.doc_index)
+        # documents as THD sequences: offsets from the host-built layout when there is one (no device read)
+        doc_mask = SegmentMask(segments=docs.doc_index, cu_seqlens=layout.doc_cu_seqlens if layout is not None else None)
         backend = select_backend(hidden.device)
         recompute = self.config.recompute_granularity == "full"
         with trace_range("prelude"):
@@ -252,7 +257,7 @@ class LoLGPTModel(_language_module()):
             core = self.core(hidden, docs, rope, steps, depth=depth, forced=forced_path, record=record,
                              record_moe=record_moe, backprop_depth=backprop_depth,
                              first_window_full_backprop=first_window_full_backprop, noise_seeds=noise_seeds,
-                             routing_check=routing_check)
+                             routing_check=routing_check, layout=layout)
             hidden = core.states
             if sequence_parallel:
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)

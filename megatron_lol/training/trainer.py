@@ -183,6 +183,7 @@ class Trainer:
         self.model_chunks = chunks
         self.ddp = chunks[0]
         self.model = chunks[0].module  # the first (virtual) stage's model
+        self.grouped_core = self._grouped_core()
         # the schedules call this after the last backward: library sum over the pipeline
         # stages that share it, then megatron's DP / SP-norm / tied-embedding reductions
         from megatron_lol.parallel.library_sync import LibrarySync
@@ -199,6 +200,31 @@ class Trainer:
             for chunk in chunks:  # gradients of earlier micro-batches are not reduced (Megatron-LM's no_sync_func)
                 chunk.module.config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [
                     c.no_sync for c in chunks]
+
+    def _grouped_core(self) -> bool:
+        """Whether the routed depths run grouped on host-built layouts (``model.routed_core``; docs/gpu.md,
+        "The routed depth on a GPU"): ``grouped`` where the model supports it (else a one-line error),
+        ``auto`` on CUDA where it does, never with ``reference``."""
+        mode = self.cfg.model.routed_core
+        if mode == "reference" or (mode == "auto" and self.device.type != "cuda"):
+            return False
+        if not self.plan.routed:
+            if mode == "grouped":
+                raise ConfigError(f"model.routed_core: grouped runs routed depths, and plan {self.plan.name!r} "
+                                  f"has none (use auto or reference)")
+            return False
+        from megatron_lol.model.grouped_core import grouped_core_support
+
+        for chunk in self.model_chunks:
+            core = chunk.module.core
+            reason = grouped_core_support(core) if core is not None else None
+            if reason is not None:
+                if mode == "grouped":
+                    raise ConfigError(f"model.routed_core: grouped cannot run this model: {reason} "
+                                      f"(use auto or reference)")
+                return False
+        log_rank0(" routed core: grouped (host-built window layouts, one grouped computation per depth)")
+        return True
 
     def _finalize_model_grads(self, *args, **kwargs):
         """The schedules call this after the last backward: the library summed over the pipeline stages that
@@ -255,8 +281,25 @@ class Trainer:
                 # global sample numbers: router noise is drawn per sample from them
                 batch["sample_ids"] = stack_batch([torch.tensor(base + m * mbs + j, dtype=torch.long)
                                                    for j in range(mbs)], pin)
+                if self.grouped_core:
+                    batch["layout"] = self._host_layout(batch, pin)
                 yield batch
             sample += self.global_batch_size
+
+    def _host_layout(self, batch: dict, pin: bool):
+        """The micro-batch's documents, windows of every depth and router noise, built here on the host
+        while the device runs the previous micro-batch: the grouped core reads no value back."""
+        from megatron_lol.model.host_layout import build_host_layout
+
+        m, plan = self.cfg.model, self.plan
+        layout = build_host_layout(batch["tokens"], self.eod_id, m.window_size, m.window_shift,
+                                   range(1, plan.depth + 1), plan.num_stored_blocks,
+                                   row_seeds=self._noise_seeds(batch["sample_ids"]))
+        return layout.pin_memory() if pin else layout
+
+    def _noise_seeds(self, sample_ids: torch.Tensor) -> torch.Tensor:
+        """One router-noise seed per row: its global sample number, offset by the run's seed."""
+        return sample_ids + self.cfg.training.seed * 1_000_000_007
 
     def data_iterator(self, dataset, start_sample: int):
         """What the schedule consumes: one iterator, or one per virtual pipeline chunk
@@ -280,7 +323,8 @@ class Trainer:
         batch = to_device(next(data_iterator), self.device)
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
         cur = self.cfg.curriculum
-        seeds = batch["sample_ids"] + self.cfg.training.seed * 1_000_000_007 if "sample_ids" in batch else None
+        seeds = self._noise_seeds(batch["sample_ids"]) if "sample_ids" in batch else None
+        layout = batch["layout"].to(self.device) if "layout" in batch else None
         budget = budgets.pop(0) if budgets else None
         if budget is not None and model.training:
             stats.budgets.append(budget)
@@ -288,7 +332,7 @@ class Trainer:
         output, core = model(tokens, labels=labels, depth=depth, budget=budget, backprop_depth=cur.backprop_depth,
                              first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds,
                              aux_loss_scale=1.0 / self.num_microbatches, record_moe=record_moe, return_core=True,
-                             routing_check=check)
+                             routing_check=check, layout=layout)
         if model.training:
             stats.add(core)
         return output, partial(self._loss_func, loss_mask)
