@@ -572,7 +572,11 @@ class OptimizerConfig:
 class TrainingConfig:
     """Loop, batch sizes, checkpoints and logging (Megatron-LM names)."""
 
-    train_iters: int = 100
+    # optimizer steps; default 100 when neither this nor train_flops is given
+    train_iters: Optional[int] = None
+    # a training budget in FLOPs (e.g. 9.0e19) instead of train_iters: the trainer derives the iterations from
+    # the FLOP model, growing depth included (perf/budget.py), and logs them; needs global_batch_size
+    train_flops: Optional[float] = None
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default: micro_batch_size x data parallel size
     seq_length: int = 256
@@ -624,7 +628,21 @@ class TrainingConfig:
     distributed_timeout_minutes: int = 10
 
     def validate(self, prefix: str = "training") -> None:
-        positive(f"{prefix}.train_iters", self.train_iters)
+        if self.train_flops is not None:
+            # one budget, as Megatron-LM takes --train-iters or --train-samples but not both: a run cannot be
+            # held to a step count and a FLOP count at once
+            positive(f"{prefix}.train_flops", self.train_flops)
+            if self.train_iters is not None:
+                raise ConfigError(f"{prefix}.train_iters: {self.train_iters} cannot be combined with "
+                                  f"{prefix}.train_flops={self.train_flops:g} (the iterations are derived from "
+                                  f"the FLOP budget); drop one, e.g. --set {prefix}.train_flops=null")
+            if self.global_batch_size is None:
+                raise ConfigError(f"{prefix}.train_flops: needs {prefix}.global_batch_size (the iterations a "
+                                  f"FLOP budget buys would otherwise depend on the data-parallel size)")
+        elif self.train_iters is None:
+            self.train_iters = 100
+        if self.train_iters is not None:
+            positive(f"{prefix}.train_iters", self.train_iters)
         positive(f"{prefix}.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
             positive(f"{prefix}.global_batch_size", self.global_batch_size)

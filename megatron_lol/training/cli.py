@@ -120,6 +120,15 @@ def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
     if gbs % (tr.micro_batch_size * dp):
         raise ConfigError(f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
                           f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})")
+    if tr.train_flops is not None:
+        from megatron_lol.perf.budget import apply_flop_budget
+        from megatron_lol.perf.params_cli import padded_vocab
+
+        vocab = padded_vocab(cfg)
+        if vocab is None:
+            raise ConfigError("model.vocab_size: training.train_flops needs the vocabulary: set model.vocab_size "
+                              "or data.tokenizer_model")
+        apply_flop_budget(cfg, vocab)
     if _rank0():
         par = cfg.parallel
         print(f"megatron-lol train: config OK: {cfg.model.execution_plan().name} model, world size {world} = TP "

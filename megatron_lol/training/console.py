@@ -73,7 +73,9 @@ def startup_line(cfg, config_path: str, world_size: int) -> str:
     if m.fp8:
         shape += f" + FP8 {m.fp8} ({m.fp8_recipe})"
     sinks = [name for name, on in (("TensorBoard", tr.tensorboard_dir), ("W&B", tr.wandb_project)) if on]
-    line = (f"megatron-lol {__version__} train: {config_path} ({shape}), {tr.train_iters} iterations, "
+    iters = (f"{tr.train_iters} iterations" if tr.train_iters is not None
+             else f"a budget of {tr.train_flops:.4g} training FLOPs")
+    line = (f"megatron-lol {__version__} train: {config_path} ({shape}), {iters}, "
             f"{world_size} process{'es' if world_size != 1 else ''}")
     if sinks:
         line += f", logging to metrics.jsonl + {' + '.join(sinks)}"

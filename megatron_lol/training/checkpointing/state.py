@@ -193,6 +193,8 @@ def weights_finite(trainer) -> bool:
 def run_config_dict(trainer) -> dict:
     cfg = trainer.cfg.to_dict()
     cfg["model"]["vocab_size"] = int(trainer.vocab_size)
+    if cfg["training"].get("train_flops") is not None:
+        cfg["training"]["train_iters"] = None  # derived from the budget, which the file keeps: reloadable as is
     d = trainer.cfg.data
     tok = trainer.tokenizer
     cfg["checkpoint"] = {
