@@ -452,6 +452,14 @@ class DataConfig:
     merge_file: Optional[str] = None
     cache_dir: Optional[str] = None
 
+    def tokenizer_on_hub(self) -> bool:
+        """``tokenizer_model`` names a HuggingFace Hub repository (``tokenizer_type: HuggingFaceTokenizer``,
+        ``namespace/name``, no such local path): read from the Hub cache when the tokenizer is built, so it is
+        not a file that validation can check."""
+        from megatron_lol.data.tokenizers import is_hub_name
+
+        return self.tokenizer_type == "HuggingFaceTokenizer" and is_hub_name(self.tokenizer_model)
+
     def validate(self, prefix: str = "data", check_files: bool = True) -> None:
         import os
 
@@ -483,7 +491,7 @@ class DataConfig:
                     raise ConfigError(f"{prefix}.paths: {err}") from None
                 if header.sequence_count == 0 or header.document_count <= 1:
                     raise ConfigError(f"{prefix}.paths: {p}.idx holds no documents (an empty corpus?)")
-            if self.tokenizer_model and not os.path.exists(self.tokenizer_model):
+            if self.tokenizer_model and not os.path.exists(self.tokenizer_model) and not self.tokenizer_on_hub():
                 raise ConfigError(f"{prefix}.tokenizer_model: {self.tokenizer_model} does not exist")
         parts = self.split.replace("/", ",").split(",")
         try:

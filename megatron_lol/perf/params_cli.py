@@ -56,7 +56,7 @@ def tokenizer_vocab(cfg) -> int | None:
     if not files:
         return None
     for key, path in files:
-        if not os.path.exists(path):
+        if not os.path.exists(path) and not (key == "data.tokenizer_model" and d.tokenizer_on_hub()):
             hint = (" (the quickstart's tokenizer is built by `megatron-lol prepare-quickstart`)"
                     if "quickstart" in path else "")
             raise CliError(f"model.vocab_size: not set, and {key} {path} does not exist{hint}; "

@@ -114,7 +114,7 @@ def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
     tr, d = cfg.training, cfg.data
     if not check_data:
         d.validate(check_files=False)
-        if d.tokenizer_model and not os.path.exists(d.tokenizer_model):
+        if d.tokenizer_model and not os.path.exists(d.tokenizer_model) and not d.tokenizer_on_hub():
             raise ConfigError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
     gbs = tr.global_batch_size or tr.micro_batch_size * dp
     if gbs % (tr.micro_batch_size * dp):
