@@ -262,6 +262,17 @@ def test_math_1b():
         assert d.linear_active == c.linear_active
 
 
+@pytest.mark.parametrize("name", ["sudoku-lol", "maze-lol"])
+def test_sudoku_and_maze_released_shapes(name):
+    """The released scripts' shape (the LoL article: width 512, 8 heads, 16 library blocks, depth 16, 4 + 4
+    fixed layers; "At width 512 a block is 3.4M parameters, so the 24 stored blocks come to about 82M")."""
+    cfg, c = paper_counts(name)
+    m = cfg.model
+    assert (m.hidden_size, m.num_attention_heads, m.num_blocks, m.routed_depth, m.n_prelude, m.n_coda) == \
+        (512, 8, 16, 16, 4, 4)
+    assert near(c.block.linear, 3.4, 0.05) and near(c.linear_total, 82, 0.5)
+
+
 FOIL = ["foil-base", "foil-3", "foil-2", "foil-1", "foil-base-tied", "proto-foil-3", "proto-foil-2",
         "proto-foil-1"]
 ACCORDION = ["accordion-6b-a0.5b", "accordion-1.61b"]
