@@ -29,6 +29,7 @@ FILM_MODES = ("off", "depth", "depth_block")
 DENSE_ATTENTION = ("full", "sliding", "strided")
 PARAMS_DTYPES = ("auto", "fp32", "bf16")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def resolve_params_dtype(value: str) -> str:
@@ -132,6 +133,14 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None  # one always-on shared expert (Accordion)
     moe_aux_loss_coeff: float = 0.01  # Switch load-balancing loss (megatron-core "aux_loss")
     moe_z_loss_coeff: Optional[float] = None  # router z-loss (Foil: 1e-3)
+    # megatron-core's router score (Megatron-LM's --moe-router-score-function): softmax over the top-k logits,
+    # or sigmoid scores normalised over the chosen k
+    moe_router_score_function: str = "softmax"
+    # megatron-core's auxiliary-loss-free balancing (--moe-router-enable-expert-bias, sigmoid scores only): a
+    # per-expert bias added to the scores for the top-k choice only, moved after every optimizer step by
+    # moe_router_bias_update_rate toward equal loads (the global batch's token counts)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     # Foil: average the two losses over all MoE layer executions (every layer on every pass)
     # instead of megatron-core's sum over layers
     moe_loss_average_over_executions: bool = False
@@ -281,10 +290,19 @@ class ModelConfig:
             nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
             if self.moe_z_loss_coeff is not None:
                 nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
+            choice(f"{prefix}.moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+            nonnegative(f"{prefix}.moe_router_bias_update_rate", self.moe_router_bias_update_rate)
+            if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+                # megatron-core's TransformerConfig refuses it too: the bias is added to sigmoid scores
+                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
+                                  f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
+                                  f"{self.moe_router_score_function})")
         else:
             for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
                 if getattr(self, key) is not None:
                     raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
+            if self.moe_router_enable_expert_bias:
+                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs MoE layers (moe_layers is none)")
 
 
     def _validate_fp8(self, prefix: str) -> None:
