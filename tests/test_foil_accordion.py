@@ -465,7 +465,10 @@ def test_accordion_train_command_budgets_and_analyze(corpus, tmp_path, capsys):
     last = metrics[-1]
     assert set(last["eval_loss_by_budget"]) == {"0", "1", "3"}
     assert last["eval_loss"] == pytest.approx(sum(last["eval_loss_by_budget"].values()) / 3)
-    assert "eval by budget" in out
+    # the Accordion paper's Table 1 mean: the endpoint budgets only
+    assert last["eval_loss_endpoints"] == pytest.approx((last["eval_loss_by_budget"]["0"]
+                                                          + last["eval_loss_by_budget"]["3"]) / 2)
+    assert "eval by budget" in out and "eval endpoints mean" in out
     dest = tmp_path / "budgets"
     assert _analyze("budgets", "--load", save, "--data-path", corpus["prefix"], "--max-examples", 8,
                     "--generate", "def ", "--max-new-tokens", 4, "--output", dest) == 0
