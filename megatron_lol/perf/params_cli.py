@@ -28,6 +28,7 @@ from megatron_lol.config import add_config_arguments, config_from_args
 from megatron_lol.config.loader import PARAMS_GROUPS
 from megatron_lol.errors import CliError
 from megatron_lol.model.params import count_parameters
+from megatron_lol.perf.budget import RunFlops
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -84,8 +85,6 @@ def padded_vocab(cfg) -> int | None:
 def training_section(cfg, vocab: int) -> dict | None:
     """The run's length and training FLOPs (FLOP model, growth included: :mod:`megatron_lol.perf.budget`);
     None without ``training.global_batch_size`` (the step's size would depend on the launch)."""
-    from megatron_lol.perf.budget import RunFlops
-
     tr = cfg.training
     if tr.global_batch_size is None:
         return None

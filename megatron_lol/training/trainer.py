@@ -34,7 +34,9 @@ import torch
 
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
+from megatron_lol.perf.budget import apply_flop_budget
 from megatron_lol.plan import depth_at
+from megatron_lol.training.vocab import resolve_vocab_size
 
 
 @dataclass
@@ -138,8 +140,6 @@ class Trainer:
         self.num_microbatches = self.global_batch_size // (tr.micro_batch_size * self.dp_size)
 
         self._build_tokenizer()
-        from megatron_lol.training.vocab import resolve_vocab_size
-
         self.vocab_size = resolve_vocab_size(cfg, self.tokenizer.vocab_size)  # the same at every TP; a checkpoint's wins
         self._apply_flop_budget()
         self._build_model()
@@ -162,8 +162,6 @@ class Trainer:
     def _apply_flop_budget(self) -> None:
         """``training.train_flops``: the iterations it buys at this vocabulary (perf/budget.py), set as
         ``train_iters`` before the schedules, datasets and checkpoint checks read it."""
-        from megatron_lol.perf.budget import apply_flop_budget
-
         line = apply_flop_budget(self.cfg, self.vocab_size)
         if line is not None:
             log_rank0(line)
