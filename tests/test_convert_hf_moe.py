@@ -7,7 +7,8 @@ SentencePiece tokenizer, the native model rebuilt from the checkpoint as referen
 tiny MoE models (width 64, 4 experts of width 48, top-2) with MoE in the prelude / coda
 (``moe_layers: fixed``) or in every layer (``all``, with a shared expert), a dense-plan
 MoE stack (exported as a LoL model, not as a Llama stack), expert-parallel (EP=2) checkpoints, a tiny Foil and
-two tiny Accordions (separate second-pass router with gates; shared router, no gates).
+two tiny Accordions (separate second-pass router with gates and megatron-core's expert-bias balancing on
+sigmoid scores; shared router, no gates).
 """
 
 from __future__ import annotations
@@ -127,9 +128,13 @@ FOIL = dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_expert
 ACCORDION = dict(plan="accordion", n_prelude=1, loop_window=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=48,
                  moe_router_topk=2, moe_layers="all", moe_shared_expert_intermediate_size=40,
                  loop_budgets=[0, 1, 3], second_pass_router="separate")
+# the separate-router Accordion balances with megatron-core's expert biases (sigmoid scores), at a rate that
+# makes three steps' biases choose other experts than the scores alone: the export must carry them
+EXPERT_BIAS = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                   moe_router_bias_update_rate=0.05, moe_aux_loss_coeff=0.0)
 SYSTEMS = {
     "foil": FOIL,
-    "accordion": ACCORDION,
+    "accordion": dict(ACCORDION, **EXPERT_BIAS),
     "accordion_shared_nogates": dict(ACCORDION, second_pass_router="shared", loop_gates=False, loop_budget=1,
                                      loop_budgets=[0, 1, 2, 3]),
 }
@@ -221,6 +226,11 @@ def test_accordion_every_budget(systems, name, tmp_path, corpus):  # noqa: F811
     index = json.load(open(out / "model.safetensors.index.json"))["weight_map"]
     assert ("model.loop_gates" in index) == m.get("loop_gates", True)
     assert ("model.second_pass_routers.2.weight" in index) == (m["second_pass_router"] == "separate")
+    bias = m.get("moe_router_enable_expert_bias", False)
+    assert conf["moe_router_expert_bias"] == bias and conf["moe_router_score_function"] == \
+        m.get("moe_router_score_function", "softmax")
+    assert ("model.blocks.0.mlp.router.expert_bias" in index) == bias
+    assert ("model.second_pass_routers.2.expert_bias" in index) == (bias and m["second_pass_router"] == "separate")
     hf, tok = _load(out)
     assert hf.config.num_hidden_layers == 1 + 3 + max(m["loop_budgets"]) + 1
     native = native_model(systems[name])
@@ -229,6 +239,17 @@ def test_accordion_every_budget(systems, name, tmp_path, corpus):  # noqa: F811
     with torch.no_grad():
         if m.get("loop_gates", True):  # the saved gates are far from 1 (this test's perturbation)
             assert (native.core.loop_gates - 1).abs().max() > 0.1
+        if bias:  # the biases moved, and the export routes with them: dropping them changes the logits
+            assert native.core.blocks["0"].mlp.router.expert_bias.abs().max() > 0
+            ref = hf(x).logits
+            saved = {n: b.clone() for n, b in hf.named_buffers() if n.endswith("expert_bias")}
+            for n, b in hf.named_buffers():
+                if n.endswith("expert_bias"):
+                    b.zero_()
+            assert (hf(x).logits - ref).abs().max() > 1e-3
+            for n, b in hf.named_buffers():
+                if n in saved:
+                    b.copy_(saved[n])
         for k in m["loop_budgets"]:
             want = native(x, budget=k)
             diffs[k] = (want - hf(x, loop_budget=k).logits).abs().max().item()

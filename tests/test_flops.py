@@ -242,3 +242,23 @@ def test_flop_counter_agrees_moe_systems(make_model, system):
         measured = _count(lambda: model(x, **kwargs))
     predicted = fl.forward_flops(cfg, 97, s, b, depth=depth, attention_pairs="executed").forward.total
     assert measured == pytest.approx(predicted, rel=1e-6)  # exact: every matmul is counted
+
+
+def test_accordion_table44_relative_training_flops():
+    """The Accordion paper's Table 44 ("Rel. train FLOPs" 1.000 / 1.101 / 1.202 / 1.303 / 1.404 for k = 0..12 at
+    8K) is reproduced to its three decimals with a 129,280-row head; the 6B config's 128,000 rows (its Table 5)
+    give 1.203 / 1.304 / 1.405 (docs/systems.md, "Readings")."""
+    from pathlib import Path
+
+    from megatron_lol.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[1] / "examples/configs/paper/accordion-6b-a0.5b.yaml",
+                      check_data=False)
+    plan = cfg.model.execution_plan()
+
+    def relative(vocab):
+        f = [fl.training_flops(cfg.model, vocab, 8192, 1, depth=plan.depth_for(k)).total for k in plan.budgets]
+        return [round(x / f[0], 3) for x in f]
+
+    assert relative(129_280) == [1.0, 1.101, 1.202, 1.303, 1.404]
+    assert relative(cfg.model.vocab_size) == [1.0, 1.101, 1.203, 1.304, 1.405]

@@ -268,6 +268,60 @@ def test_accordion_trains(megatron_env):
     assert losses[-1] < losses[0] - 0.3, losses
 
 
+def test_expert_bias_balancing_through_the_trainer(megatron_env, monkeypatch):
+    """megatron-core's loss-free balancing (sigmoid scores, ``moe_router_enable_expert_bias``) in an Accordion:
+    after an optimizer step every MoE router's bias (the layers' and the separate second-pass routers') moved
+    by ``rate * sign(mean load - load)`` with the loads the step's routing produced; a config without sigmoid
+    scores is refused in one line."""
+    import importlib
+
+    from test_parallel_lol import SEQ, SyntheticTokens, TinyTokenizer
+
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.errors import ConfigError
+    from megatron_lol.training.trainer import Trainer
+
+    rate = 0.01
+    model = dict(ACCORDION, hidden_size=32, num_attention_heads=4, window_size=8, window_shift=4, vocab_size=128,
+                 second_pass_router="separate", loop_budget=3, moe_router_score_function="sigmoid",
+                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate, moe_aux_loss_coeff=0.0)
+    with pytest.raises(ConfigError, match=r"^model\.moe_router_enable_expert_bias: needs moe_router_score_function: "
+                                          r"sigmoid .*got softmax\)$"):
+        config_from_dict({"model": dict(model, moe_router_score_function="softmax")})
+    cfg = config_from_dict({"model": model, "training": dict(train_iters=2, micro_batch_size=1, global_batch_size=2,
+                                                           seq_length=SEQ, log_interval=100, eval_interval=100,
+                                                           eval_iters=0, seed=7),
+                            "optimizer": {"lr": 1e-3, "min_lr": 1e-4}})
+    fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package shadows its name
+    seen = []
+    original = fmg.get_updated_expert_bias
+
+    def spy(tokens, bias, update_rate):
+        seen.append((tokens.clone(), bias.clone(), update_rate))
+        return original(tokens, bias, update_rate)
+
+    monkeypatch.setattr(fmg, "get_updated_expert_bias", spy)
+    trainer = Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(16, 0), None, None)).setup()
+    net = trainer.model
+    routers = {n: m for n, m in net.named_modules() if getattr(m, "expert_bias", None) is not None}
+    assert sorted(routers) == ["coda.0.mlp.router", "core.blocks.0.mlp.router", "core.blocks.1.mlp.router",
+                               "core.blocks.2.mlp.router", "core.second_pass_routers.0",
+                               "core.second_pass_routers.1", "core.second_pass_routers.2", "prelude.0.mlp.router"]
+    data = trainer.data_iterator(trainer.train_ds, 0)
+    for step in range(2):
+        trainer.train_step(data)
+        tokens, before, update_rate = seen[-1]
+        assert len(seen) == step + 1 and update_rate == rate and tokens.shape == (8, 4)
+        # every router routed each of the step's tokens to top-2 experts (budget 3 runs every second pass)
+        assert torch.equal(tokens.sum(dim=1), torch.full((8,), 2.0 * 2 * SEQ))
+        after = torch.stack([m.expert_bias for m in routers.values()])
+        order = [n for n, m in net.named_modules() if getattr(m, "expert_bias", None) is not None]
+        assert list(routers) == order  # the spy's rows are in module order too
+        want = before + rate * torch.sign(tokens.mean(dim=1, keepdim=True) - tokens)
+        assert torch.equal(after, want)
+    assert after.abs().max() > 0
+
+
 def test_accordion_config_errors():
     from megatron_lol.config import config_from_dict
     from megatron_lol.config.schema import ConfigError
@@ -411,7 +465,10 @@ def test_accordion_train_command_budgets_and_analyze(corpus, tmp_path, capsys):
     last = metrics[-1]
     assert set(last["eval_loss_by_budget"]) == {"0", "1", "3"}
     assert last["eval_loss"] == pytest.approx(sum(last["eval_loss_by_budget"].values()) / 3)
-    assert "eval by budget" in out
+    # the Accordion paper's Table 1 mean: the endpoint budgets only
+    assert last["eval_loss_endpoints"] == pytest.approx((last["eval_loss_by_budget"]["0"]
+                                                          + last["eval_loss_by_budget"]["3"]) / 2)
+    assert "eval by budget" in out and "eval endpoints mean" in out
     dest = tmp_path / "budgets"
     assert _analyze("budgets", "--load", save, "--data-path", corpus["prefix"], "--max-examples", 8,
                     "--generate", "def ", "--max-new-tokens", 4, "--output", dest) == 0

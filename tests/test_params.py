@@ -28,7 +28,15 @@ PAPER = ROOT / "examples" / "configs" / "paper"
 M = 1e6
 
 
-def paper_counts(name: str, vocab: int = 32000):
+# the English FineWeb runs use GPT-NeoX tokenization: 50,277 tokens, padded to a multiple of 128 (as
+# Megatron-LM pads them at TP 1 and the trainer at every TP); the others keep 32,000 pieces
+FINEWEB = {"lol-360m-L2", "lol-360m-L4", "lol-360m-L8", "huginn-360m-2x8", "huginn-360m-4x4", "huginn-360m-8x2",
+           "lol-vs-moe", "moe-baseline"}
+NEOX_TOKENS, NEOX_PADDED = 50_277, 50_304
+
+
+def paper_counts(name: str, vocab: int = None):
+    vocab = vocab or (NEOX_PADDED if name in FINEWEB else 32000)
     cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
     assert cfg.model.vocab_size == vocab
     assert vocab % cfg.model.make_vocab_size_divisible_by == 0  # built unpadded
@@ -254,6 +262,17 @@ def test_math_1b():
         assert d.linear_active == c.linear_active
 
 
+@pytest.mark.parametrize("name", ["sudoku-lol", "maze-lol"])
+def test_sudoku_and_maze_released_shapes(name):
+    """The released scripts' shape (the LoL article: width 512, 8 heads, 16 library blocks, depth 16, 4 + 4
+    fixed layers; "At width 512 a block is 3.4M parameters, so the 24 stored blocks come to about 82M")."""
+    cfg, c = paper_counts(name)
+    m = cfg.model
+    assert (m.hidden_size, m.num_attention_heads, m.num_blocks, m.routed_depth, m.n_prelude, m.n_coda) == \
+        (512, 8, 16, 16, 4, 4)
+    assert near(c.block.linear, 3.4, 0.05) and near(c.linear_total, 82, 0.5)
+
+
 FOIL = ["foil-base", "foil-3", "foil-2", "foil-1", "foil-base-tied", "proto-foil-3", "proto-foil-2",
         "proto-foil-1"]
 ACCORDION = ["accordion-6b-a0.5b", "accordion-1.61b"]
@@ -266,7 +285,7 @@ def test_paper_configs_load_with_window_settings():
     synthetic = {"sudoku-lol": 128, "maze-lol": 64}  # docs/model.md, "Windows": sudoku 128/64, mazes 64/32
     for name in names:
         cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
-        assert cfg.data.paths and cfg.training.train_iters > 0
+        assert cfg.data.paths and (cfg.training.train_iters or 0) + (cfg.training.train_flops or 0) > 0
         if name in FOIL:
             assert cfg.training.seq_length == 4096 and cfg.model.dense_attention == "full"
         elif name in ACCORDION:
@@ -406,7 +425,7 @@ def test_cli_json():
     d = json.loads(out.stdout)
     assert near(d["linear_total"], 445.6) and near(d["linear_active"], 308.3)
     _, c = paper_counts("lol-vs-moe")
-    assert d["total"] == c.total and d["vocab_size"] == 32000
+    assert d["total"] == c.total and d["vocab_size"] == NEOX_PADDED
     assert d["block"]["linear"] == c.block.linear
 
 
@@ -445,7 +464,21 @@ def test_cli_foil_and_accordion():
     assert [b["k"] for b in d["budgets"]] == [0, 3, 6, 9, 12] and round(d["total"] / 1e9, 2) == 1.61
 
 
+def test_fineweb_configs_name_the_gpt_neox_tokenizer():
+    """The paper's tokenizer for English FineWeb, by Hub name through the HF tokenizer type; the rows are
+    the trainer's padding of its 50,277 tokens (so params / FLOP counts equal a run's without the file)."""
+    from megatron_lol.model.lol_model import padded_vocab_size
+
+    assert padded_vocab_size(NEOX_TOKENS, 128) == NEOX_PADDED
+    for name in sorted(FINEWEB):
+        cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
+        d = cfg.data
+        assert (d.tokenizer_type, d.tokenizer_model) == ("HuggingFaceTokenizer", "EleutherAI/gpt-neox-20b"), name
+        assert d.tokenizer_on_hub() and cfg.model.make_vocab_size_divisible_by == 128
+        assert cfg.model.vocab_size == padded_vocab_size(NEOX_TOKENS, cfg.model.make_vocab_size_divisible_by)
+
+
 def test_cli_missing_vocab_names_the_key():
-    out = _cli("--config", str(PAPER / "lol-360m-L2.yaml"), "--set", "model.vocab_size=null")
+    out = _cli("--config", str(PAPER / "math-1b-lol.yaml"), "--set", "model.vocab_size=null")
     assert out.returncode == 2
     assert "model.vocab_size" in out.stderr and "--vocab-size" in out.stderr

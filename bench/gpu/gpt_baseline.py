@@ -89,7 +89,8 @@ def run(args) -> dict:
     enable_tf32(device(), cfg.model.params_dtype)
     tr = cfg.training
     vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
-    cfg.training.train_iters = max(tr.train_iters, args.warmup + args.steps)
+    # a step-time benchmark: the schedule only has to cover the timed steps (a FLOP budget is not derived here)
+    cfg.training.train_iters, cfg.training.train_flops = max(tr.train_iters or 0, args.warmup + args.steps), None
     model, tconfig, use_te = build(cfg, vocab)
     optimizer = build_optimizer(cfg, [model])
     scheduler = build_scheduler(cfg, optimizer)

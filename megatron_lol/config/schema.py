@@ -30,6 +30,7 @@ ROUTED_CORES = ("auto", "reference", "grouped")
 DENSE_ATTENTION = ("full", "sliding", "strided")
 PARAMS_DTYPES = ("auto", "fp32", "bf16")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def resolve_params_dtype(value: str) -> str:
@@ -138,6 +139,14 @@ class ModelConfig:
     moe_shared_expert_intermediate_size: Optional[int] = None  # one always-on shared expert (Accordion)
     moe_aux_loss_coeff: float = 0.01  # Switch load-balancing loss (megatron-core "aux_loss")
     moe_z_loss_coeff: Optional[float] = None  # router z-loss (Foil: 1e-3)
+    # megatron-core's router score (Megatron-LM's --moe-router-score-function): softmax over the top-k logits,
+    # or sigmoid scores normalised over the chosen k
+    moe_router_score_function: str = "softmax"
+    # megatron-core's auxiliary-loss-free balancing (--moe-router-enable-expert-bias, sigmoid scores only): a
+    # per-expert bias added to the scores for the top-k choice only, moved after every optimizer step by
+    # moe_router_bias_update_rate toward equal loads (the global batch's token counts)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
     # Foil: average the two losses over all MoE layer executions (every layer on every pass)
     # instead of megatron-core's sum over layers
     moe_loss_average_over_executions: bool = False
@@ -288,10 +297,19 @@ class ModelConfig:
             nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
             if self.moe_z_loss_coeff is not None:
                 nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
+            choice(f"{prefix}.moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+            nonnegative(f"{prefix}.moe_router_bias_update_rate", self.moe_router_bias_update_rate)
+            if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+                # megatron-core's TransformerConfig refuses it too: the bias is added to sigmoid scores
+                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
+                                  f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
+                                  f"{self.moe_router_score_function})")
         else:
             for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
                 if getattr(self, key) is not None:
                     raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
+            if self.moe_router_enable_expert_bias:
+                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs MoE layers (moe_layers is none)")
 
 
     def _validate_fp8(self, prefix: str) -> None:
@@ -459,6 +477,14 @@ class DataConfig:
     merge_file: Optional[str] = None
     cache_dir: Optional[str] = None
 
+    def tokenizer_on_hub(self) -> bool:
+        """``tokenizer_model`` names a HuggingFace Hub repository (``tokenizer_type: HuggingFaceTokenizer``,
+        ``namespace/name``, no such local path): read from the Hub cache when the tokenizer is built, so it is
+        not a file that validation can check."""
+        from megatron_lol.data.tokenizers import is_hub_name
+
+        return self.tokenizer_type == "HuggingFaceTokenizer" and is_hub_name(self.tokenizer_model)
+
     def validate(self, prefix: str = "data", check_files: bool = True) -> None:
         import os
 
@@ -490,7 +516,7 @@ class DataConfig:
                     raise ConfigError(f"{prefix}.paths: {err}") from None
                 if header.sequence_count == 0 or header.document_count <= 1:
                     raise ConfigError(f"{prefix}.paths: {p}.idx holds no documents (an empty corpus?)")
-            if self.tokenizer_model and not os.path.exists(self.tokenizer_model):
+            if self.tokenizer_model and not os.path.exists(self.tokenizer_model) and not self.tokenizer_on_hub():
                 raise ConfigError(f"{prefix}.tokenizer_model: {self.tokenizer_model} does not exist")
         parts = self.split.replace("/", ",").split(",")
         try:
@@ -579,7 +605,11 @@ class OptimizerConfig:
 class TrainingConfig:
     """Loop, batch sizes, checkpoints and logging (Megatron-LM names)."""
 
-    train_iters: int = 100
+    # optimizer steps; default 100 when neither this nor train_flops is given
+    train_iters: Optional[int] = None
+    # a training budget in FLOPs (e.g. 9.0e19) instead of train_iters: the trainer derives the iterations from
+    # the FLOP model, growing depth included (perf/budget.py), and logs them; needs global_batch_size
+    train_flops: Optional[float] = None
     micro_batch_size: int = 4
     global_batch_size: Optional[int] = None  # default: micro_batch_size x data parallel size
     seq_length: int = 256
@@ -631,7 +661,21 @@ class TrainingConfig:
     distributed_timeout_minutes: int = 10
 
     def validate(self, prefix: str = "training") -> None:
-        positive(f"{prefix}.train_iters", self.train_iters)
+        if self.train_flops is not None:
+            # one budget, as Megatron-LM takes --train-iters or --train-samples but not both: a run cannot be
+            # held to a step count and a FLOP count at once
+            positive(f"{prefix}.train_flops", self.train_flops)
+            if self.train_iters is not None:
+                raise ConfigError(f"{prefix}.train_iters: {self.train_iters} cannot be combined with "
+                                  f"{prefix}.train_flops={self.train_flops:g} (the iterations are derived from "
+                                  f"the FLOP budget); drop one, e.g. --set {prefix}.train_flops=null")
+            if self.global_batch_size is None:
+                raise ConfigError(f"{prefix}.train_flops: needs {prefix}.global_batch_size (the iterations a "
+                                  f"FLOP budget buys would otherwise depend on the data-parallel size)")
+        elif self.train_iters is None:
+            self.train_iters = 100
+        if self.train_iters is not None:
+            positive(f"{prefix}.train_iters", self.train_iters)
         positive(f"{prefix}.micro_batch_size", self.micro_batch_size)
         if self.global_batch_size is not None:
             positive(f"{prefix}.global_batch_size", self.global_batch_size)

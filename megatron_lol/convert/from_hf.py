@@ -280,7 +280,7 @@ def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda
     cfg = config_from_dict(base)
 
     model = _build_native_model(cfg, m.vocab_size, eod)
-    params = dict(model.named_parameters())
+    params = {**dict(model.named_buffers()), **dict(model.named_parameters())}  # buffers: MoE expert biases
     with torch.no_grad():
         for name in progress(mapping.native_shapes(m, m.vocab_size), desc="import-hf", unit="tensor"):
             target = params.get(name)

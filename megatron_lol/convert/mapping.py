@@ -51,6 +51,7 @@ class Dims:
     ffn: int
     moe_ffn: int = 0  # f_e of one routed expert (0: no MoE layers)
     shared_ffn: int = 0  # f_s of the shared expert (0: none)
+    expert_bias: bool = False  # MoE routers hold megatron-core's expert_bias [E] (loss-free balancing)
 
     @classmethod
     def of(cls, m: ModelConfig) -> "Dims":
@@ -59,7 +60,8 @@ class Dims:
         return cls(hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
                    head_dim=m.kv_channels or m.hidden_size // heads, ffn=m.ffn_hidden,
                    moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden) if moe else 0,
-                   shared_ffn=(m.moe_shared_expert_intermediate_size or 0) if moe else 0)
+                   shared_ffn=(m.moe_shared_expert_intermediate_size or 0) if moe else 0,
+                   expert_bias=moe and m.moe_router_enable_expert_bias)
 
 
 def fixed_experts(m: ModelConfig) -> int | None:
@@ -88,6 +90,8 @@ def mlp_shapes(d: Dims, experts: int | None) -> dict[str, tuple]:
     out = {"mlp.router.weight": (experts, d.hidden),
            EXPERT_FC1: (experts, 2 * d.moe_ffn, d.hidden),
            EXPERT_FC2: (experts, d.hidden, d.moe_ffn)}
+    if d.expert_bias:
+        out["mlp.router.expert_bias"] = (experts,)
     if d.shared_ffn:
         out["mlp.shared_experts.linear_fc1.weight"] = (2 * d.shared_ffn, d.hidden)
         out["mlp.shared_experts.linear_fc2.weight"] = (d.hidden, d.shared_ffn)
@@ -127,6 +131,8 @@ def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
         out["core.loop_gates"] = (L, 2, h)
     for i in plan.separate_router_blocks():
         out[f"core.second_pass_routers.{i}.weight"] = (core_experts(m), h)
+        if d.expert_bias:
+            out[f"core.second_pass_routers.{i}.expert_bias"] = (core_experts(m),)
     if plan.routed:
         out["core.depth_vectors"] = (D, h)
         for r in range(1 if m.router_tied else D):
@@ -186,6 +192,7 @@ HF_LAYER = {
     "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
     "mlp.linear_fc2.weight": "mlp.down_proj.weight",
     "mlp.router.weight": "mlp.router.weight",
+    "mlp.router.expert_bias": "mlp.router.expert_bias",
     "mlp.shared_experts.linear_fc2.weight": "mlp.shared_expert.down_proj.weight",
 }
 
@@ -242,7 +249,7 @@ def lol_hf_names(name: str, m: ModelConfig) -> str | None:
             return None  # training-time noise only
         return f"model.routing.routers.{r}.{param}"
     if name.startswith("core.second_pass_routers."):
-        return f"model.second_pass_routers.{name.split('.')[2]}.weight"
+        return f"model.second_pass_routers.{name.split('.')[2]}.{name.split('.')[3]}"
     if name.startswith("core.pass_attention."):
         return "model.pass_attention." + name.split(".")[2] + "."
     if name.startswith("prelude."):

@@ -198,6 +198,8 @@ def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, token
         "num_experts_per_tok": m.moe_router_topk if m.moe_layers != "none" else None,
         "moe_intermediate_size": d.moe_ffn or None,
         "shared_expert_intermediate_size": d.shared_ffn or None,
+        "moe_router_score_function": m.moe_router_score_function,
+        "moe_router_expert_bias": bool(d.expert_bias),
         "untie_attention": bool(plan.untied_attention_sets()),
         "loop_budgets": list(m.loop_budgets) if accordion else [0],
         "loop_budget": loop_budget if accordion else 0,

@@ -13,7 +13,11 @@ same tokenizer type and file (it builds its tokenizer with
 * ``SentencePieceTokenizer`` (also ``GPTSentencePieceTokenizer``,
   ``Llama2Tokenizer``): ``encode_as_ids(text)``; EOD is the model's ``eos_id``;
   ``vocab_size`` is the piece count.
-* ``HuggingFaceTokenizer``: a ``tokenizer.json`` (or a directory holding one);
+* ``HuggingFaceTokenizer``: a ``tokenizer.json`` (or a directory holding one),
+  or a HuggingFace Hub name (``EleutherAI/gpt-neox-20b``) that is not a local
+  path: its ``tokenizer.json`` and ``tokenizer_config.json`` are read from the
+  local Hub cache, downloaded into it when missing (``huggingface_hub``;
+  ``HF_HUB_OFFLINE=1`` keeps it to the cache);
   ``encode(text)`` with the file's post-processor (as ``AutoTokenizer(text)``
   does); EOD is the ``eos_token`` of ``tokenizer_config.json`` when there is
   one, else the first of ``<|endoftext|>``, ``</s>``, ``<eos>``,
@@ -34,6 +38,7 @@ import base64
 import hashlib
 import json
 import os
+import re
 from collections import OrderedDict
 
 TOKENIZER_TYPES = (
@@ -63,6 +68,40 @@ HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 class TokenizerError(ValueError):
     """A tokenizer file or option is unusable (message names the file)."""
+
+
+# a Hub repository id, ``namespace/name`` (huggingface_hub's own check is stricter; this one only tells
+# a Hub name from a local path that does not exist)
+HUB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+
+def is_hub_name(value: str | None) -> bool:
+    """Whether a ``tokenizer_model`` names a HuggingFace Hub repository rather than a local path: it has
+    the form ``namespace/name`` and no such file or directory exists here."""
+    return bool(value) and HUB_NAME.match(value) is not None and not os.path.exists(value)
+
+
+def hub_tokenizer_file(name: str) -> str:
+    """``tokenizer.json`` of Hub repository ``name`` in the local Hub cache (downloaded when missing), with
+    its ``tokenizer_config.json`` beside it when the repository has one (the end-of-document token)."""
+    try:
+        from huggingface_hub import hf_hub_download
+    except ImportError:
+        raise TokenizerError(f"HuggingFace tokenizer {name}: not a local file or directory, and reading a Hub "
+                             f"name needs huggingface_hub (pip install huggingface_hub)") from None
+    try:
+        file = hf_hub_download(name, "tokenizer.json")
+    except Exception as err:  # noqa: BLE001 - network, cache and repository errors alike
+        first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TokenizerError(f"HuggingFace tokenizer {name}: not a local file or directory, and the Hub could not "
+                             f"provide its tokenizer.json ({first}); download it where the Hub is reachable "
+                             f"(hf download {name} tokenizer.json tokenizer_config.json) or "
+                             f"name a local tokenizer.json directory") from None
+    try:
+        hf_hub_download(name, "tokenizer_config.json")
+    except Exception:  # noqa: BLE001 - optional: the EOD token then comes from HF_EOD_CANDIDATES
+        pass
+    return file
 
 
 def _file_digest(path: str) -> str:
@@ -154,6 +193,8 @@ class HuggingFaceTokenizer(_BaseTokenizer):
     def __init__(self, path: str, include_special_tokens: bool = True, eod_token: str | None = None):
         from tokenizers import Tokenizer
 
+        if is_hub_name(path):
+            path = hub_tokenizer_file(path)
         if path and os.path.isdir(path):
             directory, file = path, os.path.join(path, "tokenizer.json")
         else:

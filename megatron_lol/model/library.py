@@ -182,7 +182,11 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
                       moe_z_loss_coeff=(model.moe_z_loss_coeff * scale if model.moe_z_loss_coeff else None),
                       moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
                       moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                      moe_router_dtype="fp32")
+                      moe_router_dtype="fp32", moe_router_score_function=model.moe_router_score_function,
+                      # loss-free balancing: megatron-core's finalize_model_grads (called by the trainer's,
+                      # parallel/library_sync.py) moves each router's bias by the global batch's loads
+                      moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+                      moe_router_bias_update_rate=model.moe_router_bias_update_rate)
     if model.fp8 is not None:
         # Megatron-LM's --fp8-format / --fp8-recipe / --fp8-margin / --fp8-amax-* (TransformerConfig's own fields)
         recipe = model.fp8_recipe or fp8_recipe_default(model.execution_plan())

@@ -12,6 +12,11 @@ its accounting (the Foil paper's) ``E_real = E*D``, ``D_eff = D*L``, ``E_eq = E*
 ``E_comp = k*D*L`` and its parameter-table (Table 3) columns; plan ``accordion`` prints
 the active parameters per budget. ``--json``
 carries the same as ``loop_accounting``, ``seed_columns`` and ``budgets``.
+
+Last, the run: its iterations (``training.train_iters``, or those the FLOP
+budget ``training.train_flops`` buys), tokens and training FLOPs by the FLOP
+model with the growing depth counted (:mod:`megatron_lol.perf.budget`); JSON
+``training``. Matched-compute configs (the four ``math-1b-*``) are compared there.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from megatron_lol.config import add_config_arguments, config_from_args
 from megatron_lol.config.loader import PARAMS_GROUPS
 from megatron_lol.errors import CliError
 from megatron_lol.model.params import count_parameters
+from megatron_lol.perf.budget import RunFlops
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -51,7 +57,7 @@ def tokenizer_vocab(cfg) -> int | None:
     if not files:
         return None
     for key, path in files:
-        if not os.path.exists(path):
+        if not os.path.exists(path) and not (key == "data.tokenizer_model" and d.tokenizer_on_hub()):
             hint = (" (the quickstart's tokenizer is built by `megatron-lol prepare-quickstart`)"
                     if "quickstart" in path else "")
             raise CliError(f"model.vocab_size: not set, and {key} {path} does not exist{hint}; "
@@ -65,6 +71,43 @@ def tokenizer_vocab(cfg) -> int | None:
         raise CliError(f"data.tokenizer_type {d.tokenizer_type}: cannot read the tokenizer ({err}); "
                        f"set model.vocab_size or pass --vocab-size N") from None
     return int(tok.vocab_size)
+
+
+def padded_vocab(cfg) -> int | None:
+    """The vocabulary rows training builds (before a checkpoint's record): ``model.vocab_size``, else the
+    tokenizer's padded to ``model.make_vocab_size_divisible_by``; None when the config names neither."""
+    if cfg.model.vocab_size is not None:
+        return cfg.model.vocab_size
+    vocab = tokenizer_vocab(cfg)
+    return None if vocab is None else _padded(vocab, cfg.model.make_vocab_size_divisible_by)
+
+
+def training_section(cfg, vocab: int) -> dict | None:
+    """The run's length and training FLOPs (FLOP model, growth included: :mod:`megatron_lol.perf.budget`);
+    None without ``training.global_batch_size`` (the step's size would depend on the launch)."""
+    tr = cfg.training
+    if tr.global_batch_size is None:
+        return None
+    run = RunFlops(cfg, vocab)
+    iters = run.iterations_for(tr.train_flops) if tr.train_flops is not None else tr.train_iters
+    return {"train_iters": iters, "train_flops_budget": tr.train_flops, "global_batch_size": run.batch,
+            "seq_length": run.seq, "tokens": iters * run.batch * run.seq, "training_flops": run(iters),
+            "steps_per_depth": {str(d): n for d, n in run.depths(iters).items() if d is not None}}
+
+
+def format_training(section: dict | None, width: int) -> list:
+    if section is None:
+        return ["", "  training FLOPs: set training.global_batch_size to count them"]
+    how = (f"from the budget training.train_flops {section['train_flops_budget']:.4g}"
+           if section["train_flops_budget"] is not None else "training.train_iters")
+    rows = [("iterations (" + how + ")", f"{section['train_iters']:,}"),
+            ("tokens", f"{section['tokens']:,}"),
+            ("training FLOPs (FLOP model, growth included)",
+             f"{section['training_flops']:.6g} = {section['training_flops'] / 1e18:,.2f} EFLOP")]
+    width = max(width, max(len(r[0]) for r in rows) + 2)
+    out = ["", f"  training run (global batch {section['global_batch_size']} x {section['seq_length']} tokens)"]
+    out += [f"    {name:<{width - 2}}{value:>30}" for name, value in rows]
+    return out
 
 
 def resolve_vocab(args, cfg) -> tuple[int, int]:
@@ -86,7 +129,7 @@ def _m(n: int) -> str:
     return f"{n / 1e6:,.2f}M"
 
 
-def format_table(counts, cfg, config_path: str, vocab: int) -> str:
+def format_table(counts, cfg, config_path: str, vocab: int, training: dict | None = None) -> str:
     m = cfg.model
     plan = m.execution_plan()
     shape = f"plan {plan.name}, width {m.hidden_size}, {m.n_prelude}+{m.n_coda} fixed layers, {plan.describe()}"
@@ -154,6 +197,7 @@ def format_table(counts, cfg, config_path: str, vocab: int) -> str:
         for b in counts.budgets:
             name = f"k={b['k']}: {b['layer_executions']} layer executions"
             out.append(f"    {name:<{width - 2}}{b['active_compute']:>16,}  {_m(b['active_compute']):>10}")
+    out += format_training(training, width)
     return "\n".join(out)
 
 
@@ -161,14 +205,15 @@ def run(args) -> int:
     cfg = config_from_args(args, check_data=False)
     vocab, padded = resolve_vocab(args, cfg)
     counts = count_parameters(cfg.model, padded)
+    training = training_section(cfg, padded)
     from megatron_lol.perf.memory import layout_given, per_rank_section
 
     per_rank = per_rank_section(cfg, padded) if layout_given(cfg) else None  # the layout flags' answer
     if args.json:
-        payload = {"config": args.config, "vocab_size_given": vocab, **counts.to_dict()}
+        payload = {"config": args.config, "vocab_size_given": vocab, **counts.to_dict(), "training": training}
         if per_rank:
             payload["per_rank"] = per_rank[1]
         print(json.dumps(payload, indent=None, sort_keys=False))
     else:
-        print(format_table(counts, cfg, args.config, vocab) + (per_rank[0] if per_rank else ""))
+        print(format_table(counts, cfg, args.config, vocab, training) + (per_rank[0] if per_rank else ""))
     return 0

@@ -113,12 +113,21 @@ def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
     tr, d = cfg.training, cfg.data
     if not check_data:
         d.validate(check_files=False)
-        if d.tokenizer_model and not os.path.exists(d.tokenizer_model):
+        if d.tokenizer_model and not os.path.exists(d.tokenizer_model) and not d.tokenizer_on_hub():
             raise ConfigError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
     gbs = tr.global_batch_size or tr.micro_batch_size * dp
     if gbs % (tr.micro_batch_size * dp):
         raise ConfigError(f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
                           f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})")
+    if tr.train_flops is not None:
+        from megatron_lol.perf.budget import apply_flop_budget
+        from megatron_lol.perf.params_cli import padded_vocab
+
+        vocab = padded_vocab(cfg)
+        if vocab is None:
+            raise ConfigError("model.vocab_size: training.train_flops needs the vocabulary: set model.vocab_size "
+                              "or data.tokenizer_model")
+        apply_flop_budget(cfg, vocab)
     if _rank0():
         par = cfg.parallel
         print(f"megatron-lol train: config OK: {cfg.model.execution_plan().name} model, world size {world} = TP "

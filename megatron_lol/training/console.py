@@ -73,7 +73,9 @@ def startup_line(cfg, config_path: str, world_size: int) -> str:
     if m.fp8:
         shape += f" + FP8 {m.fp8} ({m.fp8_recipe})"
     sinks = [name for name, on in (("TensorBoard", tr.tensorboard_dir), ("W&B", tr.wandb_project)) if on]
-    line = (f"megatron-lol {__version__} train: {config_path} ({shape}), {tr.train_iters} iterations, "
+    iters = (f"{tr.train_iters} iterations" if tr.train_iters is not None
+             else f"a budget of {tr.train_flops:.4g} training FLOPs")
+    line = (f"megatron-lol {__version__} train: {config_path} ({shape}), {iters}, "
             f"{world_size} process{'es' if world_size != 1 else ''}")
     if sinks:
         line += f", logging to metrics.jsonl + {' + '.join(sinks)}"
@@ -181,6 +183,8 @@ def format_line(record: dict, train_iters: int) -> str:
         parts.append(f"budgets {r['budgets']}")
     if r.get("eval_loss_by_budget"):
         parts.append("eval by budget " + " ".join(f"k={k}:{v:.4f}" for k, v in r["eval_loss_by_budget"].items()))
+        if r.get("eval_loss_endpoints") is not None:
+            parts.append(f"eval endpoints mean {r['eval_loss_endpoints']:.4f}")
     if r.get("moe_routing"):
         m = r["moe_routing"]
         parts.append(f"U_t {m['distinct_experts_per_token']:.2f} | B2 {m['b2']:.3f} | MMR {m['mmr']:.3f}")
@@ -203,11 +207,23 @@ def step_scalars(res, global_batch_size: int, world_size: int) -> dict:
     return out
 
 
+def endpoint_mean(by_budget: Optional[dict]) -> Optional[float]:
+    """Accordion: the mean validation loss of the smallest and the largest budget, the "Mean" of the
+    Accordion paper's Table 1 (budget sets compared on their common endpoints k = 0 and 12); ``eval_loss``
+    is the mean over every evaluated budget. None with fewer than two budgets."""
+    if not by_budget or len(by_budget) < 2:
+        return None
+    keys = sorted(by_budget, key=int)
+    return (by_budget[keys[0]] + by_budget[keys[-1]]) / 2
+
+
 def validation_scalars(eval_loss: float, by_budget: Optional[dict]) -> dict:
     out = {"lm loss validation": eval_loss,
            "lm loss validation ppl": math.exp(min(eval_loss, 20.0)) if math.isfinite(eval_loss) else eval_loss}
     for k, v in (by_budget or {}).items():
         out[f"lm loss validation k={k}"] = v
+    if endpoint_mean(by_budget) is not None:
+        out["lm loss validation endpoints"] = endpoint_mean(by_budget)
     return out
 
 
@@ -400,6 +416,7 @@ class TrainingConsole(Hook):
             record["eval_loss"] = eval_loss
             if eval_by_budget:
                 record["eval_loss_by_budget"] = {str(k): v for k, v in eval_by_budget.items()}
+                record["eval_loss_endpoints"] = endpoint_mean(eval_by_budget)
         if res.budgets:
             record["budgets"] = res.budgets
         if res.moe_routing:
@@ -422,6 +439,7 @@ class TrainingConsole(Hook):
         record = {"step": step, "eval_loss": eval_loss, "depth": depth, "consumed_samples": consumed_samples}
         if eval_by_budget:
             record["eval_loss_by_budget"] = {str(k): v for k, v in eval_by_budget.items()}
+            record["eval_loss_endpoints"] = endpoint_mean(eval_by_budget)
         self._append(record)
         self._open_sinks()
         if self.sinks is not None:

@@ -577,8 +577,9 @@ def run(args: argparse.Namespace) -> int:
     from megatron_lol.training.runtime import apply_threads
 
     apply_threads(args.threads)
-    # enough iterations for the LR schedule to cover the profiled steps
-    cfg.training.train_iters = max(cfg.training.train_iters, args.warmup + args.steps)
+    # enough iterations for the LR schedule to cover the profiled steps (a FLOP budget: the trainer derives them)
+    if cfg.training.train_flops is None:
+        cfg.training.train_iters = max(cfg.training.train_iters, args.warmup + args.steps)
     trainer = build_trainer(cfg, args.synthetic_data)
     local = profile_trainer(trainer, args.steps, args.warmup, depth=args.depth, sync=not args.no_sync,
                             sample_interval=args.sample_interval, peak_override=args.peak_tflops,

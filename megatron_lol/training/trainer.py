@@ -34,7 +34,9 @@ import torch
 
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
+from megatron_lol.perf.budget import apply_flop_budget
 from megatron_lol.plan import depth_at
+from megatron_lol.training.vocab import resolve_vocab_size
 
 
 @dataclass
@@ -138,6 +140,8 @@ class Trainer:
         self.num_microbatches = self.global_batch_size // (tr.micro_batch_size * self.dp_size)
 
         self._build_tokenizer()
+        self.vocab_size = resolve_vocab_size(cfg, self.tokenizer.vocab_size)  # the same at every TP; a checkpoint's wins
+        self._apply_flop_budget()
         self._build_model()
         self._build_optimizer()
         self._build_data()
@@ -155,16 +159,22 @@ class Trainer:
                                          vocab_file=d.vocab_file, merge_file=d.merge_file)
         self.eod_id = self.tokenizer.eod
 
+    def _apply_flop_budget(self) -> None:
+        """``training.train_flops``: the iterations it buys at this vocabulary (perf/budget.py), set as
+        ``train_iters`` before the schedules, datasets and checkpoint checks read it."""
+        line = apply_flop_budget(self.cfg, self.vocab_size)
+        if line is not None:
+            log_rank0(line)
+        self.schedule_iters = self.cfg.training.train_iters
+
     def _build_model(self) -> None:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from megatron_lol.model.lol_model import LoLGPTModel
         from megatron_lol.training.optimizer import ddp_uses_distributed_optimizer
-        from megatron_lol.training.vocab import resolve_vocab_size
 
         cfg = self.cfg
-        vocab = resolve_vocab_size(cfg, self.tokenizer.vocab_size)  # the same at every TP; a checkpoint's wins
-        self.vocab_size = vocab
+        vocab = self.vocab_size
         vpp = cfg.parallel.virtual_pipeline_model_parallel_size
         chunks = []
         for vp_stage in range(vpp or 1):

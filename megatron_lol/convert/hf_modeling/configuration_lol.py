@@ -11,7 +11,9 @@ layers have one (``none``, ``fixed`` = prelude and coda, ``all`` = also every
 core block); ``num_experts`` experts in the prelude / coda layers,
 ``core_num_experts`` in the core blocks, ``num_experts_per_tok`` = top-k,
 ``moe_intermediate_size`` = one expert's SwiGLU width and
-``shared_expert_intermediate_size`` an always-on shared expert (None: none).
+``shared_expert_intermediate_size`` an always-on shared expert (None: none);
+``moe_router_score_function`` softmax or sigmoid and ``moe_router_expert_bias`` whether
+each MoE router holds a (frozen) expert bias for the top-k choice (megatron-core's).
 
 The core's schedule is ``execution_plan``, written by the exporter: ``steps``,
 one per core execution in order, each with the stored ``block`` it runs (None:
@@ -57,6 +59,8 @@ class LoLConfig(PretrainedConfig):
         num_experts_per_tok=2,
         moe_intermediate_size=None,
         shared_expert_intermediate_size=None,
+        moe_router_score_function="softmax",
+        moe_router_expert_bias=False,
         untie_attention=False,
         loop_budgets=None,
         loop_budget=None,
@@ -97,6 +101,8 @@ class LoLConfig(PretrainedConfig):
         self.num_experts_per_tok = num_experts_per_tok
         self.moe_intermediate_size = moe_intermediate_size or intermediate_size
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
+        self.moe_router_score_function = moe_router_score_function
+        self.moe_router_expert_bias = bool(moe_router_expert_bias)
         self.untie_attention = untie_attention
         self.loop_budgets = [int(k) for k in loop_budgets] if loop_budgets else [0]
         self.loop_budget = int(loop_budget) if loop_budget is not None else max(self.loop_budgets)

@@ -111,11 +111,16 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """The MoE router's ``weight`` [E, h] (kept in fp32; logits are computed in fp32)."""
+    """The MoE router's ``weight`` [E, h] (kept in fp32; logits are computed in fp32) and, with
+    ``expert_bias``, megatron-core's balancing bias [E] (trained by its load rule, fixed here)."""
 
-    def __init__(self, hidden_size: int, num_experts: int):
+    def __init__(self, hidden_size: int, num_experts: int, expert_bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.zeros(num_experts, hidden_size))
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
 
 
 class MoEMLP(nn.Module):
@@ -123,7 +128,10 @@ class MoEMLP(nn.Module):
 
     ``logits = x W^T`` in fp32; the ``top_k`` largest logits per token (``torch.topk``,
     the same tie order) are soft-maxed among themselves (``moe_router_pre_softmax=False``:
-    the weights of the chosen experts sum to 1); each chosen expert ``e`` computes
+    the weights of the chosen experts sum to 1). With the sigmoid score
+    (megatron-core's ``topk_routing_with_score_function``): ``s = sigmoid(logits)``, the
+    top-k of ``s + expert_bias`` (the bias chooses, it does not weigh) and weights ``s``
+    of the chosen normalised to sum 1 (``+1e-20``; top-1: ``s`` itself). Each chosen expert ``e`` computes
     ``down(w_e * silu(gate(x)) * up(x))``; the outputs are summed in expert order in x's
     dtype (megatron's unpermute), then the shared expert's output (if any) is added.
     No capacity limit: no token is dropped.
@@ -133,22 +141,30 @@ class MoEMLP(nn.Module):
         super().__init__()
         self.num_experts = num_experts
         self.top_k = config.num_experts_per_tok
-        self.router = Router(config.hidden_size, num_experts)
+        self.score_function = getattr(config, "moe_router_score_function", "softmax")
+        self.router = Router(config.hidden_size, num_experts, getattr(config, "moe_router_expert_bias", False))
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(num_experts))
         self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
                               if config.shared_expert_intermediate_size else None)
 
-    def route(self, x: torch.Tensor, router_weight: Optional[torch.Tensor] = None):
-        """``x`` [n, h] -> (weights [n, k] fp32, expert ids [n, k])."""
-        weight = self.router.weight if router_weight is None else router_weight
-        logits = torch.mm(x.float(), weight.float().t())
+    def route(self, x: torch.Tensor, router: Optional[Router] = None):
+        """``x`` [n, h] -> (weights [n, k] fp32, expert ids [n, k]); ``router``: another router's
+        weights and bias (Accordion's separate second-pass router) instead of this layer's."""
+        router = self.router if router is None else router
+        logits = torch.mm(x.float(), router.weight.float().t())
+        if self.score_function == "sigmoid":
+            scores = torch.sigmoid(logits)
+            choice = scores if router.expert_bias is None else scores + router.expert_bias.float()
+            _, index = torch.topk(choice, k=self.top_k, dim=1)
+            top = torch.gather(scores, 1, index)
+            return (top / (top.sum(dim=-1, keepdim=True) + 1e-20) if self.top_k > 1 else top), index
         top, index = torch.topk(logits, k=self.top_k, dim=1)
         return torch.softmax(top, dim=-1, dtype=torch.float32), index
 
-    def forward(self, x: torch.Tensor, router_weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, router: Optional[Router] = None) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        probs, index = self.route(flat, router_weight)
+        probs, index = self.route(flat, router)
         out = torch.zeros_like(flat)
         for e, expert in enumerate(self.experts):
             token, slot = torch.nonzero(index == e, as_tuple=True)
@@ -179,12 +195,12 @@ class Layer(nn.Module):
         self.mlp = MLP(config) if num_experts is None else MoEMLP(config, num_experts)
 
     def forward(self, x, positions, allowed, *, film=None, attention: Optional[AttentionSet] = None, gates=None,
-                router_weight: Optional[torch.Tensor] = None, cache=None, cache_index: Optional[int] = None,
+                moe_router: Optional[Router] = None, cache=None, cache_index: Optional[int] = None,
                 cache_kwargs: Optional[dict] = None, rope=None):
         """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;
         ``attention``: another input norm + attention to use (Foil's later passes);
         ``gates``: ``(g_attn [h], g_mlp [h])`` scaling the two residual writes (Accordion's
-        second pass); ``router_weight``: MoE router weights to use instead of the block's;
+        second pass); ``moe_router``: an MoE router (weights and bias) to use instead of the block's;
         ``rope``: RoPE's ``(cos, sin)`` of ``positions``, when computed once for several layers."""
         att = self if attention is None else attention
         y = att.input_layernorm(x)
@@ -196,7 +212,7 @@ class Layer(nn.Module):
         y = self.post_attention_layernorm(h)
         if film is not None:
             y = film[0][1].to(y.dtype) * y + film[1][1].to(y.dtype)
-        out = h + (self.mlp(y) if router_weight is None else self.mlp(y, router_weight))
+        out = h + (self.mlp(y) if moe_router is None else self.mlp(y, moe_router))
         if gates is not None:
             out = h + gates[1].to(x.dtype) * (out - h)
         return out

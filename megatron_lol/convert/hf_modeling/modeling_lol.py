@@ -133,7 +133,8 @@ class LoLModel(LoLPreTrainedModel):
         if any(step["gated"] for step in steps):
             self.loop_gates = nn.Parameter(torch.ones(L, 2, h))
         if any(step["separate_router"] for step in steps):
-            self.second_pass_routers = nn.ModuleList(Router(h, config.block_experts) for _ in range(L))
+            self.second_pass_routers = nn.ModuleList(
+                Router(h, config.block_experts, getattr(config, "moe_router_expert_bias", False)) for _ in range(L))
         self.post_init()
 
     @property
@@ -170,7 +171,7 @@ class LoLModel(LoLPreTrainedModel):
         return {"film": self.film(step["depth"], block),
                 "attention": self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None,
                 "gates": (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None,
-                "router_weight": self.second_pass_routers[block].weight if step["separate_router"] else None}
+                "moe_router": self.second_pass_routers[block] if step["separate_router"] else None}
 
     def inject(self, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
         if not self.config.input_injection:

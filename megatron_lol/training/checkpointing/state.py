@@ -190,9 +190,21 @@ def weights_finite(trainer) -> bool:
     return int(flag.item()) == 0
 
 
+def _recorded_tokenizer_model(data, tok):
+    """The tokenizer file the checkpoint records (and copies): the config's path made absolute, or for a
+    HuggingFace Hub name the ``tokenizer.json`` it was read from in the local Hub cache."""
+    if not data.tokenizer_model:
+        return None
+    if data.tokenizer_on_hub() and getattr(tok, "files", None):
+        return os.path.abspath(tok.files[0])
+    return os.path.abspath(data.tokenizer_model)
+
+
 def run_config_dict(trainer) -> dict:
     cfg = trainer.cfg.to_dict()
     cfg["model"]["vocab_size"] = int(trainer.vocab_size)
+    if cfg["training"].get("train_flops") is not None:
+        cfg["training"]["train_iters"] = None  # derived from the budget, which the file keeps: reloadable as is
     d = trainer.cfg.data
     tok = trainer.tokenizer
     cfg["checkpoint"] = {
@@ -201,7 +213,7 @@ def run_config_dict(trainer) -> dict:
         "padded_vocab_size": int(trainer.vocab_size),
         "tokenizer": {
             "type": d.tokenizer_type,
-            "tokenizer_model": os.path.abspath(d.tokenizer_model) if d.tokenizer_model else None,
+            "tokenizer_model": _recorded_tokenizer_model(d, tok),
             "vocab_file": os.path.abspath(d.vocab_file) if d.vocab_file else None,
             "merge_file": os.path.abspath(d.merge_file) if d.merge_file else None,
             "copied_files": {},
