@@ -177,7 +177,7 @@ def main(argv=None) -> int:
     times: dict = {name: [] for name in steps}
     walls: dict = {name: [] for name in steps}
     for _ in range(args.warmup):
-        for name, fn in steps.items():
+        for fn in steps.values():
             fn()
     sys_times: dict = {name: [] for name in steps}
     faults: dict = {name: [] for name in steps}

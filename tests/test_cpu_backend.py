@@ -47,7 +47,8 @@ def _layer(dtype=torch.float32, **model):
     return layer, cfg
 
 
-def _run(layer, hidden, mask, rope, parts=BlockParts(), backend=None):
+def _run(layer, hidden, mask, rope, parts=None, backend=None):
+    parts = BlockParts() if parts is None else parts
     for p in layer.parameters():
         p.grad = None
     x = hidden.clone().requires_grad_(True)

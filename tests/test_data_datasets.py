@@ -9,6 +9,7 @@ import torch
 
 import corpus_fixtures as T
 from megatron_lol.data.datasets import build_train_valid_test_datasets, parse_blend
+from megatron_lol.data.tokenizers import build_tokenizer
 from megatron_lol.model.windows import DocumentLayout
 
 
@@ -19,7 +20,6 @@ def document_ids(tokens, eod_id):
 
 def document_positions(tokens, eod_id):
     return DocumentLayout.from_tokens(tokens, eod_id).positions
-from megatron_lol.data.tokenizers import build_tokenizer
 
 
 @pytest.fixture(scope="session")

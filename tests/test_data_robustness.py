@@ -163,7 +163,7 @@ def test_interrupt_leaves_no_complete_looking_output(tmp_path, tok_files, monkey
     real = readers.iter_tasks
 
     def interrupted(*a, **k):
-        for i, task in enumerate(real(*a, **k)):
+        for task in real(*a, **k):
             yield task
             raise KeyboardInterrupt
 

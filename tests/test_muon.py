@@ -166,7 +166,7 @@ def test_megatron_muon_step_and_zero_gradient(megatron_env, nesterov):
                                   fp32_matmul_prec="highest")
     ref_p, ref_m = p.detach().clone(), torch.zeros_like(p)
     grads = [torch.randn(12, 5, generator=gen), torch.zeros(12, 5), torch.zeros(12, 5)]
-    for step, grad in enumerate(grads):
+    for grad in grads:
         p.grad = grad.clone()
         opt.step()
         ref_p, ref_m = _reference_update(ref_p, ref_m, grad, lr, wd, beta, nesterov)

@@ -78,7 +78,7 @@ def read_sentencepiece_model(path: str) -> dict:
     for number, _, value in _fields(data):
         if number == 1:  # SentencePiece
             piece, score, kind = "", 0.0, 1
-            for n, w, v in _fields(value):
+            for n, _, v in _fields(value):
                 if n == 1:
                     piece = v.decode("utf-8")
                 elif n == 2:
@@ -205,7 +205,7 @@ def export_tokenizer(tokenizer_type: str, model_file: Optional[str], out_dir: st
         problem = _check_against_sentencepiece(tok, model_file, list(check_texts or []) + SAMPLE_TEXTS)
         if problem:
             warnings.warn(f"exported tokenizer.json does not reproduce SentencePiece exactly on {problem}; "
-                          "tokenizer.model is included for SentencePiece-based loading")
+                          "tokenizer.model is included for SentencePiece-based loading", stacklevel=2)
         tok.save(os.path.join(out_dir, "tokenizer.json"))
         shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
         _write_tokenizer_config(out_dir, specials, max_length)

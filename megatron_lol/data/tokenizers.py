@@ -265,7 +265,7 @@ def load_tiktoken_ranks(path: str) -> list:
                 tokens.append(base64.b64decode(entry["token_bytes"]))
         else:
             ranked = []
-            for lineno, line in enumerate(data.splitlines(), 1):
+            for line in data.splitlines():
                 if not line.strip():
                     continue
                 tok, rank = line.split()

@@ -48,7 +48,7 @@ class LocalRMSNorm(nn.Module):
         self.fuse_wgrad_accumulation = bool(getattr(config, "gradient_accumulation_fusion", False))
         self.weight = nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
         # megatron's grad all-reduce for sequence-parallel norms keys on this attribute
-        setattr(self.weight, "sequence_parallel", bool(config.sequence_parallel))
+        self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
