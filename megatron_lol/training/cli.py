@@ -98,10 +98,13 @@ def train_to_exit(trainer) -> tuple[int, str]:
 
     try:
         outcome = trainer.train()
-    except FloatingPointError as err:
+        trainer.stop_heartbeat()
+    except FloatingPointError as err:  # every rank stops alike (as below): none is left to watch
+        trainer.stop_heartbeat()
         log_rank0(f"megatron-lol train: error: {err}")
         return 3, f"megatron-lol train: error: {err}"
     except RoutingDisagreement as err:
+        trainer.stop_heartbeat()
         log_rank0(f"megatron-lol train: error: {err}")
         return 4, f"megatron-lol train: error: {err}"
     if outcome.exit_code:

@@ -35,6 +35,7 @@ import torch
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
 from megatron_lol.plan import depth_at
+from megatron_lol.training.heartbeat import start_heartbeat
 
 
 @dataclass
@@ -128,6 +129,9 @@ class Trainer:
         )
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         torch.manual_seed(cfg.training.seed)
+        # from here on a rank that stops answering ends every rank, named (heartbeat.py)
+        self.stop_heartbeat()
+        self.heartbeat = start_heartbeat(cfg.training.heartbeat_interval, cfg.training.stall_timeout_seconds)
 
         tr = cfg.training
         self.global_batch_size = tr.global_batch_size or tr.micro_batch_size * self.dp_size
@@ -492,6 +496,12 @@ class Trainer:
         if stop is not None:
             outcome.exit_code, outcome.reason = stop.exit_code, stop.reason
         return outcome
+
+    def stop_heartbeat(self) -> None:
+        """This rank is done with collectives: its watcher stops watching it (:mod:`.heartbeat`)."""
+        heartbeat, self.heartbeat = getattr(self, "heartbeat", None), None
+        if heartbeat is not None:
+            heartbeat.stop()
 
     def _console(self):
         """The console line, ``metrics.jsonl`` and the metric sinks (:mod:`.console`), made on first use."""
