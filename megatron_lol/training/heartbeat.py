@@ -33,6 +33,7 @@ daemon per node.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import socket
@@ -72,6 +73,7 @@ class Heartbeat:
         self._thread: Optional[threading.Thread] = None
         self._judge: Optional[threading.Thread] = None
         self._lock = threading.Lock()
+        self._done = False
         self._last_contact = time.monotonic()
 
     # ------------------------------------------------------------- setup
@@ -98,12 +100,16 @@ class Heartbeat:
         self._judge = threading.Thread(target=self._judge_store, name="megatron-lol-heartbeat-store", daemon=True)
         self._thread.start()
         self._judge.start()
+        atexit.register(self.stop, done=False)
         return self
 
-    def stop(self) -> None:
-        """This rank finished: its watcher stops watching it; the thread ends."""
+    def stop(self, done: bool = True) -> None:
+        """This rank finished (``done``: its watcher stops watching it); the threads end. Also run at
+        exit without ``done``: a rank that exits on an error of its own is then named by its watcher,
+        and no thread is left inside the store client while the interpreter shuts down."""
         if self._thread is None:
             return
+        self._done = done
         self._stop.set()
         self._judge.join(timeout=self.interval + 5)
         # the thread tells the store on its way out; a store that does not answer must not hold this rank
@@ -143,6 +149,8 @@ class Heartbeat:
                 except Exception:  # noqa: BLE001 - this rank stops anyway
                     pass
                 return self._found(line)
+        if not self._done:
+            return
         try:
             self.store.add(mine, DONE)  # finished: the watcher stops watching this rank
         except Exception:  # noqa: BLE001 - the store's host may have finished first: nothing to tell

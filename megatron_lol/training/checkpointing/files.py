@@ -233,15 +233,22 @@ def incomplete_reason(path: str) -> Optional[str]:
     return size_problem(path, files)
 
 
+def written_by(rel: str) -> str:
+    """``" (written by rank R)"`` for a shard of megatron's writer (``__R_I.distcp``: R is the global rank that
+    wrote it, so the node whose disk or memory failed), else ``""``."""
+    m = re.fullmatch(r"__(\d+)_\d+\.distcp", os.path.basename(rel))
+    return f" (written by rank {m.group(1)})" if m else ""
+
+
 def size_problem(path: str, files: dict) -> Optional[str]:
     for rel, entry in files.items():
         full = os.path.join(path, rel)
         try:
             size = os.path.getsize(full)
         except OSError:
-            return f"{full} is missing"
+            return f"{full}{written_by(rel)} is missing"
         if size != entry["size"]:
-            return f"{full} is corrupted or truncated ({size} bytes, {entry['size']} were saved)"
+            return f"{full} is corrupted or truncated ({size} bytes, {entry['size']} were saved){written_by(rel)}"
     return None
 
 
@@ -253,7 +260,7 @@ def verify_files(path: str, files: dict, rels: list) -> Optional[str]:
     for rel in rels:
         if file_digest(os.path.join(path, rel)) != files[rel]["sha256"]:
             return (f"{os.path.join(path, rel)} is corrupted or truncated: its SHA-256 differs from the one "
-                    f"saved in {MANIFEST} (training.verify_checksums=false skips this check)")
+                    f"saved in {MANIFEST}{written_by(rel)} (training.verify_checksums=false skips this check)")
     return None
 
 
