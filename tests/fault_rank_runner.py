@@ -4,7 +4,9 @@ Usage: ``python tests/fault_rank_runner.py [FAULT ...] -- train --config ...`` w
 
 * ``enospc=RANK:ITER``: on global rank RANK, every checkpoint shard of the save of iteration ITER
   fails to be written with ENOSPC (the other ranks write theirs);
-* ``slow=RANK:SECONDS``: rank RANK sleeps SECONDS in every micro-batch's forward (a straggler).
+* ``slow=RANK:SECONDS``: rank RANK sleeps SECONDS in every micro-batch's forward (a straggler);
+* ``pause=ITER:SECONDS``: every rank sleeps SECONDS after the shards of iteration ITER are written,
+  before the checkpoint is committed (a window to kill a rank in the middle of a save).
 
 The faults are monkeypatches of this entry script, so production code carries no switch for them.
 """
@@ -67,6 +69,21 @@ def _slow(rank: int, seconds: float) -> None:
     Trainer._forward_step = slow_forward
 
 
+def _pause(iteration: int, seconds: float) -> None:
+    from megatron_lol.training.checkpointing.checkpointer import Checkpointer
+
+    commit = Checkpointer._commit
+
+    def paused_commit(self, pending, info):
+        if pending.iteration == iteration:
+            print(f"fault: rank {os.environ.get('RANK', '0')} pausing {seconds} s before committing "
+                  f"iteration {iteration}", flush=True)
+            time.sleep(seconds)
+        return commit(self, pending, info)
+
+    Checkpointer._commit = paused_commit
+
+
 def main(argv: list) -> int:
     split = argv.index("--")
     for fault in argv[:split]:
@@ -76,6 +93,8 @@ def main(argv: list) -> int:
             _enospc(int(rank), int(arg))
         elif kind == "slow":
             _slow(int(rank), float(arg))
+        elif kind == "pause":
+            _pause(int(rank), float(arg))
         else:
             raise SystemExit(f"fault_rank_runner: unknown fault {fault!r}")
     from megatron_lol.cli import main as cli_main

@@ -131,3 +131,177 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
         assert f"rank {stopped} (host {host}, pid {victim.pid})" in lines[0], lines[0]
         assert lines[0].startswith("megatron-lol train: error:") and f"rank {r} stops (status 5)" in lines[0]
         assert "Traceback" not in out, out
+
+
+# ------------------------------------------------------------------ training runs of two ranks
+RUNNER = REPO / "tests" / "fault_rank_runner.py"
+TRAIN_ITERS = 6
+HEARTBEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "4"]
+RUN_TIMEOUT = 75  # two ranks on one core: ~30 s, mostly the megatron-core import
+
+
+def train_ranks(config: Path, save: Path, log_dir: Path, *args, faults=(), name="rank", world=2) -> list:
+    """``megatron-lol train`` on ``world`` ranks, one process each, with ``faults`` of fault_rank_runner.py."""
+    return launch_ranks([RUNNER, *faults, "--", "train", "--config", config, "--save", save, *HEARTBEAT, *args],
+                        world, log_dir, name=name)
+
+
+def one_error_line(out: str) -> str:
+    assert "Traceback" not in out, out[-3000:]
+    lines = [line for line in out.splitlines() if line.startswith("megatron-lol train: error:")]
+    assert len(lines) == 1, out[-3000:]
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cluster")
+    prefix, tok = make_corpus(root / "data")
+    config = write_config(root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=TRAIN_ITERS,
+                          save_interval=2)
+    return {"root": root, "config": config}
+
+
+@pytest.fixture(scope="module")
+def continued(corpus):
+    """Rank 1's shards of the save of iteration 4 hit ENOSPC, with training.on_save_failure=continue, and rank 1
+    is a straggler: the run goes on to iteration 6. Its losses are those of an uninterrupted run (neither fault
+    changes the arithmetic), the reference for the resume tests."""
+    root = corpus["root"]
+    save, logs = root / "continued", root / "continued_logs"
+    logs.mkdir()
+    procs = train_ranks(corpus["config"], save, logs, "--on-save-failure", "continue",
+                        faults=["enospc=1:4", "slow=1:0.3"])
+    codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
+    out = (logs / "rank0.log").read_text()
+    assert codes == [0, 0], out[-3000:] + (logs / "rank1.log").read_text()[-3000:]
+    return {"save": save, "out": out, "metrics": metrics(save)}
+
+
+# ------------------------------------------------------------------ 3. one rank fails alone
+@TIMEOUT
+def test_save_failure_on_one_rank_with_on_save_failure_continue_and_a_straggler(continued):
+    """Every rank agreed the save of iteration 4 failed; the line names rank 1, its host and its shard; the
+    tracker stayed at 2 until the save of 6; the log line's min/max ms/iter names the straggler, rank 1."""
+    save, out = continued["save"], continued["out"]
+    lines = [line for line in out.splitlines() if "saving iteration 4 failed" in line]
+    assert len(lines) == 1, out[-3000:]
+    line = lines[0]
+    assert f"writing {save}/.tmp_iter_0000004/__1_0.distcp on rank 1 (host {socket.gethostname()})" in line, line
+    assert "No space left on device (ENOSPC)" in line and "last complete checkpoint is iter_0000002" in line, line
+    assert "on_save_failure=continue" in line
+    assert tracker(save) == TRAIN_ITERS and not (save / "iter_0000004").exists()
+    assert not any(p.name.startswith(".tmp_") for p in save.iterdir())
+    got = continued["metrics"]
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1))
+    # rank 1 sleeps 300 ms in every forward, before its gradient reduction (one core: noise of tens of ms)
+    assert all(r["max_ms_rank"] == 1 and r["min_ms_rank"] == 0 for r in got.values()), got
+    assert all(r["max_ms_per_iteration"] - r["min_ms_per_iteration"] > 150 for r in got.values()), got
+    assert "min/max ms/iter" in out and "(rank 1)" in out.split("min/max ms/iter")[1].split("|")[0]
+
+
+@TIMEOUT
+def test_save_failure_on_one_rank_stops_every_rank_with_one_line(corpus, tmp_path):
+    """The default (training.on_save_failure=stop): both ranks exit 2 at once with the same line naming rank 1
+    and its shard; iteration 2 stays the latest checkpoint; nothing partial is left."""
+    save = tmp_path / "stop"
+    procs = train_ranks(corpus["config"], save, tmp_path, faults=["enospc=1:4"])
+    codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
+    assert codes == [2, 2], codes
+    lines = [one_error_line((tmp_path / f"rank{r}.log").read_text()) for r in range(2)]
+    assert lines[0] == lines[1], lines
+    assert f"saving iteration 4 failed: writing {save}/.tmp_iter_0000004/__1_0.distcp on rank 1" in lines[0]
+    assert "ENOSPC" in lines[0] and "no rank moved the tracker" in lines[0]
+    assert tracker(save) == 2 and sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == \
+        ["iter_0000002"]
+    assert not any(p.name.startswith(".tmp_") for p in save.iterdir())
+
+
+@TIMEOUT
+def test_corrupt_shard_of_one_rank_stops_every_rank_naming_file_and_rank(corpus, continued, tmp_path):
+    """Flipped bytes in rank 1's shard of the latest checkpoint: both ranks stop with status 2 before training,
+    with one line naming the file and the rank that wrote it; nothing on disk changes."""
+    import shutil
+
+    save = tmp_path / "corrupt"
+    shutil.copytree(continued["save"], save)
+    shard = save / "iter_0000006" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    procs = train_ranks(corpus["config"], save, tmp_path)
+    codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
+    assert codes == [2, 2], codes
+    for r in range(2):
+        line = one_error_line((tmp_path / f"rank{r}.log").read_text())
+        assert f"{shard} is corrupted or truncated: its SHA-256 differs" in line, line
+        assert "(written by rank 1)" in line, line
+    assert shard.read_bytes() == bytes(data) and tracker(save) == TRAIN_ITERS
+
+
+# ------------------------------------------------------------------ 2. one rank stalls, in training
+@TIMEOUT
+def test_sigstop_of_a_training_rank_ends_the_run_within_the_heartbeat_timeout(corpus, tmp_path):
+    save = tmp_path / "stall"
+    procs = train_ranks(corpus["config"], save, tmp_path, "--train-iters", 3000, "--save-interval", 3000)
+    try:
+        wait_for_text(tmp_path / "rank0.log", "iteration      3/", procs, 60)
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        codes = reap(procs[:1], t0 + 30)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_all(procs)
+    assert codes == [5] and 4 <= elapsed <= 4 + 6, (codes, elapsed)
+    line = one_error_line((tmp_path / "rank0.log").read_text())
+    assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in line, line
+
+
+# ------------------------------------------------------------------ 1. one rank dies (no torchrun teardown)
+@TIMEOUT
+def test_kill9_of_one_rank_during_a_save_ends_the_job_and_the_relaunch_resumes_bit_identically(
+        corpus, continued, tmp_path):
+    """Ranks launched one process each (as srun does): rank 1 is killed while the save of iteration 4 waits to
+    be committed. Rank 0 ends non-zero within 60 s (the collective of the commit fails, or the heartbeat names
+    rank 1); iteration 2 stays the latest; the relaunch resumes from it and logs the reference's losses bit for
+    bit."""
+    save = tmp_path / "kill"
+    procs = train_ranks(corpus["config"], save, tmp_path, faults=["pause=4:30"])
+    try:
+        wait_for_text(tmp_path / "rank1.log", "pausing", procs, 60)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        codes = reap(procs, t0 + 60)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_all(procs)
+    # rank 0 waits out the pause in its own code: the heartbeat names rank 1 after its timeout
+    assert codes == [5, -signal.SIGKILL] and elapsed < 4 + 6, (codes, elapsed)
+    line = one_error_line((tmp_path / "rank0.log").read_text())
+    assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in line, line
+    assert tracker(save) == 2 and not (save / "iter_0000004").exists()
+    procs = train_ranks(corpus["config"], save, tmp_path, name="again")
+    codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
+    assert codes == [0, 0], (tmp_path / "again0.log").read_text()[-3000:]
+    got, ref = metrics(save), continued["metrics"]
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1))
+    for s in range(1, TRAIN_ITERS + 1):
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == \
+            (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["lr"]), (s, got[s], ref[s])
+    assert tracker(save) == TRAIN_ITERS
+
+
+# ------------------------------------------------------------------ 4. stragglers in the profile report
+@TIMEOUT
+def test_profile_report_names_the_slowest_rank(corpus, tmp_path):
+    report = tmp_path / "profile.json"
+    procs = launch_ranks([RUNNER, "slow=1:0.3", "--", "profile", "--config", corpus["config"], "--steps", 2,
+                          "--warmup", 1, "--no-breakdown", "--json", report, "--heartbeat-interval", 0], 2, tmp_path)
+    codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
+    out = (tmp_path / "rank0.log").read_text()
+    assert codes == [0, 0], out[-3000:]
+    import json
+
+    rep = json.loads(report.read_text())
+    assert rep["stragglers"]["slowest"]["rank"] == 1 and rep["stragglers"]["fastest"]["rank"] == 0, rep["stragglers"]
+    assert f"slowest rank     1 (host {socket.gethostname()})" in out, out[-2000:]
