@@ -305,3 +305,34 @@ def test_profile_report_names_the_slowest_rank(corpus, tmp_path):
     rep = json.loads(report.read_text())
     assert rep["stragglers"]["slowest"]["rank"] == 1 and rep["stragglers"]["fastest"]["rank"] == 0, rep["stragglers"]
     assert f"slowest rank     1 (host {socket.gethostname()})" in out, out[-2000:]
+
+
+# ------------------------------------------------------------------ settings and report helpers
+def test_heartbeat_and_save_failure_settings_are_validated():
+    from megatron_lol.config.schema import ConfigError, TrainingConfig
+
+    TrainingConfig(heartbeat_interval=0).validate()  # off
+    assert TrainingConfig(distributed_timeout_minutes=2).stall_timeout_seconds == 120.0
+    assert TrainingConfig(heartbeat_timeout=4.0).stall_timeout_seconds == 4.0
+    for kwargs, key in [({"heartbeat_interval": -1.0}, "training.heartbeat_interval"),
+                        ({"heartbeat_timeout": 0.0}, "training.heartbeat_timeout"),
+                        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 8.0}, "training.heartbeat_timeout"),
+                        ({"on_save_failure": "retry"}, "training.on_save_failure")]:
+        with pytest.raises(ConfigError, match=key):
+            TrainingConfig(**kwargs).validate()
+
+
+def test_stragglers_and_log_line_name_the_ranks():
+    from megatron_lol.training.console import format_line
+    from megatron_lol.training.profile_report import stragglers
+
+    rows = [{"rank": 0, "host": "a", "compute_time_s": 0.05}, {"rank": 1, "host": "b", "compute_time_s": 0.35},
+            {"rank": 2, "host": "c", "compute_time_s": None}]
+    assert stragglers(rows) == {"slowest": {"rank": 1, "host": "b", "compute_time_s": 0.35},
+                                "fastest": {"rank": 0, "host": "a", "compute_time_s": 0.05}}
+    assert stragglers(rows[:1]) is None
+    record = {"step": 3, "consumed_samples": 12, "consumed_tokens": 768, "ms_per_iteration": 400.0, "loss": 6.0,
+              "lr": 1e-3, "grad_norm": 0.5, "depth": 2, "tokens_per_s": 1.0, "tflops_per_device": 0.0,
+              "skipped_iterations": 0, "nan_iterations": 0, "peak_memory_bytes": 1 << 20,
+              "min_ms_per_iteration": 50.0, "min_ms_rank": 0, "max_ms_per_iteration": 350.0, "max_ms_rank": 1}
+    assert "| ms/iter 400.0 | min/max ms/iter 50.0 (rank 0)/350.0 (rank 1) | loss 6.0000" in format_line(record, 6)
