@@ -195,7 +195,7 @@ def digest_files(path: str, rels: list) -> dict:
 
     The hash re-reads what was just written (from the page cache, as a rule) instead of hashing the bytes
     on their way out: megatron-core's writer serialises each shard with ``torch.save`` inside forked worker
-    processes that hand back only torch's ``WriteResult``\ s, so the written bytes never pass through code
+    processes that hand back only torch's ``WriteResult`` objects, so the written bytes never pass through code
     of ours (docs/operations.md gives the cost)."""
     out = {rel: {"size": os.path.getsize(os.path.join(path, rel)),
                  "sha256": file_digest(os.path.join(path, rel), sync=True)} for rel in rels}
