@@ -85,8 +85,9 @@ def _pause(iteration: int, seconds: float) -> None:
 
 
 def main(argv: list) -> int:
-    split = argv.index("--")
-    for fault in argv[:split]:
+    # torchrun drops a "--" right after the script: no faults then
+    faults, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    for fault in faults:
         kind, _, value = fault.partition("=")
         rank, _, arg = value.partition(":")
         if kind == "enospc":
@@ -99,7 +100,7 @@ def main(argv: list) -> int:
             raise SystemExit(f"fault_rank_runner: unknown fault {fault!r}")
     from megatron_lol.cli import main as cli_main
 
-    return cli_main(argv[split + 1:])
+    return cli_main(rest)
 
 
 if __name__ == "__main__":  # not in spawned helper processes (the checkpoint writer's manager)

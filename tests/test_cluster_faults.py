@@ -136,7 +136,8 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
 # ------------------------------------------------------------------ training runs of two ranks
 RUNNER = REPO / "tests" / "fault_rank_runner.py"
 TRAIN_ITERS = 6
-HEARTBEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "4"]
+HB_TIMEOUT = 6  # seconds: short for the tests, long enough that a busy one-core machine never trips it
+HEARTBEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HB_TIMEOUT)]
 RUN_TIMEOUT = 75  # two ranks on one core: ~30 s, mostly the megatron-core import
 
 
@@ -242,6 +243,8 @@ def test_corrupt_shard_of_one_rank_stops_every_rank_naming_file_and_rank(corpus,
 # ------------------------------------------------------------------ 2. one rank stalls, in training
 @TIMEOUT
 def test_sigstop_of_a_training_rank_ends_the_run_within_the_heartbeat_timeout(corpus, tmp_path):
+    """The same in training: rank 0 is inside a step's collectives when rank 1 stops; it exits with status 5
+    after the heartbeat timeout (plus a period), naming rank 1's host and pid."""
     save = tmp_path / "stall"
     procs = train_ranks(corpus["config"], save, tmp_path, "--train-iters", 3000, "--save-interval", 3000)
     try:
@@ -252,7 +255,7 @@ def test_sigstop_of_a_training_rank_ends_the_run_within_the_heartbeat_timeout(co
         elapsed = time.monotonic() - t0
     finally:
         kill_all(procs)
-    assert codes == [5] and 4 <= elapsed <= 4 + 6, (codes, elapsed)
+    assert codes == [5] and HB_TIMEOUT <= elapsed <= HB_TIMEOUT + 6, (codes, elapsed)
     line = one_error_line((tmp_path / "rank0.log").read_text())
     assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in line, line
 
@@ -276,7 +279,7 @@ def test_kill9_of_one_rank_during_a_save_ends_the_job_and_the_relaunch_resumes_b
     finally:
         kill_all(procs)
     # rank 0 waits out the pause in its own code: the heartbeat names rank 1 after its timeout
-    assert codes == [5, -signal.SIGKILL] and elapsed < 4 + 6, (codes, elapsed)
+    assert codes == [5, -signal.SIGKILL] and elapsed < HB_TIMEOUT + 6, (codes, elapsed)
     line = one_error_line((tmp_path / "rank0.log").read_text())
     assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in line, line
     assert tracker(save) == 2 and not (save / "iter_0000004").exists()
@@ -336,3 +339,50 @@ def test_stragglers_and_log_line_name_the_ranks():
               "skipped_iterations": 0, "nan_iterations": 0, "peak_memory_bytes": 1 << 20,
               "min_ms_per_iteration": 50.0, "min_ms_rank": 0, "max_ms_per_iteration": 350.0, "max_ms_rank": 1}
     assert "| ms/iter 400.0 | min/max ms/iter 50.0 (rank 0)/350.0 (rank 1) | loss 6.0000" in format_line(record, 6)
+
+
+# ------------------------------------------------------------------ 1. one rank dies under torchrun
+@TIMEOUT
+def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resumes_bit_identically(
+        corpus, continued, tmp_path):
+    """torchrun's teardown: rank 1 killed mid-run (steps slowed to 0.3 s so the kill lands mid-run), every
+    process of the job gone within 60 s with a non-zero status, the tracker naming a complete checkpoint,
+    the relaunch logging the reference's losses bit for bit."""
+    import psutil
+
+    save, log = tmp_path / "torchrun", tmp_path / "torchrun.log"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(RUNNER)]
+    args = ["--", "train", "--config", str(corpus["config"]), "--save", str(save), *HEARTBEAT]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd + ["slow=0:0.3", "slow=1:0.3"] + args, cwd=str(REPO), env=subprocess_env(),
+                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        while max(metrics(save), default=0) < 3:
+            assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()[-3000:]
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        victim = next(w for w in workers if w.environ().get("RANK") == "1")
+        victim.kill()
+        t0 = time.monotonic()
+        status = proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        gone, alive = psutil.wait_procs(workers, timeout=max(0.1, 60 - elapsed))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert status != 0 and elapsed < 60 and not alive, (status, elapsed, alive)
+    kept = tracker(save)
+    assert kept in (2, 4) and (save / f"iter_{kept:07d}" / "checksums.json").is_file()
+    assert max(metrics(save)) < TRAIN_ITERS, "the kill came too late to be mid-run"
+    with open(log, "ab") as out:
+        again = subprocess.run(cmd + args, cwd=str(REPO), env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
+                               timeout=RUN_TIMEOUT)
+    assert again.returncode == 0, log.read_text()[-3000:]
+    got, ref = metrics(save), continued["metrics"]
+    assert sorted(got) == list(range(1, TRAIN_ITERS + 1))
+    for s in range(1, TRAIN_ITERS + 1):
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == \
+            (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["lr"]), (s, got[s], ref[s])
