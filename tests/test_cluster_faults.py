@@ -203,10 +203,11 @@ def test_save_failure_on_one_rank_with_on_save_failure_continue_and_a_straggler(
 
 @TIMEOUT
 def test_save_failure_on_one_rank_stops_every_rank_with_one_line(corpus, tmp_path):
-    """The default (training.on_save_failure=stop): both ranks exit 2 at once with the same line naming rank 1
-    and its shard; iteration 2 stays the latest checkpoint; nothing partial is left."""
+    """The default (training.on_save_failure=stop), with asynchronous saves (the synchronous path is the
+    ``continued`` run's): both ranks exit 2 with the same line naming rank 1 and its shard; iteration 2 stays
+    the latest checkpoint; nothing partial is left."""
     save = tmp_path / "stop"
-    procs = train_ranks(corpus["config"], save, tmp_path, faults=["enospc=1:4"])
+    procs = train_ranks(corpus["config"], save, tmp_path, "--async-save", faults=["enospc=1:4"])
     codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
     assert codes == [2, 2], codes
     lines = [one_error_line((tmp_path / f"rank{r}.log").read_text()) for r in range(2)]
