@@ -243,22 +243,27 @@ def test_corrupt_shard_of_one_rank_stops_every_rank_naming_file_and_rank(corpus,
 
 # ------------------------------------------------------------------ 2. one rank stalls, in training
 @TIMEOUT
-def test_sigstop_of_a_training_rank_ends_the_run_within_the_heartbeat_timeout(corpus, tmp_path):
-    """The same in training: rank 0 is inside a step's collectives when rank 1 stops; it exits with status 5
-    after the heartbeat timeout (plus a period), naming rank 1's host and pid."""
+def test_sigstop_of_one_rank_of_a_tp2_dp2_run_ends_every_rank_within_the_heartbeat_timeout(corpus, tmp_path):
+    """The same in training at TP=2 x DP=2 (four ranks): rank 2 stops inside a step; rank 3 (its watcher) and
+    ranks 0 and 1 (told through the store) all exit with status 5 after the heartbeat timeout (plus a period
+    or two), each with one line naming rank 2's host and pid."""
     save = tmp_path / "stall"
-    procs = train_ranks(corpus["config"], save, tmp_path, "--train-iters", 3000, "--save-interval", 3000)
+    procs = train_ranks(corpus["config"], save, tmp_path, "--train-iters", 3000, "--save-interval", 3000,
+                        "--tensor-model-parallel-size", 2, world=4)
     try:
-        wait_for_text(tmp_path / "rank0.log", "iteration      3/", procs, 60)
-        os.kill(procs[1].pid, signal.SIGSTOP)
+        wait_for_text(tmp_path / "rank0.log", "iteration      3/", procs, 90)
+        os.kill(procs[2].pid, signal.SIGSTOP)
         t0 = time.monotonic()
-        codes = reap(procs[:1], t0 + 30)
+        survivors = [procs[r] for r in (0, 1, 3)]
+        codes = reap(survivors, t0 + 30)
         elapsed = time.monotonic() - t0
     finally:
         kill_all(procs)
-    assert codes == [5] and HB_TIMEOUT <= elapsed <= HB_TIMEOUT + 6, (codes, elapsed)
-    line = one_error_line((tmp_path / "rank0.log").read_text())
-    assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in line, line
+    assert codes == [5, 5, 5] and HB_TIMEOUT <= elapsed <= HB_TIMEOUT + 6, (codes, elapsed)
+    for r in (0, 1, 3):
+        line = one_error_line((tmp_path / f"rank{r}.log").read_text())
+        assert f"rank 2 (host {socket.gethostname()}, pid {procs[2].pid}) stopped answering" in line, line
+        assert f"rank {r} stops (status 5)" in line, line
 
 
 # ------------------------------------------------------------------ 1. one rank dies (no torchrun teardown)

@@ -15,8 +15,9 @@ When the neighbour's counter has not moved for ``heartbeat_timeout`` seconds,
 the watcher writes one line naming the rank, host and pid (each rank registers
 them at start) under one shared key; every rank's thread reads that key each
 period, prints the same line and ends its process with status
-:data:`STALL_EXIT` -- ``os._exit``, because the main thread is blocked inside a
-collective that Python cannot interrupt. The store itself not answering for
+:data:`STALL_EXIT` two periods later (so that no rank leaves before every rank
+has read the verdict) -- ``os._exit``, because the main thread is blocked inside
+a collective that Python cannot interrupt. The store itself not answering for
 ``heartbeat_timeout`` seconds (its host stopped: rank 0 when ranks are
 launched one process each, as ``srun`` does) is reported the same way.
 
@@ -40,6 +41,7 @@ import socket
 import sys
 import threading
 import time
+from functools import partial
 from typing import Optional
 
 import torch
@@ -57,12 +59,12 @@ def _prefix() -> str:
 class Heartbeat:
     """One rank's heartbeat: :meth:`start` on every rank together (it ends in a barrier), :meth:`stop` when
     the rank finishes. ``on_stall(line)`` runs in the thread when a stall is found; the default prints the
-    line, records it for the Slurm scripts and ends the process with :data:`STALL_EXIT`."""
+    line, records it for the Slurm scripts and ends the process with :data:`STALL_EXIT` two periods later."""
 
     def __init__(self, interval: float, timeout: float, on_stall=None):
         self.interval = float(interval)
         self.timeout = float(timeout)
-        self.on_stall = on_stall or _stop_process
+        self.on_stall = on_stall or partial(_stop_process, grace=2 * self.interval)
         self.rank = torch.distributed.get_rank()
         self.world = torch.distributed.get_world_size()
         self.neighbour = (self.rank - 1) % self.world
@@ -176,11 +178,15 @@ class Heartbeat:
         self.on_stall(f"megatron-lol train: error: {line}; rank {self.rank} stops (status {STALL_EXIT})")
 
 
-def _stop_process(message: str) -> None:
-    """The default reaction: one line on this rank's output, the Slurm status record, exit now."""
+def _stop_process(message: str, grace: float = 0.0) -> None:
+    """The default reaction: one line on this rank's output, the Slurm status record, then, after ``grace``
+    seconds, the exit. The grace lets every other rank read the verdict from the store first (each reads it
+    within one period): a rank that left earlier would close its connections under ranks still waiting in a
+    collective with it, and they would die of that, with a traceback instead of the line."""
     print(message, file=sys.stderr, flush=True)
     record_exit(STALL_EXIT, message)
     sys.stdout.flush()
+    time.sleep(grace)
     os._exit(STALL_EXIT)
 
 
