@@ -14,10 +14,10 @@ collectives and the kernels release the GIL.
 When the neighbour's counter has not moved for ``heartbeat_timeout`` seconds,
 the watcher writes one line naming the rank, host and pid (each rank registers
 them at start) under one shared key; every rank's thread reads that key each
-period, prints the same line and ends its process with status
-:data:`STALL_EXIT` two periods later (so that no rank leaves before every rank
-has read the verdict) -- ``os._exit``, because the main thread is blocked inside
-a collective that Python cannot interrupt. The store itself not answering for
+period, prints the same line, counts itself in the store as having read it,
+and ends its process with status :data:`STALL_EXIT` once every other rank has
+(so that none dies first of another's exit) -- ``os._exit``, because the main
+thread is blocked inside a collective that Python cannot interrupt. The store itself not answering for
 ``heartbeat_timeout`` seconds (its host stopped: rank 0 when ranks are
 launched one process each, as ``srun`` does) is reported the same way.
 
@@ -41,7 +41,6 @@ import socket
 import sys
 import threading
 import time
-from functools import partial
 from typing import Optional
 
 import torch
@@ -58,13 +57,14 @@ def _prefix() -> str:
 
 class Heartbeat:
     """One rank's heartbeat: :meth:`start` on every rank together (it ends in a barrier), :meth:`stop` when
-    the rank finishes. ``on_stall(line)`` runs in the thread when a stall is found; the default prints the
-    line, records it for the Slurm scripts and ends the process with :data:`STALL_EXIT` two periods later."""
+    the rank finishes. ``on_stall(line)`` runs in the thread when a stall is found; by default the thread
+    prints the line, records it for the Slurm scripts, waits until every other rank read it (:meth:`_await_others`)
+    and ends the process with :data:`STALL_EXIT`."""
 
     def __init__(self, interval: float, timeout: float, on_stall=None):
         self.interval = float(interval)
         self.timeout = float(timeout)
-        self.on_stall = on_stall or partial(_stop_process, grace=2 * self.interval)
+        self.on_stall = on_stall  # None: print the line, record it, wait for the others to read it, exit
         self.rank = torch.distributed.get_rank()
         self.world = torch.distributed.get_world_size()
         self.neighbour = (self.rank - 1) % self.world
@@ -168,26 +168,36 @@ class Heartbeat:
                 host = "" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else \
                     f", served by {self.describe(0)},"
                 return self._found(f"the rendezvous store at {where}{host} stopped answering: no reply for "
-                                   f"{silent:.0f} s (heartbeat timeout {self.timeout:g} s)")
+                                   f"{silent:.0f} s (heartbeat timeout {self.timeout:g} s)", store_answers=False)
 
-    def _found(self, line: str) -> None:
+    def _found(self, line: str, store_answers: bool = True) -> None:
         with self._lock:  # the first finding wins; the other thread's would be the same stall
             if self.line is not None:
                 return
             self.line = line
-        self.on_stall(f"megatron-lol train: error: {line}; rank {self.rank} stops (status {STALL_EXIT})")
+        message = f"megatron-lol train: error: {line}; rank {self.rank} stops (status {STALL_EXIT})"
+        if self.on_stall is not None:
+            return self.on_stall(message)
+        print(message, file=sys.stderr, flush=True)
+        record_exit(STALL_EXIT, message)
+        if store_answers:
+            self._await_others()
+        sys.stdout.flush()
+        os._exit(STALL_EXIT)
 
-
-def _stop_process(message: str, grace: float = 0.0) -> None:
-    """The default reaction: one line on this rank's output, the Slurm status record, then, after ``grace``
-    seconds, the exit. The grace lets every other rank read the verdict from the store first (each reads it
-    within one period): a rank that left earlier would close its connections under ranks still waiting in a
-    collective with it, and they would die of that, with a traceback instead of the line."""
-    print(message, file=sys.stderr, flush=True)
-    record_exit(STALL_EXIT, message)
-    sys.stdout.flush()
-    time.sleep(grace)
-    os._exit(STALL_EXIT)
+    def _await_others(self) -> None:
+        """Count this rank as having read the verdict, and wait (at most ``min(timeout, 10 s)``) until every
+        rank but the stalled one has: a rank that left earlier would close its connections under ranks still
+        waiting in a collective with it, and they would die of that, with a traceback instead of the line;
+        rank 0 (the store's host under srun) leaving would take the verdict with it."""
+        key = f"{_prefix()}read"
+        deadline = time.monotonic() + max(2 * self.interval, min(self.timeout, 10.0))
+        try:
+            self.store.add(key, 1)
+            while time.monotonic() < deadline and self.store.add(key, 0) < self.world - 1:
+                time.sleep(min(self.interval, 0.1))
+        except Exception:  # noqa: BLE001 - the store's host left: nobody is left to wait for
+            pass
 
 
 def start_heartbeat(interval: float, timeout: float) -> Optional[Heartbeat]:
