@@ -347,6 +347,27 @@ def test_stragglers_and_log_line_name_the_ranks():
     assert "| ms/iter 400.0 | min/max ms/iter 50.0 (rank 0)/350.0 (rank 1) | loss 6.0000" in format_line(record, 6)
 
 
+@TIMEOUT
+def test_kill9_of_one_rank_mid_run_ends_the_other_at_once_naming_it(corpus, tmp_path):
+    """Ranks launched one process each, rank 1 killed inside training: rank 0's collective fails at once
+    (gloo sees the closed connection) and, instead of a traceback, rank 0 prints one line naming rank 1 (its
+    heartbeat stood still) and exits 5 within seconds, long before any timeout."""
+    save = tmp_path / "midrun"
+    procs = train_ranks(corpus["config"], save, tmp_path, "--train-iters", 3000, "--save-interval", 3000)
+    try:
+        wait_for_text(tmp_path / "rank0.log", "iteration      3/", procs, 90)
+        os.kill(procs[1].pid, signal.SIGKILL)
+        t0 = time.monotonic()
+        codes = reap(procs, t0 + 30)
+        elapsed = time.monotonic() - t0
+    finally:
+        kill_all(procs)
+    assert codes == [5, -signal.SIGKILL] and elapsed < HB_TIMEOUT, (codes, elapsed)
+    line = one_error_line((tmp_path / "rank0.log").read_text())
+    assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering: its heartbeat " \
+           f"stopped (" in line and "rank 0 stops (status 5)" in line, line
+
+
 # ------------------------------------------------------------------ 1. one rank dies under torchrun
 @TIMEOUT
 def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resumes_bit_identically(

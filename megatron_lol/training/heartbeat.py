@@ -45,9 +45,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.training.runtime import record_exit
-
-STALL_EXIT = 5  # the process exit status of every rank a stall ended
+from megatron_lol.training.runtime import STALL_EXIT, record_exit  # noqa: F401 - STALL_EXIT: defined there (no torch)
 DONE = 1 << 40  # added to a rank's counter when it finishes normally
 
 
@@ -198,6 +196,33 @@ class Heartbeat:
                 time.sleep(min(self.interval, 0.1))
         except Exception:  # noqa: BLE001 - the store's host left: nobody is left to wait for
             pass
+
+
+    def lost_ranks(self) -> Optional[str]:
+        """After a collective failed because a peer closed its connection (a rank died: gloo reports it at once,
+        long before the heartbeat timeout): which ranks' counters stand still over 2.5 periods, named in one
+        line; None when every rank still beats (then the failure was something else). One read of every
+        rank's counter, twice: this runs once, at the end."""
+        p = _prefix()
+        try:
+            store = self._connect()  # the thread's client is the thread's
+            keys = [f"{p}beat/{r}" for r in range(self.world)]
+            before = [store.add(k, 0) for k in keys]
+            time.sleep(2.5 * self.interval)
+            after = [store.add(k, 0) for k in keys]
+            lost = [r for r in range(self.world) if r != self.rank and after[r] == before[r] and after[r] < DONE]
+            for r in lost:
+                if r not in self.infos:
+                    host, _, pid = store.get(f"{p}info/{r}").decode().partition(" ")
+                    self.infos[r] = (host, pid)
+        except Exception:  # noqa: BLE001 - the store's host is the one that died
+            if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+                return None
+            return f"{self.describe(0)}, which serves the rendezvous store, stopped answering"
+        if not lost:
+            return None
+        names = ", ".join(self.describe(r) for r in lost)
+        return f"{names} stopped answering: {'its' if len(lost) == 1 else 'their'} heartbeat stopped"
 
 
 def start_heartbeat(interval: float, timeout: float) -> Optional[Heartbeat]:

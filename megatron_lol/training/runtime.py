@@ -24,6 +24,7 @@ from typing import Mapping, Optional
 from megatron_lol.errors import CliError
 
 STATUS_DIR_ENV = "MEGATRON_LOL_STATUS_DIR"
+STALL_EXIT = 5  # a rank stopped answering or died (megatron_lol.training.heartbeat)
 
 
 def _positive_int(value: Optional[str]) -> Optional[int]:
