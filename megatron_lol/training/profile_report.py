@@ -144,8 +144,8 @@ def format_report(rep: dict) -> str:
     sg = rep.get("stragglers")
     if sg:
         slow, fast = sg["slowest"], sg["fastest"]
-        lines.append(f"  slowest rank     {slow['rank']} (host {slow['host']}): {slow['compute_time_s'] * 1e3:.1f} ms to "
-                     f"the gradient reduction per step; fastest rank {fast['rank']} (host {fast['host']}): "
+        lines.append(f"  slowest rank     {slow['rank']} (host {slow['host']}): {slow['compute_time_s'] * 1e3:.1f} "
+                     f"ms to the gradient reduction per step; fastest rank {fast['rank']} (host {fast['host']}): "
                      f"{fast['compute_time_s'] * 1e3:.1f} ms")
     m = rep["peak_memory"]
     lines.append(f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
