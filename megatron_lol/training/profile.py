@@ -29,9 +29,8 @@ depth, whatever the growing curriculum would use). It reports:
   the per-rank estimate of ``megatron-lol memory`` (:mod:`megatron_lol.perf.memory`);
 * a warning on stderr when the timed steps differ by more than 2x (a busy
   machine: the median-based figures are then not the model's);
-* with several ranks, the slowest and fastest rank (``stragglers``): by each
-  rank's median time from a step's start to its gradient reduction, its own
-  work before it waits for the others (whole steps last equally long on all);
+* with several ranks, the slowest and fastest rank (``stragglers``) by their
+  median time to the gradient reduction (a rank's own work; whole steps are equal);
 * routing statistics: block utilisation per depth (share of windows), the mean
   number of distinct blocks on a token's path through the core (with the
   uniform-routing expectation ``L (1 - (1 - 1/L)^D)`` beside it);
@@ -60,9 +59,9 @@ from typing import Optional
 from megatron_lol.errors import CliError
 from megatron_lol.perf.timing import StepTimer
 from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
-    stragglers,
     format_nodes,
     format_report,
+    median_or_none,
     merge_reports,
     node_identity,
     node_rows,
@@ -534,8 +533,7 @@ def _report(trainer, timer, routing, results, step_times, method, breakdown, dep
         "routing": routing.summary() if routing is not None else None,
         "block_utilisation_trainer": utilisation,
         # this rank's own work per step, before it waits for the others in the gradient reduction
-        "compute_time_s": statistics.median(c) if (c := [r.compute_seconds for r in results
-                                                        if r.compute_seconds is not None]) else None,
+        "compute_time_s": median_or_none([r.compute_seconds for r in results]),
         "loss": [r.loss for r in results],
         "gpu": gpu,
     }

@@ -99,6 +99,15 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:9.1f} ms"
 
 
+def median_or_none(values: list) -> Optional[float]:
+    """The median of the values that are not None (None without any)."""
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
 def stragglers(ranks: list) -> Optional[dict]:
     """The slowest and fastest of the rank rows (``rank``, ``host``, ``compute_time_s``: a rank's median time
     to its gradient reduction), or None with fewer than two timed ranks."""
