@@ -116,6 +116,13 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
     "--distributed-timeout-minutes": ("training.distributed_timeout_minutes", "parallelism", "MIN",
                                       "minutes a collective waits for a rank that stopped answering "
                                       "before the job stops (default 10)"),
+    "--heartbeat-interval": ("training.heartbeat_interval", "parallelism", "SEC",
+                             "seconds between a rank's heartbeats through the rendezvous store (0: none)"),
+    "--heartbeat-timeout": ("training.heartbeat_timeout", "parallelism", "SEC",
+                            "seconds without a rank's heartbeat before every rank stops, naming it "
+                            "(default: --distributed-timeout-minutes)"),
+    "--on-save-failure": ("training.on_save_failure", "checkpointing", "WHAT",
+                          "a save that failed on any rank: stop (default) or continue to the next save"),
     "--check-routing-agreement": ("training.check_routing_agreement", "parallelism", "N",
                                   "compare the routing across the tensor-parallel group every N iterations "
                                   "(default: --log-interval; 0: never)"),

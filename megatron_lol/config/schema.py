@@ -659,6 +659,14 @@ class TrainingConfig:
     # answering before the job stops (torch's own default is also 10 minutes; rank 0's dataset build
     # and a first save run under it, so a cluster with a slow file system raises it)
     distributed_timeout_minutes: int = 10
+    # a rank that stops answering (SIGSTOP, a hung mount) ends the job after heartbeat_timeout seconds
+    # (default: distributed_timeout_minutes), named in one line on every rank (training/heartbeat.py);
+    # each rank beats every heartbeat_interval seconds through the rendezvous store (0: no heartbeat)
+    heartbeat_interval: float = 5.0
+    heartbeat_timeout: Optional[float] = None
+    # a save that failed on any rank (disk full, an I/O error): stop with status 2, or continue training to the
+    # next save; either way no rank moves the tracker and the previous checkpoint stays the latest
+    on_save_failure: str = "stop"
 
     def validate(self, prefix: str = "training") -> None:
         if self.train_flops is not None:
@@ -711,6 +719,19 @@ class TrainingConfig:
         if self.check_routing_agreement is not None:
             nonnegative(f"{prefix}.check_routing_agreement", self.check_routing_agreement)
         positive(f"{prefix}.distributed_timeout_minutes", self.distributed_timeout_minutes)
+        nonnegative(f"{prefix}.heartbeat_interval", self.heartbeat_interval)
+        if self.heartbeat_timeout is not None:
+            positive(f"{prefix}.heartbeat_timeout", self.heartbeat_timeout)
+        if self.heartbeat_interval and self.stall_timeout_seconds < 2 * self.heartbeat_interval:
+            raise ConfigError(f"{prefix}.heartbeat_timeout: {self.stall_timeout_seconds:g} s must be at least twice "
+                              f"heartbeat_interval={self.heartbeat_interval:g} s (a rank misses beats while busy)")
+        choice(f"{prefix}.on_save_failure", self.on_save_failure, ("stop", "continue"))
+
+    @property
+    def stall_timeout_seconds(self) -> float:
+        """Seconds without a rank's heartbeat before the job stops (heartbeat_timeout, else the
+        collective timeout)."""
+        return self.heartbeat_timeout if self.heartbeat_timeout is not None else 60.0 * self.distributed_timeout_minutes
 
     @property
     def routing_agreement_interval(self) -> int:

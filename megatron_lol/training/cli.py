@@ -24,6 +24,7 @@ from megatron_lol.config import add_config_arguments, config_from_args
 from megatron_lol.config.loader import overrides_from_args
 from megatron_lol.config.loader import add_threads_argument
 from megatron_lol.errors import CliError, ConfigError
+from megatron_lol.training.runtime import STALL_EXIT
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -90,23 +91,47 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
 
 def train_to_exit(trainer) -> tuple[int, str]:
     """Run the training loop; ``(exit status, one-line message)`` of how it ended: 0, 3 (non-finite loss),
-    4 (tensor-parallel ranks routed differently: every rank of the group stops at the same depth) or the
-    status a callback stopped with (85: saved for a requeue)."""
+    4 (tensor-parallel ranks routed differently: every rank of the group stops at the same depth), 5 (a rank
+    died: a collective lost its peer and the heartbeat names who) or the status a callback stopped with
+    (85: saved for a requeue)."""
     from megatron_lol.log import log_rank0
     from megatron_lol.parallel.routing_agreement import RoutingDisagreement
 
     try:
         outcome = trainer.train()
-    except FloatingPointError as err:
+        trainer.stop_heartbeat()
+    except FloatingPointError as err:  # every rank stops alike (as below): none is left to watch
+        trainer.stop_heartbeat()
         log_rank0(f"megatron-lol train: error: {err}")
         return 3, f"megatron-lol train: error: {err}"
     except RoutingDisagreement as err:
+        trainer.stop_heartbeat()
         log_rank0(f"megatron-lol train: error: {err}")
         return 4, f"megatron-lol train: error: {err}"
+    except RuntimeError as err:
+        line = _lost_peer(trainer, err)
+        if line is None:
+            raise
+        print(line, file=sys.stderr, flush=True)
+        return STALL_EXIT, line
     if outcome.exit_code:
         return outcome.exit_code, (f"megatron-lol train: saved iteration {trainer.iteration} before stopping "
                                    f"({outcome.reason}, status {outcome.exit_code}): relaunch to continue")
     return 0, ""
+
+
+def _lost_peer(trainer, err: RuntimeError) -> str | None:
+    """A collective that failed because a peer closed its connection (gloo: a rank died) becomes one line
+    naming the rank(s) whose heartbeat stopped, instead of a traceback on every rank; None otherwise."""
+    heartbeat = getattr(trainer, "heartbeat", None)
+    if heartbeat is None or "peer" not in str(err).lower():
+        return None
+    lost = heartbeat.lost_ranks()
+    if lost is None:
+        return None
+    first = (str(err).strip().splitlines() or [""])[0]
+    return (f"megatron-lol train: error: {lost} ({first[:160]}); rank {heartbeat.rank} stops "
+            f"(status {STALL_EXIT})")
 
 
 def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:

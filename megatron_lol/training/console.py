@@ -11,7 +11,12 @@ Every logged iteration goes, in this order, to
      grad norm 1.234 | depth 2 | tokens/s 4,821 | TFLOP/s/device 0.031 | balance loss 4.05e-04 |
      skipped 0 | nan 0 | peak mem 612 MiB | ETA 0:02:49 | blocks [0.25,0.19,0.25,0.31] [...]
 
-   ``ms/iter`` is the mean step time since the previous line, ``skipped`` / ``nan`` count
+   ``ms/iter`` is the mean step time since the previous line; with data parallelism
+   ``min/max ms/iter`` follows: the fastest and slowest data-parallel rank (named) by the
+   time from a step's start to its gradient reduction, i.e. a rank's own work before it
+   waits for the others (one all-gather of a float per log line, as Megatron-LM's
+   straggler detector reports it; a whole step lasts the slowest rank's time on every
+   rank, so ``ms/iter`` alone cannot show a straggler); ``skipped`` / ``nan`` count
    the iterations since the previous line whose update was skipped / whose loss was not
    finite, ``peak mem`` is ``torch.cuda.max_memory_allocated`` on a GPU and the peak
    resident set size of the process on a CPU, and ``ETA`` extrapolates the wall time per
@@ -162,10 +167,13 @@ def format_line(record: dict, train_iters: int) -> str:
     """The console line of one ``metrics.jsonl`` record."""
     r = record
     parts = [f" iteration {r['step']:6d}/{train_iters}", f"samples {r['consumed_samples']:,}",
-             f"tokens {format_count(r['consumed_tokens'])}", f"ms/iter {r['ms_per_iteration']:.1f}",
-             f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}", f"grad norm {r['grad_norm']:.3f}",
-             f"depth {r['depth']}", f"tokens/s {r['tokens_per_s']:,.0f}",
-             f"TFLOP/s/device {r['tflops_per_device']:.3f}"]
+             f"tokens {format_count(r['consumed_tokens'])}", f"ms/iter {r['ms_per_iteration']:.1f}"]
+    if r.get("max_ms_per_iteration") is not None:
+        parts.append(f"min/max ms/iter {r['min_ms_per_iteration']:.1f} (rank {r['min_ms_rank']})/"
+                     f"{r['max_ms_per_iteration']:.1f} (rank {r['max_ms_rank']})")
+    parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}", f"grad norm {r['grad_norm']:.3f}",
+              f"depth {r['depth']}", f"tokens/s {r['tokens_per_s']:,.0f}",
+              f"TFLOP/s/device {r['tflops_per_device']:.3f}"]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if r.get("aux_loss"):
@@ -340,6 +348,7 @@ class TrainingConsole(Hook):
         self.nan = 0
         self._start: Optional[tuple[float, int]] = None  # (monotonic time, iteration) of the loop start
         self._window = [0, 0.0, 0.0]  # tokens, seconds, model FLOPs since the previous line
+        self._compute = [0.0, 0]  # this rank's compute seconds (StepResult.compute_seconds), steps with one
 
     # callback protocol --------------------------------------------------
     def on_start(self, trainer) -> None:
@@ -352,11 +361,17 @@ class TrainingConsole(Hook):
         self._window[0] += result.tokens
         self._window[1] += result.seconds
         self._window[2] += trainer._step_flops(result)
+        if getattr(result, "compute_seconds", None) is not None:
+            self._compute[0] += result.compute_seconds
+            self._compute[1] += 1
         if result.step % tr.log_interval == 0 or result.step == tr.train_iters or result.eval_loss is not None:
             tokens, seconds, flops = self._window
+            compute, n = self._compute
             trainer._log(result, tokens / max(seconds, 1e-9), result.eval_loss,
-                         flops / max(seconds, 1e-9) / self.world_size / 1e12)
+                         flops / max(seconds, 1e-9) / self.world_size / 1e12,
+                         compute_ms=1000.0 * compute / n if n else None)
             self._window = [0, 0.0, 0.0]
+            self._compute = [0.0, 0]
         return None
 
     def on_end(self, trainer, stop: Optional[Stop]) -> None:
@@ -392,8 +407,9 @@ class TrainingConsole(Hook):
 
     def log_step(self, res, *, tokens_per_s: float, tflops_per_device: float, mfu: Optional[float],
                  eval_loss: Optional[float], eval_by_budget: Optional[dict], consumed_samples: int,
-                 bias_spread: Optional[float] = None) -> Optional[dict]:
-        """One console line (rank 0): ``metrics.jsonl`` record, printed line, sink scalars."""
+                 bias_spread: Optional[float] = None, stragglers: Optional[dict] = None) -> Optional[dict]:
+        """One console line (rank 0): ``metrics.jsonl`` record, printed line, sink scalars. ``stragglers``:
+        the fastest and slowest data-parallel rank's compute ms/iter (``Trainer._stragglers``)."""
         self.observe(res, consumed_samples)
         skipped, nan = self.skipped, self.nan
         self.skipped = self.nan = 0
@@ -412,6 +428,9 @@ class TrainingConsole(Hook):
             record["routing_entropy"] = routing_entropy(res.utilisation)
         if bias_spread is not None:
             record["bias_spread"] = bias_spread
+        if stragglers is not None:
+            record.update(min_ms_per_iteration=stragglers["min_ms"], min_ms_rank=stragglers["min_rank"],
+                          max_ms_per_iteration=stragglers["max_ms"], max_ms_rank=stragglers["max_rank"])
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
             if eval_by_budget:

@@ -29,6 +29,8 @@ depth, whatever the growing curriculum would use). It reports:
   the per-rank estimate of ``megatron-lol memory`` (:mod:`megatron_lol.perf.memory`);
 * a warning on stderr when the timed steps differ by more than 2x (a busy
   machine: the median-based figures are then not the model's);
+* with several ranks, the slowest and fastest rank (``stragglers``) by their
+  median time to the gradient reduction (a rank's own work; whole steps are equal);
 * routing statistics: block utilisation per depth (share of windows), the mean
   number of distinct blocks on a token's path through the core (with the
   uniform-routing expectation ``L (1 - (1 - 1/L)^D)`` beside it);
@@ -60,9 +62,11 @@ from megatron_lol.platform.trace_ranges import add_listener, remove_listener
 from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
     format_nodes,
     format_report,
+    median_or_none,
     merge_reports,
     node_identity,
     node_rows,
+    stragglers,
     write_json,
 )
 
@@ -545,6 +549,8 @@ def _report(trainer, timer, routing, results, step_times, *, method, breakdown, 
         "memory_model_bytes": mem_model.to_dict(),
         "routing": routing.summary() if routing is not None else None,
         "block_utilisation_trainer": utilisation,
+        # this rank's own work per step, before it waits for the others in the gradient reduction
+        "compute_time_s": median_or_none([r.compute_seconds for r in results]),
         "loss": [r.loss for r in results],
         "gpu": gpu,
     }
@@ -595,8 +601,10 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = dict(local)
     report["nodes"] = node_rows(gathered)
-    report["ranks"] = [{k: r[k] for k in ("host", "node", "rank", "step_time_s", "tokens_per_s_per_device",
-                                          "tflops_per_device", "peak_memory")} for r in gathered]
+    report["ranks"] = [{k: r.get(k) for k in ("host", "node", "rank", "step_time_s", "compute_time_s",
+                                              "tokens_per_s_per_device", "tflops_per_device", "peak_memory")}
+                       for r in gathered]
+    report["stragglers"] = stragglers(report["ranks"])
     print(format_report(report))
     spread = step_time_warning(report["step_time_s"]["all"])
     if spread:

@@ -99,6 +99,27 @@ def _fmt_s(x: float) -> str:
     return f"{x * 1e3:9.1f} ms"
 
 
+def median_or_none(values: list) -> Optional[float]:
+    """The median of the values that are not None (None without any)."""
+    known = sorted(v for v in values if v is not None)
+    if not known:
+        return None
+    mid = len(known) // 2
+    return known[mid] if len(known) % 2 else (known[mid - 1] + known[mid]) / 2
+
+
+def stragglers(ranks: list) -> Optional[dict]:
+    """The slowest and fastest of the rank rows (``rank``, ``host``, ``compute_time_s``: a rank's median time
+    to its gradient reduction), or None with fewer than two timed ranks."""
+    timed = [r for r in ranks if r.get("compute_time_s") is not None]
+    if len(timed) < 2:
+        return None
+    slow = max(timed, key=lambda r: r["compute_time_s"])
+    fast = min(timed, key=lambda r: r["compute_time_s"])
+    return {"slowest": {k: slow[k] for k in ("rank", "host", "compute_time_s")},
+            "fastest": {k: fast[k] for k in ("rank", "host", "compute_time_s")}}
+
+
 def format_report(rep: dict) -> str:
     lines = []
     c = rep["config"]
@@ -129,6 +150,12 @@ def format_report(rep: dict) -> str:
                     "backward", "optimizer", "data"):
             label = ("    " + key.split(".", 1)[1]) if "." in key else key
             lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
+    sg = rep.get("stragglers")
+    if sg:
+        slow, fast = sg["slowest"], sg["fastest"]
+        lines.append(f"  slowest rank     {slow['rank']} (host {slow['host']}): {slow['compute_time_s'] * 1e3:.1f} "
+                     f"ms to the gradient reduction per step; fastest rank {fast['rank']} (host {fast['host']}): "
+                     f"{fast['compute_time_s'] * 1e3:.1f} ms")
     m = rep["peak_memory"]
     lines.append(f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
                  f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB")

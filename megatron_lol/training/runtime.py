@@ -11,7 +11,8 @@
   ``torchrun`` reports any failed worker as status 1 and ``srun
   --kill-on-bad-exit`` reports the ranks it killed (143), so neither tells
   the batch script that a run stopped with a configuration error (2), a
-  non-finite loss (3), tensor-parallel ranks that routed differently (4) or
+  non-finite loss (3), tensor-parallel ranks that routed differently (4), a
+  rank that stopped answering (5, :mod:`megatron_lol.training.heartbeat`) or
   saved for a requeue (85); the record does.
 """
 
@@ -23,6 +24,7 @@ from typing import Mapping, Optional
 from megatron_lol.errors import CliError
 
 STATUS_DIR_ENV = "MEGATRON_LOL_STATUS_DIR"
+STALL_EXIT = 5  # a rank stopped answering or died (megatron_lol.training.heartbeat)
 
 
 def _positive_int(value: Optional[str]) -> Optional[int]:

@@ -36,6 +36,7 @@ from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
 from megatron_lol.perf.budget import apply_flop_budget
 from megatron_lol.plan import depth_at
+from megatron_lol.training.heartbeat import start_heartbeat
 from megatron_lol.training.vocab import resolve_vocab_size
 
 
@@ -83,6 +84,9 @@ class StepResult:
     eval_loss: Optional[float] = None  # set on evaluation steps
     budgets: list = field(default_factory=list)  # accordion: the budget of each micro-batch
     moe_routing: Optional[dict] = None  # looped/accordion MoE cores: U_t, B2, MMR (log steps only)
+    # seconds from the step's start to its data-parallel gradient reduction: this rank's own work, before it
+    # waits for the others (a whole step takes as long on every rank: the slowest one's time)
+    compute_seconds: Optional[float] = None
 
 
 class Trainer:
@@ -101,6 +105,8 @@ class Trainer:
         # checkpoint's with --use-checkpoint-opt_param-scheduler (checkpointing/schedule.py)
         self.schedule_iters = cfg.training.train_iters
         self._routing_check = None
+        self._step_started: Optional[float] = None  # perf_counter at the start of the running train_step
+        self._compute_seconds: Optional[float] = None  # its time to the gradient reduction (StepResult)
 
     # ---------------------------------------------------------------- setup
     def setup(self) -> "Trainer":
@@ -130,6 +136,9 @@ class Trainer:
         )
         tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
         torch.manual_seed(cfg.training.seed)
+        # from here on a rank that stops answering ends every rank, named (heartbeat.py)
+        self.stop_heartbeat()
+        self.heartbeat = start_heartbeat(cfg.training.heartbeat_interval, cfg.training.stall_timeout_seconds)
 
         tr = cfg.training
         self.global_batch_size = tr.global_batch_size or tr.micro_batch_size * self.dp_size
@@ -242,6 +251,8 @@ class Trainer:
         over the tensor-parallel group (every TP rank routes the same windows with its own copy)."""
         from megatron_lol.parallel.routing_agreement import average_routing_grads
 
+        if self._step_started is not None and self._compute_seconds is None:
+            self._compute_seconds = time.perf_counter() - self._step_started
         out = self.library_sync.finalize_model_grads(*args, **kwargs)
         average_routing_grads(self.model_chunks)
         return out
@@ -386,7 +397,8 @@ class Trainer:
         """One optimizer step at ``depth`` (default: the curriculum's depth at this iteration)."""
         from megatron.core import parallel_state
 
-        t0 = time.perf_counter()
+        t0 = self._step_started = time.perf_counter()
+        self._compute_seconds = None
         depth = self.depth_at(self.iteration) if depth is None else depth
         for chunk in self.model_chunks:
             chunk.train()
@@ -441,7 +453,8 @@ class Trainer:
             depth = self.plan.depth_for(max(stats.budgets))
         return StepResult(step=self.iteration, loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm,
                           depth=depth, tokens=tokens, seconds=time.perf_counter() - t0, skipped=skipped,
-                          utilisation=utilisation, budgets=list(stats.budgets), moe_routing=moe_routing)
+                          utilisation=utilisation, budgets=list(stats.budgets), moe_routing=moe_routing,
+                          compute_seconds=self._compute_seconds)
 
     def _routing_agreement(self, step: int):
         """The tensor-parallel routing check of iteration ``step`` (None: not checked then, or nothing to
@@ -547,6 +560,12 @@ class Trainer:
             outcome.exit_code, outcome.reason = stop.exit_code, stop.reason
         return outcome
 
+    def stop_heartbeat(self) -> None:
+        """This rank is done with collectives: its watcher stops watching it (:mod:`.heartbeat`)."""
+        heartbeat, self.heartbeat = getattr(self, "heartbeat", None), None
+        if heartbeat is not None:
+            heartbeat.stop()
+
     def _console(self):
         """The console line, ``metrics.jsonl`` and the metric sinks (:mod:`.console`), made on first use."""
         if getattr(self, "console", None) is None:
@@ -581,7 +600,8 @@ class Trainer:
         return peak_tflops(torch.cuda.get_device_name(), precision)
 
     def _log(self, res: StepResult, tokens_per_s: float, eval_loss: Optional[float],
-             tflops_per_device: float = 0.0) -> None:
+             tflops_per_device: float = 0.0, compute_ms: Optional[float] = None) -> None:
+        """The console line (every rank calls this at the same steps: the straggler gather is collective)."""
         from megatron_lol.training.console import bias_spread
 
         peak = self._device_peak_tflops()
@@ -589,7 +609,28 @@ class Trainer:
             res, tokens_per_s=tokens_per_s, tflops_per_device=tflops_per_device,
             mfu=tflops_per_device / peak if peak else None, eval_loss=eval_loss,
             eval_by_budget=self.last_eval_by_budget if eval_loss is not None else None,
-            consumed_samples=self.consumed_train_samples, bias_spread=bias_spread(self._balancers()))
+            consumed_samples=self.consumed_train_samples, bias_spread=bias_spread(self._balancers()),
+            stragglers=self._stragglers(compute_ms))
+
+    def _stragglers(self, compute_ms: Optional[float]) -> Optional[dict]:
+        """The fastest and slowest data-parallel rank of the log interval, by ``compute_ms`` (each rank's mean
+        :attr:`StepResult.compute_seconds`, in ms): one ``all_gather`` of one float per rank over the
+        data-parallel group, as Megatron-LM's straggler detector reports them. None with one DP rank."""
+        from megatron.core import parallel_state
+
+        if self.dp_size < 2:
+            return None
+        group = parallel_state.get_data_parallel_group()
+        mine = torch.tensor([float("nan") if compute_ms is None else compute_ms], dtype=torch.float64,
+                            device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.dp_size)]
+        torch.distributed.all_gather(out, mine, group=group)
+        times = [float(t) for t in out]
+        ranks = torch.distributed.get_process_group_ranks(group)
+        if any(math.isnan(t) for t in times):
+            return None
+        lo, hi = min(range(len(times)), key=times.__getitem__), max(range(len(times)), key=times.__getitem__)
+        return {"min_ms": times[lo], "min_rank": ranks[lo], "max_ms": times[hi], "max_rank": ranks[hi]}
 
 
 def stack_batch(rows: list, pin: bool) -> torch.Tensor:

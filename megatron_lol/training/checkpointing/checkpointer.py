@@ -11,11 +11,15 @@ waiting forever in a collective for the one that failed.
 
 from __future__ import annotations
 
+import glob
 import os
 import shutil
+import socket
 import time
 from dataclasses import dataclass
 from typing import Optional
+
+from torch.distributed.checkpoint.api import CheckpointException
 
 from megatron_lol.errors import CliError
 from megatron_lol.log import log_rank0
@@ -183,12 +187,30 @@ class Checkpointer:
         return final
 
     def _abandon(self, pending: _PendingSave, err: BaseException) -> str:
-        """After a failed write: remove the partial save (freeing its space); the message to raise."""
+        """After a failed write: remove the partial save (freeing its space); the message to raise.
+
+        megatron-core raises torch's ``CheckpointException`` on every rank when any rank's write failed
+        (its coordinator broadcasts the verdict), but only the coordinator holds the failing ranks' errors:
+        one ``all_gather_object`` here gives every rank the same line, naming the first failing rank,
+        its host and its shard file. Any other exception is this rank's own and is described as such."""
+        where, what = pending.tmp, describe_error(err)
+        if isinstance(err, CheckpointException):
+            failures = {r: describe_error(f[0] if isinstance(f, tuple) else f)
+                        for r, f in (getattr(err, "failures", None) or {}).items()}
+            shards = sorted(glob.glob(os.path.join(pending.tmp, f"__{rank()}_*.distcp")))
+            gathered = gather_to_all((rank(), socket.gethostname(), shards[0] if shards else None, failures))
+            failed = {r: e for *_, part in gathered for r, e in part.items()}
+            if failed:
+                first = min(failed)
+                _, host, shard, _ = gathered[first]
+                where = f"{shard or pending.tmp} on rank {first} (host {host})"
+                what = failed[first] + (f"; {len(failed) - 1} more rank(s) failed" if len(failed) > 1 else "")
         if rank() == 0:
             shutil.rmtree(pending.tmp, ignore_errors=True)
         kept = read_tracker(self.save_root) if os.path.isdir(self.save_root) else None
-        return (f"saving iteration {pending.iteration} to {pending.tmp} failed: {describe_error(err)}; "
-                f"the partial save was removed, the last complete checkpoint is "
+        self.last_saved_iteration = kept
+        return (f"saving iteration {pending.iteration} failed: writing {where}: {what}; no rank moved the "
+                f"tracker, the partial save was removed, the last complete checkpoint is "
                 f"{iter_name(kept) if kept is not None else 'none'}")
 
     def _commit(self, pending: _PendingSave, info: dict) -> None:
@@ -438,7 +460,7 @@ class CheckpointHook(Hook):
         from megatron_lol.training import signals
 
         tr = trainer.cfg.training
-        self.ckpt.finalize(blocking=False)
+        self._periodic(trainer, lambda: self.ckpt.finalize(blocking=False))
         reason = self.stop_check()
         if reason is not None:
             if trainer.iteration >= tr.train_iters:
@@ -464,8 +486,21 @@ class CheckpointHook(Hook):
                 barrier()
             return Stop(0, f"--exit-interval {tr.exit_interval}")
         if tr.save and tr.save_interval and trainer.iteration % tr.save_interval == 0:
-            self.ckpt.save()
+            self._periodic(trainer, self.ckpt.save)
         return None
+
+    @staticmethod
+    def _periodic(trainer, save) -> None:
+        """A periodic save (or its async completion): with ``training.on_save_failure: continue`` a failed
+        one is reported and training goes on to the next save (every rank agrees on the failure, none moved
+        the tracker: :meth:`Checkpointer._abandon`); by default the error stops the run. Final and
+        preemption saves always stop on failure: nothing comes after them to save instead."""
+        try:
+            save()
+        except CheckpointError as err:
+            if trainer.cfg.training.on_save_failure != "continue":
+                raise
+            log_rank0(f" checkpoint: {err} (training.on_save_failure=continue: training goes on)")
 
     def on_end(self, trainer, stop: Optional[Stop]) -> None:
         from megatron_lol.training import signals
