@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 from megatron_lol.config import add_config_arguments, config_from_args
-from megatron_lol.config.loader import overrides_from_args
-from megatron_lol.config.loader import add_threads_argument
+from megatron_lol.config.loader import add_threads_argument, overrides_from_args
 from megatron_lol.errors import CliError, ConfigError
 from megatron_lol.training.runtime import STALL_EXIT
 
