@@ -16,9 +16,13 @@ def add_layer_size_args(p) -> None:
 
 
 def add_threads_arg(p) -> None:
-    p.add_argument("--threads", type=int, default=1,
-                   help="torch.set_num_threads (default 1: on a shared 2-core machine two OpenMP threads per "
-                        "process thrash; 0 keeps torch's default)")
+    p.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch.set_num_threads (default 1: on a shared 2-core machine two OpenMP threads per "
+        "process thrash; 0 keeps torch's default)",
+    )
 
 
 def setup_megatron(threads: int, seed: int = 1234) -> None:

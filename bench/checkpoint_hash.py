@@ -43,14 +43,18 @@ def main() -> None:
             t0 = time.perf_counter()
             file_digest(path, sync=sync)
             rates[sync] = size / (time.perf_counter() - t0) / 2**20
-    print(f"SHA-256 of a file just written ({args.mib} MiB): {rates[False]:,.0f} MiB/s from the page cache, "
-          f"{rates[True]:,.0f} MiB/s with fsync")
+    print(
+        f"SHA-256 of a file just written ({args.mib} MiB): {rates[False]:,.0f} MiB/s from the page cache, "
+        f"{rates[True]:,.0f} MiB/s with fsync"
+    )
     for billions in (1, 7):
         total = billions * 1e9 * BYTES_PER_PARAM / 2**20
         per_rank = total / args.ranks
-        print(f"{billions}B parameters: checkpoint {total / 1024:,.0f} GiB, {per_rank / 1024:,.1f} GiB per rank "
-              f"over {args.ranks} ranks: {per_rank / rates[False]:,.1f} s of hashing per rank "
-              f"({per_rank / rates[True]:,.1f} s with fsync)")
+        print(
+            f"{billions}B parameters: checkpoint {total / 1024:,.0f} GiB, {per_rank / 1024:,.1f} GiB per rank "
+            f"over {args.ranks} ranks: {per_rank / rates[False]:,.1f} s of hashing per rank "
+            f"({per_rank / rates[True]:,.1f} s with fsync)"
+        )
 
 
 if __name__ == "__main__":

@@ -62,11 +62,19 @@ def parse_args(argv=None):
     p.add_argument("--prompt", type=int, default=32, help="prompt tokens per row")
     p.add_argument("--new-tokens", default="64,256,1024", help="comma-separated numbers of generated tokens")
     p.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
-    p.add_argument("--recompute-limit", type=int, default=256,
-                   help="run generate(use_cache=False) up to this many new tokens (default 256); estimate it for all")
+    p.add_argument(
+        "--recompute-limit",
+        type=int,
+        default=256,
+        help="run generate(use_cache=False) up to this many new tokens (default 256); estimate it for all",
+    )
     p.add_argument("--estimate-points", type=int, default=9, help="timed forwards per recomputation estimate")
-    p.add_argument("--repeats", type=int, default=3,
-                   help="cached runs (and timed forwards of an estimate) per measurement: the fastest counts")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        help="cached runs (and timed forwards of an estimate) per measurement: the fastest counts",
+    )
     p.add_argument("--json", default=None, help="also write the results here")
     add_threads_arg(p)
     return p.parse_args(argv)
@@ -75,8 +83,15 @@ def parse_args(argv=None):
 def experiment(args, model: dict):
     from megatron_lol.config import config_from_dict
 
-    m = dict(hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn, n_prelude=1,
-             n_coda=1, window_size=args.window, window_shift=args.shift)
+    m = dict(
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn,
+        n_prelude=1,
+        n_coda=1,
+        window_size=args.window,
+        window_shift=args.shift,
+    )
     m.update(model)
     return config_from_dict({"model": m, "training": {"seq_length": args.seq_length}})
 
@@ -93,8 +108,9 @@ def build_models(args) -> dict:
     configs = {
         "lol": experiment(args, dict(plan="lol", num_blocks=args.blocks, routed_depth=args.depth)),
         "dense": experiment(args, dict(plan="dense", core_layers=args.depth)),
-        "accordion": experiment(args, dict(plan="accordion", loop_window=args.depth - 1, loop_budgets=[0, 1],
-                                           loop_budget=1)),
+        "accordion": experiment(
+            args, dict(plan="accordion", loop_window=args.depth - 1, loop_budgets=[0, 1], loop_budget=1)
+        ),
     }
     models = {}
     torch.manual_seed(0)
@@ -118,24 +134,37 @@ def build_models(args) -> dict:
 
 
 def executed_layers(model) -> int:
-    return model.config.num_hidden_layers if not hasattr(model, "model") or not hasattr(model.model, "schedule") \
+    return (
+        model.config.num_hidden_layers
+        if not hasattr(model, "model") or not hasattr(model.model, "schedule")
         else model.config.n_prelude + len(model.model.schedule()) + model.config.n_coda
+    )
 
 
 def cache_bytes(cache) -> dict:
     if hasattr(cache, "memory_bytes"):
         return cache.memory_bytes()
-    total = sum(layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
-                for layer in cache.layers if layer.keys is not None)
+    total = sum(
+        layer.keys.numel() * layer.keys.element_size() + layer.values.numel() * layer.values.element_size()
+        for layer in cache.layers
+        if layer.keys is not None
+    )
     return {"documents": total, "windows": 0}
 
 
 def run_generate(model, prompt, new_tokens: int, use_cache: bool) -> tuple:
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=new_tokens,
-                             min_new_tokens=new_tokens, do_sample=False, use_cache=use_cache, pad_token_id=0,
-                             return_dict_in_generate=True)
+        out = model.generate(
+            prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            use_cache=use_cache,
+            pad_token_id=0,
+            return_dict_in_generate=True,
+        )
     seconds = time.perf_counter() - start
     assert out.sequences.shape[1] == prompt.shape[1] + new_tokens
     return seconds, (cache_bytes(out.cache) if use_cache else None)
@@ -152,7 +181,7 @@ def estimate_recompute(model, prompt, new_tokens: int, points: int, repeats: int
     cost = {}
     with torch.no_grad():
         for t in ts:
-            ids = longest[:, :p + t]
+            ids = longest[:, : p + t]
             for _ in range(repeats):
                 start = time.perf_counter()
                 model(ids, attention_mask=torch.ones_like(ids), logits_to_keep=1)
@@ -187,14 +216,25 @@ def main(argv=None) -> dict:
                 cached_s, memory = cached[name]
                 recompute_s = run_generate(model, prompt, new, False)[0] if new <= args.recompute_limit else None
                 estimate_s = estimate_recompute(model, prompt, new, args.estimate_points, args.repeats)
-                rows.append({"model": name, "layers": executed_layers(model), "batch": batch, "new_tokens": new,
-                             "cached_tokens_per_s": batch * new / cached_s,
-                             "recompute_tokens_per_s": batch * new / recompute_s if recompute_s else None,
-                             "recompute_estimate_tokens_per_s": batch * new / estimate_s,
-                             "cache_bytes": memory})
-                print(f"  {name} batch {batch} new {new}: cached {cached_s:.2f} s"
-                      + (f", recompute {recompute_s:.2f} s" if recompute_s else "")
-                      + f", recompute estimate {estimate_s:.2f} s", file=sys.stderr, flush=True)
+                rows.append(
+                    {
+                        "model": name,
+                        "layers": executed_layers(model),
+                        "batch": batch,
+                        "new_tokens": new,
+                        "cached_tokens_per_s": batch * new / cached_s,
+                        "recompute_tokens_per_s": batch * new / recompute_s if recompute_s else None,
+                        "recompute_estimate_tokens_per_s": batch * new / estimate_s,
+                        "cache_bytes": memory,
+                    }
+                )
+                print(
+                    f"  {name} batch {batch} new {new}: cached {cached_s:.2f} s"
+                    + (f", recompute {recompute_s:.2f} s" if recompute_s else "")
+                    + f", recompute estimate {estimate_s:.2f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     print_table(rows, args)
     result = {"args": vars(args), "rows": rows}
     if args.json:
@@ -205,11 +245,15 @@ def main(argv=None) -> dict:
 
 def print_table(rows: list, args) -> None:
     dense = {(r["batch"], r["new_tokens"]): r for r in rows if r["model"] == "dense"}
-    print(f"decoding: width {args.hidden}, heads {args.heads}, FFN {args.ffn}, vocab {args.vocab}, W={args.window}, "
-          f"S={args.shift}, prompt {args.prompt} tokens, {args.threads} thread(s); baseline: dense (stock Llama)")
-    print(f"{'model':<10} {'layers':>6} {'batch':>5} {'new':>5} {'cached tok/s':>12} {'recompute tok/s':>15} "
-          f"{'(estimate)':>10} {'speed-up':>9} {'layer-exec/s':>12} {'vs dense':>8} {'cache KiB':>10} "
-          f"{'core KiB':>9}")
+    print(
+        f"decoding: width {args.hidden}, heads {args.heads}, FFN {args.ffn}, vocab {args.vocab}, W={args.window}, "
+        f"S={args.shift}, prompt {args.prompt} tokens, {args.threads} thread(s); baseline: dense (stock Llama)"
+    )
+    print(
+        f"{'model':<10} {'layers':>6} {'batch':>5} {'new':>5} {'cached tok/s':>12} {'recompute tok/s':>15} "
+        f"{'(estimate)':>10} {'speed-up':>9} {'layer-exec/s':>12} {'vs dense':>8} {'cache KiB':>10} "
+        f"{'core KiB':>9}"
+    )
     for r in rows:
         base = dense[r["batch"], r["new_tokens"]]
         per_layer = r["cached_tokens_per_s"] * r["layers"]
@@ -217,10 +261,12 @@ def print_table(rows: list, args) -> None:
         rec, est = r["recompute_tokens_per_s"], r["recompute_estimate_tokens_per_s"]
         speedup = f"{r['cached_tokens_per_s'] / rec:.1f}" if rec else f"~{r['cached_tokens_per_s'] / est:.1f}"
         mem = r["cache_bytes"]
-        print(f"{r['model']:<10} {r['layers']:>6} {r['batch']:>5} {r['new_tokens']:>5} "
-              f"{r['cached_tokens_per_s']:>12.1f} {f'{rec:.1f}' if rec else '-':>15} {est:>10.1f} {speedup:>9} "
-              f"{per_layer:>12.0f} {ratio:>8.2f} {(mem['documents'] + mem['windows']) / 1024:>10.1f} "
-              f"{mem['windows'] / 1024:>9.1f}")
+        print(
+            f"{r['model']:<10} {r['layers']:>6} {r['batch']:>5} {r['new_tokens']:>5} "
+            f"{r['cached_tokens_per_s']:>12.1f} {f'{rec:.1f}' if rec else '-':>15} {est:>10.1f} {speedup:>9} "
+            f"{per_layer:>12.0f} {ratio:>8.2f} {(mem['documents'] + mem['windows']) / 1024:>10.1f} "
+            f"{mem['windows'] / 1024:>9.1f}"
+        )
 
 
 if __name__ == "__main__":

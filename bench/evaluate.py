@@ -39,7 +39,9 @@ sys.path.insert(0, REPO)
 def validation_documents(prefix: str, split: str, eod: int) -> list:
     """Token lists of the validation documents (megatron-core's split of ``prefix``), trailing EOD dropped."""
     from megatron.core.datasets.blended_megatron_dataset_config import (
-        convert_split_vector_to_split_matrix, parse_and_normalize_split)
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     ds = IndexedDataset(prefix, mmap=True)
@@ -47,8 +49,9 @@ def validation_documents(prefix: str, split: str, eod: int) -> list:
     beg, end = convert_split_vector_to_split_matrix(parse_and_normalize_split(split))[1]
     docs = []
     for d in range(int(round(beg * n)), int(round(end * n))):
-        tokens = [int(t) for i in range(int(ds.document_indices[d]), int(ds.document_indices[d + 1]))
-                  for t in ds[i].tolist()]
+        tokens = [
+            int(t) for i in range(int(ds.document_indices[d]), int(ds.document_indices[d + 1])) for t in ds[i].tolist()
+        ]
         if tokens and tokens[-1] == eod:
             tokens = tokens[:-1]
         if tokens:
@@ -59,9 +62,28 @@ def validation_documents(prefix: str, split: str, eod: int) -> list:
 def make_checkpoint(config: str, out: str) -> str:
     save = os.path.join(out, "run")
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", config, "--save", save,
-                    "--train-iters", "1", "--set", "training.eval_at_start=false", "--eval-iters", "0"],
-                   check=True, cwd=REPO, env=env, stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "train",
+            "--config",
+            config,
+            "--save",
+            save,
+            "--train-iters",
+            "1",
+            "--set",
+            "training.eval_at_start=false",
+            "--eval-iters",
+            "0",
+        ],
+        check=True,
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.DEVNULL,
+    )
     return save
 
 
@@ -143,7 +165,7 @@ def main() -> None:
         def reference() -> tuple:
             t0 = time.perf_counter()
             for i in range(0, len(few), 4):
-                score_rows(loaded.model, few[i:i + 4], pad=0)
+                score_rows(loaded.model, few[i : i + 4], pad=0)
             return ref_tokens, time.perf_counter() - t0
 
         runs = {"forward": [], "evaluate": [], "reference": []}
@@ -154,14 +176,16 @@ def main() -> None:
         (train_tokens, train_s), (_, eval_s), (_, ref_s) = (best(runs[k]) for k in runs)
 
     base = train_tokens / train_s
-    print(f"{args.config}: validation split {cfg.data.split} of {cfg.data.paths[-1]}: {len(docs)} documents, "
-          f"{scored:,} tokens, {len(rows)} pieces of <= {seq} tokens; torch threads 1")
+    print(
+        f"{args.config}: validation split {cfg.data.split} of {cfg.data.paths[-1]}: {len(docs)} documents, "
+        f"{scored:,} tokens, {len(rows)} pieces of <= {seq} tokens; torch threads 1"
+    )
     print(f"{'path':<46} {'tokens':>9} {'seconds':>8} {'tokens/s':>9} {'vs training forward':>20}")
-    for name, tokens, seconds in (("training forward (baseline, micro-batches of "
-                                   f"{cfg.training.micro_batch_size})", train_tokens, train_s),
-                                  ("evaluate (packed rows, training forward)", scored, eval_s),
-                                  (f"one row per piece, plain-PyTorch model ({args.reference_docs} docs)",
-                                   ref_tokens, ref_s)):
+    for name, tokens, seconds in (
+        (f"training forward (baseline, micro-batches of {cfg.training.micro_batch_size})", train_tokens, train_s),
+        ("evaluate (packed rows, training forward)", scored, eval_s),
+        (f"one row per piece, plain-PyTorch model ({args.reference_docs} docs)", ref_tokens, ref_s),
+    ):
         rate = tokens / seconds
         print(f"{name:<46} {tokens:>9,} {seconds:>8.1f} {rate:>9,.0f} {rate / base:>19.2f}x")
 

@@ -66,13 +66,17 @@ def main() -> int:
     ap.add_argument("--batches", type=int, default=4, help="micro-batches per config (default 4)")
     args = ap.parse_args()
     print(f"FP8 row padding to multiples of {MULTIPLE}, routed depths only; {args.batches} micro-batches per config")
-    print(f"{'config':28s} {'L':>2s} {'tokens/mb':>9s} {'pad rows, uniform routing':>26s} "
-          f"{'all to one block':>17s} {'of all layer rows':>18s}")
+    print(
+        f"{'config':28s} {'L':>2s} {'tokens/mb':>9s} {'pad rows, uniform routing':>26s} "
+        f"{'all to one block':>17s} {'of all layer rows':>18s}"
+    )
     for name, L, D, W, S, fixed, seq, mbs in CONFIGS:
         r = measure(L, D, W, S, seq, mbs, args.batches)
         share_of_layers = r["uniform"] * D / (D + fixed)  # fixed layers and the head are never padded
-        print(f"{name:28s} {L:2d} {seq * mbs:9d} {100 * r['uniform']:25.3f}% {100 * r['one_block']:16.3f}% "
-              f"{100 * share_of_layers:17.3f}%")
+        print(
+            f"{name:28s} {L:2d} {seq * mbs:9d} {100 * r['uniform']:25.3f}% {100 * r['one_block']:16.3f}% "
+            f"{100 * share_of_layers:17.3f}%"
+        )
     return 0
 
 

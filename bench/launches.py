@@ -46,10 +46,8 @@ import os
 import statistics
 import sys
 import time
-from typing import Optional
 
 import torch
-
 from _shared import add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 BACKEND_ENV = "MEGATRON_LOL_CPU_BACKEND"
@@ -71,8 +69,9 @@ def parse_args(argv=None):
     p.add_argument("--vocab", type=int, default=97)
     p.add_argument("--docs-per-row", type=int, default=2, help="EOD-separated documents per row")
     p.add_argument("--layouts", default="local,packed")
-    p.add_argument("--reps", type=int, default=3,
-                   help="timed forward+backward repetitions (median; 0: counts only, no CPU times)")
+    p.add_argument(
+        "--reps", type=int, default=3, help="timed forward+backward repetitions (median; 0: counts only, no CPU times)"
+    )
     p.add_argument("--what", default="counts", help="counts, stacking, or both (comma-separated)")
     p.add_argument("--stacking-shapes", default="quickstart,360M", help="shapes of the stacking measurement")
     add_threads_arg(p)
@@ -82,9 +81,17 @@ def parse_args(argv=None):
 def model_config(args, blocks, **over):
     from megatron_lol.config import config_from_dict
 
-    m = dict(plan="lol", hidden_size=args.hidden, num_attention_heads=args.heads, n_prelude=args.prelude,
-             n_coda=args.coda, window_size=args.window, window_shift=args.shift, num_blocks=blocks,
-             routed_depth=args.depth)
+    m = dict(
+        plan="lol",
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        n_prelude=args.prelude,
+        n_coda=args.coda,
+        window_size=args.window,
+        window_shift=args.shift,
+        num_blocks=blocks,
+        routed_depth=args.depth,
+    )
     if args.ffn:
         m["ffn_hidden_size"] = args.ffn
     m.update(over)
@@ -97,8 +104,14 @@ def model_config(args, blocks, **over):
 def build(args, blocks, packed, **over):
     from megatron_lol.model.lol_model import LoLGPTModel
 
-    net = LoLGPTModel(model_config(args, blocks, **over), args.vocab, 0, init_seed=1234,
-                      max_sequence_length=args.seq, packed_sequences=packed)
+    net = LoLGPTModel(
+        model_config(args, blocks, **over),
+        args.vocab,
+        0,
+        init_seed=1234,
+        max_sequence_length=args.seq,
+        packed_sequences=packed,
+    )
     if getattr(net.core, "routers", None) is not None:
         gen = torch.Generator().manual_seed(7)  # routes spread over the blocks (zero routers tie everywhere)
         with torch.no_grad():
@@ -121,8 +134,9 @@ def host_layout(args, net, tokens, seeds):
     from megatron_lol.model.host_layout import build_host_layout
 
     plan = net.core.plan
-    return build_host_layout(tokens, 0, args.window, args.shift, range(1, plan.depth + 1),
-                             plan.num_stored_blocks, seeds)
+    return build_host_layout(
+        tokens, 0, args.window, args.shift, range(1, plan.depth + 1), plan.num_stored_blocks, seeds
+    )
 
 
 def core_runner(net, impl, layout, seeds, args):
@@ -168,8 +182,13 @@ def count(run) -> dict:
         loss = run()
     with OpCounter() as bwd:
         loss.backward()
-    return {"fwd_ops": fwd.ops, "bwd_ops": bwd.ops, "fwd_syncs": fwd.syncs, "bwd_syncs": bwd.syncs,
-            "sync_names": dict(fwd.sync_names + bwd.sync_names)}
+    return {
+        "fwd_ops": fwd.ops,
+        "bwd_ops": bwd.ops,
+        "fwd_syncs": fwd.syncs,
+        "bwd_syncs": bwd.syncs,
+        "sync_names": dict(fwd.sync_names + bwd.sync_names),
+    }
 
 
 def cpu_times(runs: dict, reps: int) -> dict:
@@ -182,10 +201,12 @@ def cpu_times(runs: dict, reps: int) -> dict:
         with_backend(key[1], lambda: run().backward())
     for _ in range(reps):
         for key, run in runs.items():
+
             def once():
                 t0 = time.process_time()
                 run().backward()
                 return time.process_time() - t0
+
             times[key].append(1e3 * with_backend(key[1], once))
     return times
 
@@ -212,14 +233,20 @@ def measure_counts(args):
             torch.manual_seed(0)
             net = build(args, blocks, packed)
             layout = host_layout(args, net, tokens, seeds)
-            runs = {"core ref": core_runner(net, "ref", layout, seeds, args),
-                    "core grouped": core_runner(net, "grouped", layout, seeds, args),
-                    "model ref": model_runner(net, "ref", layout, tokens, labels, seeds),
-                    "model grouped": model_runner(net, "grouped", layout, tokens, labels, seeds)}
+            runs = {
+                "core ref": core_runner(net, "ref", layout, seeds, args),
+                "core grouped": core_runner(net, "grouped", layout, seeds, args),
+                "model ref": model_runner(net, "ref", layout, tokens, labels, seeds),
+                "model grouped": model_runner(net, "grouped", layout, tokens, labels, seeds),
+            }
             if blocks == max(int(x) for x in args.blocks.split(",")):
                 runs["dense"] = model_runner(dense, "ref", None, tokens, labels, seeds)
-            timed = {(name, on): run for name, run in runs.items() for on in (False, True)
-                     if on is False or name.endswith("ref") or name == "dense"}
+            timed = {
+                (name, on): run
+                for name, run in runs.items()
+                for on in (False, True)
+                if on is False or name.endswith("ref") or name == "dense"
+            }
             times = cpu_times(timed, args.reps)
             for name, run in runs.items():
                 row = with_backend(False, lambda: count(run))
@@ -235,20 +262,28 @@ def measure_counts(args):
 
 
 def print_counts(args, rows, paired):
-    print(f"per micro-batch: {args.batch} x {args.seq} tokens ({args.docs_per_row} documents per row), "
-          f"width {args.hidden}, D={args.depth}, W={args.window}, S={args.shift}, prelude {args.prelude}, "
-          f"coda {args.coda}; {torch.get_num_threads()} thread(s); counts with {BACKEND_ENV}=0")
-    print(f"{'layout':7s} {'L':>3s} {'path':14s} {'syncs fwd':>9s} {'syncs bwd':>9s} {'ops fwd':>8s} {'ops bwd':>8s}"
-          f" {'ops total':>9s} {'cpu ms':>8s} {'ms off':>8s}  syncs by op")
+    print(
+        f"per micro-batch: {args.batch} x {args.seq} tokens ({args.docs_per_row} documents per row), "
+        f"width {args.hidden}, D={args.depth}, W={args.window}, S={args.shift}, prelude {args.prelude}, "
+        f"coda {args.coda}; {torch.get_num_threads()} thread(s); counts with {BACKEND_ENV}=0"
+    )
+    print(
+        f"{'layout':7s} {'L':>3s} {'path':14s} {'syncs fwd':>9s} {'syncs bwd':>9s} {'ops fwd':>8s} {'ops bwd':>8s}"
+        f" {'ops total':>9s} {'cpu ms':>8s} {'ms off':>8s}  syncs by op"
+    )
     for layout_name, blocks, name, r in rows:
         label = "-" if name == "dense" else str(blocks)
         on = f"{r['ms_on']:8.1f}" if r["ms_on"] is not None else f"{'-':>8s}"
         off = f"{r['ms_off']:8.1f}" if r["ms_off"] is not None else f"{'-':>8s}"
         names = ", ".join(f"{k} {v}" for k, v in sorted(r["sync_names"].items()))
-        print(f"{layout_name:7s} {label:>3s} {name:14s} {r['fwd_syncs']:9d} {r['bwd_syncs']:9d} {r['fwd_ops']:8d}"
-              f" {r['bwd_ops']:8d} {r['fwd_ops'] + r['bwd_ops']:9d} {on} {off}  {names}")
-    print("cpu ms: forward + backward with the CPU backend (the reference as CPU training runs it); "
-          "ms off: without it (the path a GPU runs)")
+        print(
+            f"{layout_name:7s} {label:>3s} {name:14s} {r['fwd_syncs']:9d} {r['bwd_syncs']:9d} {r['fwd_ops']:8d}"
+            f" {r['bwd_ops']:8d} {r['fwd_ops'] + r['bwd_ops']:9d} {on} {off}  {names}"
+        )
+    print(
+        "cpu ms: forward + backward with the CPU backend (the reference as CPU training runs it); "
+        "ms off: without it (the path a GPU runs)"
+    )
     for layout_name in args.layouts.split(","):
         total = {(b, n): r["fwd_ops"] + r["bwd_ops"] for l, b, n, r in rows if l == layout_name}
         dense = total[(args.depth, "dense")]
@@ -275,15 +310,37 @@ def measure_stacking(args):
     from megatron_lol.model.static_routing import group_tokens
 
     shapes = {
-        "quickstart": dict(hidden_size=128, num_attention_heads=4, ffn_hidden_size=384, num_blocks=4, routed_depth=4,
-                           window_size=32, window_shift=16, batch=8, seq=256),
-        "360M": dict(hidden_size=1024, num_attention_heads=16, ffn_hidden_size=2816, num_blocks=4, routed_depth=16,
-                     window_size=128, window_shift=64, batch=1, seq=1024),
+        "quickstart": dict(
+            hidden_size=128,
+            num_attention_heads=4,
+            ffn_hidden_size=384,
+            num_blocks=4,
+            routed_depth=4,
+            window_size=32,
+            window_shift=16,
+            batch=8,
+            seq=256,
+        ),
+        "360M": dict(
+            hidden_size=1024,
+            num_attention_heads=16,
+            ffn_hidden_size=2816,
+            num_blocks=4,
+            routed_depth=16,
+            window_size=128,
+            window_shift=64,
+            batch=1,
+            seq=1024,
+        ),
     }
-    print("stacking the library per micro-batch (torch.stack of each weight, forward + backward) vs one grouped "
-          "depth (forward + backward), CPU seconds, median of --reps")
-    print(f"{'shape':11s} {'L':>2s} {'D':>3s} {'tokens':>7s} {'stack ms':>9s} {'depth ms':>9s}"
-          f" {'stack / (D depths)':>19s}")
+    print(
+        "stacking the library per micro-batch (torch.stack of each weight, forward + backward) vs one grouped "
+        "depth (forward + backward), CPU seconds, median of --reps"
+    )
+    print(
+        f"{'shape':11s} {'L':>2s} {'D':>3s} {'tokens':>7s} {'stack ms':>9s} {'depth ms':>9s}"
+        f" {'stack / (D depths)':>19s}"
+    )
     for name in args.stacking_shapes.split(","):
         shape = dict(shapes[name])
         batch, seq = shape.pop("batch"), shape.pop("seq")
@@ -327,8 +384,10 @@ def measure_stacking(args):
         s_ms, d_ms = timed(stack), timed(depth)
         share = s_ms / (cfg.routed_depth * d_ms)
         print(f"{name:11s} {cfg.num_blocks:2d} {cfg.routed_depth:3d} {t:7d} {s_ms:9.1f} {d_ms:9.1f} {share:19.2%}")
-    print("the stacking cost is per micro-batch and does not depend on its tokens; a depth's cost grows with them "
-          "(the paper's 360M micro-batch is 26 x 1,024 tokens: 26 times the tokens timed here)")
+    print(
+        "the stacking cost is per micro-batch and does not depend on its tokens; a depth's cost grows with them "
+        "(the paper's 360M micro-batch is 26 x 1,024 tokens: 26 times the tokens timed here)"
+    )
 
 
 def main(argv=None) -> int:

@@ -23,7 +23,6 @@ import sys
 import time
 
 import torch
-
 from _shared import add_layer_size_args, add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 
@@ -42,8 +41,12 @@ def parse_args(argv=None):
     add_layer_size_args(p)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--window", type=int, default=64)
-    p.add_argument("--calls", type=_calls, default=[1, 4, 16],
-                   help="numbers of calls (blocks) the tokens are split over, e.g. 1,4,16")
+    p.add_argument(
+        "--calls",
+        type=_calls,
+        default=[1, 4, 16],
+        help="numbers of calls (blocks) the tokens are split over, e.g. 1,4,16",
+    )
     p.add_argument("--reps", type=int, default=15)
     add_threads_arg(p)
     args = p.parse_args(argv)
@@ -55,16 +58,21 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     setup_megatron(args.threads)
-    from megatron_lol.config import config_from_dict
     from megatron_lol.backends.cpu import CpuBackend
+    from megatron_lol.config import config_from_dict
     from megatron_lol.model.attention import SegmentMask
     from megatron_lol.model.block_call import call_block
     from megatron_lol.model.library import block_spec, build_layer, transformer_config
     from megatron_lol.platform import device_mode_suspended
 
     calls = args.calls
-    cfg = config_from_dict({"model": dict(hidden_size=args.hidden, num_attention_heads=args.heads,
-                                          ffn_hidden_size=args.ffn, num_blocks=max(calls))}).model
+    cfg = config_from_dict(
+        {
+            "model": dict(
+                hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn, num_blocks=max(calls)
+            )
+        }
+    ).model
     tconf = transformer_config(cfg)
     torch.manual_seed(0)
     blocks = [build_layer(block_spec(False), tconf, i + 1).train() for i in range(max(calls))]
@@ -107,9 +115,13 @@ def main(argv=None) -> int:
             t0 = time.process_time()
             with_path(lean, n)
             times[(n, lean)].append(time.process_time() - t0)
-    print(f"forward + backward of {T} packed tokens (windows of {W}), width {args.hidden}, "
-          f"{torch.get_num_threads()} threads, median process CPU ms over {args.reps} reps")
-    print(f"{'calls':>5s} {'tokens/call':>12s} {'reference ms':>13s} {'cpu backend ms':>15s} {'backend/reference':>18s}")
+    print(
+        f"forward + backward of {T} packed tokens (windows of {W}), width {args.hidden}, "
+        f"{torch.get_num_threads()} threads, median process CPU ms over {args.reps} reps"
+    )
+    print(
+        f"{'calls':>5s} {'tokens/call':>12s} {'reference ms':>13s} {'cpu backend ms':>15s} {'backend/reference':>18s}"
+    )
     for n in calls:
         ref = statistics.median(times[(n, False)]) * 1e3
         short = statistics.median(times[(n, True)]) * 1e3

@@ -46,7 +46,9 @@ def _overrides(overrides: dict) -> list:
     """The layout's settings, the vocabulary, and the full core depth from the first step (the
     growing curriculum would start shallower; the estimate is the run's peak, at full depth)."""
     return [(k, v, "bench") for k, v in overrides.items()] + [
-        ("model.vocab_size", VOCAB, "bench"), ("curriculum.initial_depth", None, "bench")]
+        ("model.vocab_size", VOCAB, "bench"),
+        ("curriculum.initial_depth", None, "bench"),
+    ]
 
 
 def _status(key: str) -> int:
@@ -61,10 +63,10 @@ def worker(config: str, overrides: dict, steps: int, out_dir: str) -> None:
     """One rank (under torchrun): baseline, reset peak, build and train, write the measurement."""
     import gc
 
-    import torch  # noqa: F401 - imported before the baseline on purpose
     import megatron.core.distributed  # noqa: F401
     import megatron.core.optimizer  # noqa: F401
     import megatron.core.pipeline_parallel  # noqa: F401
+    import torch  # noqa: F401 - imported before the baseline on purpose
 
     import megatron_lol.model.lol_model  # noqa: F401
     from megatron_lol.config import load_config
@@ -91,8 +93,13 @@ def worker(config: str, overrides: dict, steps: int, out_dir: str) -> None:
     from megatron.core import parallel_state
 
     rank = torch.distributed.get_rank()
-    record = {"rank": rank, "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
-              "baseline": baseline, "peak": _status("VmHWM"), "vocab": trainer.vocab_size}
+    record = {
+        "rank": rank,
+        "pp_rank": parallel_state.get_pipeline_model_parallel_rank(),
+        "baseline": baseline,
+        "peak": _status("VmHWM"),
+        "vocab": trainer.vocab_size,
+    }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(record, f)
 
@@ -101,13 +108,29 @@ def measure(config: str, nproc: int, overrides: dict, steps: int) -> list:
     with tempfile.TemporaryDirectory() as out:
         # glibc returns freed blocks of 64 KiB and more to the system at once, so the peak RSS follows the
         # live tensors instead of what the heap keeps after freeing them
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MALLOC_MMAP_THRESHOLD_="65536",
-                   PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+            MALLOC_MMAP_THRESHOLD_="65536",
+            PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        )
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), __file__, "--worker",
-               json.dumps({"config": config, "overrides": overrides, "steps": steps, "out": out})]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(_free_port()),
+            __file__,
+            "--worker",
+            json.dumps({"config": config, "overrides": overrides, "steps": steps, "out": out}),
+        ]
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=REPO)
         if proc.returncode:
             raise RuntimeError(f"{overrides}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
@@ -136,8 +159,10 @@ def main() -> None:
     from megatron_lol.config import load_config
     from megatron_lol.perf.memory import Layout, rank_memory
 
-    print(f"{args.config}, {args.steps} steps, synthetic tokens (vocab {VOCAB}); MiB per rank; measured = peak RSS "
-          f"minus the RSS after imports and process-group start")
+    print(
+        f"{args.config}, {args.steps} steps, synthetic tokens (vocab {VOCAB}); MiB per rank; measured = peak RSS "
+        f"minus the RSS after imports and process-group start"
+    )
     print(f"{'layout':<30} {'stage':>5} {'estimated':>10} {'measured':>10} {'est/meas':>9}   estimate parts")
     for name in args.layouts:
         nproc, overrides = LAYOUTS[name]
@@ -147,10 +172,16 @@ def main() -> None:
         for stage in sorted({r["pp_rank"] for r in records}):
             measured = max(r["peak"] - r["baseline"] for r in records if r["pp_rank"] == stage)
             est = rank_memory(cfg, records[0]["vocab"], layout, stage)
-            parts = ", ".join(f"{k} {v / 2**20:.0f}" for k, v in est.to_dict().items()
-                              if k in ("weights", "gradients", "optimizer", "activations", "logits", "backward"))
-            print(f"{name:<30} {stage:>5} {est.total / 2**20:>10.1f} {measured / 2**20:>10.1f} "
-                  f"{est.total / measured:>9.2f}   {parts}", flush=True)
+            parts = ", ".join(
+                f"{k} {v / 2**20:.0f}"
+                for k, v in est.to_dict().items()
+                if k in ("weights", "gradients", "optimizer", "activations", "logits", "backward")
+            )
+            print(
+                f"{name:<30} {stage:>5} {est.total / 2**20:>10.1f} {measured / 2**20:>10.1f} "
+                f"{est.total / measured:>9.2f}   {parts}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -34,7 +34,6 @@ import statistics
 import time
 
 import yaml
-
 from _shared import add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 OPTIMIZERS = ("adam", "muon")
@@ -44,10 +43,22 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--config", default="examples/configs/tiny-cpu.yaml", help="the tiny model's config")
     p.add_argument("--train-iters", type=int, default=800, help="steps per optimizer on the tiny model")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for every run")
-    p.add_argument("--muon-set", dest="muon_overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override for the Muon runs only, e.g. optimizer.muon_adam_lr=1e-3")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for every run",
+    )
+    p.add_argument(
+        "--muon-set",
+        dest="muon_overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override for the Muon runs only, e.g. optimizer.muon_adam_lr=1e-3",
+    )
     p.add_argument("--big-hidden", type=int, default=768)
     p.add_argument("--big-heads", type=int, default=12)
     p.add_argument("--big-ffn", type=int, default=3072)
@@ -74,8 +85,12 @@ def _overrides(items: list) -> list:
 def load(args, optimizer: str, train_iters: int, extra: list):
     from megatron_lol.config import load_config
 
-    overrides = [("optimizer.name", optimizer, "bench"), ("training.train_iters", train_iters, "bench"),
-                 ("training.save", None, "bench"), ("training.eval_at_start", False, "bench")]
+    overrides = [
+        ("optimizer.name", optimizer, "bench"),
+        ("training.train_iters", train_iters, "bench"),
+        ("training.save", None, "bench"),
+        ("training.eval_at_start", False, "bench"),
+    ]
     overrides += _overrides(args.overrides) + extra
     if optimizer == "muon":
         overrides += _overrides(args.muon_overrides)
@@ -83,12 +98,19 @@ def load(args, optimizer: str, train_iters: int, extra: list):
 
 
 def big_overrides(args) -> list:
-    keys = {"model.hidden_size": args.big_hidden, "model.num_attention_heads": args.big_heads,
-            "model.ffn_hidden_size": args.big_ffn, "model.n_prelude": args.big_prelude,
-            "model.n_coda": args.big_coda, "model.num_blocks": args.big_blocks,
-            "model.routed_depth": args.big_depth, "training.micro_batch_size": args.big_batch,
-            "training.global_batch_size": args.big_batch, "curriculum.initial_depth": None,
-            "optimizer.lr_warmup_iters": 0}
+    keys = {
+        "model.hidden_size": args.big_hidden,
+        "model.num_attention_heads": args.big_heads,
+        "model.ffn_hidden_size": args.big_ffn,
+        "model.n_prelude": args.big_prelude,
+        "model.n_coda": args.big_coda,
+        "model.num_blocks": args.big_blocks,
+        "model.routed_depth": args.big_depth,
+        "training.micro_batch_size": args.big_batch,
+        "training.global_batch_size": args.big_batch,
+        "curriculum.initial_depth": None,
+        "optimizer.lr_warmup_iters": 0,
+    }
     return [(k, v, "--big") for k, v in keys.items()]
 
 
@@ -150,8 +172,10 @@ def main(argv=None) -> int:
 
 def print_table(out: dict) -> None:
     med = statistics.median
-    print(f"\n{'model':6s} {'params':>9s} {'optimizer':9s} {'step CPU s':>10s} {'opt. CPU s':>10s} {'x adam':>7s} "
-          f"{'step wall s':>11s} {'tokens':>10s} {'eval start':>10s} {'eval end':>9s}")
+    print(
+        f"\n{'model':6s} {'params':>9s} {'optimizer':9s} {'step CPU s':>10s} {'opt. CPU s':>10s} {'x adam':>7s} "
+        f"{'step wall s':>11s} {'tokens':>10s} {'eval start':>10s} {'eval end':>9s}"
+    )
     for model, runs in out.items():
         if not runs:
             continue
@@ -160,11 +184,15 @@ def print_table(out: dict) -> None:
             step = med(r["step_cpu_s"])
             ev0 = f"{r['eval_start']:.4f}" if r["eval_start"] is not None else "-"
             ev1 = f"{r['eval_end']:.4f}" if r["eval_end"] is not None else "-"
-            print(f"{model:6s} {r['params'] / 1e6:8.2f}M {name:9s} {step:10.3f} {med(r['optimizer_cpu_s']):10.3f} "
-                  f"{step / base:7.2f} {med(r['step_wall_s']):11.3f} {r['tokens']:10,d} {ev0:>10s} {ev1:>9s}")
-    print("medians over the timed steps: process CPU seconds of a training step and of the optimizer step in it "
-          "(background load barely moves them), wall seconds of a step; x adam: step CPU time over Adam's; "
-          "eval: validation loss of the initial model and after the run")
+            print(
+                f"{model:6s} {r['params'] / 1e6:8.2f}M {name:9s} {step:10.3f} {med(r['optimizer_cpu_s']):10.3f} "
+                f"{step / base:7.2f} {med(r['step_wall_s']):11.3f} {r['tokens']:10,d} {ev0:>10s} {ev1:>9s}"
+            )
+    print(
+        "medians over the timed steps: process CPU seconds of a training step and of the optimizer step in it "
+        "(background load barely moves them), wall seconds of a step; x adam: step CPU time over Adam's; "
+        "eval: validation loss of the initial model and after the run"
+    )
 
 
 if __name__ == "__main__":

@@ -46,14 +46,21 @@ def make_corpus(src: str, dst: str, min_mb: float) -> None:
 
 
 def tok_kwargs(a) -> dict:
-    return dict(tokenizer_type=a.tokenizer_type, tokenizer_model=a.tokenizer_model,
-                vocab_file=a.vocab_file, merge_file=a.merge_file)
+    return dict(
+        tokenizer_type=a.tokenizer_type,
+        tokenizer_model=a.tokenizer_model,
+        vocab_file=a.vocab_file,
+        merge_file=a.merge_file,
+    )
 
 
 def tok_argv(a) -> list:
     argv = ["--tokenizer-type", a.tokenizer_type]
-    for flag, v in (("--tokenizer-model", a.tokenizer_model), ("--vocab-file", a.vocab_file),
-                    ("--merge-file", a.merge_file)):
+    for flag, v in (
+        ("--tokenizer-model", a.tokenizer_model),
+        ("--vocab-file", a.vocab_file),
+        ("--merge-file", a.merge_file),
+    ):
         if v:
             argv += [flag, v]
     return argv
@@ -105,10 +112,16 @@ def ceiling(path: str, keys: list, kw: dict, workers: int) -> dict:
         res = pool.map(_encode_part, parts, chunksize=1)
         wall = time.perf_counter() - t0
     rss = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
-    return {"seconds": wall, "encode_seconds": max(r[1] for r in res), "tokens": sum(r[0] for r in res),
-            "cpu_seconds": sum(r[2] for r in res),
-            "mb": nbytes / 2**20, "documents": n, "peak_rss_mb": rss,
-            "main_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    return {
+        "seconds": wall,
+        "encode_seconds": max(r[1] for r in res),
+        "tokens": sum(r[0] for r in res),
+        "cpu_seconds": sum(r[2] for r in res),
+        "mb": nbytes / 2**20,
+        "documents": n,
+        "peak_rss_mb": rss,
+        "main_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }
 
 
 # -- ours ----------------------------------------------------------------------------
@@ -116,9 +129,26 @@ def ceiling(path: str, keys: list, kw: dict, workers: int) -> dict:
 
 def ours(a, out_dir: str) -> dict:
     summ = os.path.join(out_dir, "summary.json")
-    cmd = [sys.executable, "-m", "megatron_lol", "preprocess", "--input", a.input, "--output-prefix",
-           os.path.join(out_dir, "bench"), "--append-eod", "--workers", str(a.workers), "--overwrite",
-           "--no-progress", "--summary-json", summ, "--json-keys", *a.json_keys, *tok_argv(a)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_lol",
+        "preprocess",
+        "--input",
+        a.input,
+        "--output-prefix",
+        os.path.join(out_dir, "bench"),
+        "--append-eod",
+        "--workers",
+        str(a.workers),
+        "--overwrite",
+        "--no-progress",
+        "--summary-json",
+        summ,
+        "--json-keys",
+        *a.json_keys,
+        *tok_argv(a),
+    ]
     ru0 = resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
@@ -129,15 +159,31 @@ def ours(a, out_dir: str) -> dict:
         raise SystemExit(f"preprocess failed: {proc.stderr.strip()}")
     with open(summ) as f:
         s = json.load(f)
-    return {"seconds": wall, "cpu_seconds": cpu, "tokens": s["tokens"], "documents": s["documents"],
-            "peak_rss_mb": max(s["peak_rss_mb_main"], s["peak_rss_mb_worker"]),
-            "main_rss_mb": s["peak_rss_mb_main"], "worker_rss_mb": s["peak_rss_mb_worker"]}
+    return {
+        "seconds": wall,
+        "cpu_seconds": cpu,
+        "tokens": s["tokens"],
+        "documents": s["documents"],
+        "peak_rss_mb": max(s["peak_rss_mb_main"], s["peak_rss_mb_worker"]),
+        "main_rss_mb": s["peak_rss_mb_main"],
+        "worker_rss_mb": s["peak_rss_mb_worker"],
+    }
 
 
 def _ceiling_subprocess(a) -> dict:
     """Run the ceiling in a fresh interpreter so its RSS is measured on its own."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--ceiling-only", "--input", a.input,
-           "--workers", str(a.workers), "--json-keys", *a.json_keys, *tok_argv(a)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--ceiling-only",
+        "--input",
+        a.input,
+        "--workers",
+        str(a.workers),
+        "--json-keys",
+        *a.json_keys,
+        *tok_argv(a),
+    ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     if proc.returncode:
         raise SystemExit(f"ceiling failed: {proc.stderr.strip()}")
@@ -166,8 +212,11 @@ def main() -> int:
     if a.make_corpus:
         make_corpus(a.make_corpus, a.input, a.min_mb)
     mb = os.path.getsize(a.input) / 2**20
-    print(f"corpus {a.input}: {mb:.1f} MB; tokenizer {a.tokenizer_type}; {a.workers} workers; "
-          f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}", flush=True)
+    print(
+        f"corpus {a.input}: {mb:.1f} MB; tokenizer {a.tokenizer_type}; {a.workers} workers; "
+        f"{os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.1f}",
+        flush=True,
+    )
     runs = {"ceiling": [], "ours": []}
     with tempfile.TemporaryDirectory() as out_dir:
         for r in range(a.repeats):
@@ -175,11 +224,14 @@ def main() -> int:
             runs["ceiling"].append(c)
             o = ours(a, out_dir)
             runs["ours"].append(o)
-            print(f"  run {r + 1}: ceiling {c['seconds']:.2f} s ({c['mb'] / c['seconds']:.2f} MB/s), "
-                  f"ours {o['seconds']:.2f} s ({c['mb'] / o['seconds']:.2f} MB/s) -> "
-                  f"{c['seconds'] / o['seconds']:.1%}; CPU s: ceiling {c['cpu_seconds']:.1f}, "
-                  f"ours {o['cpu_seconds']:.1f} -> {c['cpu_seconds'] / o['cpu_seconds']:.1%}; "
-                  f"load {os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f"  run {r + 1}: ceiling {c['seconds']:.2f} s ({c['mb'] / c['seconds']:.2f} MB/s), "
+                f"ours {o['seconds']:.2f} s ({c['mb'] / o['seconds']:.2f} MB/s) -> "
+                f"{c['seconds'] / o['seconds']:.1%}; CPU s: ceiling {c['cpu_seconds']:.1f}, "
+                f"ours {o['cpu_seconds']:.1f} -> {c['cpu_seconds'] / o['cpu_seconds']:.1%}; "
+                f"load {os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     c0 = runs["ceiling"][0]
     eods = runs["ours"][0]["documents"]  # upper bound: one EOD per non-empty document
     if not 0 <= runs["ours"][0]["tokens"] - c0["tokens"] <= eods:

@@ -39,7 +39,6 @@ import sys
 import time
 
 import torch
-
 from _shared import add_layer_size_args, add_threads_arg, setup_megatron  # bench/ is sys.path[0]
 
 
@@ -55,9 +54,13 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=512)
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--vocab", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=30,
-                   help="timed steps per model (the machine's speed drifts by 10-30%% within minutes; with fewer "
-                        "steps the ratio of medians moves by several per cent)")
+    p.add_argument(
+        "--steps",
+        type=int,
+        default=30,
+        help="timed steps per model (the machine's speed drifts by 10-30%% within minutes; with fewer "
+        "steps the ratio of medians moves by several per cent)",
+    )
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--models", default="lol,fixed,forced,dense")
     add_threads_arg(p)
@@ -68,9 +71,17 @@ def parse_args(argv=None):
 def model_config(args, **over):
     from megatron_lol.config import config_from_dict
 
-    m = dict(plan="lol", hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn,
-             n_prelude=args.prelude, n_coda=args.coda, window_size=args.window, window_shift=args.shift,
-             vocab_size=args.vocab)
+    m = dict(
+        plan="lol",
+        hidden_size=args.hidden,
+        num_attention_heads=args.heads,
+        ffn_hidden_size=args.ffn,
+        n_prelude=args.prelude,
+        n_coda=args.coda,
+        window_size=args.window,
+        window_shift=args.shift,
+        vocab_size=args.vocab,
+    )
     m.update(over)
     if m["plan"] == "lol":
         m.update(num_blocks=args.blocks, routed_depth=args.depth)
@@ -92,17 +103,23 @@ def build_models(args):
     cfgs["forced"] = cfgs["lol"]
     if args.depth % args.blocks:
         raise SystemExit(f"--depth {args.depth} must be a multiple of --blocks {args.blocks} (the fixed path loops)")
-    cfgs["fixed"] = model_config(args, plan="looped", loop_layers=args.blocks, loop_count=args.depth // args.blocks,
-                                 dense_attention="strided")
+    cfgs["fixed"] = model_config(
+        args, plan="looped", loop_layers=args.blocks, loop_count=args.depth // args.blocks, dense_attention="strided"
+    )
     n_layers = args.prelude + args.depth + args.coda
     cfgs["dense"] = model_config(args, plan="dense", core_layers=args.depth, dense_attention="full")
     for name in names:
         torch.manual_seed(1234)
         if name == "dense":
             tconf = transformer_config(cfgs["dense"], num_layers=n_layers)
-            net = GPTModel(tconf, transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-                           vocab_size=args.vocab, max_sequence_length=args.seq, position_embedding_type="rope",
-                           share_embeddings_and_output_weights=False)
+            net = GPTModel(
+                tconf,
+                transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+                vocab_size=args.vocab,
+                max_sequence_length=args.seq,
+                position_embedding_type="rope",
+                share_embeddings_and_output_weights=False,
+            )
         else:
             net = LoLGPTModel(cfgs[name], vocab_size=args.vocab, eod_id=None, max_sequence_length=args.seq)
         built[name] = net.train()
@@ -144,8 +161,9 @@ def predictions(args, cfgs):
         for mode in ("allowed", "executed"):
             # routed: up to L packed streams per depth, each padded to a multiple of W
             streams = args.blocks if name == "lol" else 1
-            row[mode] = training_flops(cfg, args.vocab, args.seq, args.batch, attention_pairs=mode,
-                                       streams_per_depth=streams).total
+            row[mode] = training_flops(
+                cfg, args.vocab, args.seq, args.batch, attention_pairs=mode, streams_per_depth=streams
+            ).total
         out[name] = row
     return out
 
@@ -197,46 +215,79 @@ def main(argv=None) -> int:
     wmed = {k: statistics.median(v) for k, v in walls.items()}
     wlow = {k: min(v) for k, v in walls.items()}
     n_windows = args.seq / args.window
-    print(f"step time, {args.batch} x {args.seq} tokens, width {args.hidden}, L={args.blocks}, D={args.depth}, "
-          f"W={args.window}, S={args.shift} ({n_windows:g} windows per context), "
-          f"{torch.get_num_threads()} threads, {args.steps} steps")
-    print("times: process CPU seconds per step (median, min) and wall seconds (median, min); ratios from "
-          "median CPU time")
-    print("routed depth's gated combine: " + ("fused CPU kernel (megatron_lol/backends/cpu)" if fused else
-                                              "torch operations (CPU kernel off or not built)"))
+    print(
+        f"step time, {args.batch} x {args.seq} tokens, width {args.hidden}, L={args.blocks}, D={args.depth}, "
+        f"W={args.window}, S={args.shift} ({n_windows:g} windows per context), "
+        f"{torch.get_num_threads()} threads, {args.steps} steps"
+    )
+    print(
+        "times: process CPU seconds per step (median, min) and wall seconds (median, min); ratios from median CPU time"
+    )
+    print(
+        "routed depth's gated combine: "
+        + (
+            "fused CPU kernel (megatron_lol/backends/cpu)"
+            if fused
+            else "torch operations (CPU kernel off or not built)"
+        )
+    )
     base = "lol" if "lol" in med else next(iter(med))
-    print(f"{'model':8s} {'cpu med':>8s} {'cpu min':>8s} {'wall med':>9s} {'wall min':>9s} {'lol/this':>9s}"
-          f" {'pred exec':>10s} {'pred allow':>11s} {'GFLOP exec':>11s} {'GFLOP allow':>12s}")
+    print(
+        f"{'model':8s} {'cpu med':>8s} {'cpu min':>8s} {'wall med':>9s} {'wall min':>9s} {'lol/this':>9s}"
+        f" {'pred exec':>10s} {'pred allow':>11s} {'GFLOP exec':>11s} {'GFLOP allow':>12s}"
+    )
     result = {"args": vars(args), "fused_cpu_kernel": fused, "models": {}}
     for name in med:
         r = med[base] / med[name]
         pe = pred[base]["executed"] / pred[name]["executed"]
         pa = pred[base]["allowed"] / pred[name]["allowed"]
-        print(f"{name:8s} {med[name]:8.3f} {low[name]:8.3f} {wmed[name]:9.3f} {wlow[name]:9.3f} {r:9.3f}"
-              f" {pe:10.3f} {pa:11.3f}"
-              f" {pred[name]['executed'] / 1e9:11.2f} {pred[name]['allowed'] / 1e9:12.2f}")
-        result["models"][name] = {"cpu_median_s": med[name], "cpu_min_s": low[name], "cpu_times_s": times[name],
-                                  "wall_median_s": wmed[name], "wall_min_s": wlow[name], "wall_times_s": walls[name],
-                                  "ratio_lol_over_this": r, "predicted_ratio_executed": pe,
-                                  "predicted_ratio_allowed": pa, "flops_executed": pred[name]["executed"],
-                                  "flops_allowed": pred[name]["allowed"]}
-    print("lol/this: the LoL step time divided by this model's (<= 1 means LoL is as fast or faster);"
-          " pred: the same ratio of FLOP-model training FLOPs")
+        print(
+            f"{name:8s} {med[name]:8.3f} {low[name]:8.3f} {wmed[name]:9.3f} {wlow[name]:9.3f} {r:9.3f}"
+            f" {pe:10.3f} {pa:11.3f}"
+            f" {pred[name]['executed'] / 1e9:11.2f} {pred[name]['allowed'] / 1e9:12.2f}"
+        )
+        result["models"][name] = {
+            "cpu_median_s": med[name],
+            "cpu_min_s": low[name],
+            "cpu_times_s": times[name],
+            "wall_median_s": wmed[name],
+            "wall_min_s": wlow[name],
+            "wall_times_s": walls[name],
+            "ratio_lol_over_this": r,
+            "predicted_ratio_executed": pe,
+            "predicted_ratio_allowed": pa,
+            "flops_executed": pred[name]["executed"],
+            "flops_allowed": pred[name]["allowed"],
+        }
+    print(
+        "lol/this: the LoL step time divided by this model's (<= 1 means LoL is as fast or faster);"
+        " pred: the same ratio of FLOP-model training FLOPs"
+    )
     # Paired ratios: the steps of the models are interleaved, so the ratio of the i-th LoL step to the
     # i-th step of another model sees about the same background load; their median and quartiles
     # are less sensitive to load drifting during the run than the ratio of medians above.
     # The ratio of minimum times compares each model's least-disturbed step (timeit's estimator).
-    print(f"{'model':8s} {'paired lol/this: q25':>20s} {'median':>7s} {'q75':>6s} {'of mins':>8s} {'sys s med':>10s}"
-          f" {'minor faults med':>17s}")
+    print(
+        f"{'model':8s} {'paired lol/this: q25':>20s} {'median':>7s} {'q75':>6s} {'of mins':>8s} {'sys s med':>10s}"
+        f" {'minor faults med':>17s}"
+    )
     for name in med:
         pairs = sorted(a / b for a, b in zip(times[base], times[name]))
         q25, pmed, q75 = _quantile(pairs, 0.25), statistics.median(pairs), _quantile(pairs, 0.75)
         smed, fmed = statistics.median(sys_times[name]), statistics.median(faults[name])
         rmin = low[base] / low[name]
         print(f"{name:8s} {q25:20.3f} {pmed:7.3f} {q75:6.3f} {rmin:8.3f} {smed:10.3f} {fmed:17.0f}")
-        result["models"][name].update({"paired_ratio_median": pmed, "paired_ratio_q25": q25,
-                                       "paired_ratio_q75": q75, "ratio_of_mins": rmin, "sys_median_s": smed,
-                                       "minor_faults_median": fmed, "sys_times_s": sys_times[name]})
+        result["models"][name].update(
+            {
+                "paired_ratio_median": pmed,
+                "paired_ratio_q25": q25,
+                "paired_ratio_q75": q75,
+                "ratio_of_mins": rmin,
+                "sys_median_s": smed,
+                "minor_faults_median": fmed,
+                "sys_times_s": sys_times[name],
+            }
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

@@ -51,7 +51,10 @@ VERBS: dict[str, tuple[str, str]] = {
     "memory": ("megatron_lol.perf.memory_cli", "estimate per-rank memory of a parallel layout before a run"),
     "preprocess": ("megatron_lol.data.preprocess", "tokenize corpora into Megatron indexed datasets"),
     "merge-datasets": ("megatron_lol.data.merge", "merge shard outputs of preprocess into one dataset"),
-    "prepare-quickstart": ("megatron_lol.data.quickstart", "fetch the bundled corpus, train its tokenizer, preprocess it"),
+    "prepare-quickstart": (
+        "megatron_lol.data.quickstart",
+        "fetch the bundled corpus, train its tokenizer, preprocess it",
+    ),
     "profile": ("megatron_lol.training.profile", "measure throughput, TFLOP/s and MFU of a config"),
     "convert-hf": ("megatron_lol.convert.to_hf_cli", "convert a checkpoint to a HuggingFace model directory"),
     "import-hf": ("megatron_lol.convert.from_hf", "import a Llama-architecture HF checkpoint"),
@@ -75,8 +78,10 @@ KNOWN_WARNINGS = (
 CUDA_ONLY_WARNINGS = re.compile(r"environment variable CUDA_DEVICE_MAX_CONNECTIONS to 1")
 # torch's deprecations of the collectives megatron-core calls, raised from torch's own file
 KNOWN_TORCH_WARNINGS = re.compile(r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` is deprecated")
-ACCELERATOR_NOTE = ("note: Apex / Transformer Engine are not installed; megatron-core uses its torch "
-                    "implementations instead (--verbose shows its warnings)")
+ACCELERATOR_NOTE = (
+    "note: Apex / Transformer Engine are not installed; megatron-core uses its torch "
+    "implementations instead (--verbose shows its warnings)"
+)
 
 
 def quiet_known_warnings(stream=None) -> Callable[[], None]:
@@ -180,9 +185,11 @@ def version_string() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = Parser(prog="megatron-lol",
-                    description="Megatron-style pretraining of Library-of-Layers language models on megatron-core.",
-                    epilog="`megatron-lol VERB --help` lists a verb's own options; every verb takes --verbose.")
+    parser = Parser(
+        prog="megatron-lol",
+        description="Megatron-style pretraining of Library-of-Layers language models on megatron-core.",
+        epilog="`megatron-lol VERB --help` lists a verb's own options; every verb takes --verbose.",
+    )
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="verb", metavar="VERB")
     for verb, (_, help_text) in VERBS.items():

@@ -24,6 +24,10 @@ def log_rank0(msg: str) -> None:
 def add_general_arguments(parser: argparse.ArgumentParser) -> None:
     """``--verbose``, accepted by every verb (and every ``analyze`` subcommand)."""
     group = parser.add_argument_group("general")
-    group.add_argument("--verbose", action="store_true", default=argparse.SUPPRESS,
-                       help=f"show megatron-core's start-up warnings about missing Apex / Transformer "
-                            f"Engine in full (also {VERBOSE_ENV}=1)")
+    group.add_argument(
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,
+        help=f"show megatron-core's start-up warnings about missing Apex / Transformer "
+        f"Engine in full (also {VERBOSE_ENV}=1)",
+    )

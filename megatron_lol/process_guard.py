@@ -68,8 +68,7 @@ def die_with_parent(parent_pid: int) -> None:
         if os.getppid() != parent_pid:
             os._exit(1)
         return
-    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True,
-                     name="die-with-parent").start()
+    threading.Thread(target=_watch_parent, args=(parent_pid,), daemon=True, name="die-with-parent").start()
     if os.getppid() != parent_pid:
         os._exit(1)
 

@@ -27,8 +27,15 @@ def isatty(stream) -> bool:
         return False
 
 
-def progress(iterable: Iterable[T], *, desc: str, unit: str = "item", total: Optional[int] = None,
-             stream=None, interval: Optional[float] = None) -> Iterator[T]:
+def progress(
+    iterable: Iterable[T],
+    *,
+    desc: str,
+    unit: str = "item",
+    total: Optional[int] = None,
+    stream=None,
+    interval: Optional[float] = None,
+) -> Iterator[T]:
     """Yield from ``iterable`` while reporting progress (see the module docstring)."""
     stream = stream if stream is not None else sys.stderr
     if total is None:
@@ -39,8 +46,7 @@ def progress(iterable: Iterable[T], *, desc: str, unit: str = "item", total: Opt
     if isatty(stream):
         from tqdm import tqdm
 
-        yield from tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, leave=False,
-                        dynamic_ncols=True)
+        yield from tqdm(iterable, total=total, desc=desc, unit=unit, file=stream, leave=False, dynamic_ncols=True)
         return
     if interval is None:
         try:

@@ -35,8 +35,16 @@ def tiny_config(**model):
     """A tiny LoL ``ModelConfig``; keyword arguments override ``model.*`` keys."""
     from megatron_lol.config import config_from_dict
 
-    base = dict(hidden_size=32, num_attention_heads=4, num_blocks=3, routed_depth=4, window_size=8,
-                window_shift=4, n_prelude=1, n_coda=1)
+    base = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        num_blocks=3,
+        routed_depth=4,
+        window_size=8,
+        window_shift=4,
+        n_prelude=1,
+        n_coda=1,
+    )
     base.update(model)
     return config_from_dict({"model": base}).model
 

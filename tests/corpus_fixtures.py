@@ -56,7 +56,10 @@ def train_sentencepiece(docs: list, model_prefix: str, vocab_size: int = 2000) -
         model_type="bpe",
         character_coverage=1.0,
         byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
         num_threads=2,
         minloglevel=2,
         max_sentence_length=1 << 16,
@@ -79,8 +82,9 @@ def train_bytelevel_bpe(docs: list, out_dir: str, vocab_size: int = 2000) -> dic
         return paths
     os.makedirs(out_dir, exist_ok=True)
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(docs, vocab_size=vocab_size, min_frequency=2,
-                            special_tokens=["<|endoftext|>"], show_progress=False)
+    tok.train_from_iterator(
+        docs, vocab_size=vocab_size, min_frequency=2, special_tokens=["<|endoftext|>"], show_progress=False
+    )
     tok.save_model(out_dir)
     tok.save(paths["tokenizer_json"] + ".tmp")
     os.replace(paths["tokenizer_json"] + ".tmp", paths["tokenizer_json"])
@@ -89,8 +93,7 @@ def train_bytelevel_bpe(docs: list, out_dir: str, vocab_size: int = 2000) -> dic
 
 def _bytelevel_decoder() -> dict:
     # GPT-2's reversible byte <-> printable-unicode map
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(
-        range(ord("®"), ord("ÿ") + 1))
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -122,8 +125,17 @@ def write_tiktoken_files(merges_file: str, out_prefix: str) -> dict:
         for rank, tok in enumerate(tokens):
             f.write(f"{base64.b64encode(tok).decode()} {rank}\n")
     with open(paths["json"], "w") as f:
-        json.dump([{"rank": r, "token_bytes": base64.b64encode(t).decode(),
-                    "token_str": t.decode("utf-8", errors="replace")} for r, t in enumerate(tokens)], f)
+        json.dump(
+            [
+                {
+                    "rank": r,
+                    "token_bytes": base64.b64encode(t).decode(),
+                    "token_str": t.decode("utf-8", errors="replace"),
+                }
+                for r, t in enumerate(tokens)
+            ],
+            f,
+        )
     return paths
 
 
@@ -161,8 +173,7 @@ def sample_documents(n: int = 40, max_doc: int = 4000) -> list:
     return out
 
 
-def write_inputs(docs: list, fmt: str, out_dir: str, files: int = 1, key: str = "text",
-                 row_group_size: int = 7) -> str:
+def write_inputs(docs: list, fmt: str, out_dir: str, files: int = 1, key: str = "text", row_group_size: int = 7) -> str:
     """Write docs in ``fmt`` under out_dir; returns the --input value (file or directory)."""
     import json as _json
 
@@ -173,7 +184,7 @@ def write_inputs(docs: list, fmt: str, out_dir: str, files: int = 1, key: str = 
                 f.write(d)
         return out_dir
     per = -(-len(docs) // files)
-    chunks = [docs[i:i + per] for i in range(0, len(docs), per)]
+    chunks = [docs[i : i + per] for i in range(0, len(docs), per)]
     paths = []
     for j, chunk in enumerate(chunks):
         path = os.path.join(out_dir, f"part{j:03d}.{fmt}")
@@ -223,15 +234,18 @@ def tokenizer_argv(kind: str, files: dict) -> list:
     if kind == "tiktoken":
         return ["--tokenizer-type", "TikTokenizer", "--tokenizer-model", files["tiktoken"]]
     if kind == "gpt2bpe":
-        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"],
-                "--merge-file", files["merges"]]
+        return ["--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", files["vocab"], "--merge-file", files["merges"]]
     raise KeyError(kind)
 
 
 def tokenizer_kwargs(kind: str, files: dict) -> dict:
     argv = tokenizer_argv(kind, files)
-    names = {"--tokenizer-type": "tokenizer_type", "--tokenizer-model": "tokenizer_model",
-             "--vocab-file": "vocab_file", "--merge-file": "merge_file"}
+    names = {
+        "--tokenizer-type": "tokenizer_type",
+        "--tokenizer-model": "tokenizer_model",
+        "--vocab-file": "vocab_file",
+        "--merge-file": "merge_file",
+    }
     return {names[a]: v for a, v in zip(argv[0::2], argv[1::2])}
 
 

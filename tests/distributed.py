@@ -66,7 +66,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, kwargs: dict, q: Any) -> None:
+def _worker(
+    rank: int, world_size: int, port: int, threads: int, fn: Callable, args: tuple, kwargs: dict, q: Any
+) -> None:
     """Entry point of one rank (runs in a spawned process)."""
     os.environ.update(
         RANK=str(rank),

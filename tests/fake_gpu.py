@@ -37,8 +37,12 @@ from torch.utils._pytree import tree_flatten, tree_map
 NAME = "fakegpu"
 _aten = torch.ops.aten
 #: operations that move data between devices on purpose (allowed to see both)
-_TRANSFERS = {_aten._to_copy.default, _aten.copy_.default, _aten._copy_from.default,
-              _aten._copy_from_and_resize.default}
+_TRANSFERS = {
+    _aten._to_copy.default,
+    _aten.copy_.default,
+    _aten._copy_from.default,
+    _aten._copy_from_and_resize.default,
+}
 
 
 class CpuTensorOnGpuPath(RuntimeError):
@@ -64,8 +68,15 @@ class FakeGpuTensor(torch.Tensor):
     def __new__(cls, elem: torch.Tensor):
         assert not isinstance(elem, FakeGpuTensor) and elem.device.type == "cpu"
         return torch.Tensor._make_wrapper_subclass(
-            cls, elem.shape, strides=elem.stride(), storage_offset=elem.storage_offset(), dtype=elem.dtype,
-            layout=elem.layout, device=fake_gpu_device(), requires_grad=elem.requires_grad)
+            cls,
+            elem.shape,
+            strides=elem.stride(),
+            storage_offset=elem.storage_offset(),
+            dtype=elem.dtype,
+            layout=elem.layout,
+            device=fake_gpu_device(),
+            requires_grad=elem.requires_grad,
+        )
 
     def __init__(self, elem: torch.Tensor):
         self.elem = elem
@@ -144,9 +155,13 @@ def _cuda_to_fake_mode():
                 if device is not None and torch.device(self._remap(device)).type == NAME:
                     kwargs.pop("device")
                     return func(*args, **kwargs).to(self.target)
-            elif func in (torch.Tensor.type, torch._C.TensorBase.type) and len(args) == 1 and not kwargs \
-                    and isinstance(args[0], FakeGpuTensor):
-                return "torch.cuda." + args[0].elem.type()[len("torch."):]  # what a CUDA tensor reports
+            elif (
+                func in (torch.Tensor.type, torch._C.TensorBase.type)
+                and len(args) == 1
+                and not kwargs
+                and isinstance(args[0], FakeGpuTensor)
+            ):
+                return "torch.cuda." + args[0].elem.type()[len("torch.") :]  # what a CUDA tensor reports
             elif func is torch.Tensor.new_tensor and isinstance(args[0], FakeGpuTensor):
                 kwargs.setdefault("dtype", args[0].dtype)
                 kwargs.pop("device", None)
@@ -167,9 +182,9 @@ _FROM_DATA = {torch.tensor, torch.as_tensor, torch.asarray}
 @contextlib.contextmanager
 def fake_gpu():
     """Run the body as if on a GPU: see the module docstring. Call ``setup_platform()`` first."""
-    import megatron_lol.platform as platform
-
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
+
+    import megatron_lol.platform as platform
 
     dev = fake_gpu_device()
     saved = (torch.Tensor.cuda, nn.Module.cuda, platform.device, MoEAuxLossAutoScaler.main_loss_backward_scale)

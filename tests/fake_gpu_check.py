@@ -27,13 +27,34 @@ PLANS = {
     "dense-strided": dict(plan="dense", core_layers=2, dense_attention="strided"),
     "looped": dict(plan="looped", loop_layers=2, loop_count=2, film="depth", input_injection=True),
     "lol": dict(plan="lol", film="depth"),
-    "lol-aux-moe": dict(plan="lol", film="depth_block", balancing="aux_loss", num_experts=4,
-                        moe_ffn_hidden_size=32, moe_layers="fixed"),
-    "foil": dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=8, moe_ffn_hidden_size=32,
-                 moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3),
-    "accordion": dict(plan="accordion", loop_window=3, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-                      moe_layers="all", moe_shared_expert_intermediate_size=32, loop_budgets=[0, 1, 3],
-                      num_query_groups=2, kv_channels=16, second_pass_router="separate"),
+    "lol-aux-moe": dict(
+        plan="lol", film="depth_block", balancing="aux_loss", num_experts=4, moe_ffn_hidden_size=32, moe_layers="fixed"
+    ),
+    "foil": dict(
+        plan="foil",
+        foil_layers=2,
+        foil_loops=2,
+        num_experts=4,
+        foil_experts=8,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_layers="all",
+        untie_attention=True,
+        moe_z_loss_coeff=1e-3,
+    ),
+    "accordion": dict(
+        plan="accordion",
+        loop_window=3,
+        num_experts=4,
+        moe_ffn_hidden_size=32,
+        moe_router_topk=2,
+        moe_layers="all",
+        moe_shared_expert_intermediate_size=32,
+        loop_budgets=[0, 1, 3],
+        num_query_groups=2,
+        kv_channels=16,
+        second_pass_router="separate",
+    ),
 }
 #: forward options per case: LoL runs grown to 2 of 3 depths with truncated backprop (k = 1)
 FORWARD = {"lol": dict(depth=2, backprop_depth=1, record=True), "accordion": dict(budget=1)}
@@ -108,18 +129,30 @@ def grouped_core() -> dict:
         with context as dev:
             x = torch.randn(24, 2, 32, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_(True)
             steps = net.core.plan.steps()
-            out = grouped_core_forward(net.core, x, layout.to(dev), net.rotary(24), steps, depth=3, forced=forced,
-                                       backprop_depth=1, record=True)
+            out = grouped_core_forward(
+                net.core,
+                x,
+                layout.to(dev),
+                net.rotary(24),
+                steps,
+                depth=3,
+                forced=forced,
+                backprop_depth=1,
+                record=True,
+            )
             (out.states.square().sum() + out.aux_loss).backward()
         grads = {n: p.grad for n, p in net.core.named_parameters() if p.grad is not None}
         results.append((out.states, x.grad, grads))
     (ref, ref_dx, ref_grads), (states, dx, grads) = results
     return {
-        "on_gpu": isinstance(states, FakeGpuTensor) and isinstance(dx, FakeGpuTensor)
+        "on_gpu": isinstance(states, FakeGpuTensor)
+        and isinstance(dx, FakeGpuTensor)
         and all(isinstance(g, FakeGpuTensor) for g in grads.values()),
         "same_grads": sorted(grads) == sorted(ref_grads) and len(grads) > 5,
-        "diff": max([float((states.elem - ref).abs().max()), float((dx.elem - ref_dx).abs().max())]
-                    + [float((grads[n].elem - ref_grads[n]).abs().max()) for n in grads]),
+        "diff": max(
+            [float((states.elem - ref).abs().max()), float((dx.elem - ref_dx).abs().max())]
+            + [float((grads[n].elem - ref_grads[n]).abs().max()) for n in grads]
+        ),
     }
 
 
@@ -136,8 +169,9 @@ def planted_cpu_tensor() -> dict:
 
     def planted(states, first_row, segment_length, max_length):
         sums = torch.zeros(segment_length.shape[0], states.shape[-1], dtype=torch.float32)  # on the CPU
-        token_segment = torch.repeat_interleave(torch.arange(segment_length.shape[0], device=states.device),
-                                                segment_length, output_size=states.shape[0])
+        token_segment = torch.repeat_interleave(
+            torch.arange(segment_length.shape[0], device=states.device), segment_length, output_size=states.shape[0]
+        )
         sums.index_add_(0, token_segment, states.float())
         return sums / segment_length.unsqueeze(1).to(torch.float32)
 
@@ -166,8 +200,17 @@ def strict_collectives():
     GPU tensors' values."""
     import torch.distributed as dist
 
-    names = ("all_reduce", "all_gather", "all_to_all_single", "broadcast", "reduce_scatter_tensor",
-             "all_gather_into_tensor", "_all_gather_base", "_reduce_scatter_base", "reduce_scatter")
+    names = (
+        "all_reduce",
+        "all_gather",
+        "all_to_all_single",
+        "broadcast",
+        "reduce_scatter_tensor",
+        "all_gather_into_tensor",
+        "_all_gather_base",
+        "_reduce_scatter_base",
+        "reduce_scatter",
+    )
     saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}
     seen = []
 
@@ -179,11 +222,14 @@ def strict_collectives():
                 if isinstance(t, FakeGpuTensor):
                     return t.elem
                 if torch.is_tensor(t):
-                    raise CpuTensorOnGpuPath(f"torch.distributed.{name}: a CPU tensor {tuple(t.shape)} "
-                                             f"(NCCL takes device tensors only)")
+                    raise CpuTensorOnGpuPath(
+                        f"torch.distributed.{name}: a CPU tensor {tuple(t.shape)} (NCCL takes device tensors only)"
+                    )
                 return t
+
             seen.append(name)
             return fn(*unwrap(args), **{k: unwrap(v) for k, v in kwargs.items()})
+
         return run
 
     for n, fn in saved.items():
@@ -214,10 +260,14 @@ def expert_parallel_dispatch() -> dict:
     ref = block_updates(group_by_block(choice, token_window, 3), states, run_block)
     with fake_gpu() as dev, strict_collectives() as seen:
         grouping = group_by_block(choice.to(dev), token_window.to(dev), 3)
-        out = run_grouped_expert_parallel(grouping, states.to(dev), run_block, torch.arange(20, device=dev),
-                                          dist.group.WORLD)
-    return {"on_gpu": isinstance(out, FakeGpuTensor), "collectives": sorted(set(seen)),
-            "diff": float((out.elem - ref).abs().max())}
+        out = run_grouped_expert_parallel(
+            grouping, states.to(dev), run_block, torch.arange(20, device=dev), dist.group.WORLD
+        )
+    return {
+        "on_gpu": isinstance(out, FakeGpuTensor),
+        "collectives": sorted(set(seen)),
+        "diff": float((out.elem - ref).abs().max()),
+    }
 
 
 def trainer_step() -> dict:
@@ -243,14 +293,30 @@ def trainer_step() -> dict:
         vocab_size, eod = VOCAB, EOD
 
     results = {}
-    for name, model in (("lol", dict(plan="lol", num_blocks=3, routed_depth=3, film="depth")),
-                        ("accordion", PLANS["accordion"])):
-        base = dict(hidden_size=32, num_attention_heads=4, window_size=8, window_shift=4, n_prelude=1, n_coda=1,
-                    vocab_size=128)
+    for name, model in (
+        ("lol", dict(plan="lol", num_blocks=3, routed_depth=3, film="depth")),
+        ("accordion", PLANS["accordion"]),
+    ):
+        base = dict(
+            hidden_size=32, num_attention_heads=4, window_size=8, window_shift=4, n_prelude=1, n_coda=1, vocab_size=128
+        )
         base.update(model)
-        cfg = config_from_dict({"model": base, "training": {
-            "train_iters": 2, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 32, "log_interval": 1,
-            "eval_interval": 100, "eval_iters": 0, "seed": 5}, "optimizer": {"lr": 1e-2}})
+        cfg = config_from_dict(
+            {
+                "model": base,
+                "training": {
+                    "train_iters": 2,
+                    "micro_batch_size": 2,
+                    "global_batch_size": 4,
+                    "seq_length": 32,
+                    "log_interval": 1,
+                    "eval_interval": 100,
+                    "eval_iters": 0,
+                    "seed": 5,
+                },
+                "optimizer": {"lr": 1e-2},
+            }
+        )
         cpu = Trainer(cfg, tokenizer=Tok(), datasets=(Tokens(), None, None)).setup()
         data = cpu.data_iterator(cpu.train_ds, 0)
         cpu_steps = [cpu.train_step(data) for _ in range(2)]
@@ -260,11 +326,16 @@ def trainer_step() -> dict:
             data = trainer.data_iterator(trainer.train_ds, 0)
             steps = [trainer.train_step(data) for _ in range(2)]
             buffers = [b for b in trainer.model.buffers() if b.dim() > 0]
-        results[name] = {"device": str(trainer.device), "params_on_gpu": on_gpu,
-                         "buffers_on_gpu": all(isinstance(b, FakeGpuTensor) for b in buffers),
-                         "losses": [s.loss for s in steps], "cpu_losses": [s.loss for s in cpu_steps],
-                         "grad_norms": [s.grad_norm for s in steps],
-                         "cpu_grad_norms": [s.grad_norm for s in cpu_steps], "collectives": sorted(set(seen))}
+        results[name] = {
+            "device": str(trainer.device),
+            "params_on_gpu": on_gpu,
+            "buffers_on_gpu": all(isinstance(b, FakeGpuTensor) for b in buffers),
+            "losses": [s.loss for s in steps],
+            "cpu_losses": [s.loss for s in cpu_steps],
+            "grad_norms": [s.grad_norm for s in steps],
+            "cpu_grad_norms": [s.grad_norm for s in cpu_steps],
+            "collectives": sorted(set(seen)),
+        }
     return results
 
 
@@ -295,8 +366,11 @@ def main() -> int:
         try:
             out[name] = {"ok": True, **fn(*args)}
         except Exception as err:  # reported, asserted by the test
-            out[name] = {"ok": False, "error": f"{type(err).__name__}: {str(err)[:300]}",
-                         "traceback": traceback.format_exc(limit=-12).split("Error: ")[0][-4000:]}
+            out[name] = {
+                "ok": False,
+                "error": f"{type(err).__name__}: {str(err)[:300]}",
+                "traceback": traceback.format_exc(limit=-12).split("Error: ")[0][-4000:],
+            }
     print("FAKE_GPU_RESULTS " + json.dumps(out))
     return 0
 

@@ -76,8 +76,11 @@ def _pause(iteration: int, seconds: float) -> None:
 
     def paused_commit(self, pending, info):
         if pending.iteration == iteration:
-            print(f"fault: rank {os.environ.get('RANK', '0')} pausing {seconds} s before committing "
-                  f"iteration {iteration}", flush=True)
+            print(
+                f"fault: rank {os.environ.get('RANK', '0')} pausing {seconds} s before committing "
+                f"iteration {iteration}",
+                flush=True,
+            )
             time.sleep(seconds)
         return commit(self, pending, info)
 
@@ -86,7 +89,7 @@ def _pause(iteration: int, seconds: float) -> None:
 
 def main(argv: list) -> int:
     # torchrun drops a "--" right after the script: no faults then
-    faults, rest = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else ([], argv)
+    faults, rest = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else ([], argv)
     for fault in faults:
         kind, _, value = fault.partition("=")
         rank, _, arg = value.partition(":")

@@ -15,8 +15,16 @@ import json
 import os
 import sys
 
-BASE_MODEL = dict(hidden_size=128, num_attention_heads=4, ffn_hidden_size=256, n_prelude=1, n_coda=1,
-                  window_size=16, window_shift=8, vocab_size=256)
+BASE_MODEL = dict(
+    hidden_size=128,
+    num_attention_heads=4,
+    ffn_hidden_size=256,
+    n_prelude=1,
+    n_coda=1,
+    window_size=16,
+    window_shift=8,
+    vocab_size=256,
+)
 EOD = 0
 
 
@@ -40,8 +48,11 @@ class SyntheticTokens:
             if pos >= self.seq:
                 break
             tokens[pos] = EOD
-        return {"tokens": tokens[:-1].clone(), "labels": tokens[1:].clone(),
-                "loss_mask": torch.ones(self.seq, dtype=torch.float32)}
+        return {
+            "tokens": tokens[:-1].clone(),
+            "labels": tokens[1:].clone(),
+            "loss_mask": torch.ones(self.seq, dtype=torch.float32),
+        }
 
 
 class Tokenizer:
@@ -53,22 +64,33 @@ def run_one(spec: dict) -> dict:
     import torch
 
     from megatron_lol.config import config_from_dict
-    from megatron_lol.training.trainer import Trainer
-
     from megatron_lol.parallel.routing_agreement import RoutingAgreement
+    from megatron_lol.training.trainer import Trainer
 
     if spec.get("kind") == "library_grads":
         return library_grads()
     model = dict(BASE_MODEL, **spec.get("model", {}))
     seq, mbs = spec.get("seq_length", 128), spec.get("micro_batch_size", 4)
     steps = spec.get("steps", 3)
-    training = {"train_iters": max(steps, 2), "micro_batch_size": mbs,
-                "global_batch_size": spec.get("global_batch_size", 2 * mbs), "seq_length": seq,
-                "log_interval": 10**6, "eval_interval": 10**6, "eval_iters": 0, "seed": spec.get("seed", 7)}
-    cfg = config_from_dict({
-        "model": model, "parallel": spec.get("parallel", {}), "curriculum": spec.get("curriculum", {}),
-        "training": dict(training, **spec.get("training", {})),
-        "optimizer": {"lr": spec.get("lr", 1e-3), "min_lr": 1e-4, "lr_warmup_iters": 0, "clip_grad": 1.0}})
+    training = {
+        "train_iters": max(steps, 2),
+        "micro_batch_size": mbs,
+        "global_batch_size": spec.get("global_batch_size", 2 * mbs),
+        "seq_length": seq,
+        "log_interval": 10**6,
+        "eval_interval": 10**6,
+        "eval_iters": 0,
+        "seed": spec.get("seed", 7),
+    }
+    cfg = config_from_dict(
+        {
+            "model": model,
+            "parallel": spec.get("parallel", {}),
+            "curriculum": spec.get("curriculum", {}),
+            "training": dict(training, **spec.get("training", {})),
+            "optimizer": {"lr": spec.get("lr", 1e-3), "min_lr": 1e-4, "lr_warmup_iters": 0, "clip_grad": 1.0},
+        }
+    )
     data = SyntheticTokens(seq, model["vocab_size"])
     trainer = Trainer(cfg, tokenizer=Tokenizer(model["vocab_size"]), datasets=(data, None, None)).setup()
     # FP32 compares against the CPU: the trainer enables TF32 for FP32 on CUDA, these runs take it back
@@ -91,16 +113,22 @@ def run_one(spec: dict) -> dict:
     finally:
         RoutingAgreement.__call__ = saved
     batch = next(trainer._batches(trainer.train_ds, 0))
-    return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "device": str(trainer.device), "use_te": bool(trainer.model.use_te), "params_dtype": cfg.model.params_dtype,
-            "fp8_recipe": cfg.model.fp8_recipe if cfg.model.fp8 else None, "tf32_enabled": tf32,
-            "routing_checks": len(checks), "pinned_batches": bool(batch["tokens"].is_pinned())}
+    return {
+        "losses": [r.loss for r in results],
+        "grad_norms": [r.grad_norm for r in results],
+        "device": str(trainer.device),
+        "use_te": bool(trainer.model.use_te),
+        "params_dtype": cfg.model.params_dtype,
+        "fp8_recipe": cfg.model.fp8_recipe if cfg.model.fp8 else None,
+        "tf32_enabled": tf32,
+        "routing_checks": len(checks),
+        "pinned_batches": bool(batch["tokens"].is_pinned()),
+    }
 
 
 def library_grads() -> dict:
     """tests/grad_accumulation_check.py on this process's device (the local spec: fused accumulation through
     megatron-core's linears and megatron_lol.platform.no_te.TorchWgradAccumulation)."""
-    import torch
 
     from grad_accumulation_check import errors
     from megatron.core import parallel_state, tensor_parallel
@@ -113,8 +141,14 @@ def library_grads() -> dict:
         parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(3)
     e = errors(device())
-    return {"device": str(device()), "calls": e["calls"], "fused": e["fused"], "fp32_sum": e["fp32_sum"],
-            "bf16_sum": e["bf16_sum"], "norm_diff": float((e["fused_norm"] - e["unfused_norm"]).abs().max())}
+    return {
+        "device": str(device()),
+        "calls": e["calls"],
+        "fused": e["fused"],
+        "fp32_sum": e["fp32_sum"],
+        "bf16_sum": e["bf16_sum"],
+        "norm_diff": float((e["fused_norm"] - e["unfused_norm"]).abs().max()),
+    }
 
 
 def main(argv: list) -> int:

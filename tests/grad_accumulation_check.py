@@ -39,12 +39,26 @@ def library_grads(fusion: bool, record: list, device=None):
     from megatron_lol.model.lol_model import LoLGPTModel
 
     device = device or torch.device("cpu")
-    cfg = config_from_dict({"model": dict(hidden_size=32, num_attention_heads=4, num_blocks=2, routed_depth=DEPTHS,
-                                          window_size=8, window_shift=4, n_prelude=1, n_coda=1,
-                                          params_dtype="bf16", use_transformer_engine=False)}).model
+    cfg = config_from_dict(
+        {
+            "model": dict(
+                hidden_size=32,
+                num_attention_heads=4,
+                num_blocks=2,
+                routed_depth=DEPTHS,
+                window_size=8,
+                window_shift=4,
+                n_prelude=1,
+                n_coda=1,
+                params_dtype="bf16",
+                use_transformer_engine=False,
+            )
+        }
+    ).model
     net = LoLGPTModel(cfg, VOCAB, EOD, init_seed=5, gradient_accumulation_fusion=fusion).to(device).train()
-    ddp = DistributedDataParallel(config=net.config, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True), module=net)
+    ddp = DistributedDataParallel(
+        config=net.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=net
+    )
     weight = net.core.block(0).mlp.linear_fc1.weight
     real = layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32
 
@@ -76,5 +90,11 @@ def errors(device=None) -> dict:
     def error(grad):
         return float((grad.double() - exact).norm() / exact.norm())
 
-    return {"calls": len(calls), "fused": error(fused_fc1), "fp32_sum": error(fp32_of_bf16),
-            "bf16_sum": error(unfused_fc1), "fused_norm": fused_norm.cpu(), "unfused_norm": unfused_norm.cpu()}
+    return {
+        "calls": len(calls),
+        "fused": error(fused_fc1),
+        "fp32_sum": error(fp32_of_bf16),
+        "bf16_sum": error(unfused_fc1),
+        "fused_norm": fused_norm.cpu(),
+        "unfused_norm": unfused_norm.cpu(),
+    }

@@ -45,8 +45,13 @@ def test_packed_routes_equal_routes_alone(routed_model):
 
 
 def test_utilisation_paths_and_pca(routed_model):
-    from megatron_lol.analysis.routing import (collect_routes, nearest_centroid_accuracy, path_vectors, pca,
-                                               utilisation_counts)
+    from megatron_lol.analysis.routing import (
+        collect_routes,
+        nearest_centroid_accuracy,
+        path_vectors,
+        pca,
+        utilisation_counts,
+    )
 
     toks = _examples()
     routes = collect_routes(routed_model, toks, 32, 0)
@@ -61,7 +66,7 @@ def test_utilisation_paths_and_pca(routed_model):
     for n, r in enumerate(routes):
         for d, rec in enumerate(r.records):
             assert per_slot[n, d, : len(rec.choice)].tolist() == [1.0] * len(rec.choice)
-            assert per_slot[n, d, len(rec.choice):].sum() == 0
+            assert per_slot[n, d, len(rec.choice) :].sum() == 0
     coords, ratio = pca(vec, 2)
     assert coords.shape == (6, 2) and 0 <= float(ratio.sum()) <= 1 + 1e-6
     assert abs(float(coords[:, 0].mean())) < 1e-5  # centred
@@ -72,8 +77,13 @@ def test_utilisation_paths_and_pca(routed_model):
 
 
 def test_token_paths_and_distinct_blocks():
-    from megatron_lol.analysis.routing import (ExampleRoute, WindowRecord, distinct_per_path, distinct_summary,
-                                               token_paths)
+    from megatron_lol.analysis.routing import (
+        ExampleRoute,
+        WindowRecord,
+        distinct_per_path,
+        distinct_summary,
+        token_paths,
+    )
 
     # one example of 8 tokens, W=4, S=2, D=2: depth 1 windows [0,3] [4,7]; depth 2 [0,1] [2,5] [6,7]
     def rec(depth, choice):
@@ -155,8 +165,13 @@ training:
 
 
 def _env() -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     return env
@@ -180,8 +195,14 @@ def trained(tmp_path_factory):
     save = root / "ckpt"
     cfg = root / "tiny.yaml"
     cfg.write_text(TINY.format(prefix=prefix, tokenizer=tok, cache=root / "cache", save=save))
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", str(cfg)], cwd=str(REPO),
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "train", "--config", str(cfg)],
+        cwd=str(REPO),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "8"
     return {"save": save, "prefix": prefix, "jsonl": root / "labelled.jsonl", "root": root}
@@ -206,11 +227,15 @@ def test_cli_utilisation_paths_distinct(trained, tmp_path, capsys, monkeypatch):
     assert (out / "utilisation.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert _analyze("distinct", *common) == 0
     dist = json.loads((out / "distinct.json").read_text())
-    assert dist["expected_distinct_uniform"] == pytest.approx(4 * (1 - 0.75 ** 3))
+    assert dist["expected_distinct_uniform"] == pytest.approx(4 * (1 - 0.75**3))
     assert 1 <= dist["mean_distinct"] <= 3 and sum(dist["histogram"].values()) == dist["tokens"]
     assert (out / "distinct.png").stat().st_size > 1000
-    assert _analyze("paths", "--load", trained["save"], "--jsonl", trained["jsonl"], "--label-field", "kind",
-                    "--output", out) == 0
+    assert (
+        _analyze(
+            "paths", "--load", trained["save"], "--jsonl", trained["jsonl"], "--label-field", "kind", "--output", out
+        )
+        == 0
+    )
     paths = json.loads((out / "paths.json").read_text())
     assert paths["labels"] == ["code", "comment"] and len(paths["examples"]) == 24
     assert 1 <= paths["distinct_paths"] == len({json.dumps(e["path"]) for e in paths["examples"]}) <= 24
@@ -221,8 +246,25 @@ def test_cli_utilisation_paths_distinct(trained, tmp_path, capsys, monkeypatch):
 def test_cli_mode_path_evaluate_generate(trained, tmp_path, capsys):
     torch.set_num_threads(1)
     out = tmp_path / "mp"
-    assert _analyze("mode-path", "--load", trained["save"], "--jsonl", trained["jsonl"], "--label-field", "kind",
-                    "--evaluate", "--generate", "def main(", "--max-new-tokens", 8, "--output", out) == 0
+    assert (
+        _analyze(
+            "mode-path",
+            "--load",
+            trained["save"],
+            "--jsonl",
+            trained["jsonl"],
+            "--label-field",
+            "kind",
+            "--evaluate",
+            "--generate",
+            "def main(",
+            "--max-new-tokens",
+            8,
+            "--output",
+            out,
+        )
+        == 0
+    )
     mp = json.loads((out / "mode_path.json").read_text())
     assert len(mp["ids"]) == 3 and set(mp["per_label"]) == {"code", "comment"}
     ev = mp["evaluation"]
@@ -233,17 +275,46 @@ def test_cli_mode_path_evaluate_generate(trained, tmp_path, capsys):
     # a hand-written path file is forced as given
     path_file = tmp_path / "path.json"
     path_file.write_text(json.dumps({"ids": [[0] * 4] * 3, "gates": [[1.0] * 4] * 3}))
-    assert _analyze("mode-path", "--load", trained["save"], "--path-file", path_file, "--data-path",
-                    trained["prefix"], "--max-examples", 4, "--evaluate", "--output", out) == 0
+    assert (
+        _analyze(
+            "mode-path",
+            "--load",
+            trained["save"],
+            "--path-file",
+            path_file,
+            "--data-path",
+            trained["prefix"],
+            "--max-examples",
+            4,
+            "--evaluate",
+            "--output",
+            out,
+        )
+        == 0
+    )
     assert json.loads((out / "mode_path.json").read_text())["ids"] == [[0] * 4] * 3
 
 
 def test_cli_user_errors(trained, tmp_path, capsys):
-    assert _analyze("utilisation", "--load", tmp_path / "nope", "--data-path", trained["prefix"],
-                    "--output", tmp_path) == 2
+    assert (
+        _analyze("utilisation", "--load", tmp_path / "nope", "--data-path", trained["prefix"], "--output", tmp_path)
+        == 2
+    )
     assert "does not exist" in capsys.readouterr().err
-    assert _analyze("paths", "--load", trained["save"], "--data-path", trained["prefix"], "--label-field", "x",
-                    "--output", tmp_path) == 2
+    assert (
+        _analyze(
+            "paths",
+            "--load",
+            trained["save"],
+            "--data-path",
+            trained["prefix"],
+            "--label-field",
+            "x",
+            "--output",
+            tmp_path,
+        )
+        == 2
+    )
     assert "--label-field needs --jsonl" in capsys.readouterr().err
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"ids": [[9]], "gates": [[1.0]]}))

@@ -17,15 +17,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _run(script: str, *args: str) -> str:
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "bench", script), *args], capture_output=True,
-                          text=True, timeout=600, cwd=ROOT)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", script), *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
 def test_layer_call_runs_and_paths_agree():
-    out = _run("layer_call.py", "--hidden", "32", "--heads", "4", "--ffn", "64", "--tokens", "96", "--window", "8",
-               "--calls", "1,4", "--reps", "1")
+    out = _run(
+        "layer_call.py",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--ffn",
+        "64",
+        "--tokens",
+        "96",
+        "--window",
+        "8",
+        "--calls",
+        "1,4",
+        "--reps",
+        "1",
+    )
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["1", "4"] and [r[1] for r in rows] == ["96", "24"]
     assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows)
@@ -33,9 +53,31 @@ def test_layer_call_runs_and_paths_agree():
 
 def test_step_time_runs_every_model(tmp_path):
     out_json = tmp_path / "step.json"
-    out = _run("step_time.py", "--hidden", "32", "--heads", "4", "--ffn", "64", "--seq", "64", "--window", "16",
-               "--shift", "8", "--batch", "2", "--vocab", "128", "--steps", "2", "--warmup", "1",
-               "--json", str(out_json))
+    out = _run(
+        "step_time.py",
+        "--hidden",
+        "32",
+        "--heads",
+        "4",
+        "--ffn",
+        "64",
+        "--seq",
+        "64",
+        "--window",
+        "16",
+        "--shift",
+        "8",
+        "--batch",
+        "2",
+        "--vocab",
+        "128",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+        str(out_json),
+    )
     result = json.loads(out_json.read_text())
     assert set(result["models"]) == {"lol", "fixed", "forced", "dense"}
     for name, row in result["models"].items():
@@ -48,12 +90,29 @@ def test_step_time_runs_every_model(tmp_path):
 
 
 def test_launches_counts_every_path_and_the_grouped_core_reads_nothing_back():
-    out = _run("launches.py", "--blocks", "2,4", "--depth", "2", "--seq", "32", "--reps", "0", "--what",
-               "counts,stacking", "--stacking-shapes", "quickstart")
+    out = _run(
+        "launches.py",
+        "--blocks",
+        "2,4",
+        "--depth",
+        "2",
+        "--seq",
+        "32",
+        "--reps",
+        "0",
+        "--what",
+        "counts,stacking",
+        "--stacking-shapes",
+        "quickstart",
+    )
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["local"], ["packed"])]
     paths = {(r[0], r[1], " ".join(r[2:4])) for r in rows if r[2] in ("core", "model")}
-    assert paths == {(lay, L, p) for lay in ("local", "packed") for L in ("2", "4")
-                     for p in ("core ref", "core grouped", "model ref", "model grouped")}
+    assert paths == {
+        (lay, L, p)
+        for lay in ("local", "packed")
+        for L in ("2", "4")
+        for p in ("core ref", "core grouped", "model ref", "model grouped")
+    }
     assert {r[0] for r in rows if r[2] == "dense"} == {"local", "packed"}
     for r in rows:
         if r[2:4] == ["core", "grouped"]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import shutil
 
 import pytest
-
 from test_checkpointing import assert_same_losses, make_corpus, metrics, run, tracker, write_config
 
 ITERS, SAVE_AT = 8, 4
@@ -29,8 +28,9 @@ CASES = {
 def bf16_config(tmp_path_factory):
     root = tmp_path_factory.mktemp("bf16")
     prefix, tok = make_corpus(root / "data")
-    config = write_config(root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=ITERS,
-                          save_interval=SAVE_AT)
+    config = write_config(
+        root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=ITERS, save_interval=SAVE_AT
+    )
     return root, config
 
 

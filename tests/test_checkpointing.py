@@ -69,17 +69,32 @@ def make_corpus(out_dir: Path, max_bytes: int = 300_000) -> tuple:
     return indexed_corpus(str(out_dir), max_bytes=max_bytes, max_doc=8000, vocab_size=512)
 
 
-def write_config(path: Path, prefix: str, tokenizer: str, cache: str, train_iters: int = TRAIN_ITERS,
-                 save_interval: int = SAVE_INTERVAL, extra: str = "") -> Path:
-    path.write_text(TINY_CONFIG.format(prefix=prefix, tokenizer=tokenizer, cache=cache,
-                                       train_iters=train_iters, save_interval=save_interval) + extra)
+def write_config(
+    path: Path,
+    prefix: str,
+    tokenizer: str,
+    cache: str,
+    train_iters: int = TRAIN_ITERS,
+    save_interval: int = SAVE_INTERVAL,
+    extra: str = "",
+) -> Path:
+    path.write_text(
+        TINY_CONFIG.format(
+            prefix=prefix, tokenizer=tokenizer, cache=cache, train_iters=train_iters, save_interval=save_interval
+        )
+        + extra
+    )
     return path
 
 
 def subprocess_env(**extra) -> dict:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""))
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO) + os.pathsep + env.get("PYTHONPATH", ""),
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     env.update({k: str(v) for k, v in extra.items()})
@@ -92,12 +107,30 @@ def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: i
     else:
         from distributed import free_port
 
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-               "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "-m", "megatron_lol", "train"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "megatron_lol",
+            "train",
+        ]
     cmd += ["--config", str(config), "--save", str(save), *map(str, args)]
     out = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen(cmd, cwd=str(REPO), env=subprocess_env(**(env or {})), stdout=out,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    return subprocess.Popen(
+        cmd,
+        cwd=str(REPO),
+        env=subprocess_env(**(env or {})),
+        stdout=out,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
 
 
 def run(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1) -> int:
@@ -164,8 +197,11 @@ def tracker(save: Path):
 def assert_same_losses(got: dict, ref: dict, steps) -> None:
     for s in steps:
         assert s in got, f"step {s} missing"
-        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == \
-            (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["lr"]), f"step {s}: {got[s]} != {ref[s]}"
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == (
+            ref[s]["loss"],
+            ref[s]["grad_norm"],
+            ref[s]["lr"],
+        ), f"step {s}: {got[s]} != {ref[s]}"
 
 
 # ------------------------------------------------------------------ fixtures
@@ -241,8 +277,7 @@ def test_sigusr1_and_exit_duration_save_exit_85_and_resume_bit_exact(setup, refe
     assert tracker(save) == first + 1
     assert "exit_duration_in_mins" in log.read_text()
     # and the rest; async saves this time
-    assert run(config, save, "--async-save", "--set", "training.keep_last=2", log=log) == 0, \
-        log.read_text()[-3000:]
+    assert run(config, save, "--async-save", "--set", "training.keep_last=2", log=log) == 0, log.read_text()[-3000:]
     assert not (save / REQUEUE_MARKER).exists()
     assert_same_losses(metrics(save), reference, range(1, TRAIN_ITERS + 1))
     assert tracker(save) == TRAIN_ITERS and (save / f"iter_{TRAIN_ITERS:07d}" / "metadata.json").exists()
@@ -253,8 +288,9 @@ def test_sigusr1_and_exit_duration_save_exit_85_and_resume_bit_exact(setup, refe
 def test_nan_loss_skipped_or_stops_without_checkpoint(setup, reference):
     root, config = setup
     save, log = root / "nan_skip", root / "nan_skip.log"
-    rc = run(config, save, "--set", "training.skip_nonfinite_steps=1", log=log,
-             env={"MEGATRON_LOL_INJECT_NAN_STEPS": "6"})
+    rc = run(
+        config, save, "--set", "training.skip_nonfinite_steps=1", log=log, env={"MEGATRON_LOL_INJECT_NAN_STEPS": "6"}
+    )
     text = log.read_text()
     assert rc == 0, text[-3000:]
     assert "non-finite" in text and "iteration 6: step skipped" in text
@@ -325,9 +361,10 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
     with torch.no_grad():
         model.weight[0, 0] = float("inf")
     trainer = types.SimpleNamespace(
-        model=model, iteration=5,
-        cfg=types.SimpleNamespace(training=types.SimpleNamespace(save=str(tmp_path), keep_last=None,
-                                                                  async_save=False)))
+        model=model,
+        iteration=5,
+        cfg=types.SimpleNamespace(training=types.SimpleNamespace(save=str(tmp_path), keep_last=None, async_save=False)),
+    )
     with pytest.raises(ck.NonFiniteWeightsError, match="non-finite|NaN/Inf"):
         ck.Checkpointer(trainer).save()
     assert list(tmp_path.iterdir()) == []
@@ -343,10 +380,12 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     # TP=2 -> 1: train at TP=2 until the checkpoint of iteration 4 exists, stop, resume on 1 process
     save, log = root / "tp2_to_1", root / "tp2_to_1.log"
     # (the save of iteration 8 pauses, so the run cannot race past the checkpoint of 4)
-    proc = launch(config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2,
-                  env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"})
-    wait_for(lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc,
-             what="the TP=2 checkpoint of iteration 4")
+    proc = launch(
+        config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2, env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"}
+    )
+    wait_for(
+        lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc, what="the TP=2 checkpoint of iteration 4"
+    )
     kill9(proc)
     assert run(config, save, log=log) == 0, log.read_text()[-3000:]
     assert "parallel layout changed" in log.read_text()
@@ -358,18 +397,29 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     save.mkdir()
     shutil.copytree(root / "ref" / "iter_0000004", save / "iter_0000004")
     (save / "latest_checkpointed_iteration.txt").write_text("4\n")
-    assert run(config, save, "--pipeline-model-parallel-size", "2", log=log, nproc=2) == 0, \
-        log.read_text()[-3000:]
+    assert run(config, save, "--pipeline-model-parallel-size", "2", log=log, nproc=2) == 0, log.read_text()[-3000:]
     got = metrics(save)
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
     for s in got:
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
     # TP=2 x PP=2 (4 processes) -> 1
     save, log = root / "tp2pp2_to_1", root / "tp2pp2_to_1.log"
-    proc = launch(config, save, "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                  log=log, nproc=4, env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"})
-    wait_for(lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc,
-             what="the TP=2 x PP=2 checkpoint of iteration 4")
+    proc = launch(
+        config,
+        save,
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        log=log,
+        nproc=4,
+        env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"},
+    )
+    wait_for(
+        lambda: tracker(save) == 4 and "pausing" in log.read_text(),
+        proc,
+        what="the TP=2 x PP=2 checkpoint of iteration 4",
+    )
     kill9(proc)
     assert run(config, save, log=log) == 0, log.read_text()[-3000:]
     assert "optimizer loaded" in log.read_text().split("pausing")[-1]
@@ -398,9 +448,13 @@ def test_optimizer_state_across_the_expert_parallel_boundary_is_refused_in_one_l
     ep.write_text(yaml.safe_dump(raw))
     save, log = root / "ep2", root / "ep2.log"
     assert run(ep, save, "--expert-model-parallel-size", "2", log=log, nproc=2) == 0, log.read_text()[-3000:]
+
     def files():
-        return {str(p): hashlib.sha256(p.read_bytes()).hexdigest() for p in save.rglob("*")
-                if p.is_file() and p.name != ".writer.lock" and p.suffix != ".log" and p.name != "metrics.jsonl"}
+        return {
+            str(p): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in save.rglob("*")
+            if p.is_file() and p.name != ".writer.lock" and p.suffix != ".log" and p.name != "metrics.jsonl"
+        }
 
     before = files()
 
@@ -414,6 +468,7 @@ def test_optimizer_state_across_the_expert_parallel_boundary_is_refused_in_one_l
     assert files() == before
 
     fresh, log = root / "ep1_fresh", root / "ep1_fresh.log"
-    assert run(ep, fresh, "--load", save, "--train-iters", "4", "--set", "training.reset_optimizer=true",
-               log=log) == 0, log.read_text()[-3000:]
+    assert (
+        run(ep, fresh, "--load", save, "--train-iters", "4", "--set", "training.reset_optimizer=true", log=log) == 0
+    ), log.read_text()[-3000:]
     assert "optimizer fresh" in log.read_text() and sorted(metrics(fresh)) == [3, 4]

@@ -21,7 +21,6 @@ import time
 from pathlib import Path
 
 import pytest
-
 from distributed import free_port
 from test_checkpointing import REPO, make_corpus, metrics, subprocess_env, tracker, write_config
 
@@ -35,11 +34,26 @@ def launch_ranks(argv: list, world: int, log_dir: Path, env=None, name: str = "r
     port = free_port()
     procs = []
     for r in range(world):
-        extra = dict(RANK=r, LOCAL_RANK=r, WORLD_SIZE=world, LOCAL_WORLD_SIZE=world, MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=port, **(env or {}))
+        extra = dict(
+            RANK=r,
+            LOCAL_RANK=r,
+            WORLD_SIZE=world,
+            LOCAL_WORLD_SIZE=world,
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            **(env or {}),
+        )
         log = open(log_dir / f"{name}{r}.log", "wb")
-        procs.append(subprocess.Popen([sys.executable, *map(str, argv)], cwd=str(REPO), env=subprocess_env(**extra),
-                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, *map(str, argv)],
+                cwd=str(REPO),
+                env=subprocess_env(**extra),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         log.close()
     return procs
 
@@ -74,8 +88,9 @@ def wait_for_text(path: Path, text: str, procs: list, timeout: float) -> None:
         dead = [p.returncode for p in procs if p.poll() is not None]
         if dead:
             kill_all(procs)
-            pytest.fail(f"a rank exited ({dead}) before {text!r} appeared in {path}: "
-                        f"{path.read_text(errors='replace')[-3000:]}")
+            pytest.fail(
+                f"a rank exited ({dead}) before {text!r} appeared in {path}: {path.read_text(errors='replace')[-3000:]}"
+            )
         time.sleep(0.05)
     kill_all(procs)
     pytest.fail(f"{text!r} did not appear in {path} within {timeout} s")
@@ -143,8 +158,12 @@ RUN_TIMEOUT = 75  # two ranks on one core: ~30 s, mostly the megatron-core impor
 
 def train_ranks(config: Path, save: Path, log_dir: Path, *args, faults=(), name="rank", world=2) -> list:
     """``megatron-lol train`` on ``world`` ranks, one process each, with ``faults`` of fault_rank_runner.py."""
-    return launch_ranks([RUNNER, *faults, "--", "train", "--config", config, "--save", save, *HEARTBEAT, *args],
-                        world, log_dir, name=name)
+    return launch_ranks(
+        [RUNNER, *faults, "--", "train", "--config", config, "--save", save, *HEARTBEAT, *args],
+        world,
+        log_dir,
+        name=name,
+    )
 
 
 def one_error_line(out: str) -> str:
@@ -158,8 +177,9 @@ def one_error_line(out: str) -> str:
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("cluster")
     prefix, tok = make_corpus(root / "data")
-    config = write_config(root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=TRAIN_ITERS,
-                          save_interval=2)
+    config = write_config(
+        root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=TRAIN_ITERS, save_interval=2
+    )
     return {"root": root, "config": config}
 
 
@@ -171,8 +191,9 @@ def continued(corpus):
     root = corpus["root"]
     save, logs = root / "continued", root / "continued_logs"
     logs.mkdir()
-    procs = train_ranks(corpus["config"], save, logs, "--on-save-failure", "continue",
-                        faults=["enospc=1:4", "slow=1:0.3"])
+    procs = train_ranks(
+        corpus["config"], save, logs, "--on-save-failure", "continue", faults=["enospc=1:4", "slow=1:0.3"]
+    )
     codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
     out = (logs / "rank0.log").read_text()
     assert codes == [0, 0], out[-3000:] + (logs / "rank1.log").read_text()[-3000:]
@@ -214,8 +235,9 @@ def test_save_failure_on_one_rank_stops_every_rank_with_one_line(corpus, tmp_pat
     assert lines[0] == lines[1], lines
     assert f"saving iteration 4 failed: writing {save}/.tmp_iter_0000004/__1_0.distcp on rank 1" in lines[0]
     assert "ENOSPC" in lines[0] and "no rank moved the tracker" in lines[0]
-    assert tracker(save) == 2 and sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == \
-        ["iter_0000002"]
+    assert tracker(save) == 2 and sorted(p.name for p in save.iterdir() if p.name.startswith("iter_")) == [
+        "iter_0000002"
+    ]
     assert not any(p.name.startswith(".tmp_") for p in save.iterdir())
 
 
@@ -248,8 +270,18 @@ def test_sigstop_of_one_rank_of_a_tp2_dp2_run_ends_every_rank_within_the_heartbe
     ranks 0 and 1 (told through the store) all exit with status 5 after the heartbeat timeout (plus a period
     or two), each with one line naming rank 2's host and pid."""
     save = tmp_path / "stall"
-    procs = train_ranks(corpus["config"], save, tmp_path, "--train-iters", 3000, "--save-interval", 3000,
-                        "--tensor-model-parallel-size", 2, world=4)
+    procs = train_ranks(
+        corpus["config"],
+        save,
+        tmp_path,
+        "--train-iters",
+        3000,
+        "--save-interval",
+        3000,
+        "--tensor-model-parallel-size",
+        2,
+        world=4,
+    )
     try:
         wait_for_text(tmp_path / "rank0.log", "iteration      3/", procs, 90)
         os.kill(procs[2].pid, signal.SIGSTOP)
@@ -269,7 +301,8 @@ def test_sigstop_of_one_rank_of_a_tp2_dp2_run_ends_every_rank_within_the_heartbe
 # ------------------------------------------------------------------ 1. one rank dies (no torchrun teardown)
 @TIMEOUT
 def test_kill9_of_one_rank_during_a_save_ends_the_job_and_the_relaunch_resumes_bit_identically(
-        corpus, continued, tmp_path):
+    corpus, continued, tmp_path
+):
     """Ranks launched one process each (as srun does): rank 1 is killed while the save of iteration 4 waits to
     be committed. Rank 0 ends non-zero within 60 s (the collective of the commit fails, or the heartbeat names
     rank 1); iteration 2 stays the latest; the relaunch resumes from it and logs the reference's losses bit for
@@ -295,8 +328,11 @@ def test_kill9_of_one_rank_during_a_save_ends_the_job_and_the_relaunch_resumes_b
     got, ref = metrics(save), continued["metrics"]
     assert sorted(got) == list(range(1, TRAIN_ITERS + 1))
     for s in range(1, TRAIN_ITERS + 1):
-        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == \
-            (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["lr"]), (s, got[s], ref[s])
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == (
+            ref[s]["loss"],
+            ref[s]["grad_norm"],
+            ref[s]["lr"],
+        ), (s, got[s], ref[s])
     assert tracker(save) == TRAIN_ITERS
 
 
@@ -304,8 +340,27 @@ def test_kill9_of_one_rank_during_a_save_ends_the_job_and_the_relaunch_resumes_b
 @TIMEOUT
 def test_profile_report_names_the_slowest_rank(corpus, tmp_path):
     report = tmp_path / "profile.json"
-    procs = launch_ranks([RUNNER, "slow=1:0.3", "--", "profile", "--config", corpus["config"], "--steps", 2,
-                          "--warmup", 1, "--no-breakdown", "--json", report, "--heartbeat-interval", 0], 2, tmp_path)
+    procs = launch_ranks(
+        [
+            RUNNER,
+            "slow=1:0.3",
+            "--",
+            "profile",
+            "--config",
+            corpus["config"],
+            "--steps",
+            2,
+            "--warmup",
+            1,
+            "--no-breakdown",
+            "--json",
+            report,
+            "--heartbeat-interval",
+            0,
+        ],
+        2,
+        tmp_path,
+    )
     codes = reap(procs, time.monotonic() + RUN_TIMEOUT)
     out = (tmp_path / "rank0.log").read_text()
     assert codes == [0, 0], out[-3000:]
@@ -323,10 +378,12 @@ def test_heartbeat_and_save_failure_settings_are_validated():
     TrainingConfig(heartbeat_interval=0).validate()  # off
     assert TrainingConfig(distributed_timeout_minutes=2).stall_timeout_seconds == 120.0
     assert TrainingConfig(heartbeat_timeout=4.0).stall_timeout_seconds == 4.0
-    for kwargs, key in [({"heartbeat_interval": -1.0}, "training.heartbeat_interval"),
-                        ({"heartbeat_timeout": 0.0}, "training.heartbeat_timeout"),
-                        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 8.0}, "training.heartbeat_timeout"),
-                        ({"on_save_failure": "retry"}, "training.on_save_failure")]:
+    for kwargs, key in [
+        ({"heartbeat_interval": -1.0}, "training.heartbeat_interval"),
+        ({"heartbeat_timeout": 0.0}, "training.heartbeat_timeout"),
+        ({"heartbeat_interval": 5.0, "heartbeat_timeout": 8.0}, "training.heartbeat_timeout"),
+        ({"on_save_failure": "retry"}, "training.on_save_failure"),
+    ]:
         with pytest.raises(ConfigError, match=key):
             TrainingConfig(**kwargs).validate()
 
@@ -335,15 +392,35 @@ def test_stragglers_and_log_line_name_the_ranks():
     from megatron_lol.training.console import format_line
     from megatron_lol.training.profile_report import stragglers
 
-    rows = [{"rank": 0, "host": "a", "compute_time_s": 0.05}, {"rank": 1, "host": "b", "compute_time_s": 0.35},
-            {"rank": 2, "host": "c", "compute_time_s": None}]
-    assert stragglers(rows) == {"slowest": {"rank": 1, "host": "b", "compute_time_s": 0.35},
-                                "fastest": {"rank": 0, "host": "a", "compute_time_s": 0.05}}
+    rows = [
+        {"rank": 0, "host": "a", "compute_time_s": 0.05},
+        {"rank": 1, "host": "b", "compute_time_s": 0.35},
+        {"rank": 2, "host": "c", "compute_time_s": None},
+    ]
+    assert stragglers(rows) == {
+        "slowest": {"rank": 1, "host": "b", "compute_time_s": 0.35},
+        "fastest": {"rank": 0, "host": "a", "compute_time_s": 0.05},
+    }
     assert stragglers(rows[:1]) is None
-    record = {"step": 3, "consumed_samples": 12, "consumed_tokens": 768, "ms_per_iteration": 400.0, "loss": 6.0,
-              "lr": 1e-3, "grad_norm": 0.5, "depth": 2, "tokens_per_s": 1.0, "tflops_per_device": 0.0,
-              "skipped_iterations": 0, "nan_iterations": 0, "peak_memory_bytes": 1 << 20,
-              "min_ms_per_iteration": 50.0, "min_ms_rank": 0, "max_ms_per_iteration": 350.0, "max_ms_rank": 1}
+    record = {
+        "step": 3,
+        "consumed_samples": 12,
+        "consumed_tokens": 768,
+        "ms_per_iteration": 400.0,
+        "loss": 6.0,
+        "lr": 1e-3,
+        "grad_norm": 0.5,
+        "depth": 2,
+        "tokens_per_s": 1.0,
+        "tflops_per_device": 0.0,
+        "skipped_iterations": 0,
+        "nan_iterations": 0,
+        "peak_memory_bytes": 1 << 20,
+        "min_ms_per_iteration": 50.0,
+        "min_ms_rank": 0,
+        "max_ms_per_iteration": 350.0,
+        "max_ms_rank": 1,
+    }
     assert "| ms/iter 400.0 | min/max ms/iter 50.0 (rank 0)/350.0 (rank 1) | loss 6.0000" in format_line(record, 6)
 
 
@@ -364,26 +441,45 @@ def test_kill9_of_one_rank_mid_run_ends_the_other_at_once_naming_it(corpus, tmp_
         kill_all(procs)
     assert codes == [5, -signal.SIGKILL] and elapsed < HB_TIMEOUT, (codes, elapsed)
     line = one_error_line((tmp_path / "rank0.log").read_text())
-    assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering: its heartbeat " \
-           f"stopped (" in line and "rank 0 stops (status 5)" in line, line
+    assert (
+        f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering: its heartbeat stopped (" in line
+        and "rank 0 stops (status 5)" in line
+    ), line
 
 
 # ------------------------------------------------------------------ 1. one rank dies under torchrun
 @TIMEOUT
 def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resumes_bit_identically(
-        corpus, continued, tmp_path):
+    corpus, continued, tmp_path
+):
     """torchrun's teardown: rank 1 killed mid-run (steps slowed to 0.3 s so the kill lands mid-run), every
     process of the job gone within 60 s with a non-zero status, the tracker naming a complete checkpoint,
     the relaunch logging the reference's losses bit for bit."""
     import psutil
 
     save, log = tmp_path / "torchrun", tmp_path / "torchrun.log"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), str(RUNNER)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(RUNNER),
+    ]
     args = ["--", "train", "--config", str(corpus["config"]), "--save", str(save), *HEARTBEAT]
     with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd + ["slow=0:0.3", "slow=1:0.3"] + args, cwd=str(REPO), env=subprocess_env(),
-                                stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            cmd + ["slow=0:0.3", "slow=1:0.3"] + args,
+            cwd=str(REPO),
+            env=subprocess_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         t0 = time.monotonic()
         while max(metrics(save), default=0) < 3:
@@ -405,11 +501,15 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
     assert kept in (2, 4) and (save / f"iter_{kept:07d}" / "checksums.json").is_file()
     assert max(metrics(save)) < TRAIN_ITERS, "the kill came too late to be mid-run"
     with open(log, "ab") as out:
-        again = subprocess.run(cmd + args, cwd=str(REPO), env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT,
-                               timeout=RUN_TIMEOUT)
+        again = subprocess.run(
+            cmd + args, cwd=str(REPO), env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT
+        )
     assert again.returncode == 0, log.read_text()[-3000:]
     got, ref = metrics(save), continued["metrics"]
     assert sorted(got) == list(range(1, TRAIN_ITERS + 1))
     for s in range(1, TRAIN_ITERS + 1):
-        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == \
-            (ref[s]["loss"], ref[s]["grad_norm"], ref[s]["lr"]), (s, got[s], ref[s])
+        assert (got[s]["loss"], got[s]["grad_norm"], got[s]["lr"]) == (
+            ref[s]["loss"],
+            ref[s]["grad_norm"],
+            ref[s]["lr"],
+        ), (s, got[s], ref[s])

@@ -15,17 +15,23 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(REPO, "examples", "configs", "tiny-cpu.yaml")
 
 
-@pytest.mark.parametrize("model,message", [
-    ({"window_size": 0}, "model.window_size: must be > 0 (got 0)"),
-    ({"window_size": -4}, "model.window_size: must be > 0 (got -4)"),
-    ({"window_shift": 32}, "model.window_shift: must be in [0, window_size=32) (got 32)"),
-    ({"window_shift": -1}, "model.window_shift: must be in [0, window_size=32) (got -1)"),
-    ({"routed_depth": 0}, "model.routed_depth: must be > 0 (got 0)"),
-    ({"num_blocks": 0}, "model.num_blocks: must be > 0 (got 0)"),
-    ({"hidden_size": 130, "num_attention_heads": 4}, "model.num_attention_heads: 4 does not divide model.hidden_size=130"),
-    ({"plan": "moe"}, "model.plan: must be one of dense, looped, foil, lol, accordion (got 'moe')"),
-    ({"window_size": "big"}, "model.window_size must be int (got 'big')"),
-])
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ({"window_size": 0}, "model.window_size: must be > 0 (got 0)"),
+        ({"window_size": -4}, "model.window_size: must be > 0 (got -4)"),
+        ({"window_shift": 32}, "model.window_shift: must be in [0, window_size=32) (got 32)"),
+        ({"window_shift": -1}, "model.window_shift: must be in [0, window_size=32) (got -1)"),
+        ({"routed_depth": 0}, "model.routed_depth: must be > 0 (got 0)"),
+        ({"num_blocks": 0}, "model.num_blocks: must be > 0 (got 0)"),
+        (
+            {"hidden_size": 130, "num_attention_heads": 4},
+            "model.num_attention_heads: 4 does not divide model.hidden_size=130",
+        ),
+        ({"plan": "moe"}, "model.plan: must be one of dense, looped, foil, lol, accordion (got 'moe')"),
+        ({"window_size": "big"}, "model.window_size must be int (got 'big')"),
+    ],
+)
 def test_bad_model_values(model, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"model": model})
@@ -71,14 +77,34 @@ def test_cli_stops_before_any_work(tmp_path):
     cfg["model"]["window_shift"] = 40
     cfg["training"]["save"] = str(tmp_path / "run")
     path = _write(tmp_path, cfg)
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", path],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "train", "--config", path],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
     assert lines == ["megatron-lol train: error: model.window_shift: must be in [0, window_size=32) (got 40)"]
     assert not (tmp_path / "run").exists()
     # a Megatron-LM flag is checked the same way
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", path,
-                           "--set", "model.window_shift=16", "--micro-batch-size", "0"],
-                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "train",
+            "--config",
+            path,
+            "--set",
+            "model.window_shift=16",
+            "--micro-batch-size",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "training.micro_batch_size (--micro-batch-size): must be > 0 (got 0)" in proc.stderr

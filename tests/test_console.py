@@ -31,10 +31,21 @@ LOGGED = (2, 4, 6)
 
 
 def _env(**extra) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "PYTHONWARNINGS",
-              "MEGATRON_LOL_VERBOSE"):
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+    )
+    for k in (
+        "RANK",
+        "WORLD_SIZE",
+        "LOCAL_RANK",
+        "MASTER_ADDR",
+        "MASTER_PORT",
+        "PYTHONWARNINGS",
+        "MEGATRON_LOL_VERBOSE",
+    ):
         env.pop(k, None)
     env.update(extra)
     return env
@@ -54,15 +65,50 @@ def run(corpus, tmp_path_factory):
     """``megatron-lol train`` of the tiny config with TensorBoard and W&B (offline)."""
     root = tmp_path_factory.mktemp("console_run")
     save, wandb_home = root / "run", root / "wandb-home"
-    cmd = [sys.executable, "-m", "megatron_lol", "train", "--config", str(TINY),
-           "--data-path", corpus["prefix"], "--tokenizer-model", corpus["tokenizer"],
-           "--set", f"data.cache_dir={root / 'cache'}", "--save", str(save),
-           "--train-iters", "6", "--log-interval", "2", "--eval-interval", "4", "--eval-iters", "1",
-           "--seq-length", "64", "--lr-warmup-iters", "1",
-           "--tensorboard-dir", str(save / "tb"),
-           "--wandb-project", "megatron-lol-ci", "--wandb-exp-name", "tiny-console", "--wandb-save-dir", str(save / "wb")]
-    env = _env(WANDB_MODE="offline", WANDB_SILENT="false", WANDB_CONFIG_DIR=str(wandb_home),
-               WANDB_CACHE_DIR=str(wandb_home), WANDB_DATA_DIR=str(wandb_home), WANDB_API_KEY="")
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_lol",
+        "train",
+        "--config",
+        str(TINY),
+        "--data-path",
+        corpus["prefix"],
+        "--tokenizer-model",
+        corpus["tokenizer"],
+        "--set",
+        f"data.cache_dir={root / 'cache'}",
+        "--save",
+        str(save),
+        "--train-iters",
+        "6",
+        "--log-interval",
+        "2",
+        "--eval-interval",
+        "4",
+        "--eval-iters",
+        "1",
+        "--seq-length",
+        "64",
+        "--lr-warmup-iters",
+        "1",
+        "--tensorboard-dir",
+        str(save / "tb"),
+        "--wandb-project",
+        "megatron-lol-ci",
+        "--wandb-exp-name",
+        "tiny-console",
+        "--wandb-save-dir",
+        str(save / "wb"),
+    ]
+    env = _env(
+        WANDB_MODE="offline",
+        WANDB_SILENT="false",
+        WANDB_CONFIG_DIR=str(wandb_home),
+        WANDB_CACHE_DIR=str(wandb_home),
+        WANDB_DATA_DIR=str(wandb_home),
+        WANDB_API_KEY="",
+    )
     proc = subprocess.run(cmd, cwd=str(root), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
@@ -89,8 +135,18 @@ def test_console_line_and_metrics_jsonl(run):
         assert all(0 <= h <= math.log(4) + 1e-9 for h in r["routing_entropy"])
         assert r["bias_spread"] >= 0
         line = next(ln for ln in lines if re.match(rf"\s*iteration\s+{step}/6 \|", ln))
-        for text in (f"samples {8 * step}", f"tokens {8 * step * 64:,}", "ms/iter ", f"loss {r['loss']:.4f}",
-                     f"depth {r['depth']}", "skipped 0", "nan 0", "peak mem ", "ETA ", "blocks ["):
+        for text in (
+            f"samples {8 * step}",
+            f"tokens {8 * step * 64:,}",
+            "ms/iter ",
+            f"loss {r['loss']:.4f}",
+            f"depth {r['depth']}",
+            "skipped 0",
+            "nan 0",
+            "peak mem ",
+            "ETA ",
+            "blocks [",
+        ):
             assert text in line, (text, line)
     assert by_step[4]["eval_loss"] > 0 and "eval loss" in next(ln for ln in lines if " 4/6 |" in ln)
 
@@ -101,9 +157,21 @@ def test_tensorboard_event_file_read_back(run):
     acc = EventAccumulator(str(run["save"] / "tb"), size_guidance={"scalars": 0})
     acc.Reload()
     tags = set(acc.Tags()["scalars"])
-    for tag in ("lm loss", "learning-rate", "grad-norm", "batch-size", "depth", "balance-loss", "routing-entropy",
-                "lm loss vs samples", "iteration-time", "throughput", "lm loss validation", "bias-spread",
-                "mem-peak-rss-bytes"):
+    for tag in (
+        "lm loss",
+        "learning-rate",
+        "grad-norm",
+        "batch-size",
+        "depth",
+        "balance-loss",
+        "routing-entropy",
+        "lm loss vs samples",
+        "iteration-time",
+        "throughput",
+        "lm loss validation",
+        "bias-spread",
+        "mem-peak-rss-bytes",
+    ):
         assert tag in tags, tag
 
     def series(tag):
@@ -163,20 +231,41 @@ def test_console_interval_and_counters():
         def flush(self):
             pass
 
-    cfg = config_from_dict({"model": {"window_size": 8, "window_shift": 4},
-                            "training": {"train_iters": 10, "tensorboard_log_interval": 3, "seq_length": 16}})
+    cfg = config_from_dict(
+        {
+            "model": {"window_size": 8, "window_shift": 4},
+            "training": {"train_iters": 10, "tensorboard_log_interval": 3, "seq_length": 16},
+        }
+    )
     console = TrainingConsole(cfg, None, global_batch_size=4, world_size=1, rank0=True)
     console.sinks = Recorder()
     nan = float("nan")
     for step in range(1, 7):
         bad = step in (2, 3)
-        res = StepResult(step=step, loss=nan if step == 2 else 1.0, aux_loss=0.0, lr=1e-3, grad_norm=nan if bad else 1.0,
-                         depth=2, tokens=64, seconds=0.1, skipped=bad, utilisation=[[0.5, 0.5], [1.0, 0.0]])
+        res = StepResult(
+            step=step,
+            loss=nan if step == 2 else 1.0,
+            aux_loss=0.0,
+            lr=1e-3,
+            grad_norm=nan if bad else 1.0,
+            depth=2,
+            tokens=64,
+            seconds=0.1,
+            skipped=bad,
+            utilisation=[[0.5, 0.5], [1.0, 0.0]],
+        )
         console.observe(res, 4 * step)
         console.observe(res, 4 * step)  # the hook and the log call both see an iteration: counted once
         if step == 4:
-            rec = console.log_step(res, tokens_per_s=640.0, tflops_per_device=0.0, mfu=None, eval_loss=None,
-                                   eval_by_budget=None, consumed_samples=16)
+            rec = console.log_step(
+                res,
+                tokens_per_s=640.0,
+                tflops_per_device=0.0,
+                mfu=None,
+                eval_loss=None,
+                eval_by_budget=None,
+                consumed_samples=16,
+            )
             assert rec["skipped_iterations"] == 2 and rec["nan_iterations"] == 1
             assert rec["ms_per_iteration"] == pytest.approx(100.0)
             assert rec["routing_entropy"] == pytest.approx([math.log(2), 0.0])
@@ -191,16 +280,33 @@ def test_only_rank0_writes(tmp_path, capsys):
     from megatron_lol.training.console import TrainingConsole
     from megatron_lol.training.trainer import StepResult
 
-    cfg = config_from_dict({"training": {"tensorboard_dir": str(tmp_path / "tb"), "wandb_project": "p",
-                                         "wandb_save_dir": str(tmp_path / "wb")}})
+    cfg = config_from_dict(
+        {
+            "training": {
+                "tensorboard_dir": str(tmp_path / "tb"),
+                "wandb_project": "p",
+                "wandb_save_dir": str(tmp_path / "wb"),
+            }
+        }
+    )
     console = TrainingConsole(cfg, str(tmp_path / "metrics.jsonl"), global_batch_size=4, world_size=2, rank0=False)
     console.on_start(SimpleNamespace(iteration=0))
-    res = StepResult(step=1, loss=1.0, aux_loss=0.0, lr=1e-3, grad_norm=1.0, depth=1, tokens=64, seconds=0.1,
-                     skipped=False)
-    console.on_step_end(SimpleNamespace(consumed_train_samples=4, _step_flops=lambda r: 0.0,
-                                        _log=lambda *a: None), res)
-    assert console.log_step(res, tokens_per_s=640.0, tflops_per_device=0.0, mfu=None, eval_loss=1.0,
-                            eval_by_budget=None, consumed_samples=4) is None
+    res = StepResult(
+        step=1, loss=1.0, aux_loss=0.0, lr=1e-3, grad_norm=1.0, depth=1, tokens=64, seconds=0.1, skipped=False
+    )
+    console.on_step_end(SimpleNamespace(consumed_train_samples=4, _step_flops=lambda r: 0.0, _log=lambda *a: None), res)
+    assert (
+        console.log_step(
+            res,
+            tokens_per_s=640.0,
+            tflops_per_device=0.0,
+            mfu=None,
+            eval_loss=1.0,
+            eval_by_budget=None,
+            consumed_samples=4,
+        )
+        is None
+    )
     console.log_eval(1.0, depth=1)
     console.on_end(None, None)
     assert console.sinks is None and list(tmp_path.iterdir()) == [] and capsys.readouterr().out == ""
@@ -227,26 +333,37 @@ def test_known_warnings_become_one_note():
         with warnings.catch_warnings():
             warnings.simplefilter("always")
             core = "/site-packages/megatron/core/optimizer/__init__.py"
-            for text in ("Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
-                         "Apex is not installed. Falling back to Torch Norm",
-                         "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer."):
+            for text in (
+                "Transformer Engine and Apex are not installed. Falling back to Torch optimizers.",
+                "Apex is not installed. Falling back to Torch Norm",
+                "full scope is deprecated. Use empty cuda_graph_scope to capture the whole layer.",
+            ):
                 warnings.warn_explicit(text, UserWarning, core, 24)
             warnings.warn_explicit("a real problem", UserWarning, core, 30)  # other megatron warnings still show
             warnings.warn_explicit("Apex is not installed", UserWarning, "/home/me/train.py", 3)  # not megatron's
             # the distributed optimizer's zero_grad on its FP32 shard views, and torch's deprecations of its collectives
-            warnings.warn_explicit("The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its "
-                                   ".grad attribute won't be populated", UserWarning,
-                                   "/site-packages/megatron/core/optimizer/optimizer.py", 66)
+            warnings.warn_explicit(
+                "The .grad attribute of a Tensor that is not a leaf Tensor is being accessed. Its "
+                ".grad attribute won't be populated",
+                UserWarning,
+                "/site-packages/megatron/core/optimizer/optimizer.py",
+                66,
+            )
             c10d = "/site-packages/torch/distributed/c10d_logger.py"
             for name in ("reduce_scatter_tensor", "all_gather_into_tensor"):
-                warnings.warn_explicit(f"`torch.distributed.{name}` is deprecated. Please use ...", FutureWarning,
-                                       c10d, 83)
+                warnings.warn_explicit(
+                    f"`torch.distributed.{name}` is deprecated. Please use ...", FutureWarning, c10d, 83
+                )
             warnings.warn_explicit("`torch.distributed.broadcast_object_list` is deprecated", FutureWarning, c10d, 83)
         restore()
     finally:
         warnings.showwarning = old_show
     assert stream.getvalue().count("\n") == 1 and stream.getvalue().startswith("note: Apex / Transformer Engine")
-    assert shown == ["a real problem", "Apex is not installed", "`torch.distributed.broadcast_object_list` is deprecated"]
+    assert shown == [
+        "a real problem",
+        "Apex is not installed",
+        "`torch.distributed.broadcast_object_list` is deprecated",
+    ]
 
 
 def test_progress_bar_on_terminal_and_lines_otherwise():
@@ -260,10 +377,15 @@ def test_progress_bar_on_terminal_and_lines_otherwise():
     assert list(progress(range(5), desc="convert-hf", unit="tensor", stream=tty)) == list(range(5))
     assert "convert-hf" in tty.getvalue() and "\r" in tty.getvalue()  # tqdm redraws one line
     log = io.StringIO()
-    assert list(progress(iter(range(3)), desc="analyze: routing", unit="batch", total=3, stream=log,
-                         interval=0)) == [0, 1, 2]
-    assert log.getvalue().splitlines()[:2] == ["analyze: routing: batch 1 of 3 (33%), 0 s",
-                                               "analyze: routing: batch 2 of 3 (67%), 0 s"]
+    assert list(progress(iter(range(3)), desc="analyze: routing", unit="batch", total=3, stream=log, interval=0)) == [
+        0,
+        1,
+        2,
+    ]
+    assert log.getvalue().splitlines()[:2] == [
+        "analyze: routing: batch 1 of 3 (33%), 0 s",
+        "analyze: routing: batch 2 of 3 (67%), 0 s",
+    ]
     assert "batch 3 of 3 done in" in log.getvalue() and "\r" not in log.getvalue()
     quiet = io.StringIO()
     list(progress(range(3), desc="x", stream=quiet, interval=3600))
@@ -285,11 +407,28 @@ def test_version_and_help(capsys):
     assert out.startswith(f"megatron-lol {__version__} (megatron-core ")
     assert re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1) == __version__
     for verb, absent, present in (
-            ("params", ("--save", "--lr", "--async-save", "--train-iters", "--tensorboard-dir"),
-             ("--tensor-model-parallel-size", "--tokenizer-model", "--vocab-size", "counting:", "parallelism:")),
-            ("profile", ("--save", "--lr", "--async-save", "--wandb-project"), ("--micro-batch-size", "--steps")),
-            ("train", (), ("--tensorboard-dir", "--tensorboard-log-interval", "--wandb-project", "--wandb-exp-name",
-                           "--wandb-save-dir", "logging (console", "checkpointing:", "--save", "--verbose"))):
+        (
+            "params",
+            ("--save", "--lr", "--async-save", "--train-iters", "--tensorboard-dir"),
+            ("--tensor-model-parallel-size", "--tokenizer-model", "--vocab-size", "counting:", "parallelism:"),
+        ),
+        ("profile", ("--save", "--lr", "--async-save", "--wandb-project"), ("--micro-batch-size", "--steps")),
+        (
+            "train",
+            (),
+            (
+                "--tensorboard-dir",
+                "--tensorboard-log-interval",
+                "--wandb-project",
+                "--wandb-exp-name",
+                "--wandb-save-dir",
+                "logging (console",
+                "checkpointing:",
+                "--save",
+                "--verbose",
+            ),
+        ),
+    ):
         with pytest.raises(SystemExit) as exc:
             _main(verb, "--help")
         assert exc.value.code == 0
@@ -345,8 +484,14 @@ def test_did_you_mean(tmp_path, capsys):
 
 
 def _params(cwd, *args):
-    return subprocess.run([sys.executable, "-m", "megatron_lol", "params", "--config", str(TINY), *args],
-                          cwd=str(cwd), env=_env(), capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "params", "--config", str(TINY), *args],
+        cwd=str(cwd),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 def test_params_takes_the_vocabulary_from_the_config_tokenizer(corpus, tmp_path):
@@ -372,8 +517,22 @@ def test_preprocess_creates_the_output_directory(corpus, tmp_path, capsys):
     src = tmp_path / "in.jsonl"
     src.write_text("".join(json.dumps({"text": f"def f{i}(x):\n    return x + {i}\n"}) + "\n" for i in range(20)))
     prefix = tmp_path / "new" / "nested" / "out"
-    assert _main("preprocess", "--input", src, "--output-prefix", prefix, "--tokenizer-type", "SentencePieceTokenizer",
-                 "--tokenizer-model", corpus["tokenizer"], "--append-eod", "--no-progress") == 0
+    assert (
+        _main(
+            "preprocess",
+            "--input",
+            src,
+            "--output-prefix",
+            prefix,
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            corpus["tokenizer"],
+            "--append-eod",
+            "--no-progress",
+        )
+        == 0
+    )
     assert (tmp_path / "new" / "nested" / "out_text_document.bin").stat().st_size > 0
     assert (tmp_path / "new" / "nested" / "out_text_document.idx").exists()
 

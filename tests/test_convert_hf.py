@@ -60,25 +60,50 @@ class TokenRows:
 def _experiment(save: str, tokenizer_model: str, parallel: dict, model: dict):
     from megatron_lol.config import config_from_dict
 
-    m = dict(plan="lol", hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-             n_prelude=1, n_coda=1, num_blocks=4, routed_depth=4, window_size=8, window_shift=4,
-             make_vocab_size_divisible_by=64, bias_update_speed=0.02)
+    m = dict(
+        plan="lol",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        n_prelude=1,
+        n_coda=1,
+        num_blocks=4,
+        routed_depth=4,
+        window_size=8,
+        window_shift=4,
+        make_vocab_size_divisible_by=64,
+        bias_update_speed=0.02,
+    )
     m.update(model)
     if m["plan"] != "lol":  # the base's library shape is LoL's own keys
         for key in ("num_blocks", "routed_depth"):
             if key not in model:
                 m.pop(key)
-    return config_from_dict({
-        "model": m, "parallel": parallel,
-        "data": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": tokenizer_model},
-        "training": {"train_iters": 3, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": SEQ,
-                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 11, "save": save},
-        "optimizer": {"lr": 2e-2, "lr_warmup_iters": 0},
-    })
+    return config_from_dict(
+        {
+            "model": m,
+            "parallel": parallel,
+            "data": {"tokenizer_type": "SentencePieceTokenizer", "tokenizer_model": tokenizer_model},
+            "training": {
+                "train_iters": 3,
+                "micro_batch_size": 2,
+                "global_batch_size": 4,
+                "seq_length": SEQ,
+                "log_interval": 100,
+                "eval_interval": 100,
+                "eval_iters": 0,
+                "seed": 11,
+                "save": save,
+            },
+            "optimizer": {"lr": 2e-2, "lr_warmup_iters": 0},
+        }
+    )
 
 
-def train_and_save(save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3,
-                   before_save=None) -> str:
+def train_and_save(
+    save: str, tokenizer_model: str, parallel: dict, model: dict, steps: int = 3, before_save=None
+) -> str:
     """One rank of a training run: ``steps`` optimizer steps, ``before_save(trainer)`` if given (under
     ``torch.no_grad``: tests that move weights where a few steps cannot), then a real checkpoint save."""
     from megatron_lol.data.tokenizers import build_tokenizer
@@ -118,29 +143,62 @@ def _train(corpus, world: int, jobs: list, script: str = __file__) -> dict:
     from distributed import free_port
 
     saves = {name: corpus["root"] / name for name, _, _ in jobs}
-    todo = [[str(saves[name]), corpus["model"], par, model] for name, par, model in jobs
-            if not (saves[name] / "latest_checkpointed_iteration.txt").exists()]
+    todo = [
+        [str(saves[name]), corpus["model"], par, model]
+        for name, par, model in jobs
+        if not (saves[name] / "latest_checkpointed_iteration.txt").exists()
+    ]
     if todo:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-                   PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
+            PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+        )
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(world), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), script, json.dumps(todo)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(world),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(free_port()),
+            script,
+            json.dumps(todo),
+        ]
         proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return saves
 
 
-FILM_VARIANT = dict(film="depth_block", input_injection=True, router_tied=False, per_depth_bias=True,
-                    untie_embeddings_and_output_weights=False, window_shift=3, routed_depth=5, num_blocks=3)
+FILM_VARIANT = dict(
+    film="depth_block",
+    input_injection=True,
+    router_tied=False,
+    per_depth_bias=True,
+    untie_embeddings_and_output_weights=False,
+    window_shift=3,
+    routed_depth=5,
+    num_blocks=3,
+)
 
 
 @pytest.fixture(scope="module")
 def single(corpus):
     """One 1-process launch: the LoL model, a dense model, a FiLM / injection / untied-router variant."""
-    return _train(corpus, 1, [("lol_1proc", {}, {}), ("dense_1proc", {}, {"plan": "dense", "core_layers": 2}),
-                              ("lol_film", {}, FILM_VARIANT)])
+    return _train(
+        corpus,
+        1,
+        [
+            ("lol_1proc", {}, {}),
+            ("dense_1proc", {}, {"plan": "dense", "core_layers": 2}),
+            ("lol_film", {}, FILM_VARIANT),
+        ],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -175,14 +233,14 @@ def native_model(ckpt_dir: Path):
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
     model = LoLGPTModel(cfg.model, cfg.model.vocab_size, info["tokenizer"]["eod_id"])
     state = dist_checkpointing.load(model.sharded_state_dict(prefix="model."), path)
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}, strict=True)
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}, strict=True)
     return model.eval()
 
 
 def heldout_batch(tokenizer, corpus, rows: int = 2, with_eod: bool = True) -> torch.Tensor:
     out = []
     for doc in corpus["heldout"][:rows]:
-        ids = tokenizer(doc[:2000])["input_ids"][: SEQ]
+        ids = tokenizer(doc[:2000])["input_ids"][:SEQ]
         if with_eod:  # two documents in the row
             ids[SEQ // 3] = EOD_ID
         out.append(ids)
@@ -210,8 +268,15 @@ def check_lol_export(ckpt: Path, tmp_path: Path, corpus, gen_tokens: int = 32) -
     summary = export(ckpt, out, max_shard_size="200KB")
     assert summary["format"] == "lol" and summary["num_shards"] > 1
     files = set(os.listdir(out))
-    assert {"config.json", "generation_config.json", "model.safetensors.index.json", "configuration_lol.py",
-            "modeling_lol.py", "tokenizer.json", "tokenizer_config.json"} <= files
+    assert {
+        "config.json",
+        "generation_config.json",
+        "model.safetensors.index.json",
+        "configuration_lol.py",
+        "modeling_lol.py",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    } <= files
     assert all(f.endswith((".json", ".safetensors", ".py", ".model")) for f in files), files
     hf = AutoModelForCausalLM.from_pretrained(out, trust_remote_code=True, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(out, trust_remote_code=True)
@@ -240,8 +305,11 @@ def test_lol_single_process_logits_and_greedy_generation(lol_1proc, tmp_path, co
 
 @pytest.mark.slow
 def test_lol_tp2_pp2_logits_and_greedy_generation(lol_tp2pp2, tmp_path, corpus):
-    info = json.loads(json.dumps(__import__("yaml").safe_load(
-        open(next(lol_tp2pp2.glob("iter_*/run_config.yaml"))))["checkpoint"]["layout"]))
+    info = json.loads(
+        json.dumps(
+            __import__("yaml").safe_load(open(next(lol_tp2pp2.glob("iter_*/run_config.yaml"))))["checkpoint"]["layout"]
+        )
+    )
     assert info["tp"] == 2 and info["pp"] == 2
     diff = check_lol_export(lol_tp2pp2, tmp_path, corpus)
     print(f"lol TP=2 x PP=2: max abs logit diff {diff:.2e}")
@@ -330,8 +398,8 @@ def test_truncated_checkpoint_data(lol_1proc, tmp_path):
 
 
 def test_truncated_or_corrupted_safetensors_shard_on_import(dense_1proc, tmp_path):
-    from megatron_lol.errors import CliError
     from megatron_lol.convert.from_hf import import_hf
+    from megatron_lol.errors import CliError
 
     out = tmp_path / "llama"
     export(dense_1proc, out, max_shard_size="100KB")

@@ -30,9 +30,10 @@ VARIANTS = {
 }
 EP2 = {
     "moe_ep2_lol_fixed": ({"expert_model_parallel_size": 2}, dict(MOE, moe_layers="fixed")),
-    "moe_ep2_dense_all": ({"expert_model_parallel_size": 2},
-                          dict(MOE, moe_layers="all", plan="dense", core_layers=2,
-                               moe_shared_expert_intermediate_size=40)),
+    "moe_ep2_dense_all": (
+        {"expert_model_parallel_size": 2},
+        dict(MOE, moe_layers="all", plan="dense", core_layers=2, moe_shared_expert_intermediate_size=40),
+    ),
 }
 BF16_TOL = 0.05
 TOL = 1e-4
@@ -94,8 +95,10 @@ def test_moe_bf16_export(moe_single, tmp_path, corpus):  # noqa: F811
         assert got.dtype == torch.bfloat16
         diff = (want - got.float()).abs().max().item()
         agree = (want.argmax(-1) == got.argmax(-1)).float().mean().item()
-        print(f"{name} bf16: max abs logit diff {diff:.2e} (max |logit| {want.abs().max():.2f}), "
-              f"argmax agreement {agree:.3f}")
+        print(
+            f"{name} bf16: max abs logit diff {diff:.2e} (max |logit| {want.abs().max():.2f}), "
+            f"argmax agreement {agree:.3f}"
+        )
         assert diff <= BF16_TOL, diff
         # the 3-step model's logits are nearly flat, so raw argmax agreement is fragile (near-ties
         # flip); wherever the fp32 top-2 margin exceeds twice the measured bf16 error, it must agree
@@ -122,21 +125,46 @@ def test_moe_is_not_a_llama_stack(moe_single, tmp_path):
 
 
 # ------------------------------------------------------------------ Foil and Accordion
-FOIL = dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=6, moe_ffn_hidden_size=48,
-            moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3,
-            moe_loss_average_over_executions=True)
-ACCORDION = dict(plan="accordion", n_prelude=1, loop_window=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=48,
-                 moe_router_topk=2, moe_layers="all", moe_shared_expert_intermediate_size=40,
-                 loop_budgets=[0, 1, 3], second_pass_router="separate")
+FOIL = dict(
+    plan="foil",
+    foil_layers=2,
+    foil_loops=2,
+    num_experts=4,
+    foil_experts=6,
+    moe_ffn_hidden_size=48,
+    moe_router_topk=2,
+    moe_layers="all",
+    untie_attention=True,
+    moe_z_loss_coeff=1e-3,
+    moe_loss_average_over_executions=True,
+)
+ACCORDION = dict(
+    plan="accordion",
+    n_prelude=1,
+    loop_window=3,
+    n_coda=1,
+    num_experts=4,
+    moe_ffn_hidden_size=48,
+    moe_router_topk=2,
+    moe_layers="all",
+    moe_shared_expert_intermediate_size=40,
+    loop_budgets=[0, 1, 3],
+    second_pass_router="separate",
+)
 # the separate-router Accordion balances with megatron-core's expert biases (sigmoid scores), at a rate that
 # makes three steps' biases choose other experts than the scores alone: the export must carry them
-EXPERT_BIAS = dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
-                   moe_router_bias_update_rate=0.05, moe_aux_loss_coeff=0.0)
+EXPERT_BIAS = dict(
+    moe_router_score_function="sigmoid",
+    moe_router_enable_expert_bias=True,
+    moe_router_bias_update_rate=0.05,
+    moe_aux_loss_coeff=0.0,
+)
 SYSTEMS = {
     "foil": FOIL,
     "accordion": dict(ACCORDION, **EXPERT_BIAS),
-    "accordion_shared_nogates": dict(ACCORDION, second_pass_router="shared", loop_gates=False, loop_budget=1,
-                                     loop_budgets=[0, 1, 2, 3]),
+    "accordion_shared_nogates": dict(
+        ACCORDION, second_pass_router="shared", loop_gates=False, loop_budget=1, loop_budgets=[0, 1, 2, 3]
+    ),
 }
 GATE_NOISE = 0.2  # three training steps move the loop gates ~1e-2 from 1: spread them before saving
 
@@ -180,8 +208,11 @@ def test_foil_logits_and_cached_generation(systems, tmp_path, corpus):  # noqa: 
     assert conf["untie_attention"] and conf["core_num_experts"] == 6 and conf["num_experts"] == 4
     assert conf["use_cache"]
     index = json.load(open(tmp_path / "hf" / "model.safetensors.index.json"))["weight_map"]
-    assert {"model.pass_attention.0_1.self_attn.q_proj.weight", "model.pass_attention.1_1.input_layernorm.weight",
-            "model.blocks.1.mlp.experts.5.down_proj.weight"} <= set(index)
+    assert {
+        "model.pass_attention.0_1.self_attn.q_proj.weight",
+        "model.pass_attention.1_1.input_layernorm.weight",
+        "model.blocks.1.mlp.experts.5.down_proj.weight",
+    } <= set(index)
     assert not any(k.startswith("model.pass_attention.") and ".mlp." in k for k in index)
     hf, tok = _load(tmp_path / "hf")
     assert hf.config.num_hidden_layers == 1 + 4 + 1  # layer executions: one KV cache entry each
@@ -191,8 +222,12 @@ def test_foil_logits_and_cached_generation(systems, tmp_path, corpus):  # noqa: 
         ref = hf(x).logits
         for i in range(2):
             att = hf.model.pass_attention[f"{i}_1"]
-            att.load_state_dict({"input_layernorm.weight": hf.model.blocks[i].input_layernorm.weight,
-                                 **{f"self_attn.{k}": v for k, v in hf.model.blocks[i].self_attn.state_dict().items()}})
+            att.load_state_dict(
+                {
+                    "input_layernorm.weight": hf.model.blocks[i].input_layernorm.weight,
+                    **{f"self_attn.{k}": v for k, v in hf.model.blocks[i].self_attn.state_dict().items()},
+                }
+            )
         assert (hf(x).logits - ref).abs().max() > 1e-3
         with pytest.raises(ValueError, match="only plan accordion has a loop budget"):
             hf(x, loop_budget=1)
@@ -205,11 +240,24 @@ def _dense_twin(native, m):
 
     from megatron_lol.model.lol_model import LoLGPTModel
 
-    dense = LoLGPTModel(replace(m, plan="dense", core_layers=m.loop_window, loop_window=None, loop_budgets=[0],
-                                loop_budget=None, second_pass_router="shared"),
-                        native.vocab_size, native.eod_id)
-    state = {k: v for k, v in native.state_dict().items()
-             if not k.startswith(("core.loop_gates", "core.second_pass_routers"))}
+    dense = LoLGPTModel(
+        replace(
+            m,
+            plan="dense",
+            core_layers=m.loop_window,
+            loop_window=None,
+            loop_budgets=[0],
+            loop_budget=None,
+            second_pass_router="shared",
+        ),
+        native.vocab_size,
+        native.eod_id,
+    )
+    state = {
+        k: v
+        for k, v in native.state_dict().items()
+        if not k.startswith(("core.loop_gates", "core.second_pass_routers"))
+    }
     dense.load_state_dict(state, strict=True)
     return dense.eval()
 
@@ -227,8 +275,9 @@ def test_accordion_every_budget(systems, name, tmp_path, corpus):  # noqa: F811
     assert ("model.loop_gates" in index) == m.get("loop_gates", True)
     assert ("model.second_pass_routers.2.weight" in index) == (m["second_pass_router"] == "separate")
     bias = m.get("moe_router_enable_expert_bias", False)
-    assert conf["moe_router_expert_bias"] == bias and conf["moe_router_score_function"] == \
-        m.get("moe_router_score_function", "softmax")
+    assert conf["moe_router_expert_bias"] == bias and conf["moe_router_score_function"] == m.get(
+        "moe_router_score_function", "softmax"
+    )
     assert ("model.blocks.0.mlp.router.expert_bias" in index) == bias
     assert ("model.second_pass_routers.2.expert_bias" in index) == (bias and m["second_pass_router"] == "separate")
     hf, tok = _load(out)
@@ -273,8 +322,11 @@ def test_accordion_every_budget(systems, name, tmp_path, corpus):  # noqa: F811
             for _ in range(12):
                 seq = torch.cat([seq, native(seq, budget=k)[:, -1].argmax(-1, keepdim=True)], dim=1)
         assert torch.equal(got, seq), (k, got, seq)
-    print(f"{name}: max abs logit diff per budget " + ", ".join(f"k={k}: {d:.2e}" for k, d in diffs.items())
-          + f"; k=0 vs second pass removed: {zero:.2e}")
+    print(
+        f"{name}: max abs logit diff per budget "
+        + ", ".join(f"k={k}: {d:.2e}" for k, d in diffs.items())
+        + f"; k=0 vs second pass removed: {zero:.2e}"
+    )
 
 
 def test_cache_with_documents_and_padding(systems, tmp_path, corpus):  # noqa: F811
@@ -289,30 +341,45 @@ def test_cache_with_documents_and_padding(systems, tmp_path, corpus):  # noqa: F
         step = hf(x[:, :20], loop_budget=1, use_cache=True)
         cache, logits = getattr(step, "cache", None) or step.past_key_values, [step.logits]
         for t in range(20, x.shape[1]):
-            step = hf(x[:, t:t + 1], loop_budget=1, cache=cache, context_ids=x[:, :t + 1])
+            step = hf(x[:, t : t + 1], loop_budget=1, cache=cache, context_ids=x[:, : t + 1])
             logits.append(step.logits)
         assert (torch.cat(logits, dim=1) - full).abs().max() <= TOL
         with pytest.raises(ValueError, match="loop_budget=1, not 3"):
-            hf(x[:, :1], loop_budget=3, cache=cache, context_ids=x[:, :x.shape[1] + 1])
+            hf(x[:, :1], loop_budget=3, cache=cache, context_ids=x[:, : x.shape[1] + 1])
     # batched generation with left padding: each row as generated alone
     rows = [x[0, :9], x[1, :14]]
     pad = hf.generation_config.pad_token_id if hf.generation_config.pad_token_id is not None else 0
     batch = torch.full((2, 14), pad, dtype=torch.long)
     mask = torch.zeros(2, 14, dtype=torch.long)
     for i, r in enumerate(rows):
-        batch[i, 14 - len(r):], mask[i, 14 - len(r):] = r, 1
+        batch[i, 14 - len(r) :], mask[i, 14 - len(r) :] = r, 1
     got = _greedy_hf(hf, batch, 8, attention_mask=mask, loop_budget=1, pad_token_id=pad)
     for i, r in enumerate(rows):
         alone = _greedy_hf(hf, r.unsqueeze(0), 8, loop_budget=1)
-        assert torch.equal(got[i, 14:], alone[0, len(r):]), i
+        assert torch.equal(got[i, 14:], alone[0, len(r) :]), i
 
 
 def test_loop_budget_flag(systems, tmp_path):
     from megatron_lol.cli import main
 
     out = tmp_path / "k1"
-    assert main(["convert-hf", "--load", str(systems["accordion"]), "--save", str(out), "--loop-budget", "1",
-                 "--no-tokenizer", "--eod-id", "2"]) == 0
+    assert (
+        main(
+            [
+                "convert-hf",
+                "--load",
+                str(systems["accordion"]),
+                "--save",
+                str(out),
+                "--loop-budget",
+                "1",
+                "--no-tokenizer",
+                "--eod-id",
+                "2",
+            ]
+        )
+        == 0
+    )
     assert json.load(open(out / "config.json"))["loop_budget"] == 1
     from transformers import AutoModelForCausalLM
 
@@ -320,15 +387,17 @@ def test_loop_budget_flag(systems, tmp_path):
     x = torch.arange(3, 40).view(1, -1)
     with torch.no_grad():
         assert torch.equal(hf(x).logits, hf(x, loop_budget=1).logits)
-    from megatron_lol.errors import CliError
     from megatron_lol.convert.to_hf import convert_checkpoint
+    from megatron_lol.errors import CliError
 
     with pytest.raises(CliError, match=r"^--loop-budget: 2 is not one of the model's loop_budgets \[0, 1, 3\]$"):
         convert_checkpoint(str(systems["accordion"]), str(tmp_path / "k2"), loop_budget=2, export_tokenizer=False)
     with pytest.raises(CliError, match="^--loop-budget: only plan accordion has a loop budget"):
         convert_checkpoint(str(systems["foil"]), str(tmp_path / "k3"), loop_budget=1, export_tokenizer=False)
-    assert main(["convert-hf", "--load", str(systems["accordion"]), "--save", str(tmp_path / "k4"),
-                 "--loop-budget", "2"]) == 2
+    assert (
+        main(["convert-hf", "--load", str(systems["accordion"]), "--save", str(tmp_path / "k4"), "--loop-budget", "2"])
+        == 2
+    )
     assert not (tmp_path / "k2").exists() and not (tmp_path / "k4").exists()
 
 

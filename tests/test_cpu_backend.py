@@ -20,8 +20,8 @@ import dataclasses
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from megatron_lol.backends import BACKEND_ENV, select_backend
 from megatron_lol.backends.cpu import CpuBackend
 from megatron_lol.backends.cpu import kernels as cpu_kernels
@@ -155,12 +155,17 @@ def test_short_path_only_where_nothing_needs_megatron(megatron_env):
     layer, _ = _layer()
     assert (_attention_eligible(layer), _mlp_eligible(layer)) == (True, True)
     # an MoE block: the attention half qualifies, the MoE MLP does not
-    moe_cfg = tiny_config(num_experts=4, moe_layers="all", plan="looped", num_blocks=None, routed_depth=None,
-                          loop_layers=2, loop_count=1)
+    moe_cfg = tiny_config(
+        num_experts=4, moe_layers="all", plan="looped", num_blocks=None, routed_depth=None, loop_layers=2, loop_count=1
+    )
     moe_layer = build_layer(block_spec(False, num_experts=4), transformer_config(moe_cfg), 1)
     assert (_attention_eligible(moe_layer), _mlp_eligible(moe_layer)) == (True, False)
-    for name, value in (("sequence_parallel", True), ("add_bias_linear", True), ("tensor_model_parallel_size", 2),
-                        ("hidden_dropout", 0.1)):
+    for name, value in (
+        ("sequence_parallel", True),
+        ("add_bias_linear", True),
+        ("tensor_model_parallel_size", 2),
+        ("hidden_dropout", 0.1),
+    ):
         fresh, _ = _layer()
         config = copy.copy(fresh.config)
         setattr(config, name, value)
@@ -213,13 +218,17 @@ def _case(dtype, seed=0, T=97, h=12, L=3):
 
 
 def _leaves(flat, weights, gate):
-    return (flat.clone().requires_grad_(True), [w.clone().requires_grad_(True) for w in weights],
-            gate.clone().requires_grad_(True))
+    return (
+        flat.clone().requires_grad_(True),
+        [w.clone().requires_grad_(True) for w in weights],
+        gate.clone().requires_grad_(True),
+    )
 
 
 def _block_fn(weights):
     def call(block, packed, segments, idx):
         return torch.tanh(packed @ weights[block]) + packed  # a residual block
+
     return call
 
 
@@ -271,8 +280,7 @@ def test_reference_and_fused_gated_update(kernels_on, dtype, subset):
 def test_fused_path_refuses_double_backward(kernels_on):
     token_window, choice_w, flat0, weights0, gate0, _ = _case(torch.float32, seed=2)
     flat, weights, gate = _leaves(flat0, weights0, gate0)
-    out = fused_gated_update(flat, group_by_block(choice_w[token_window], token_window, 3), gate,
-                             _block_fn(weights))
+    out = fused_gated_update(flat, group_by_block(choice_w[token_window], token_window, 3), gate, _block_fn(weights))
     (g,) = torch.autograd.grad(out.square().sum(), gate, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
@@ -315,7 +323,8 @@ def test_routed_core_runs_outside_the_device_mode_only_when_safe(make_model):
     net = make_model(router_std=0.5)
     seen = []
     net.core.block(0).input_layernorm.register_forward_pre_hook(
-        lambda m, a: seen.append(torch._C._len_torch_function_stack()))
+        lambda m, a: seen.append(torch._C._len_torch_function_stack())
+    )
     tokens = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(3))
     depth_outside = torch._C._len_torch_function_stack()
     with torch.no_grad():

@@ -46,8 +46,9 @@ def test_forward_matches_torch_bit_for_bit_and_backward_by_hand(fresh):
     assert torch.equal(new, want)
 
     grad = torch.randn(T, h, generator=g)
-    grad_outs, grad_states, gate_token = kernels.gated_combine_backward(grad, states, outs, counts, order,
-                                                                        segments, gate)
+    grad_outs, grad_states, gate_token = kernels.gated_combine_backward(
+        grad, states, outs, counts, order, segments, gate
+    )
     token_gate = gate[segments].unsqueeze(1)
     assert torch.equal(torch.cat(grad_outs), token_gate * grad[order])
     assert torch.equal(grad_states[order], grad[order] - token_gate * grad[order])

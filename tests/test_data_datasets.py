@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import os
 
+import corpus_fixtures as T
 import pytest
 import torch
 
-import corpus_fixtures as T
 from megatron_lol.data.datasets import build_train_valid_test_datasets, parse_blend
 from megatron_lol.data.tokenizers import build_tokenizer
 from megatron_lol.model.windows import DocumentLayout
@@ -34,8 +34,16 @@ def two_datasets(tmp_path_factory, tok_files):
     prefixes = []
     for name, part in (("a", docs[::2]), ("b", docs[1::2])):
         inp = T.write_inputs(part, "jsonl", str(root / f"in_{name}"))
-        T.run_preprocess(["--input", inp, "--output-prefix", str(root / name), "--append-eod",
-                          *T.tokenizer_argv("sentencepiece", tok_files)])
+        T.run_preprocess(
+            [
+                "--input",
+                inp,
+                "--output-prefix",
+                str(root / name),
+                "--append-eod",
+                *T.tokenizer_argv("sentencepiece", tok_files),
+            ]
+        )
         prefixes.append(str(root / f"{name}_text_document"))
     return prefixes
 
@@ -58,7 +66,8 @@ def test_single_and_blended(tmp_path, tok_files, two_datasets):
     assert os.listdir(cache)  # sample indices cached
 
     train2, valid2, test2 = build_train_valid_test_datasets(
-        ["0.25", a, "0.75", b], "98,2,0", 64, 1234, cache, (400, 40, 0), tok)
+        ["0.25", a, "0.75", b], "98,2,0", 64, 1234, cache, (400, 40, 0), tok
+    )
     from megatron.core.datasets.blended_dataset import BlendedDataset
 
     assert isinstance(train2, BlendedDataset) and len(train2) == 400
@@ -101,8 +110,7 @@ def test_document_ids_and_positions():
     eod = 2
     x = torch.tensor([[5, 2, 7, 8, 2, 2, 9], [2, 1, 1, 1, 1, 1, 2], [3, 3, 3, 3, 3, 3, 3]])
     assert document_ids(x, eod).tolist() == [[0, 0, 1, 1, 1, 2, 3], [0, 1, 1, 1, 1, 1, 1], [0] * 7]
-    assert document_positions(x, eod).tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5],
-                                                   list(range(7))]
+    assert document_positions(x, eod).tolist() == [[0, 1, 0, 1, 2, 0, 0], [0, 0, 1, 2, 3, 4, 5], list(range(7))]
     g = torch.Generator().manual_seed(0)
     for _ in range(5):
         t = torch.randint(0, 6, (4, 33), generator=g)

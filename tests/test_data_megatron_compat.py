@@ -13,9 +13,8 @@ import filecmp
 import json
 import os
 
-import pytest
-
 import corpus_fixtures as T
+import pytest
 
 
 @pytest.fixture(scope="session")
@@ -29,7 +28,8 @@ def megatron_lm_preprocess(tokenizer, docs, prefix, append_eod=True):
     from megatron.core.datasets import indexed_dataset
 
     builder = indexed_dataset.IndexedDatasetBuilder(
-        prefix + ".bin", dtype=indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size))
+        prefix + ".bin", dtype=indexed_dataset.DType.optimal_dtype(tokenizer.vocab_size)
+    )
     for text in docs:
         ids = tokenizer.tokenize(text)
         lens = [len(ids)] if ids else []
@@ -42,16 +42,21 @@ def megatron_lm_preprocess(tokenizer, docs, prefix, append_eod=True):
 
 def megatron_tokenizer(kind, files, tmp_path):
     from megatron.core.tokenizers import MegatronTokenizer
+
     from megatron_lol.data.tokenizers import load_tiktoken_ranks
 
     if kind == "sentencepiece":
         return MegatronTokenizer.from_pretrained(
-            tokenizer_path=files["sentencepiece"], metadata_path={"library": "sentencepiece"})
+            tokenizer_path=files["sentencepiece"], metadata_path={"library": "sentencepiece"}
+        )
     if kind == "tiktoken":
         n = len(load_tiktoken_ranks(files["json"]))
         return MegatronTokenizer.from_pretrained(
-            tokenizer_path=files["json"], metadata_path={"library": "tiktoken"},
-            vocab_size=n + 1000, num_special_tokens=1000)
+            tokenizer_path=files["json"],
+            metadata_path={"library": "tiktoken"},
+            vocab_size=n + 1000,
+            num_special_tokens=1000,
+        )
     pytest.importorskip("transformers")
     from transformers import AutoTokenizer
 
@@ -59,8 +64,9 @@ def megatron_tokenizer(kind, files, tmp_path):
         d = tmp_path / "hf"
         d.mkdir()
         (d / "tokenizer.json").write_bytes(open(files["tokenizer_json"], "rb").read())
-        (d / "tokenizer_config.json").write_text(json.dumps(
-            {"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"}))
+        (d / "tokenizer_config.json").write_text(
+            json.dumps({"eos_token": "<|endoftext|>", "tokenizer_class": "PreTrainedTokenizerFast"})
+        )
         return MegatronTokenizer.from_pretrained(tokenizer_path=str(d), metadata_path={"library": "huggingface"})
     if kind == "gpt2bpe":
         # Megatron-LM's GPT2BPETokenizer is transformers' GPT-2 tokenizer over --vocab-file/--merge-file
@@ -108,8 +114,16 @@ def test_empty_documents_bin_identical(tmp_path, tok_files):
     ref = str(tmp_path / "ref")
     megatron_lm_preprocess(megatron_tokenizer("sentencepiece", tok_files, tmp_path), docs, ref)
     inp = T.write_inputs(docs, "jsonl", str(tmp_path / "in"))
-    T.run_preprocess(["--input", inp, "--output-prefix", str(tmp_path / "o"), "--append-eod",
-                      *T.tokenizer_argv("sentencepiece", tok_files)])
+    T.run_preprocess(
+        [
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--append-eod",
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ]
+    )
     assert filecmp.cmp(ref + ".bin", str(tmp_path / "o_text_document.bin"), shallow=False)
 
 

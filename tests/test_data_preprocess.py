@@ -5,10 +5,10 @@ from __future__ import annotations
 import filecmp
 import os
 
+import corpus_fixtures as T
 import numpy as np
 import pytest
 
-import corpus_fixtures as T
 from megatron_lol.data.tokenizers import build_tokenizer
 
 KINDS = ("sentencepiece", "huggingface", "tiktoken", "gpt2bpe")
@@ -44,8 +44,9 @@ def read_dataset(prefix):
 @pytest.mark.parametrize("kind", KINDS)
 def test_token_stream_equals_direct_encoding(tmp_path, tok_files, docs, kind, fmt):
     inp = T.write_inputs(docs, fmt, str(tmp_path / "in"))
-    s = T.run_preprocess(["--input", inp, "--output-prefix", str(tmp_path / "out"), "--append-eod",
-                          *T.tokenizer_argv(kind, tok_files)])
+    s = T.run_preprocess(
+        ["--input", inp, "--output-prefix", str(tmp_path / "out"), "--append-eod", *T.tokenizer_argv(kind, tok_files)]
+    )
     tok = build_tokenizer(**T.tokenizer_kwargs(kind, tok_files))
     want = expected_stream(tok, docs)
     got, ds = read_dataset(str(tmp_path / "out_text_document"))
@@ -66,8 +67,18 @@ def test_without_eod_and_two_keys(tmp_path, tok_files, docs):
     with open(inp, "w") as f:
         for i, d in enumerate(docs):
             f.write(json.dumps({"text": d, "title": f"document number {i}"}) + "\n")
-    T.run_preprocess(["--input", str(inp), "--output-prefix", str(tmp_path / "o"),
-                      "--json-keys", "text", "title", *T.tokenizer_argv("sentencepiece", tok_files)])
+    T.run_preprocess(
+        [
+            "--input",
+            str(inp),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--json-keys",
+            "text",
+            "title",
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ]
+    )
     tok = build_tokenizer(**T.tokenizer_kwargs("sentencepiece", tok_files))
     assert read_dataset(str(tmp_path / "o_text_document"))[0] == expected_stream(tok, docs, False)
     titles = [f"document number {i}" for i in range(len(docs))]
@@ -79,8 +90,20 @@ def test_workers_give_identical_output(tmp_path, tok_files, docs):
     outs = []
     for w in (1, 2):
         pre = str(tmp_path / f"w{w}")
-        T.run_preprocess(["--input", inp, "--output-prefix", pre, "--append-eod", "--workers", str(w),
-                          "--max-inflight", "3", *T.tokenizer_argv("sentencepiece", tok_files)])
+        T.run_preprocess(
+            [
+                "--input",
+                inp,
+                "--output-prefix",
+                pre,
+                "--append-eod",
+                "--workers",
+                str(w),
+                "--max-inflight",
+                "3",
+                *T.tokenizer_argv("sentencepiece", tok_files),
+            ]
+        )
         outs.append(pre + "_text_document")
     for ext in (".bin", ".idx"):
         assert filecmp.cmp(outs[0] + ext, outs[1] + ext, shallow=False)
@@ -113,8 +136,20 @@ def test_cli_entry_points(tmp_path, tok_files, docs, capsys):
     from megatron_lol.cli import main
 
     inp = T.write_inputs(docs, "jsonl", str(tmp_path / "in"))
-    rc = main(["preprocess", "--input", inp, "--output-prefix", str(tmp_path / "c"), "--append-eod",
-               "--workers", "1", "--no-progress", *T.tokenizer_argv("sentencepiece", tok_files)])
+    rc = main(
+        [
+            "preprocess",
+            "--input",
+            inp,
+            "--output-prefix",
+            str(tmp_path / "c"),
+            "--append-eod",
+            "--workers",
+            "1",
+            "--no-progress",
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ]
+    )
     assert rc == 0
     out = capsys.readouterr().out
     assert "documents" in out and "tokens/s" in out and "empty documents skipped: 2" in out

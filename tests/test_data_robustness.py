@@ -10,10 +10,10 @@ import subprocess
 import sys
 import time
 
+import corpus_fixtures as T
 import pytest
 
 from megatron_lol.cli import main
-import corpus_fixtures as T
 
 
 @pytest.fixture(scope="session")
@@ -21,8 +21,10 @@ def tok_files(tmp_path_factory):
     return T.build_all(str(tmp_path_factory.getbasetemp() / "data_tokenizers"))
 
 
-GOOD = [json.dumps({"text": f"Document number {i}: the quick brown fox jumps over the lazy dog."}).encode()
-        for i in range(12)]
+GOOD = [
+    json.dumps({"text": f"Document number {i}: the quick brown fox jumps over the lazy dog."}).encode()
+    for i in range(12)
+]
 BAD = {
     "malformed": (b'{"text": "unterminated', "malformed JSON"),
     "missing_key": (json.dumps({"body": "no text key here"}).encode(), "missing key 'text'"),
@@ -57,8 +59,19 @@ def test_bad_line_stops_with_file_and_line(tmp_path, tok_files, capsys, case, wo
     write_lines(inp, GOOD[:6] + [bad] + GOOD[6:])  # bad line is line 7
     out = tmp_path / "out"
     out.mkdir()
-    rc, cap = run_cli(["--input", str(inp), "--output-prefix", str(out / "ds"), "--append-eod",
-                       "--workers", str(workers), *T.tokenizer_argv("sentencepiece", tok_files)], capsys)
+    rc, cap = run_cli(
+        [
+            "--input",
+            str(inp),
+            "--output-prefix",
+            str(out / "ds"),
+            "--append-eod",
+            "--workers",
+            str(workers),
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ],
+        capsys,
+    )
     assert rc == 2
     err = cap.err.strip()
     assert len(err.splitlines()) == 1
@@ -73,8 +86,17 @@ def test_skip_bad_lines_counts_them(tmp_path, tok_files):
         lines.insert(2 * i + 1, BAD[case][0])
     lines.insert(3, json.dumps({"text": ""}).encode())
     write_lines(inp, lines)
-    s = T.run_preprocess(["--input", str(inp), "--output-prefix", str(tmp_path / "o"), "--append-eod",
-                          "--skip-bad-lines", *T.tokenizer_argv("sentencepiece", tok_files)])
+    s = T.run_preprocess(
+        [
+            "--input",
+            str(inp),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--append-eod",
+            "--skip-bad-lines",
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ]
+    )
     assert s["bad_lines_skipped"] == len(BAD)
     assert s["empty_documents"]["text"] == 1
     assert s["outputs"]["text"]["documents"] == len(GOOD)
@@ -90,13 +112,25 @@ def test_line_numbers_in_gzip_and_mid_file_shard(tmp_path, tok_files, capsys):
     lines[150] = BAD["malformed"][0]
     gz = tmp_path / "c.jsonl.gz"
     write_lines(gz, lines, compress=True)
-    rc, cap = run_cli(["--input", str(gz), "--output-prefix", str(tmp_path / "g"),
-                       *T.tokenizer_argv("sentencepiece", tok_files)], capsys)
+    rc, cap = run_cli(
+        ["--input", str(gz), "--output-prefix", str(tmp_path / "g"), *T.tokenizer_argv("sentencepiece", tok_files)],
+        capsys,
+    )
     assert rc == 2 and f"{gz}:151: malformed JSON" in cap.err
     plain = tmp_path / "c.jsonl"
     write_lines(plain, lines)
-    rc, cap = run_cli(["--input", str(plain), "--output-prefix", str(tmp_path / "p"), "--shard", "1/2",
-                       *T.tokenizer_argv("sentencepiece", tok_files)], capsys)
+    rc, cap = run_cli(
+        [
+            "--input",
+            str(plain),
+            "--output-prefix",
+            str(tmp_path / "p"),
+            "--shard",
+            "1/2",
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ],
+        capsys,
+    )
     assert rc == 2 and f"{plain}:151: malformed JSON" in cap.err
     assert not any(n.endswith((".idx", ".bin")) for n in os.listdir(tmp_path))
 
@@ -106,20 +140,38 @@ def test_invalid_utf8_txt_and_parquet_null(tmp_path, tok_files, capsys):
     d.mkdir()
     (d / "a.txt").write_text("fine\n")
     (d / "b.txt").write_bytes(b"first line\nsecond \xff\xfe line\n")
-    rc, cap = run_cli(["--input", str(d), "--output-prefix", str(tmp_path / "t"),
-                       *T.tokenizer_argv("sentencepiece", tok_files)], capsys)
+    rc, cap = run_cli(
+        ["--input", str(d), "--output-prefix", str(tmp_path / "t"), *T.tokenizer_argv("sentencepiece", tok_files)],
+        capsys,
+    )
     assert rc == 2 and f"{d / 'b.txt'}:2: invalid UTF-8" in cap.err
 
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), tmp_path / "p.parquet", row_group_size=2)
-    rc, cap = run_cli(["--input", str(tmp_path / "p.parquet"), "--output-prefix", str(tmp_path / "q"),
-                       *T.tokenizer_argv("sentencepiece", tok_files)], capsys)
+    rc, cap = run_cli(
+        [
+            "--input",
+            str(tmp_path / "p.parquet"),
+            "--output-prefix",
+            str(tmp_path / "q"),
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ],
+        capsys,
+    )
     assert rc == 2 and f"{tmp_path / 'p.parquet'}:3 (parquet row): null value" in cap.err
     pq.write_table(pa.table({"body": ["a"]}), tmp_path / "nocol.parquet")
-    rc, cap = run_cli(["--input", str(tmp_path / "nocol.parquet"), "--output-prefix", str(tmp_path / "r"),
-                       *T.tokenizer_argv("sentencepiece", tok_files)], capsys)
+    rc, cap = run_cli(
+        [
+            "--input",
+            str(tmp_path / "nocol.parquet"),
+            "--output-prefix",
+            str(tmp_path / "r"),
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ],
+        capsys,
+    )
     assert rc == 2 and "no column 'text'" in cap.err
     assert not any(n.endswith((".idx", ".bin")) for n in os.listdir(tmp_path))
 
@@ -143,15 +195,37 @@ def test_user_errors_are_one_line(tmp_path, tok_files, capsys):
         (["--input", str(tmp_path / "nope.jsonl")], "no such file"),
         (["--input", str(tmp_path), "--tokenizer-type", "BertWordPieceCase"], "directory has no input"),
     ]:
-        rc, cap = run_cli(argv + ["--output-prefix", str(tmp_path / "x"),
-                                  *T.tokenizer_argv("sentencepiece", tok_files)][: None], capsys)
+        rc, cap = run_cli(
+            argv + ["--output-prefix", str(tmp_path / "x"), *T.tokenizer_argv("sentencepiece", tok_files)][:None],
+            capsys,
+        )
         assert rc == 2 and msg in cap.err and len(cap.err.strip().splitlines()) == 1
     (tmp_path / "c.jsonl").write_bytes(GOOD[0] + b"\n")
-    rc, cap = run_cli(["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "x"),
-                       "--tokenizer-type", "BertWordPieceCase"], capsys)
+    rc, cap = run_cli(
+        [
+            "--input",
+            str(tmp_path / "c.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "x"),
+            "--tokenizer-type",
+            "BertWordPieceCase",
+        ],
+        capsys,
+    )
     assert rc == 2 and "unsupported --tokenizer-type" in cap.err
-    rc, cap = run_cli(["--input", str(tmp_path / "c.jsonl"), "--output-prefix", str(tmp_path / "x"),
-                       "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", str(tmp_path / "m")], capsys)
+    rc, cap = run_cli(
+        [
+            "--input",
+            str(tmp_path / "c.jsonl"),
+            "--output-prefix",
+            str(tmp_path / "x"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            str(tmp_path / "m"),
+        ],
+        capsys,
+    )
     assert rc == 2 and "SentencePiece model not found" in cap.err
 
 
@@ -170,8 +244,9 @@ def test_interrupt_leaves_no_complete_looking_output(tmp_path, tok_files, monkey
     monkeypatch.setattr(readers, "BLOCK", 256)
     monkeypatch.setattr(readers, "iter_tasks", interrupted)
     with pytest.raises(KeyboardInterrupt):
-        T.run_preprocess(["--input", str(inp), "--output-prefix", str(tmp_path / "o"),
-                          *T.tokenizer_argv("sentencepiece", tok_files)])
+        T.run_preprocess(
+            ["--input", str(inp), "--output-prefix", str(tmp_path / "o"), *T.tokenizer_argv("sentencepiece", tok_files)]
+        )
     assert sorted(os.listdir(tmp_path)) == ["c.jsonl"]
 
 
@@ -183,10 +258,23 @@ def test_killed_process_leaves_no_idx(tmp_path, tok_files):
         for _ in range(4):
             for d in docs:
                 f.write(json.dumps({"text": d}) + "\n")
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_lol", "preprocess", "--input", str(inp),
-                             "--output-prefix", str(tmp_path / "o"), "--no-progress", "--append-eod",
-                             *T.tokenizer_argv("sentencepiece", tok_files)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "preprocess",
+            "--input",
+            str(inp),
+            "--output-prefix",
+            str(tmp_path / "o"),
+            "--no-progress",
+            "--append-eod",
+            *T.tokenizer_argv("sentencepiece", tok_files),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.time() + 60
         while time.time() < deadline:

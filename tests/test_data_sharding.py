@@ -5,10 +5,10 @@ from __future__ import annotations
 import filecmp
 import os
 
+import corpus_fixtures as T
 import pytest
 
 from megatron_lol.cli import main
-import corpus_fixtures as T
 
 
 @pytest.fixture(scope="session")
@@ -36,8 +36,9 @@ def test_merged_shards_identical_to_unsharded(tmp_path, tok_files, num_shards, c
     sh.mkdir()
     total_docs = 0
     for i in range(num_shards):
-        s = T.run_preprocess(["--input", inp, "--output-prefix", str(sh / "part"), "--append-eod",
-                              "--shard", f"{i}/{num_shards}", *tok])
+        s = T.run_preprocess(
+            ["--input", inp, "--output-prefix", str(sh / "part"), "--append-eod", "--shard", f"{i}/{num_shards}", *tok]
+        )
         total_docs += s["documents"]
     assert total_docs == n_docs
     names = sorted(os.listdir(sh))
@@ -45,8 +46,7 @@ def test_merged_shards_identical_to_unsharded(tmp_path, tok_files, num_shards, c
     rc = main(["merge-datasets", "--input", str(sh), "--output-prefix", str(tmp_path / "merged")])
     assert rc == 0
     for ext in (".bin", ".idx"):
-        assert filecmp.cmp(str(tmp_path / "full_text_document") + ext, str(tmp_path / "merged") + ext,
-                           shallow=False)
+        assert filecmp.cmp(str(tmp_path / "full_text_document") + ext, str(tmp_path / "merged") + ext, shallow=False)
 
 
 def test_single_file_byte_range_shards(tmp_path, tok_files):
@@ -71,16 +71,23 @@ def test_merge_refuses_incomplete_or_mixed(tmp_path, tok_files, capsys):
     tok = T.tokenizer_argv("sentencepiece", tok_files)
     for i in (0, 2):
         T.run_preprocess(["--input", inp, "--output-prefix", str(tmp_path / "p"), "--shard", f"{i}/3", *tok])
-    rc = main(["merge-datasets", "--input", str(tmp_path / "p_text_document.shard-*"),
-               "--output-prefix", str(tmp_path / "m")])
+    rc = main(
+        ["merge-datasets", "--input", str(tmp_path / "p_text_document.shard-*"), "--output-prefix", str(tmp_path / "m")]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "missing shard(s) 1 of 3" in err
     assert not os.path.exists(tmp_path / "m.idx")
     # several datasets in the given order; an existing output is not overwritten
     T.run_preprocess(["--input", inp, "--output-prefix", str(tmp_path / "a"), *tok])
     T.run_preprocess(["--input", inp, "--output-prefix", str(tmp_path / "b"), *tok])
-    argv = ["merge-datasets", "--input", str(tmp_path / "a_text_document"), str(tmp_path / "b_text_document"),
-            "--output-prefix", str(tmp_path / "ab")]
+    argv = [
+        "merge-datasets",
+        "--input",
+        str(tmp_path / "a_text_document"),
+        str(tmp_path / "b_text_document"),
+        "--output-prefix",
+        str(tmp_path / "ab"),
+    ]
     assert main(argv) == 0
     assert os.path.getsize(tmp_path / "ab.bin") == 2 * os.path.getsize(tmp_path / "a_text_document.bin")
     assert main(argv) == 2 and "exists" in capsys.readouterr().err

@@ -61,8 +61,10 @@ def _spread_routers(trainer) -> None:
         if not model.plan.routed:
             continue
         inputs = []
-        hooks = [r.logits.register_forward_hook(lambda mod, args, out: inputs.append(args[0].float()))
-                 for r in model.core.routers]
+        hooks = [
+            r.logits.register_forward_hook(lambda mod, args, out: inputs.append(args[0].float()))
+            for r in model.core.routers
+        ]
         model.eval()
         model(trainer.train_ds.rows[:4, :-1])
         model.train()
@@ -71,8 +73,9 @@ def _spread_routers(trainer) -> None:
         mean = torch.cat(inputs).mean(dim=0)
         for router in model.core.routers:
             weight = router.logits.weight
-            weight.copy_(torch.randn(weight.shape, generator=gen).to(weight.dtype) * ROUTER_SPREAD
-                         / inputs[0].std().item())
+            weight.copy_(
+                torch.randn(weight.shape, generator=gen).to(weight.dtype) * ROUTER_SPREAD / inputs[0].std().item()
+            )
             router.logits.bias.copy_(-(weight.float() @ mean).to(weight.dtype))
 
 
@@ -89,8 +92,15 @@ def lol_ckpt(checkpoints):
 
 
 RANDOM_MODELS = {
-    "lol_film_injection": dict(film="depth_block", input_injection=True, router_tied=False, per_depth_bias=True,
-                               routed_depth=5, num_blocks=3, window_shift=3),
+    "lol_film_injection": dict(
+        film="depth_block",
+        input_injection=True,
+        router_tied=False,
+        per_depth_bias=True,
+        routed_depth=5,
+        num_blocks=3,
+        window_shift=3,
+    ),
     "lol_moe": dict(moe_layers="all", num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
     "dense": dict(plan="dense", core_layers=2),
     "dense_sliding": dict(plan="dense", core_layers=2, dense_attention="sliding"),
@@ -105,8 +115,19 @@ RANDOM_MODELS = {
 def model_config(model: dict):
     from megatron_lol.config import config_from_dict
 
-    m = dict(plan="lol", hidden_size=64, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=128,
-             n_prelude=1, n_coda=1, num_blocks=4, routed_depth=4, window_size=8, window_shift=4)
+    m = dict(
+        plan="lol",
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        ffn_hidden_size=128,
+        n_prelude=1,
+        n_coda=1,
+        num_blocks=4,
+        routed_depth=4,
+        window_size=8,
+        window_shift=4,
+    )
     m.update(model)
     if m["plan"] != "lol":
         for key in ("num_blocks", "routed_depth"):
@@ -218,8 +239,9 @@ def test_cached_decoding_equals_recompute_every_plan(name):
     budgets = [1, max(ACCORDION["loop_budgets"])] if name == "accordion" else [None]
     for budget in budgets:
         prompt = prompts_with_documents(3, 20, seed=len(name))
-        seq, worst, cache, memory = decode_against_recompute(model, prompt, NEW_TOKENS, force_eod_at=SEQ + 5,
-                                                             loop_budget=budget)
+        seq, worst, cache, memory = decode_against_recompute(
+            model, prompt, NEW_TOKENS, force_eod_at=SEQ + 5, loop_budget=budget
+        )
         print(f"{name} (budget {budget}): {NEW_TOKENS} cached steps, max abs logit diff {worst:.2e}")
         assert worst <= TOL, (name, budget, worst)
         assert seq.shape[1] == 20 + NEW_TOKENS
@@ -243,6 +265,7 @@ def test_cached_decoding_equals_recompute_on_cuda(name):
     assert worst <= 1e-4, worst
     check_routes(model, seq, cache, budget)
     assert all(layer.keys.is_cuda for layer in cache.layers if layer.keys is not None)
+
 
 def test_trained_lol_cached_decoding_and_routes_equal_megatron(lol_ckpt, corpus, tmp_path):  # noqa: F811
     """The trained LoL model's export: packed documents with an EOD inside the prompt; routes
@@ -293,10 +316,23 @@ def test_hf_generate_cache_batches_sampling_and_pipeline(lol_ckpt, corpus, tmp_p
     x = heldout_batch(tok, corpus)
     prompt = x[:1, :30]
     # greedy: the cached generation is the recomputed one, logits included
-    a = hf.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False,
-                    return_dict_in_generate=True, output_logits=True)
-    b = hf.generate(prompt, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False, use_cache=False,
-                    return_dict_in_generate=True, output_logits=True)
+    a = hf.generate(
+        prompt,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
+    b = hf.generate(
+        prompt,
+        max_new_tokens=NEW_TOKENS,
+        min_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        use_cache=False,
+        return_dict_in_generate=True,
+        output_logits=True,
+    )
     assert torch.equal(a.sequences, b.sequences)
     assert max((p - q).abs().max().item() for p, q in zip(a.logits, b.logits)) <= TOL
     cache = a.cache
@@ -307,11 +343,11 @@ def test_hf_generate_cache_batches_sampling_and_pipeline(lol_ckpt, corpus, tmp_p
     batch = torch.zeros(len(rows), width, dtype=torch.long)
     mask = torch.zeros_like(batch)
     for i, r in enumerate(rows):
-        batch[i, width - len(r):], mask[i, width - len(r):] = r, 1
+        batch[i, width - len(r) :], mask[i, width - len(r) :] = r, 1
     got = _greedy(hf, batch, 40, attention_mask=mask, pad_token_id=0)
     assert torch.equal(got, _greedy(hf, batch, 40, attention_mask=mask, pad_token_id=0, use_cache=False))
     for i, r in enumerate(rows):
-        assert torch.equal(got[i, width:], _greedy(hf, r.unsqueeze(0), 40)[0, len(r):]), i
+        assert torch.equal(got[i, width:], _greedy(hf, r.unsqueeze(0), 40)[0, len(r) :]), i
     # the same with the tokenizer's left padding (docs/evaluation.md)
     tok.padding_side, tok.pad_token = "left", tok.unk_token
     texts = [tok.decode(r) for r in rows[:2]]
@@ -319,14 +355,23 @@ def test_hf_generate_cache_batches_sampling_and_pipeline(lol_ckpt, corpus, tmp_p
     padded = _greedy(hf, enc["input_ids"], 24, attention_mask=enc["attention_mask"], pad_token_id=tok.pad_token_id)
     for i, t in enumerate(texts):
         alone = tok(t, return_tensors="pt")["input_ids"]
-        assert torch.equal(padded[i, enc["input_ids"].shape[1]:], _greedy(hf, alone, 24)[0, alone.shape[1]:]), i
+        assert torch.equal(padded[i, enc["input_ids"].shape[1] :], _greedy(hf, alone, 24)[0, alone.shape[1] :]), i
     # sampling with a seed: the same draw with and without the cache; another seed draws otherwise
     sampled = {}
     for seed, use_cache in ((7, True), (7, False), (8, True)):
         torch.manual_seed(seed)
-        sampled[seed, use_cache] = hf.generate(batch, attention_mask=mask, pad_token_id=0, do_sample=True,
-                                               max_new_tokens=48, min_new_tokens=48, top_k=50, top_p=0.95,
-                                               temperature=1.5, use_cache=use_cache)
+        sampled[seed, use_cache] = hf.generate(
+            batch,
+            attention_mask=mask,
+            pad_token_id=0,
+            do_sample=True,
+            max_new_tokens=48,
+            min_new_tokens=48,
+            top_k=50,
+            top_p=0.95,
+            temperature=1.5,
+            use_cache=use_cache,
+        )
     assert torch.equal(sampled[7, True], sampled[7, False])
     assert not torch.equal(sampled[7, True], sampled[8, True])
     # pipeline("text-generation") on the export directory
@@ -376,8 +421,19 @@ def test_generate_cli(lol_ckpt, corpus, tmp_path, capsys):  # noqa: F811
 
     loaded = load_model(str(lol_ckpt))
     texts = [corpus["heldout"][0][:60], corpus["heldout"][1][:45], corpus["heldout"][2][:20]]
-    code, out, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", texts[0], "--max-new-tokens", "20",
-                          "--json", "--record-routes", "--ignore-eod")
+    code, out, err = _cli(
+        capsys,
+        "generate",
+        "--load",
+        str(lol_ckpt),
+        "--prompt",
+        texts[0],
+        "--max-new-tokens",
+        "20",
+        "--json",
+        "--record-routes",
+        "--ignore-eod",
+    )
     assert code == 0, err
     result = json.loads(out)
     import sentencepiece as spm
@@ -385,7 +441,7 @@ def test_generate_cli(lol_ckpt, corpus, tmp_path, capsys):  # noqa: F811
     sp = spm.SentencePieceProcessor(model_file=corpus["model"])
     prompt = torch.tensor([sp.encode(texts[0])])
     assert result["prompt_tokens"] == prompt.shape[1]
-    want = loaded.model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, prompt.shape[1]:]
+    want = loaded.model.generate(prompt, max_new_tokens=20, min_new_tokens=20, do_sample=False)[0, prompt.shape[1] :]
     assert result["tokens"] == want.tolist() and result["completion_tokens"] == 20
     # routes: every routed depth, every window of prompt and completion, starting at position 0
     depths = {r["depth"] for r in result["routes"]}
@@ -393,28 +449,43 @@ def test_generate_cli(lol_ckpt, corpus, tmp_path, capsys):  # noqa: F811
     routes = []
     with torch.no_grad():
         loaded.model(torch.cat([prompt, want.unsqueeze(0)], dim=1)[:, :-1], routes=routes)
-    assert sorted((r["depth"], r["document"], r["window"], r["start"], r["block"]) for r in result["routes"]) == \
-        sorted(r[1:6] for r in routes)
+    assert sorted((r["depth"], r["document"], r["window"], r["start"], r["block"]) for r in result["routes"]) == sorted(
+        r[1:6] for r in routes
+    )
     assert "tokens/s" in err
     # a batch of prompts of different lengths decodes each as alone; sampling repeats with its seed
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
-    args = ["generate", "--load", str(lol_ckpt), "--prompts", str(prompts), "--max-new-tokens", "12", "--json",
-            "--batch-size", "2"]
+    args = [
+        "generate",
+        "--load",
+        str(lol_ckpt),
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--batch-size",
+        "2",
+    ]
     code, out, err = _cli(capsys, *args)
     assert code == 0, err
     batched = [json.loads(line) for line in out.splitlines()]
     assert [r["index"] for r in batched] == [0, 1, 2]
     for t, r in zip(texts, batched):
-        code, out, _ = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", t, "--max-new-tokens", "12",
-                            "--json")
+        code, out, _ = _cli(
+            capsys, "generate", "--load", str(lol_ckpt), "--prompt", t, "--max-new-tokens", "12", "--json"
+        )
         assert json.loads(out)["tokens"] == r["tokens"]
-    draws = [_cli(capsys, *args, "--temperature", "1.2", "--top-k", "40", "--top-p", "0.9", "--seed", s)[1]
-             for s in ("3", "3", "4")]
+    draws = [
+        _cli(capsys, *args, "--temperature", "1.2", "--top-k", "40", "--top-p", "0.9", "--seed", s)[1]
+        for s in ("3", "3", "4")
+    ]
     assert draws[0] == draws[1] and draws[0] != draws[2]
     # text output
-    code, out, _ = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", texts[2], "--max-new-tokens", "5",
-                        "--record-routes")
+    code, out, _ = _cli(
+        capsys, "generate", "--load", str(lol_ckpt), "--prompt", texts[2], "--max-new-tokens", "5", "--record-routes"
+    )
     assert code == 0 and out.startswith("=== 0:") and "routes depth 1 document 0:" in out
 
 
@@ -441,8 +512,9 @@ def test_generate_and_evaluate_errors(lol_ckpt, tmp_path, capsys):
     # prompts: too long, empty, bad JSONL line; routes of a model without routing
     code, _, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", "word " * 100)
     assert code == 2 and "more than the model allows (64" in err
-    code, _, err = _cli(capsys, "generate", "--load", str(lol_ckpt), "--prompt", "hello there",
-                        "--max-prompt-tokens", "1")
+    code, _, err = _cli(
+        capsys, "generate", "--load", str(lol_ckpt), "--prompt", "hello there", "--max-prompt-tokens", "1"
+    )
     assert code == 2 and "more than the model allows (1" in err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": 3}\n')
@@ -464,10 +536,11 @@ def _reference_nll(native, tokens: list, seq: int) -> float:
     with torch.no_grad():
         for start in range(0, len(tokens), seq):
             end = min(start + seq, len(tokens))
-            inputs = torch.tensor([ids[max(0, end - seq):end]])
-            logits = native(inputs)[0, start - end:].float()
-            total += torch.nn.functional.cross_entropy(logits, torch.tensor(ids[start + 1:end + 1]),
-                                                       reduction="sum").item()
+            inputs = torch.tensor([ids[max(0, end - seq) : end]])
+            logits = native(inputs)[0, start - end :].float()
+            total += torch.nn.functional.cross_entropy(
+                logits, torch.tensor(ids[start + 1 : end + 1]), reduction="sum"
+            ).item()
     return total
 
 
@@ -482,8 +555,17 @@ def test_evaluate_cli_jsonl_and_indexed_dataset(lol_ckpt, corpus, tmp_path, caps
     short, middle, long = sorted(len(d) for d in docs)
     assert short < middle < long and long > SEQ  # the long document is scored in several pieces
     edges = [short + 1, middle + 1]  # one document per length bucket
-    code, out, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(data), "--json",
-                          "--length-buckets", f"{edges[0]},{edges[1]}")
+    code, out, err = _cli(
+        capsys,
+        "evaluate",
+        "--load",
+        str(lol_ckpt),
+        "--jsonl",
+        str(data),
+        "--json",
+        "--length-buckets",
+        f"{edges[0]},{edges[1]}",
+    )
     assert code == 0, err
     result = json.loads(out)
     assert "evaluate" in err  # the progress bar
@@ -505,22 +587,48 @@ def test_evaluate_cli_jsonl_and_indexed_dataset(lol_ckpt, corpus, tmp_path, caps
     from megatron_lol.cli import main
 
     prefix = tmp_path / "heldout"
-    assert main(["preprocess", "--input", str(data), "--output-prefix", str(prefix), "--tokenizer-type",
-                 "SentencePieceTokenizer", "--tokenizer-model", corpus["model"], "--append-eod",
-                 "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                "--input",
+                str(data),
+                "--output-prefix",
+                str(prefix),
+                "--tokenizer-type",
+                "SentencePieceTokenizer",
+                "--tokenizer-model",
+                corpus["model"],
+                "--append-eod",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     files = list(tmp_path.glob("heldout*.idx"))
-    code, out, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--data-path", str(files[0])[:-4], "--json",
-                          "--no-progress", "--micro-batch-size", "1")
+    code, out, err = _cli(
+        capsys,
+        "evaluate",
+        "--load",
+        str(lol_ckpt),
+        "--data-path",
+        str(files[0])[:-4],
+        "--json",
+        "--no-progress",
+        "--micro-batch-size",
+        "1",
+    )
     assert code == 0, err
     indexed = json.loads(out)
     assert indexed["overall"]["tokens"] == tokens and "evaluate" not in err
     assert math.isclose(indexed["overall"]["loss"], overall["loss"], rel_tol=1e-6)
     # the table
-    code, out, _ = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(data), "--no-progress",
-                        "--max-documents", "1")
+    code, out, _ = _cli(
+        capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(data), "--no-progress", "--max-documents", "1"
+    )
     assert code == 0 and "bpb" in out and out.splitlines()[2].split()[:2] == ["all", "1"]
-
 
 
 def test_generate_and_evaluate_accordion_budget(checkpoints, corpus, tmp_path, capsys):  # noqa: F811
@@ -533,8 +641,20 @@ def test_generate_and_evaluate_accordion_budget(checkpoints, corpus, tmp_path, c
     text = corpus["heldout"][0][:50]
     native = native_model(ckpt)
     for budget in (1, 3):
-        code, out, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", text, "--max-new-tokens", "12",
-                              "--loop-budget", str(budget), "--json", "--ignore-eod")
+        code, out, err = _cli(
+            capsys,
+            "generate",
+            "--load",
+            str(ckpt),
+            "--prompt",
+            text,
+            "--max-new-tokens",
+            "12",
+            "--loop-budget",
+            str(budget),
+            "--json",
+            "--ignore-eod",
+        )
         assert code == 0, err
         seq = torch.tensor([sp.encode(text)])
         with torch.no_grad():
@@ -545,19 +665,31 @@ def test_generate_and_evaluate_accordion_budget(checkpoints, corpus, tmp_path, c
     data.write_text(json.dumps({"text": corpus["heldout"][1][:400]}) + "\n")
     losses = {}
     for budget in (0, 3):
-        code, out, err = _cli(capsys, "evaluate", "--load", str(ckpt), "--jsonl", str(data), "--json", "--no-progress",
-                              "--loop-budget", str(budget))
+        code, out, err = _cli(
+            capsys,
+            "evaluate",
+            "--load",
+            str(ckpt),
+            "--jsonl",
+            str(data),
+            "--json",
+            "--no-progress",
+            "--loop-budget",
+            str(budget),
+        )
         assert code == 0, err
         losses[budget] = json.loads(out)["overall"]["loss"]
         assert json.loads(out)["loop_budget"] == budget
     assert losses[0] != losses[3]
     code, _, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", "hi", "--loop-budget", "2")
     assert code == 2 and "--loop-budget: 2 is not one of the model's loop_budgets [0, 1, 3]" in err
-    code, _, err = _cli(capsys, "generate", "--load", str(checkpoints["lol_1proc"]), "--prompt", "hi",
-                        "--loop-budget", "1")
+    code, _, err = _cli(
+        capsys, "generate", "--load", str(checkpoints["lol_1proc"]), "--prompt", "hi", "--loop-budget", "1"
+    )
     assert code == 2 and "only plan accordion has a loop budget" in err
     code, _, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", "hi", "--record-routes")
     assert code == 2 and "--record-routes: plan accordion has no routed depths" in err
+
 
 def test_decode_benchmark_runs(tmp_path):
     """bench/decode.py at tiny sizes: every model, batch and length gets its row, measured and
@@ -567,15 +699,46 @@ def test_decode_benchmark_runs(tmp_path):
 
     root = Path(__file__).resolve().parents[1]
     out = tmp_path / "decode.json"
-    proc = subprocess.run([sys.executable, str(root / "bench" / "decode.py"), "--hidden", "32", "--ffn", "64",
-                           "--vocab", "256", "--window", "8", "--shift", "4", "--prompt", "8", "--new-tokens", "8,24",
-                           "--batch", "1,2", "--repeats", "1", "--recompute-limit", "8", "--estimate-points", "3",
-                           "--json", str(out)], capture_output=True, text=True, timeout=600, cwd=root,
-                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(root / "bench" / "decode.py"),
+            "--hidden",
+            "32",
+            "--ffn",
+            "64",
+            "--vocab",
+            "256",
+            "--window",
+            "8",
+            "--shift",
+            "4",
+            "--prompt",
+            "8",
+            "--new-tokens",
+            "8,24",
+            "--batch",
+            "1,2",
+            "--repeats",
+            "1",
+            "--recompute-limit",
+            "8",
+            "--estimate-points",
+            "3",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=root,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads(out.read_text())["rows"]
     assert sorted((r["model"], r["batch"], r["new_tokens"]) for r in rows) == sorted(
-        (m, b, n) for m in ("lol", "dense", "accordion") for b in (1, 2) for n in (8, 24))
+        (m, b, n) for m in ("lol", "dense", "accordion") for b in (1, 2) for n in (8, 24)
+    )
     for r in rows:
         assert r["layers"] == 6 and r["cached_tokens_per_s"] > 0 and r["recompute_estimate_tokens_per_s"] > 0
         assert (r["recompute_tokens_per_s"] is not None) == (r["new_tokens"] == 8)
@@ -585,13 +748,16 @@ def test_decode_benchmark_runs(tmp_path):
     assert all(r["cache_bytes"]["windows"] == 0 for r in rows if r["model"] != "lol")
     assert "vs dense" in proc.stdout and proc.stdout.count("\nlol ") == 4
 
+
 # ------------------------------------------------------------------ lm-evaluation-harness on the export
-ARC = [("What does the def keyword start?", ["a function", "a number", "a colour"], 0),
-       ("Which word imports a module?", ["import", "banana", "seventeen"], 0),
-       ("What does return give back?", ["a value", "a river", "a song"], 0),
-       ("Which of these is a Python type?", ["dict", "cloud", "spoon"], 0),
-       ("What closes a string that opens with a quote?", ["a quote", "a tree", "a door"], 0),
-       ("Which symbol starts a comment?", ["#", "apple", "tiger"], 0)]
+ARC = [
+    ("What does the def keyword start?", ["a function", "a number", "a colour"], 0),
+    ("Which word imports a module?", ["import", "banana", "seventeen"], 0),
+    ("What does return give back?", ["a value", "a river", "a song"], 0),
+    ("Which of these is a Python type?", ["dict", "cloud", "spoon"], 0),
+    ("What closes a string that opens with a quote?", ["a quote", "a tree", "a door"], 0),
+    ("Which symbol starts a comment?", ["#", "apple", "tiger"], 0),
+]
 
 
 def _arc_loglikelihoods(hf, tok, question: str, choices: list) -> list:
@@ -604,8 +770,8 @@ def _arc_loglikelihoods(hf, tok, question: str, choices: list) -> list:
         ctx = tok(context, add_special_tokens=False)["input_ids"]
         with torch.no_grad():
             logits = hf(torch.tensor([whole[:-1]])).logits[0].float().log_softmax(-1)
-        cont = torch.tensor(whole[len(ctx):])
-        out.append(logits[len(ctx) - 1:].gather(1, cont.unsqueeze(1)).sum().item())
+        cont = torch.tensor(whole[len(ctx) :])
+        out.append(logits[len(ctx) - 1 :].gather(1, cont.unsqueeze(1)).sum().item())
     return out
 
 
@@ -623,8 +789,10 @@ def test_lm_evaluation_harness_local_tasks(lol_ckpt, corpus, tmp_path, capsys): 
     shutil.copytree(Path(__file__).resolve().parents[1] / "examples" / "lm_eval_tasks", work)
     heldout = [corpus["heldout"][0][:300], corpus["heldout"][1][:900], corpus["heldout"][2][:80]]
     data = {
-        "arc_easy": [{"id": str(i), "question": q, "choices": {"text": c, "label": ["A", "B", "C"]},
-                      "answerKey": "ABC"[a]} for i, (q, c, a) in enumerate(ARC)],
+        "arc_easy": [
+            {"id": str(i), "question": q, "choices": {"text": c, "label": ["A", "B", "C"]}, "answerKey": "ABC"[a]}
+            for i, (q, c, a) in enumerate(ARC)
+        ],
         "lambada_openai": [{"text": t[:120].rsplit(" ", 1)[0]} for t in heldout],
         "heldout": [{"text": t} for t in heldout],
         "wikitext": [{"page": " = Heading = \n " + t[:200].replace(". ", " . ") + " \n"} for t in heldout],
@@ -633,27 +801,57 @@ def test_lm_evaluation_harness_local_tasks(lol_ckpt, corpus, tmp_path, capsys): 
         (work / "data" / name).mkdir(parents=True)
         for split in ("train", "validation", "test"):
             (work / "data" / name / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    env = dict(os.environ, HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "lm_eval", "--model", "hf", "--model_args",
-           f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32,prefix_token_id={EOD_ID}",
-           "--tasks", "arc_easy_local,lambada_openai_local,heldout_text_local,wikitext_local", "--include_path", ".",
-           "--device", "cpu", "--batch_size", "4", "--output_path", "results"]
+    env = dict(
+        os.environ,
+        HF_DATASETS_OFFLINE="1",
+        HF_HUB_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")]),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "lm_eval",
+        "--model",
+        "hf",
+        "--model_args",
+        f"pretrained={tmp_path / 'hf'},trust_remote_code=True,dtype=float32,prefix_token_id={EOD_ID}",
+        "--tasks",
+        "arc_easy_local,lambada_openai_local,heldout_text_local,wikitext_local",
+        "--include_path",
+        ".",
+        "--device",
+        "cpu",
+        "--batch_size",
+        "4",
+        "--output_path",
+        "results",
+    ]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = json.loads(next((work / "results").rglob("results_*.json")).read_text())["results"]
     # held-out documents: lm-eval's rolling log-likelihood is megatron-lol evaluate's
     (tmp_path / "heldout.jsonl").write_text((work / "data" / "heldout" / "test.jsonl").read_text())
-    code, out, err = _cli(capsys, "evaluate", "--load", str(lol_ckpt), "--jsonl", str(tmp_path / "heldout.jsonl"),
-                          "--json", "--no-progress")
+    code, out, err = _cli(
+        capsys,
+        "evaluate",
+        "--load",
+        str(lol_ckpt),
+        "--jsonl",
+        str(tmp_path / "heldout.jsonl"),
+        "--json",
+        "--no-progress",
+    )
     assert code == 0, err
     ours = json.loads(out)["overall"]
     assert math.isclose(results["heldout_text_local"]["bits_per_byte,none"], ours["bits_per_byte"], rel_tol=1e-5)
     # ARC-format multiple choice: the accuracy of the log-likelihoods computed here
     hf = AutoModelForCausalLM.from_pretrained(tmp_path / "hf", trust_remote_code=True, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(tmp_path / "hf", trust_remote_code=True)
-    correct = [max(range(3), key=lambda i: ll[i]) == a
-               for (q, c, a), ll in ((item, _arc_loglikelihoods(hf, tok, item[0], item[1])) for item in ARC)]
+    correct = [
+        max(range(3), key=lambda i: ll[i]) == a
+        for (q, c, a), ll in ((item, _arc_loglikelihoods(hf, tok, item[0], item[1])) for item in ARC)
+    ]
     assert results["arc_easy_local"]["acc,none"] == pytest.approx(sum(correct) / len(ARC))
     assert math.isfinite(results["lambada_openai_local"]["perplexity,none"])
     assert 0 <= results["lambada_openai_local"]["acc,none"] <= 1

@@ -46,8 +46,9 @@ def test_each_plan_kind_steps():
     foil = _plan(plan="foil", foil_layers=2, foil_loops=2, foil_experts=6, moe_layers="all", num_experts=4)
     assert foil.untied_attention_sets() == [(0, 1), (1, 1)] and foil.core_experts == 6
     assert not foil.pipeline_ok and not foil.shards_library
-    tied = _plan(plan="foil", foil_layers=2, foil_loops=2, foil_experts=6, moe_layers="all", num_experts=4,
-                 untie_attention=False)
+    tied = _plan(
+        plan="foil", foil_layers=2, foil_loops=2, foil_experts=6, moe_layers="all", num_experts=4, untie_attention=False
+    )
     assert tied.untied_attention_sets() == [] and tied.pipeline_ok
 
     lol = _plan(plan="lol", num_blocks=3, routed_depth=5)
@@ -59,12 +60,23 @@ def test_each_plan_kind_steps():
 
 
 def test_accordion_budget_rule_lives_in_the_plan():
-    acc = _plan(plan="accordion", loop_window=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
-                second_pass_router="separate")
+    acc = _plan(
+        plan="accordion",
+        loop_window=3,
+        loop_budgets=[0, 1, 3],
+        moe_layers="all",
+        num_experts=4,
+        second_pass_router="separate",
+    )
     steps = acc.steps()
-    assert [(s.block, s.pass_index, s.gated, s.separate_router) for s in steps] == \
-        [(0, 0, False, False), (1, 0, False, False), (2, 0, False, False),
-         (0, 1, True, True), (1, 1, True, True), (2, 1, True, True)]
+    assert [(s.block, s.pass_index, s.gated, s.separate_router) for s in steps] == [
+        (0, 0, False, False),
+        (1, 0, False, False),
+        (2, 0, False, False),
+        (0, 1, True, True),
+        (1, 1, True, True),
+        (2, 1, True, True),
+    ]
     assert [acc.depth_for(k) for k in (0, 1, 3)] == [3, 4, 6]
     assert acc.resolve_budget(None) == 3 and acc.eval_budgets() == [0, 1, 3]
     assert acc.steps(acc.depth_for(1))[-1].block == 0
@@ -83,25 +95,45 @@ def test_growth_period_is_exact():
     # the trainer's depth at each step uses it: full depth from step 29 on
     assert depth_at(28, 16, 1, 0.29, 100) < 16 and depth_at(29, 16, 1, 0.29, 100) == 16
     assert depth_at(5, 16, None, 0.29, 100) == 16
-    cfg = config_from_dict({"model": dict(BASE, num_blocks=4, routed_depth=16),
-                            "curriculum": {"initial_depth": 1, "growth_fraction": 0.29},
-                            "training": {"train_iters": 100}})
+    cfg = config_from_dict(
+        {
+            "model": dict(BASE, num_blocks=4, routed_depth=16),
+            "curriculum": {"initial_depth": 1, "growth_fraction": 0.29},
+            "training": {"train_iters": 100},
+        }
+    )
     from megatron_lol.training.trainer import Trainer
 
     trainer = Trainer(cfg)
     assert [trainer.depth_at(t) for t in (28, 29)] == [depth_at(28, 16, 1, 0.29, 100), 16]
 
 
-@pytest.mark.parametrize("model,message", [
-    (dict(plan="dense", core_layers=3, num_blocks=4), "model.num_blocks: not used by plan dense"),
-    (dict(plan="foil", foil_layers=2, foil_loops=2, foil_experts=4, moe_layers="all", num_experts=4,
-          routed_depth=4), "model.routed_depth: not used by plan foil"),
-    (dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4), "model.foil_experts: plan foil needs it"),
-    (dict(plan="looped", loop_layers=2), "model.loop_count: plan looped needs it"),
-    (dict(plan="accordion", loop_window=0), "model.loop_window: must be > 0 (got 0)"),
-    (dict(plan="lol", untie_attention=True), "model.untie_attention: only a looped plan"),
-    (dict(plan="lol", dense_attention="sliding"), "model.dense_attention: plan lol attends inside its windows"),
-])
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        (dict(plan="dense", core_layers=3, num_blocks=4), "model.num_blocks: not used by plan dense"),
+        (
+            dict(
+                plan="foil",
+                foil_layers=2,
+                foil_loops=2,
+                foil_experts=4,
+                moe_layers="all",
+                num_experts=4,
+                routed_depth=4,
+            ),
+            "model.routed_depth: not used by plan foil",
+        ),
+        (
+            dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4),
+            "model.foil_experts: plan foil needs it",
+        ),
+        (dict(plan="looped", loop_layers=2), "model.loop_count: plan looped needs it"),
+        (dict(plan="accordion", loop_window=0), "model.loop_window: must be > 0 (got 0)"),
+        (dict(plan="lol", untie_attention=True), "model.untie_attention: only a looped plan"),
+        (dict(plan="lol", dense_attention="sliding"), "model.dense_attention: plan lol attends inside its windows"),
+    ],
+)
 def test_plan_keys_are_validated(model, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"model": dict(BASE, **model)})
@@ -109,22 +141,37 @@ def test_plan_keys_are_validated(model, message):
 
 
 OLD_SPELLING = {
-    "foil-2": ("""plan: looped
+    "foil-2": (
+        """plan: looped
   num_blocks: 2
   routed_depth: 16
   untie_attention: true
-  core_num_experts: 32""", "foil"),
-    "proto-foil-1": ("""plan: looped
+  core_num_experts: 32""",
+        "foil",
+    ),
+    "proto-foil-1": (
+        """plan: looped
   num_blocks: 1
   routed_depth: 16
-  core_num_experts: 64""", "foil"),
-    "huginn-360m-4x4": ("""plan: looped
+  core_num_experts: 64""",
+        "foil",
+    ),
+    "huginn-360m-4x4": (
+        """plan: looped
   num_blocks: 4
-  routed_depth: 16""", "looped"),
-    "moe-baseline": ("""plan: dense
-  num_blocks: 16""", "dense"),
-    "accordion-1.61b": ("""plan: accordion
-  num_blocks: 12""", "accordion"),
+  routed_depth: 16""",
+        "looped",
+    ),
+    "moe-baseline": (
+        """plan: dense
+  num_blocks: 16""",
+        "dense",
+    ),
+    "accordion-1.61b": (
+        """plan: accordion
+  num_blocks: 12""",
+        "accordion",
+    ),
 }
 
 
@@ -136,11 +183,22 @@ def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_pa
 
     old_shape, plan_name = OLD_SPELLING[name]
     text = (PAPER / f"{name}.yaml").read_text()
-    new_keys = ("plan", "core_layers", "loop_layers", "loop_count", "foil_layers", "foil_loops", "foil_experts",
-                "loop_window")
-    kept = [line for line in text.splitlines()
-            if not re.match(r"^\s+(" + "|".join(new_keys) + r"):", line)
-            and not (plan_name == "foil" and re.match(r"^\s+untie_attention:", line))]
+    new_keys = (
+        "plan",
+        "core_layers",
+        "loop_layers",
+        "loop_count",
+        "foil_layers",
+        "foil_loops",
+        "foil_experts",
+        "loop_window",
+    )
+    kept = [
+        line
+        for line in text.splitlines()
+        if not re.match(r"^\s+(" + "|".join(new_keys) + r"):", line)
+        and not (plan_name == "foil" and re.match(r"^\s+untie_attention:", line))
+    ]
     at = kept.index("model:") + 1
     old = "\n".join(kept[:at] + ["  " + old_shape] + kept[at:]) + "\n"
     (tmp_path / "old.yaml").write_text(old)
@@ -171,8 +229,9 @@ def test_python_construction_reads_the_older_spelling_too():
 
 def test_schedule_comparisons_live_in_the_plan_package():
     """Nothing outside ``megatron_lol/plan`` compares plan names: everything asks the plan."""
-    out = subprocess.run(["grep", "-rnE", r"plan (==|!=)|plan (not )?in \(", "megatron_lol"], cwd=REPO,
-                         capture_output=True, text=True)
+    out = subprocess.run(
+        ["grep", "-rnE", r"plan (==|!=)|plan (not )?in \(", "megatron_lol"], cwd=REPO, capture_output=True, text=True
+    )
     lines = [l for l in out.stdout.splitlines() if ".pyc" not in l]
     assert lines and all(l.startswith(os.path.join("megatron_lol", "plan") + os.sep) for l in lines), lines
     assert len(lines) <= 6, lines
@@ -185,13 +244,16 @@ def test_hf_export_carries_the_schedule():
     from megatron_lol.convert.hf_modeling.configuration_lol import LoLConfig
     from megatron_lol.convert.to_hf import lol_config_json
 
-    for model in (dict(plan="lol", num_blocks=3, routed_depth=5),
-                  dict(plan="accordion", loop_window=3, loop_budgets=[0, 1, 3], loop_budget=1)):
+    for model in (
+        dict(plan="lol", num_blocks=3, routed_depth=5),
+        dict(plan="accordion", loop_window=3, loop_budgets=[0, 1, 3], loop_budget=1),
+    ):
         cfg = config_from_dict({"model": dict(BASE, **model)})
         conf = lol_config_json(cfg, 96, torch.float32, {"eod_id": 0}, loop_budget=None)
         plan = cfg.model.execution_plan()
         assert conf["execution_plan"] == plan.to_dict()
         hf = LoLConfig(**{k: v for k, v in conf.items() if k not in ("architectures", "auto_map", "model_type")})
         assert hf.core_depth == plan.depth
-        assert [hf.depth_for_budget(k) for k in plan.budgets if k is not None] == \
-            [plan.depth_for(k) for k in plan.budgets if k is not None]
+        assert [hf.depth_for_budget(k) for k in plan.budgets if k is not None] == [
+            plan.depth_for(k) for k in plan.budgets if k is not None
+        ]

@@ -21,12 +21,20 @@ import sys
 import time
 from pathlib import Path
 
+import corpus_fixtures as T
 import numpy as np
 import pytest
-
-import corpus_fixtures as T
-from test_checkpointing import REPO, kill9, launch, make_corpus, metrics, subprocess_env, tracker, wait_for, \
-    write_config
+from test_checkpointing import (
+    REPO,
+    kill9,
+    launch,
+    make_corpus,
+    metrics,
+    subprocess_env,
+    tracker,
+    wait_for,
+    write_config,
+)
 
 TRAIN_ITERS = 4
 RUN_TIMEOUT = 55
@@ -101,8 +109,9 @@ def write_dataset(prefix: str, docs: list) -> str:
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
     prefix, tok = make_corpus(root / "data")
-    config = write_config(root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=TRAIN_ITERS,
-                          save_interval=2)
+    config = write_config(
+        root / "tiny.yaml", prefix, tok, str(root / "cache"), train_iters=TRAIN_ITERS, save_interval=2
+    )
     return {"root": root, "prefix": prefix, "tokenizer": tok, "config": config}
 
 
@@ -176,15 +185,37 @@ def test_truncated_zst_input_is_an_error(tmp_path, capsys):
         inp.write_bytes(blob[:cut])
         out = tmp_path / "out"
         out.mkdir(exist_ok=True)
-        rc = main(["preprocess", "--no-progress", "--input", str(inp), "--output-prefix", str(out / "ds"),
-                   *extra, *T.tokenizer_argv("sentencepiece", tok)])
+        rc = main(
+            [
+                "preprocess",
+                "--no-progress",
+                "--input",
+                str(inp),
+                "--output-prefix",
+                str(out / "ds"),
+                *extra,
+                *T.tokenizer_argv("sentencepiece", tok),
+            ]
+        )
         err = capsys.readouterr().err.strip()
         assert rc == 2 and len(err.splitlines()) == 1, err
         assert f"{inp}: truncated zstd file" in err
         assert os.listdir(out) == []
     inp.write_bytes(blob + zstandard.ZstdCompressor().compress(b'{"text": "second frame"}\n'))
-    assert main(["preprocess", "--no-progress", "--input", str(inp), "--output-prefix", str(out / "ds"),
-                 *T.tokenizer_argv("sentencepiece", tok)]) == 0
+    assert (
+        main(
+            [
+                "preprocess",
+                "--no-progress",
+                "--input",
+                str(inp),
+                "--output-prefix",
+                str(out / "ds"),
+                *T.tokenizer_argv("sentencepiece", tok),
+            ]
+        )
+        == 0
+    )
     assert "4,001 documents" in capsys.readouterr().out
 
 
@@ -211,8 +242,9 @@ def test_split_without_tokens_stops_instead_of_hanging(corpus, tmp_path):
     with pytest.raises(DatasetError, match=rf"{zeroed}\.idx: .*corrupt index"):
         build_train_valid_test_datasets([zeroed], "90,10,0", 64, 1, str(tmp_path / "cache"), sizes, tok)
     # nothing asked of an empty split (eval_iters 0): it builds
-    train_ds, valid, _ = build_train_valid_test_datasets([twenty], "98,2,0", 64, 1, str(tmp_path / "cache"),
-                                                         (16, 0, 0), tok)
+    train_ds, valid, _ = build_train_valid_test_datasets(
+        [twenty], "98,2,0", 64, 1, str(tmp_path / "cache"), (16, 0, 0), tok
+    )
     assert len(train_ds) >= 16
     # end to end: one line, exit 2, well before the timeout
     rc, out = train(config_with(corpus, "split_twenty", paths=[twenty], split="98,2,0"), tmp_path / "run")
@@ -240,10 +272,26 @@ def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path):
     inp = _big_jsonl(tmp_path / "c.jsonl", 24)
     out = tmp_path / "out"
     out.mkdir()
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_lol", "preprocess", "--input", str(inp),
-                             "--output-prefix", str(out / "o"), "--no-progress", "--workers", "2",
-                             *T.tokenizer_argv("sentencepiece", tok)], cwd=str(REPO), env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "preprocess",
+            "--input",
+            str(inp),
+            "--output-prefix",
+            str(out / "o"),
+            "--no-progress",
+            "--workers",
+            "2",
+            *T.tokenizer_argv("sentencepiece", tok),
+        ],
+        cwd=str(REPO),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     try:
         deadline = time.time() + 30
         victim = None
@@ -375,9 +423,25 @@ def test_nonfinite_lr_bad_blend_weights_and_wide_window_are_refused(corpus, tmp_
         with pytest.raises(ConfigError) as info:
             load_config(config, [(key, value, "--set")])
         assert message in str(info.value)
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", str(config), "--lr", "nan",
-                           "--save", str(tmp_path / "s")], cwd=str(REPO), env=subprocess_env(),
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "train",
+            "--config",
+            str(config),
+            "--lr",
+            "nan",
+            "--save",
+            str(tmp_path / "s"),
+        ],
+        cwd=str(REPO),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     err = proc.stderr.strip().splitlines()
     assert proc.returncode == 2 and len(err) == 1
     assert "optimizer.lr (--lr): must be a finite number > 0 (got nan)" in err[0]
@@ -399,8 +463,9 @@ def test_corrupt_dataset_files_give_one_line_errors(corpus, tmp_path):
         return write_dataset(str(tmp_path / name), docs)
 
     def build(prefix, **vocab):
-        train_ds = build_train_valid_test_datasets([prefix], "90,10,0", 64, 1, str(tmp_path / "cache"), (8, 4, 0),
-                                                   tok, **vocab)[0]
+        train_ds = build_train_valid_test_datasets(
+            [prefix], "90,10,0", 64, 1, str(tmp_path / "cache"), (8, 4, 0), tok, **vocab
+        )[0]
         return [train_ds[i]["tokens"] for i in range(len(train_ds))]
 
     p = fresh("truncated_bin")
@@ -423,8 +488,11 @@ def test_corrupt_dataset_files_give_one_line_errors(corpus, tmp_path):
     with pytest.raises(DatasetError, match=rf"{p}\.idx: the dataset holds no documents"):
         build(p)
     p = write_dataset(str(tmp_path / "big_ids"), docs[:5] + [np.array([7, 900, 8])] + docs[5:])
-    with pytest.raises(DatasetError, match=rf"{p}\.bin: token ids reach 900, outside the model's vocabulary "
-                                           r"of 512 \(the first at document 5, position 1\)"):
+    with pytest.raises(
+        DatasetError,
+        match=rf"{p}\.bin: token ids reach 900, outside the model's vocabulary "
+        r"of 512 \(the first at document 5, position 1\)",
+    ):
         build(p, vocab_size=512)
     assert len(build(fresh("fine"), vocab_size=512)) >= 8  # and a sound dataset builds
     # end to end: the IndexError deep in the embedding becomes one line before training
@@ -440,8 +508,10 @@ def _corrupt_run(trained, name, corrupt) -> tuple:
 
 
 TRACKER_CASES = {
-    "garbage_tracker": ("not a number\n", "latest_checkpointed_iteration.txt: expected an iteration number, "
-                                          "got 'not a number'"),
+    "garbage_tracker": (
+        "not a number\n",
+        "latest_checkpointed_iteration.txt: expected an iteration number, got 'not a number'",
+    ),
     "missing_iteration": ("7\n", "names iteration 7 but"),
 }
 
@@ -481,6 +551,7 @@ def _cut(pattern: str):
     def corrupt(save: Path) -> None:
         path = next((save / "iter_0000004").glob(pattern))
         path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
     return corrupt
 
 
@@ -545,9 +616,25 @@ def test_disk_full_during_a_save_says_enospc_and_keeps_the_last_checkpoint(corpu
     runner = tmp_path / "enospc_runner.py"
     runner.write_text(_ENOSPC_RUNNER)
     extra = ["--async-save"] if mode == "async" else []
-    proc = subprocess.run([sys.executable, str(runner), "train", "--config", str(corpus["config"]),
-                           "--save", str(save), "--save-interval", "1", *extra], cwd=str(REPO),
-                          env=subprocess_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(runner),
+            "train",
+            "--config",
+            str(corpus["config"]),
+            "--save",
+            str(save),
+            "--save-interval",
+            "1",
+            *extra,
+        ],
+        cwd=str(REPO),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT,
+    )
     line = error_line(proc.stdout + proc.stderr)
     assert proc.returncode == 2, proc.stdout[-2000:] + proc.stderr[-2000:]
     assert "saving iteration 2" in line and "No space left on device (ENOSPC)" in line, line
@@ -566,7 +653,7 @@ def test_flipped_bytes_in_a_shard_are_caught_on_load(corpus, trained):
         shard = save / "iter_0000004" / "__0_0.distcp"
         data = bytearray(shard.read_bytes())
         mid = len(data) // 2
-        data[mid:mid + 4096] = bytes(b ^ 0xFF for b in data[mid:mid + 4096])
+        data[mid : mid + 4096] = bytes(b ^ 0xFF for b in data[mid : mid + 4096])
         shard.write_bytes(bytes(data))
 
     save, before = _corrupt_run(trained, "flipped", flip)
@@ -581,7 +668,7 @@ def test_flipped_bytes_in_a_shard_are_caught_on_load(corpus, trained):
     # training.verify_checksums=false skips the check (for checkpoints too large to hash on every load)
     import types
 
-    from megatron_lol.training.checkpointing import CheckpointError, Checkpointer
+    from megatron_lol.training.checkpointing import Checkpointer, CheckpointError
 
     def checkpointer(verify):
         training = types.SimpleNamespace(save=None, keep_last=None, async_save=False, verify_checksums=verify)
@@ -605,8 +692,20 @@ def test_crafted_metadata_and_index_cache_are_never_unpickled(corpus, trained, t
     rc, out = train(corpus["config"], save)
     assert rc == 2 and "refusing to load posix.system" in error_line(out)
     assert not marker.exists()
-    rc = main(["analyze", "utilisation", "--load", str(save), "--data-path", corpus["prefix"],
-               "--output", str(tmp_path / "an"), "--max-examples", "2"])
+    rc = main(
+        [
+            "analyze",
+            "utilisation",
+            "--load",
+            str(save),
+            "--data-path",
+            corpus["prefix"],
+            "--output",
+            str(tmp_path / "an"),
+            "--max-examples",
+            "2",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 2 and "refusing to load posix.system" in err and not marker.exists()
     # objects stored as bytes in the shards (RNG states, _extra_state): torch's planner would
@@ -616,8 +715,7 @@ def test_crafted_metadata_and_index_cache_are_never_unpickled(corpus, trained, t
 
     from megatron_lol.training.checkpointing import restricted_unpickling
 
-    dcp.save({"rng_state": _Marker(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"),
-             no_dist=True)
+    dcp.save({"rng_state": _Marker(str(marker)), "w": torch.ones(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     with restricted_unpickling(), pytest.raises(BaseException, match="Weights only load failed"):
         dcp.load({"rng_state": None, "w": torch.zeros(2)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
     assert not marker.exists()
@@ -665,13 +763,20 @@ def test_preprocess_removes_temporary_files_of_dead_runs_and_on_sigterm(tmp_path
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     host = socket.gethostname()
-    stale = [out / f"o_text_document.bin.tmp-{dead.pid}", out / f"o_text_document.idx.tmp-{dead.pid}-{host}",
-             out / f"o_text_document.lengths.tmp-{dead.pid}-{host}"]
-    live = [out / f"o_text_document.bin.tmp-{os.getppid()}-{host}", out / f"o_text_document.bin.tmp-{dead.pid}-elsewhere"]
+    stale = [
+        out / f"o_text_document.bin.tmp-{dead.pid}",
+        out / f"o_text_document.idx.tmp-{dead.pid}-{host}",
+        out / f"o_text_document.lengths.tmp-{dead.pid}-{host}",
+    ]
+    live = [
+        out / f"o_text_document.bin.tmp-{os.getppid()}-{host}",
+        out / f"o_text_document.bin.tmp-{dead.pid}-elsewhere",
+    ]
     for p in stale + live:
         p.write_bytes(b"partial")
-    T.run_preprocess(["--input", str(small), "--output-prefix", str(out / "o"),
-                      *T.tokenizer_argv("sentencepiece", tok)])
+    T.run_preprocess(
+        ["--input", str(small), "--output-prefix", str(out / "o"), *T.tokenizer_argv("sentencepiece", tok)]
+    )
     names = sorted(os.listdir(out))
     assert all(p.name not in names for p in stale) and all(p.name in names for p in live), names
     assert "o_text_document.bin" in names and "o_text_document.idx" in names
@@ -679,10 +784,24 @@ def test_preprocess_removes_temporary_files_of_dead_runs_and_on_sigterm(tmp_path
     sig_out = tmp_path / "sig"
     sig_out.mkdir()
     big = _big_jsonl(tmp_path / "big.jsonl", 16)
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_lol", "preprocess", "--input", str(big),
-                             "--output-prefix", str(sig_out / "o"), "--no-progress",
-                             *T.tokenizer_argv("sentencepiece", tok)], cwd=str(REPO), env=subprocess_env(),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "preprocess",
+            "--input",
+            str(big),
+            "--output-prefix",
+            str(sig_out / "o"),
+            "--no-progress",
+            *T.tokenizer_argv("sentencepiece", tok),
+        ],
+        cwd=str(REPO),
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
     deadline = time.time() + 30
     while not any(".bin.tmp-" in n for n in os.listdir(sig_out)):
         assert proc.poll() is None and time.time() < deadline, "no temporary output appeared"
@@ -700,10 +819,25 @@ def test_lone_surrogate_error_is_one_clean_line(tmp_path):
     inp = tmp_path / "c.jsonl"
     inp.write_bytes(b'{"text": "fine"}\n{"text": "bad \\ud800 surrogate"}\n')
     for kind in ("sentencepiece", "huggingface"):
-        proc = subprocess.run([sys.executable, "-m", "megatron_lol", "preprocess", "--input", str(inp),
-                               "--output-prefix", str(tmp_path / kind), "--no-progress",
-                               *T.tokenizer_argv(kind, tok)], cwd=str(REPO), env=subprocess_env(),
-                              capture_output=True, text=True, timeout=60)
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_lol",
+                "preprocess",
+                "--input",
+                str(inp),
+                "--output-prefix",
+                str(tmp_path / kind),
+                "--no-progress",
+                *T.tokenizer_argv(kind, tok),
+            ],
+            cwd=str(REPO),
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         err = proc.stderr.strip()
         assert proc.returncode == 2 and len(err.splitlines()) == 1, err
         assert f"{inp}:2: key 'text' holds a lone surrogate U+D800 at character 4" in err

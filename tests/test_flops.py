@@ -14,8 +14,18 @@ from megatron_lol.perf import flops as fl
 def _model(**over):
     from megatron_lol.config import config_from_dict
 
-    base = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_blocks=3, routed_depth=3,
-                window_size=8, window_shift=4, n_prelude=1, n_coda=1, router_noise=False)
+    base = dict(
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        num_blocks=3,
+        routed_depth=3,
+        window_size=8,
+        window_shift=4,
+        n_prelude=1,
+        n_coda=1,
+        router_noise=False,
+    )
     base.update(over)
     return config_from_dict({"model": base}).model
 
@@ -73,9 +83,21 @@ def test_lol_forward_and_training_by_hand():
     # the trainer's entry point
     from megatron_lol.config import config_from_dict
 
-    cfg = config_from_dict({"model": dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_blocks=3,
-                                          routed_depth=3, window_size=8, window_shift=4, router_noise=False,
-                                          vocab_size=V)})
+    cfg = config_from_dict(
+        {
+            "model": dict(
+                hidden_size=32,
+                num_attention_heads=4,
+                ffn_hidden_size=64,
+                num_blocks=3,
+                routed_depth=3,
+                window_size=8,
+                window_shift=4,
+                router_noise=False,
+                vocab_size=V,
+            )
+        }
+    )
     assert fl.training_flops_per_step(cfg, 3, 1, n) == t.total
 
 
@@ -96,8 +118,9 @@ def test_other_plans_and_moe_by_hand():
     exl = fl.forward_flops(_model(), V, 21, batch=2, attention_pairs="executed")
     assert exl.parts["core"]["forward"].attention_scores == 3 * 4 * fl.chunked_pairs(42, 8) * 32
     # MoE in the fixed layers: router 2*T*d*E, top-k experts of hidden f_e
-    moe = _model(plan="dense", num_blocks=1, moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16,
-                 moe_router_topk=2)
+    moe = _model(
+        plan="dense", num_blocks=1, moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2
+    )
     p = fl.forward_flops(moe, V, n).parts["prelude"]["forward"]
     assert p.mlp == 2 * 6 * n * 32 * 16 and p.moe_router == 2 * n * 32 * 4
 
@@ -152,15 +175,31 @@ def test_shared_expert_and_core_expert_count_by_hand():
     attn = n * 8192  # QKV 2*32*96 + out 2*32*32 per token
     scores = 4 * fl.causal_pairs(n) * 32
     # every layer MoE: 4 experts of hidden 16, top-2, plus one shared expert of hidden 24
-    m = _model(plan="dense", num_blocks=1, moe_layers="all", num_experts=4, moe_ffn_hidden_size=16,
-               moe_router_topk=2, moe_shared_expert_intermediate_size=24)
+    m = _model(
+        plan="dense",
+        num_blocks=1,
+        moe_layers="all",
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=24,
+    )
     p = fl.forward_flops(m, V, n).parts["prelude"]["forward"]
     assert p.mlp == 2 * 6 * n * d * 16 + 6 * n * d * 24  # top-2 routed + the shared expert
     assert p.moe_router == 2 * n * d * 4
     assert p.attention_proj == attn and p.attention_scores == scores
     # Foil: the core's MoE layers hold core_num_experts = 6 (the router grows, the top-2 compute does not)
-    foil = _model(plan="looped", num_blocks=2, routed_depth=4, dense_attention="full", moe_layers="all",
-                  num_experts=4, core_num_experts=6, moe_ffn_hidden_size=16, moe_router_topk=2)
+    foil = _model(
+        plan="looped",
+        num_blocks=2,
+        routed_depth=4,
+        dense_attention="full",
+        moe_layers="all",
+        num_experts=4,
+        core_num_experts=6,
+        moe_ffn_hidden_size=16,
+        moe_router_topk=2,
+    )
     f = fl.forward_flops(foil, V, n)
     core = f.parts["core"]["forward"]
     assert f.parts["prelude"]["forward"].moe_router == 2 * n * d * 4
@@ -182,9 +221,19 @@ def test_shared_expert_and_core_expert_count_by_hand():
 
 def test_accordion_budgets_by_hand():
     V, n, d = 50, 16, 32
-    m = _model(plan="accordion", loop_window=3, num_blocks=None, routed_depth=None, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
-               moe_ffn_hidden_size=16, moe_router_topk=2, moe_shared_expert_intermediate_size=24,
-               second_pass_router="separate")
+    m = _model(
+        plan="accordion",
+        loop_window=3,
+        num_blocks=None,
+        routed_depth=None,
+        loop_budgets=[0, 1, 3],
+        moe_layers="all",
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_router_topk=2,
+        moe_shared_expert_intermediate_size=24,
+        second_pass_router="separate",
+    )
     # one layer: attention projections, full causal scores, top-2 + shared expert, router
     layer = n * 8192 + 4 * fl.causal_pairs(n) * 32 + (2 * 6 * n * d * 16 + 6 * n * d * 24) + 2 * n * d * 4
     head = 2 * n * d * V
@@ -206,10 +255,23 @@ def test_accordion_budgets_by_hand():
     # a step: the sum over its micro-batches' budgets; without them, the mean over uniform sampling
     from megatron_lol.config import config_from_dict
 
-    cfg = config_from_dict({"model": dict(plan="accordion", hidden_size=32, num_attention_heads=4,
-                                          ffn_hidden_size=64, num_blocks=3, loop_budgets=[0, 1, 3],
-                                          moe_layers="all", num_experts=4, moe_ffn_hidden_size=16,
-                                          moe_shared_expert_intermediate_size=24, vocab_size=V)})
+    cfg = config_from_dict(
+        {
+            "model": dict(
+                plan="accordion",
+                hidden_size=32,
+                num_attention_heads=4,
+                ffn_hidden_size=64,
+                num_blocks=3,
+                loop_budgets=[0, 1, 3],
+                moe_layers="all",
+                num_experts=4,
+                moe_ffn_hidden_size=16,
+                moe_shared_expert_intermediate_size=24,
+                vocab_size=V,
+            )
+        }
+    )
     per_seq = {k: 3 * ((1 + 3 + k + 1) * layer + head) for k in (0, 1, 3)}
     assert fl.training_flops_per_step(cfg, None, 4, n, budgets=[0, 3]) == 2 * per_seq[0] + 2 * per_seq[3]
     assert fl.training_flops_per_step(cfg, None, 6, n) == pytest.approx(6 * sum(per_seq.values()) / 3)
@@ -228,12 +290,26 @@ def test_flop_counter_agrees_moe_systems(make_model, system):
     expert, separate second-pass router, budget 1) models vs the executed-pairs FLOP model."""
     moe = dict(moe_layers="all", num_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2)
     if system == "foil":
-        model = make_model(plan="looped", num_blocks=2, routed_depth=4, dense_attention="full",
-                           core_num_experts=6, untie_attention=True, **moe)
+        model = make_model(
+            plan="looped",
+            num_blocks=2,
+            routed_depth=4,
+            dense_attention="full",
+            core_num_experts=6,
+            untie_attention=True,
+            **moe,
+        )
         kwargs, depth = {}, None
     else:
-        model = make_model(plan="accordion", num_blocks=3, loop_budgets=[0, 1, 3], dense_attention="full",
-                           moe_shared_expert_intermediate_size=24, second_pass_router="separate", **moe)
+        model = make_model(
+            plan="accordion",
+            num_blocks=3,
+            loop_budgets=[0, 1, 3],
+            dense_attention="full",
+            moe_shared_expert_intermediate_size=24,
+            second_pass_router="separate",
+            **moe,
+        )
         kwargs, depth = {"budget": 1}, 4
     cfg = model.cfg
     b, s = 2, 24
@@ -252,8 +328,9 @@ def test_accordion_table44_relative_training_flops():
 
     from megatron_lol.config import load_config
 
-    cfg = load_config(Path(__file__).resolve().parents[1] / "examples/configs/paper/accordion-6b-a0.5b.yaml",
-                      check_data=False)
+    cfg = load_config(
+        Path(__file__).resolve().parents[1] / "examples/configs/paper/accordion-6b-a0.5b.yaml", check_data=False
+    )
     plan = cfg.model.execution_plan()
 
     def relative(vocab):

@@ -12,17 +12,37 @@ import sys
 
 import pytest
 import torch
-
 from conftest import ensure_megatron
 
 VOCAB, EOD = 96, 0
 
-FOIL = dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=8, moe_ffn_hidden_size=32,
-            moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3,
-            moe_loss_average_over_executions=True)
-ACCORDION = dict(plan="accordion", n_prelude=1, loop_window=3, n_coda=1, num_experts=4, moe_ffn_hidden_size=32,
-                 moe_router_topk=2, moe_layers="all", moe_shared_expert_intermediate_size=32,
-                 loop_budgets=[0, 1, 3], num_query_groups=2, kv_channels=16)
+FOIL = dict(
+    plan="foil",
+    foil_layers=2,
+    foil_loops=2,
+    num_experts=4,
+    foil_experts=8,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_layers="all",
+    untie_attention=True,
+    moe_z_loss_coeff=1e-3,
+    moe_loss_average_over_executions=True,
+)
+ACCORDION = dict(
+    plan="accordion",
+    n_prelude=1,
+    loop_window=3,
+    n_coda=1,
+    num_experts=4,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_layers="all",
+    moe_shared_expert_intermediate_size=32,
+    loop_budgets=[0, 1, 3],
+    num_query_groups=2,
+    kv_channels=16,
+)
 
 
 def _model(seed=5, **model):
@@ -156,7 +176,7 @@ def test_mmr_properties_stated_by_the_seed():
     assert mmr > 1
     # a z + b: MMR -> MMR^a, B2 unchanged (same top-k selections)
     a, b = 1.7, -0.4
-    assert median_margin_ratio([a * logits + b]) == pytest.approx(mmr ** a, rel=1e-5)  # fp32 logits
+    assert median_margin_ratio([a * logits + b]) == pytest.approx(mmr**a, rel=1e-5)  # fp32 logits
     r1, r2 = _rec(0, 0, logits), _rec(0, 0, a * logits + b)
     assert load_balance_b2(r1.routing_map) == pytest.approx(load_balance_b2(r2.routing_map))
     # hand value: p = softmax(z), R = p_(1) / p_(4) for E = 8
@@ -183,8 +203,12 @@ def test_b2_and_distinct_experts_by_hand():
 
     # token 0: block 0 passes {0,1} then {0,1} -> 2; block 1 {2,3} then {0,1} -> 4: 6
     # token 1: block 0 {0,1} then {2,3} -> 4; block 1 {0,1} then {0,1} -> 2: 6 ... mean 6
-    recs = [rec(0, 0, [[1, 1, 0, 0], [1, 1, 0, 0]]), rec(1, 0, [[0, 0, 1, 1], [1, 1, 0, 0]]),
-            rec(0, 1, [[1, 1, 0, 0], [0, 0, 1, 1]]), rec(1, 1, [[1, 1, 0, 0], [1, 1, 0, 0]])]
+    recs = [
+        rec(0, 0, [[1, 1, 0, 0], [1, 1, 0, 0]]),
+        rec(1, 0, [[0, 0, 1, 1], [1, 1, 0, 0]]),
+        rec(0, 1, [[1, 1, 0, 0], [0, 0, 1, 1]]),
+        rec(1, 1, [[1, 1, 0, 0], [1, 1, 0, 0]]),
+    ]
     assert distinct_experts_per_token(recs) == pytest.approx(6.0)
     assert distinct_experts_per_token(recs[:2]) == pytest.approx(4.0)  # no looping: k x D
 
@@ -282,16 +306,42 @@ def test_expert_bias_balancing_through_the_trainer(megatron_env, monkeypatch):
     from megatron_lol.training.trainer import Trainer
 
     rate = 0.01
-    model = dict(ACCORDION, hidden_size=32, num_attention_heads=4, window_size=8, window_shift=4, vocab_size=128,
-                 second_pass_router="separate", loop_budget=3, moe_router_score_function="sigmoid",
-                 moe_router_enable_expert_bias=True, moe_router_bias_update_rate=rate, moe_aux_loss_coeff=0.0)
-    with pytest.raises(ConfigError, match=r"^model\.moe_router_enable_expert_bias: needs moe_router_score_function: "
-                                          r"sigmoid .*got softmax\)$"):
+    model = dict(
+        ACCORDION,
+        hidden_size=32,
+        num_attention_heads=4,
+        window_size=8,
+        window_shift=4,
+        vocab_size=128,
+        second_pass_router="separate",
+        loop_budget=3,
+        moe_router_score_function="sigmoid",
+        moe_router_enable_expert_bias=True,
+        moe_router_bias_update_rate=rate,
+        moe_aux_loss_coeff=0.0,
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"^model\.moe_router_enable_expert_bias: needs moe_router_score_function: "
+        r"sigmoid .*got softmax\)$",
+    ):
         config_from_dict({"model": dict(model, moe_router_score_function="softmax")})
-    cfg = config_from_dict({"model": model, "training": dict(train_iters=2, micro_batch_size=1, global_batch_size=2,
-                                                           seq_length=SEQ, log_interval=100, eval_interval=100,
-                                                           eval_iters=0, seed=7),
-                            "optimizer": {"lr": 1e-3, "min_lr": 1e-4}})
+    cfg = config_from_dict(
+        {
+            "model": model,
+            "training": dict(
+                train_iters=2,
+                micro_batch_size=1,
+                global_batch_size=2,
+                seq_length=SEQ,
+                log_interval=100,
+                eval_interval=100,
+                eval_iters=0,
+                seed=7,
+            ),
+            "optimizer": {"lr": 1e-3, "min_lr": 1e-4},
+        }
+    )
     fmg = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package shadows its name
     seen = []
     original = fmg.get_updated_expert_bias
@@ -304,9 +354,16 @@ def test_expert_bias_balancing_through_the_trainer(megatron_env, monkeypatch):
     trainer = Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(16, 0), None, None)).setup()
     net = trainer.model
     routers = {n: m for n, m in net.named_modules() if getattr(m, "expert_bias", None) is not None}
-    assert sorted(routers) == ["coda.0.mlp.router", "core.blocks.0.mlp.router", "core.blocks.1.mlp.router",
-                               "core.blocks.2.mlp.router", "core.second_pass_routers.0",
-                               "core.second_pass_routers.1", "core.second_pass_routers.2", "prelude.0.mlp.router"]
+    assert sorted(routers) == [
+        "coda.0.mlp.router",
+        "core.blocks.0.mlp.router",
+        "core.blocks.1.mlp.router",
+        "core.blocks.2.mlp.router",
+        "core.second_pass_routers.0",
+        "core.second_pass_routers.1",
+        "core.second_pass_routers.2",
+        "prelude.0.mlp.router",
+    ]
     data = trainer.data_iterator(trainer.train_ds, 0)
     for step in range(2):
         trainer.train_step(data)
@@ -343,16 +400,26 @@ def test_accordion_config_errors():
     check({}, "parallel.pipeline_model_parallel_size: plan accordion", parallel={"pipeline_model_parallel_size": 2})
     check({}, "curriculum.initial_depth: plan accordion", curriculum={"initial_depth": 2})
     with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size: plan lol shards its block library"):
-        config_from_dict({"model": dict(plan="lol", num_blocks=4, routed_depth=4, num_experts=4, moe_layers="all"),
-                          "parallel": {"expert_model_parallel_size": 2}}).validate(check_data=False)
+        config_from_dict(
+            {
+                "model": dict(plan="lol", num_blocks=4, routed_depth=4, num_experts=4, moe_layers="all"),
+                "parallel": {"expert_model_parallel_size": 2},
+            }
+        ).validate(check_data=False)
     with pytest.raises(ConfigError, match="parallel.sequence_parallel: megatron-core MoE layers with"):
-        config_from_dict({"model": dict(FOIL, hidden_size=32, num_attention_heads=4),
-                          "parallel": {"tensor_model_parallel_size": 2}}).validate(check_data=False)
+        config_from_dict(
+            {"model": dict(FOIL, hidden_size=32, num_attention_heads=4), "parallel": {"tensor_model_parallel_size": 2}}
+        ).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.untie_attention: only a looped plan"):
         config_from_dict({"model": dict(plan="dense", untie_attention=True)}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.core_num_experts: needs moe_layers: all"):
-        config_from_dict({"model": dict(plan="looped", loop_layers=2, loop_count=2, num_experts=4,
-                                        moe_layers="fixed", core_num_experts=8)}).validate(check_data=False)
+        config_from_dict(
+            {
+                "model": dict(
+                    plan="looped", loop_layers=2, loop_count=2, num_experts=4, moe_layers="fixed", core_num_experts=8
+                )
+            }
+        ).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.moe_layers: plan foil loops a block of MoE layers"):
         config_from_dict({"model": dict(FOIL, moe_layers="fixed")}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.routed_depth: not used by plan foil"):
@@ -423,11 +490,19 @@ def _train_cli(corpus, name: str, model_yaml: str):
     root = corpus["root"]
     save = root / name
     cfg = root / f"{name}.yaml"
-    cfg.write_text(TINY.format(model=model_yaml, prefix=corpus["prefix"], tokenizer=corpus["tokenizer"],
-                               cache=root / "cache", save=save))
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", str(cfg)],
-                          cwd=str(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                          env=_env(), capture_output=True, text=True, timeout=600)
+    cfg.write_text(
+        TINY.format(
+            model=model_yaml, prefix=corpus["prefix"], tokenizer=corpus["tokenizer"], cache=root / "cache", save=save
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "train", "--config", str(cfg)],
+        cwd=str(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
     return save, metrics, proc.stdout
@@ -448,8 +523,10 @@ def test_foil_train_command_logs_routing_metrics_and_analyze(corpus, tmp_path, c
     assert len(r["by_pass"]) == 2 and r["mmr"] >= 1
     assert "U_t" in out and "MMR" in out
     dest = tmp_path / "moe"
-    assert _analyze("moe-routing", "--load", save, "--data-path", corpus["prefix"], "--max-examples", 12,
-                    "--output", dest) == 0
+    assert (
+        _analyze("moe-routing", "--load", save, "--data-path", corpus["prefix"], "--max-examples", 12, "--output", dest)
+        == 0
+    )
     res = json.loads((dest / "moe_routing.json").read_text())
     assert res["shape"] == {"E": 8, "D": 2, "L": 2, "k": 2, "E_real": 16, "D_eff": 4, "E_eq": 32, "E_comp": 8}
     assert (dest / "moe_routing.png").stat().st_size > 1000
@@ -466,30 +543,53 @@ def test_accordion_train_command_budgets_and_analyze(corpus, tmp_path, capsys):
     assert set(last["eval_loss_by_budget"]) == {"0", "1", "3"}
     assert last["eval_loss"] == pytest.approx(sum(last["eval_loss_by_budget"].values()) / 3)
     # the Accordion paper's Table 1 mean: the endpoint budgets only
-    assert last["eval_loss_endpoints"] == pytest.approx((last["eval_loss_by_budget"]["0"]
-                                                          + last["eval_loss_by_budget"]["3"]) / 2)
+    assert last["eval_loss_endpoints"] == pytest.approx(
+        (last["eval_loss_by_budget"]["0"] + last["eval_loss_by_budget"]["3"]) / 2
+    )
     assert "eval by budget" in out and "eval endpoints mean" in out
     dest = tmp_path / "budgets"
-    assert _analyze("budgets", "--load", save, "--data-path", corpus["prefix"], "--max-examples", 8,
-                    "--generate", "def ", "--max-new-tokens", 4, "--output", dest) == 0
+    assert (
+        _analyze(
+            "budgets",
+            "--load",
+            save,
+            "--data-path",
+            corpus["prefix"],
+            "--max-examples",
+            8,
+            "--generate",
+            "def ",
+            "--max-new-tokens",
+            4,
+            "--output",
+            dest,
+        )
+        == 0
+    )
     res = json.loads((dest / "budgets.json").read_text())
     assert set(res["loss_by_budget"]) == {"0", "1", "3"} and set(res["generation"]["by_budget"]) == {"0", "1", "3"}
     assert (dest / "budgets.png").exists()
-    assert _analyze("moe-routing", "--load", save, "--data-path", corpus["prefix"], "--budget", 2,
-                    "--output", tmp_path / "m") == 2
+    assert (
+        _analyze(
+            "moe-routing", "--load", save, "--data-path", corpus["prefix"], "--budget", 2, "--output", tmp_path / "m"
+        )
+        == 2
+    )
     assert "--budget: 2 is not one of" in capsys.readouterr().err
 
 
 def test_budget_sampling_is_deterministic_and_covers_all():
     from megatron_lol.config import config_from_dict
 
-    cfg = config_from_dict({"model": dict(ACCORDION, hidden_size=32, num_attention_heads=4,
-                                          loop_budgets=[0, 3, 6, 9, 12], loop_window=12)})
+    cfg = config_from_dict(
+        {"model": dict(ACCORDION, hidden_size=32, num_attention_heads=4, loop_budgets=[0, 3, 6, 9, 12], loop_window=12)}
+    )
     plan = cfg.model.execution_plan()
     draws = [plan.sample_budget(cfg.training.seed, it, mb) for it in range(200) for mb in range(4)]
     # the same on every rank and in a resumed run
-    assert draws == [cfg.model.execution_plan().sample_budget(cfg.training.seed, it, mb)
-                     for it in range(200) for mb in range(4)]
+    assert draws == [
+        cfg.model.execution_plan().sample_budget(cfg.training.seed, it, mb) for it in range(200) for mb in range(4)
+    ]
     counts = {k: draws.count(k) for k in (0, 3, 6, 9, 12)}
     assert all(120 < c < 200 for c in counts.values()), counts  # uniform: 160 each
     assert len({plan.sample_budget(cfg.training.seed, 7, mb) for mb in range(16)}) > 1  # per micro-batch

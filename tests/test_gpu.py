@@ -41,27 +41,54 @@ PLANS = {
     "looped": dict(plan="looped", loop_layers=2, loop_count=2, film="depth"),
     "lol": dict(plan="lol", num_blocks=3, routed_depth=4, film="depth"),
     "lol-grown-truncated": dict(plan="lol", num_blocks=3, routed_depth=4),
-    "foil": dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=8, moe_ffn_hidden_size=64,
-                 moe_router_topk=2, moe_layers="all", untie_attention=True),
-    "accordion": dict(plan="accordion", loop_window=3, num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
-                      moe_layers="all", moe_shared_expert_intermediate_size=64, loop_budgets=[0, 1, 3]),
+    "foil": dict(
+        plan="foil",
+        foil_layers=2,
+        foil_loops=2,
+        num_experts=4,
+        foil_experts=8,
+        moe_ffn_hidden_size=64,
+        moe_router_topk=2,
+        moe_layers="all",
+        untie_attention=True,
+    ),
+    "accordion": dict(
+        plan="accordion",
+        loop_window=3,
+        num_experts=4,
+        moe_ffn_hidden_size=64,
+        moe_router_topk=2,
+        moe_layers="all",
+        moe_shared_expert_intermediate_size=64,
+        loop_budgets=[0, 1, 3],
+    ),
 }
 CURRICULUM = {"lol-grown-truncated": {"initial_depth": 2, "growth_fraction": 1.0, "backprop_depth": 1}}
 
 
 def _steps(runs: dict, cpu: bool = False, nproc: int = 1, timeout: int = 400) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               CUDA_DEVICE_MAX_CONNECTIONS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        CUDA_DEVICE_MAX_CONNECTIONS="1",
+    )
     if cpu:
         env["CUDA_VISIBLE_DEVICES"] = ""
     cmd = [sys.executable, STEPS, json.dumps(runs)]
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               STEPS, json.dumps(runs)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc-per-node={nproc}",
+            STEPS,
+            json.dumps(runs),
+        ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=str(REPO))
     lines = [l for l in proc.stdout.splitlines() if l.startswith("GPU_STEPS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-4000:]
-    out = json.loads(lines[-1][len("GPU_STEPS "):])
+    out = json.loads(lines[-1][len("GPU_STEPS ") :])
     for name, r in out.items():
         assert "error" not in r, f"{name}: {r['error']}"
     return out
@@ -76,9 +103,14 @@ def _te_available() -> bool:
 @pytest.fixture(scope="module")
 def plan_runs():
     # FP32 on the local spec (params_dtype auto would be BF16 on the GPU; TE refuses FP32)
-    runs = {name: {"model": dict(model, params_dtype="fp32", use_transformer_engine=False),
-                   "curriculum": CURRICULUM.get(name, {}), "steps": 3}
-            for name, model in PLANS.items()}
+    runs = {
+        name: {
+            "model": dict(model, params_dtype="fp32", use_transformer_engine=False),
+            "curriculum": CURRICULUM.get(name, {}),
+            "steps": 3,
+        }
+        for name, model in PLANS.items()
+    }
     return _steps(runs, cpu=True), _steps(runs)
 
 
@@ -98,7 +130,9 @@ def test_local_and_te_specs_agree_in_bf16():
     for name in ("lol", "dense-sliding", "foil"):
         for te in (False, True):
             runs[f"{name}-{'te' if te else 'local'}"] = {
-                "model": dict(PLANS[name], params_dtype="bf16", use_transformer_engine=te), "steps": 3}
+                "model": dict(PLANS[name], params_dtype="bf16", use_transformer_engine=te),
+                "steps": 3,
+            }
     out = _steps(runs)
     for name in ("lol", "dense-sliding", "foil"):
         local, te = out[f"{name}-local"], out[f"{name}-te"]
@@ -108,14 +142,25 @@ def test_local_and_te_specs_agree_in_bf16():
 
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not _te_available(), reason="needs Transformer Engine")
-@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
-                    reason="FP8 needs compute capability 8.9+")
+@pytest.mark.skipif(
+    torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+    reason="FP8 needs compute capability 8.9+",
+)
 def test_fp8_loss_after_50_steps_is_close_to_bf16():
-    model = dict(plan="lol", num_blocks=4, routed_depth=4, hidden_size=256, ffn_hidden_size=704,
-                 window_size=32, window_shift=16, film="depth", params_dtype="bf16", use_transformer_engine=True)
+    model = dict(
+        plan="lol",
+        num_blocks=4,
+        routed_depth=4,
+        hidden_size=256,
+        ffn_hidden_size=704,
+        window_size=32,
+        window_shift=16,
+        film="depth",
+        params_dtype="bf16",
+        use_transformer_engine=True,
+    )
     common = {"steps": 50, "seq_length": 256, "micro_batch_size": 8, "global_batch_size": 8, "lr": 1e-3}
-    out = _steps({"bf16": dict(common, model=model),
-                  "fp8": dict(common, model=dict(model, fp8="hybrid"))})
+    out = _steps({"bf16": dict(common, model=model), "fp8": dict(common, model=dict(model, fp8="hybrid"))})
     assert out["fp8"]["fp8_recipe"] == "tensorwise"  # current scaling: the default of a routed plan
     bf16, fp8 = out["bf16"]["losses"], out["fp8"]["losses"]
     assert bf16[-1] < bf16[0] - 0.5  # both learn
@@ -125,8 +170,12 @@ def test_fp8_loss_after_50_steps_is_close_to_bf16():
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_gpus_tp_ep_dp_equal_one_gpu():
-    layouts = {"tp2": {"tensor_model_parallel_size": 2}, "ep2": {"expert_model_parallel_size": 2},
-               "dp2": {}, "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True}}
+    layouts = {
+        "tp2": {"tensor_model_parallel_size": 2},
+        "ep2": {"expert_model_parallel_size": 2},
+        "dp2": {},
+        "tp2-sp": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    }
     model = dict(PLANS["lol"], num_blocks=4, params_dtype="fp32", use_transformer_engine=False)
     one = _steps({"ref": {"model": model, "steps": 3}})["ref"]
     two = _steps({name: {"model": model, "parallel": par, "steps": 3} for name, par in layouts.items()}, nproc=2)
@@ -138,8 +187,12 @@ def test_two_gpus_tp_ep_dp_equal_one_gpu():
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
 def test_two_tensor_parallel_ranks_agree_on_every_routing_decision_over_50_steps():
     model = dict(PLANS["lol"], num_blocks=4, params_dtype="bf16")
-    run = {"model": model, "parallel": {"tensor_model_parallel_size": 2}, "steps": 50,
-           "training": {"check_routing_agreement": 1}}
+    run = {
+        "model": model,
+        "parallel": {"tensor_model_parallel_size": 2},
+        "steps": 50,
+        "training": {"check_routing_agreement": 1},
+    }
     out = _steps({"tp2": run}, nproc=2)["tp2"]
     assert out["routing_checks"] == 50 * 4  # every routed depth of every step, no disagreement
     assert out["losses"][-1] < out["losses"][0]
@@ -155,9 +208,12 @@ def test_library_main_grads_in_bf16_accumulate_in_fp32_on_the_gpu():
 
 @pytest.mark.timeout(600)
 def test_gpu_precision_defaults_tf32_and_pinned_batches():
-    out = _steps({"auto": {"model": dict(PLANS["dense"], use_transformer_engine=False), "steps": 1},
-                  "fp32": {"model": dict(PLANS["dense"], params_dtype="fp32", use_transformer_engine=False),
-                           "steps": 1}})
+    out = _steps(
+        {
+            "auto": {"model": dict(PLANS["dense"], use_transformer_engine=False), "steps": 1},
+            "fp32": {"model": dict(PLANS["dense"], params_dtype="fp32", use_transformer_engine=False), "steps": 1},
+        }
+    )
     assert out["auto"]["params_dtype"] == "bf16" and not out["auto"]["tf32_enabled"]
     assert out["fp32"]["tf32_enabled"]
     assert out["auto"]["pinned_batches"] and out["fp32"]["pinned_batches"]

@@ -40,8 +40,10 @@ def test_params_dtype_auto_resolves_per_device(monkeypatch):
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)
     gpu = config_from_dict({"model": dict(LOL, use_transformer_engine=False)})
     assert gpu.model.params_dtype == "bf16" and gpu.to_dict()["model"]["params_dtype"] == "bf16"
-    assert config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}
-                            ).model.params_dtype == "fp32"  # an explicit choice stays
+    assert (
+        config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}).model.params_dtype
+        == "fp32"
+    )  # an explicit choice stays
     from megatron_lol.training.console import startup_line
 
     assert ", params bf16)" in startup_line(gpu, "c.yaml", 8)
@@ -93,8 +95,9 @@ def test_fp8_recipes_for_plans_that_run_layers_repeatedly(fake_cuda):
     for model in (fp8, looped):
         with pytest.raises(ConfigError) as err:
             config_from_dict({"model": dict(model, fp8_recipe="delayed"), "training": training})
-        assert str(err.value).startswith("model.fp8_recipe: delayed scaling needs every FP8 layer to run once per "
-                                         "forward on every rank") and "\n" not in str(err.value)
+        assert str(err.value).startswith(
+            "model.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward on every rank"
+        ) and "\n" not in str(err.value)
     assert config_from_dict({"model": dict(dense, fp8_recipe="delayed"), "training": training})
 
 
@@ -113,8 +116,11 @@ def test_mxfp8_rows_align_to_32(fake_cuda, monkeypatch):
     assert row_multiple(SimpleNamespace(fp8="e4m3", fp8_recipe="mxfp8")) == 32
     assert row_multiple(SimpleNamespace(fp8=None, fp8_recipe="mxfp8")) == 1
     mx = dict(LOL, fp8="e4m3", fp8_recipe="mxfp8")
-    with pytest.raises(ConfigError, match=r"^training\.seq_length: FP8 GEMMs \(mxfp8\) need micro_batch_size x "
-                                          r"seq_length = 48 tokens in multiples of 32$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^training\.seq_length: FP8 GEMMs \(mxfp8\) need micro_batch_size x "
+        r"seq_length = 48 tokens in multiples of 32$",
+    ):
         config_from_dict({"model": mx, "training": {"seq_length": 24, "micro_batch_size": 2}})
     assert config_from_dict({"model": mx, "training": {"seq_length": 32, "micro_batch_size": 2}})
 
@@ -182,8 +188,13 @@ def test_fused_attention_equals_the_explicit_path(megatron_env, case):
     from megatron_lol.model.lol_model import LoLGPTModel
 
     model, packed = FUSED_CASES[case]
-    cfg = config_from_dict({"model": dict(hidden_size=32, num_attention_heads=4, num_query_groups=2, window_size=8,
-                                          window_shift=3, **model)}).model
+    cfg = config_from_dict(
+        {
+            "model": dict(
+                hidden_size=32, num_attention_heads=4, num_query_groups=2, window_size=8, window_shift=3, **model
+            )
+        }
+    ).model
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(1, VOCAB, (3, 40), generator=g)
     tokens[0, 9] = tokens[1, 30] = tokens[2, 4] = EOD
@@ -205,8 +216,10 @@ def test_bf16_library_gradients_accumulate_in_fp32(megatron_env):
     from grad_accumulation_check import errors
 
     e = errors()
-    print(f"fc1 weight gradient, relative error vs float64: fused FP32 {e['fused']:.2e}, FP32 sum of BF16 calls "
-          f"{e['fp32_sum']:.2e}, BF16 sum (autograd) {e['bf16_sum']:.2e}")
+    print(
+        f"fc1 weight gradient, relative error vs float64: fused FP32 {e['fused']:.2e}, FP32 sum of BF16 calls "
+        f"{e['fp32_sum']:.2e}, BF16 sum (autograd) {e['bf16_sum']:.2e}"
+    )
     assert e["calls"] == 16
     assert e["fused"] <= e["fp32_sum"] and e["fused"] < e["bf16_sum"] / 10
     # the norm weights (LocalRMSNorm) go the same way: equal to the unfused sum up to its BF16 rounding
@@ -308,16 +321,49 @@ def test_wheelhouse_installs_without_ensurepip(tmp_path):
         whl.writestr("tinypkg-1.0.data/purelib/tinyextra.py", "EXTRA = 7\n")
     (tmp_path / "req.txt").write_text("tinypkg==1.0\n")
     site = tmp_path / "site"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "install_wheelhouse.py"), "--wheels",
-                           str(wheels), "--requirements", str(tmp_path / "req.txt"), "--target", str(site),
-                           "--method", "unpack"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu" / "install_wheelhouse.py"),
+            "--wheels",
+            str(wheels),
+            "--requirements",
+            str(tmp_path / "req.txt"),
+            "--target",
+            str(site),
+            "--method",
+            "unpack",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip().splitlines()[-1] == f"PYTHONPATH={site}"
-    out = subprocess.run([sys.executable, "-c", "import tinypkg, tinyextra; print(tinypkg.VALUE + tinyextra.EXTRA)"],
-                         env=dict(os.environ, PYTHONPATH=str(site)), capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        [sys.executable, "-c", "import tinypkg, tinyextra; print(tinypkg.VALUE + tinyextra.EXTRA)"],
+        env=dict(os.environ, PYTHONPATH=str(site)),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.stdout.strip() == "49", out.stderr
     (tmp_path / "req.txt").write_text("tinypkg==1.0\nabsent-pkg==2.0\n")
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "gpu" / "install_wheelhouse.py"), "--wheels",
-                           str(wheels), "--requirements", str(tmp_path / "req.txt"), "--target", str(site),
-                           "--method", "unpack"], capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "gpu" / "install_wheelhouse.py"),
+            "--wheels",
+            str(wheels),
+            "--requirements",
+            str(tmp_path / "req.txt"),
+            "--target",
+            str(site),
+            "--method",
+            "unpack",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2 and "absent-pkg==2.0" in proc.stderr and "\n" not in proc.stderr.strip()

@@ -15,12 +15,21 @@ tensor-parallel ranks, on the CPU.
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_distributed
 
 SEQ, MBS = 32, 2
-MODEL = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, num_blocks=3, routed_depth=2, window_size=8,
-             window_shift=4, n_prelude=1, n_coda=1, vocab_size=128)
+MODEL = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    num_blocks=3,
+    routed_depth=2,
+    window_size=8,
+    window_shift=4,
+    n_prelude=1,
+    n_coda=1,
+    vocab_size=128,
+)
 
 
 def _trainer(parallel: dict, training: dict):
@@ -29,11 +38,25 @@ def _trainer(parallel: dict, training: dict):
     from megatron_lol.config import config_from_dict
     from megatron_lol.training.trainer import Trainer
 
-    cfg = config_from_dict({
-        "model": MODEL, "parallel": parallel,
-        "training": dict({"train_iters": 3, "micro_batch_size": MBS, "seq_length": SEQ, "log_interval": 1,
-                          "eval_interval": 100, "eval_iters": 0, "seed": 5}, **training),
-        "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "clip_grad": 1.0}})
+    cfg = config_from_dict(
+        {
+            "model": MODEL,
+            "parallel": parallel,
+            "training": dict(
+                {
+                    "train_iters": 3,
+                    "micro_batch_size": MBS,
+                    "seq_length": SEQ,
+                    "log_interval": 1,
+                    "eval_interval": 100,
+                    "eval_iters": 0,
+                    "seed": 5,
+                },
+                **training,
+            ),
+            "optimizer": {"lr": 1e-3, "min_lr": 1e-4, "clip_grad": 1.0},
+        }
+    )
     data = SyntheticTokens(SEQ, MODEL["vocab_size"])
     return Trainer(cfg, tokenizer=Tokenizer(MODEL["vocab_size"]), datasets=(data, None, None)).setup()
 
@@ -81,11 +104,16 @@ def _overlap_run(overlap: bool) -> dict:
     finally:
         core_mod.choose_blocks = saved_choose
         _ParamAndGradBucketGroup.start_grad_sync = saved_start
-    last = events[len(events) - 1 - events[::-1].index("step"):]  # the last step's events
-    launched_in_backward = last[:last.index("finalize")].count("start")  # before its final synchronisation
-    return {"losses": [r.loss for r in results], "grad_norms": [r.grad_norm for r in results],
-            "params": params, "launched_in_backward": launched_in_backward, "used_blocks_grad": unused,
-            "readiness": trainer.grad_readiness is not None}
+    last = events[len(events) - 1 - events[::-1].index("step") :]  # the last step's events
+    launched_in_backward = last[: last.index("finalize")].count("start")  # before its final synchronisation
+    return {
+        "losses": [r.loss for r in results],
+        "grad_norms": [r.grad_norm for r in results],
+        "params": params,
+        "launched_in_backward": launched_in_backward,
+        "used_blocks_grad": unused,
+        "readiness": trainer.grad_readiness is not None,
+    }
 
 
 def _routing_agreement() -> dict:
@@ -166,6 +194,8 @@ def test_overlapped_grad_reduce_and_routing_agreement_on_two_ranks():
         assert a["clean"] == (0, "") and sorted(set(a["clean_checks"])) == [(1, 1), (1, 2), (2, 1), (2, 2)]
         code, message = a["planted"]
         assert code == 4 and "\n" not in message, (rank, message)
-        assert message.startswith("megatron-lol train: error: routing disagreement at iteration 1, depth 1: the 2 "
-                                  "tensor-parallel ranks chose different blocks"), message
+        assert message.startswith(
+            "megatron-lol train: error: routing disagreement at iteration 1, depth 1: the 2 "
+            "tensor-parallel ranks chose different blocks"
+        ), message
         assert a["iteration_after"] == 0  # stopped inside the first step, before any block of depth 1 ran

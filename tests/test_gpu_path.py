@@ -28,15 +28,32 @@ VOCAB, EOD = 97, 0
 @pytest.fixture(scope="module")
 def fake_gpu_results():
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(REPO / "tests" / "fake_gpu_check.py")], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "tests" / "fake_gpu_check.py")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=env,
+        cwd=str(REPO),
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("FAKE_GPU_RESULTS ")]
     assert proc.returncode == 0 and lines, proc.stderr[-3000:]
-    return json.loads(lines[-1][len("FAKE_GPU_RESULTS "):])
+    return json.loads(lines[-1][len("FAKE_GPU_RESULTS ") :])
 
 
-PLAN_CASES = ["dense-full", "dense-sliding", "dense-strided", "looped", "lol", "lol-aux-moe", "foil", "accordion",
-              "packed-lol-fp8-rows", "packed-dense-sliding", "packed-foil"]
+PLAN_CASES = [
+    "dense-full",
+    "dense-sliding",
+    "dense-strided",
+    "looped",
+    "lol",
+    "lol-aux-moe",
+    "foil",
+    "accordion",
+    "packed-lol-fp8-rows",
+    "packed-dense-sliding",
+    "packed-foil",
+]
 
 
 @pytest.mark.timeout(700)
@@ -124,8 +141,7 @@ def _run(cfg, packed, fw=None, row_multiple=1, film_noise=False):
     if net.core is not None:
         net.core.row_multiple = row_multiple
         for block in net.core.blocks.values():
-            block.register_forward_pre_hook(lambda m, a, k: rows.append(k["hidden_states"].shape[0]),
-                                            with_kwargs=True)
+            block.register_forward_pre_hook(lambda m, a, k: rows.append(k["hidden_states"].shape[0]), with_kwargs=True)
     loss = net(tokens, labels=labels, noise_seeds=torch.tensor([11, 12, 13]), **(fw or {}))
     loss.sum().backward()
     grads = {n: p.grad.clone() for n, p in net.named_parameters() if p.grad is not None}
@@ -135,15 +151,44 @@ def _run(cfg, packed, fw=None, row_multiple=1, film_noise=False):
 
 
 PACKED = {
-    "lol-film-fp8-rows": (dict(plan="lol", film="depth_block", input_injection=True),
-                          dict(depth=2, backprop_depth=1), 16),
+    "lol-film-fp8-rows": (
+        dict(plan="lol", film="depth_block", input_injection=True),
+        dict(depth=2, backprop_depth=1),
+        16,
+    ),
     "dense-sliding": (dict(plan="dense", core_layers=2, dense_attention="sliding"), {}, 1),
     "dense-strided": (dict(plan="dense", core_layers=2, dense_attention="strided"), {}, 1),
-    "foil": (dict(plan="foil", foil_layers=2, foil_loops=2, num_experts=4, foil_experts=8, moe_ffn_hidden_size=32,
-                  moe_router_topk=2, moe_layers="all", untie_attention=True), {}, 1),
-    "accordion": (dict(plan="accordion", loop_window=3, num_experts=4, moe_ffn_hidden_size=32, moe_router_topk=2,
-                       moe_layers="all", moe_shared_expert_intermediate_size=32, loop_budgets=[0, 1, 3],
-                       num_query_groups=2, kv_channels=16), dict(budget=1), 1),
+    "foil": (
+        dict(
+            plan="foil",
+            foil_layers=2,
+            foil_loops=2,
+            num_experts=4,
+            foil_experts=8,
+            moe_ffn_hidden_size=32,
+            moe_router_topk=2,
+            moe_layers="all",
+            untie_attention=True,
+        ),
+        {},
+        1,
+    ),
+    "accordion": (
+        dict(
+            plan="accordion",
+            loop_window=3,
+            num_experts=4,
+            moe_ffn_hidden_size=32,
+            moe_router_topk=2,
+            moe_layers="all",
+            moe_shared_expert_intermediate_size=32,
+            loop_budgets=[0, 1, 3],
+            num_query_groups=2,
+            kv_channels=16,
+        ),
+        dict(budget=1),
+        1,
+    ),
 }
 
 
@@ -206,7 +251,8 @@ def test_te_spec_film_layout(megatron_env, te_spec_provider, experts):
         assert spec.module is LoLTransformerLayer
         assert spec.submodules.self_attention.submodules.core_attention is te.TEDotProductAttention
         assert spec.submodules.sharded_state_dict_keys_map.get("pre_mlp_layernorm.") == (
-            "mlp.linear_fc1.layer_norm_" if (experts or spec is film) else None)
+            "mlp.linear_fc1.layer_norm_" if (experts or spec is film) else None
+        )
     # without FiLM: megatron-core's fused norm + linear
     assert fused.submodules.self_attention.submodules.linear_qkv is te.TELayerNormColumnParallelLinear
     # FiLM: separate TENorm modules (their output is what FiLM modulates), then TE column-parallel linears
@@ -225,22 +271,46 @@ def test_local_and_te_film_layouts_save_the_same_keys(megatron_env):
     from megatron_lol.model.library import block_spec
 
     local = block_spec(use_te=False).submodules.sharded_state_dict_keys_map
-    assert local == {"input_layernorm.": "self_attention.linear_qkv.layer_norm_",
-                     "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_"}
+    assert local == {
+        "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+        "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+    }
 
 
 # ------------------------------------------------------------------------- validation under TE
 def _shrunk(model) -> dict:
     """A tiny model config with the same options (plan, FiLM, attention, MoE kinds, budgets...)."""
     d = {f.name: getattr(model, f.name) for f in dataclasses.fields(model)}
-    d.update(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, kv_channels=None, vocab_size=128,
-             window_size=8, window_shift=4, n_prelude=min(d["n_prelude"], 1), n_coda=min(d["n_coda"], 1),
-             use_transformer_engine=False, params_dtype="fp32", fp8=None)
+    d.update(
+        hidden_size=32,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        kv_channels=None,
+        vocab_size=128,
+        window_size=8,
+        window_shift=4,
+        n_prelude=min(d["n_prelude"], 1),
+        n_coda=min(d["n_coda"], 1),
+        use_transformer_engine=False,
+        params_dtype="fp32",
+        fp8=None,
+    )
     if d["num_query_groups"]:
         d["num_query_groups"] = 2
-    small = {"num_blocks": 3, "routed_depth": 3, "core_layers": 2, "loop_layers": 2, "loop_count": 2,
-             "foil_layers": 2, "foil_loops": 2, "foil_experts": 4, "num_experts": 4, "core_num_experts": 4,
-             "moe_router_topk": 2, "loop_window": 3}
+    small = {
+        "num_blocks": 3,
+        "routed_depth": 3,
+        "core_layers": 2,
+        "loop_layers": 2,
+        "loop_count": 2,
+        "foil_layers": 2,
+        "foil_loops": 2,
+        "foil_experts": 4,
+        "num_experts": 4,
+        "core_num_experts": 4,
+        "moe_router_topk": 2,
+        "loop_window": 3,
+    }
     for key, n in small.items():
         if d.get(key) is not None:
             d[key] = min(d[key], n)
@@ -293,8 +363,11 @@ def test_fp8_and_precision_validation(monkeypatch):
     cfg = config_from_dict({"model": fp8, "training": {"seq_length": 64, "micro_batch_size": 2}})
     # a routed plan: current scaling by default (delayed scaling is refused for it: tests/test_gpu_first_run.py)
     assert (cfg.model.fp8, cfg.model.fp8_recipe, cfg.model.fp8_amax_history_len) == ("hybrid", "tensorwise", 1)
-    with pytest.raises(ConfigError, match=r"^training\.seq_length: FP8 GEMMs \(tensorwise\) need micro_batch_size x "
-                                          r"seq_length = 30 tokens in multiples of 16"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^training\.seq_length: FP8 GEMMs \(tensorwise\) need micro_batch_size x "
+        r"seq_length = 30 tokens in multiples of 16",
+    ):
         config_from_dict({"model": fp8, "training": {"seq_length": 15, "micro_batch_size": 2}})
     with pytest.raises(ConfigError, match=r"^model\.fp8: routed MoE blocks"):
         config_from_dict({"model": dict(fp8, num_experts=4, moe_layers="all")})
@@ -315,13 +388,31 @@ def test_megatron_lm_precision_flags(tmp_path, monkeypatch):
 
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
     path = tmp_path / "c.yaml"
-    path.write_text("model: {hidden_size: 64, num_attention_heads: 4, num_blocks: 4, routed_depth: 4}\n"
-                    "training: {seq_length: 64, micro_batch_size: 2}\n")
+    path.write_text(
+        "model: {hidden_size: 64, num_attention_heads: 4, num_blocks: 4, routed_depth: 4}\n"
+        "training: {seq_length: 64, micro_batch_size: 2}\n"
+    )
     parser = argparse.ArgumentParser()
     add_config_arguments(parser)
-    args = parser.parse_args(["--config", str(path), "--bf16", "--transformer-impl", "transformer_engine",
-                              "--fp8-format", "e4m3", "--fp8-recipe", "tensorwise", "--fp8-amax-history-len",
-                              "1024", "--fp8-amax-compute-algo", "max", "--fp8-margin", "1"])
+    args = parser.parse_args(
+        [
+            "--config",
+            str(path),
+            "--bf16",
+            "--transformer-impl",
+            "transformer_engine",
+            "--fp8-format",
+            "e4m3",
+            "--fp8-recipe",
+            "tensorwise",
+            "--fp8-amax-history-len",
+            "1024",
+            "--fp8-amax-compute-algo",
+            "max",
+            "--fp8-margin",
+            "1",
+        ]
+    )
     m = config_from_args(args, check_data=False).model
     assert (m.params_dtype, m.use_transformer_engine, m.fp8, m.fp8_recipe) == ("bf16", True, "e4m3", "tensorwise")
     assert (m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin) == (1024, "max", 1)
@@ -356,8 +447,11 @@ def test_fp8_runs_the_layers_only(megatron_env, monkeypatch):
     net.config.fp8 = "hybrid"  # what transformer_config sets from model.fp8 (TE itself is not here)
     seen: dict = {}
     for name, module in net.named_modules():
-        if isinstance(module, torch.nn.Linear) or type(module).__name__.endswith("ParallelLinear") \
-                or type(module).__name__ in ("VocabParallelEmbedding", "TopKRouter"):
+        if (
+            isinstance(module, torch.nn.Linear)
+            or type(module).__name__.endswith("ParallelLinear")
+            or type(module).__name__ in ("VocabParallelEmbedding", "TopKRouter")
+        ):
             module.register_forward_pre_hook(lambda m, a, n=name: seen.setdefault(n, set()).add(state[0]))
     tokens, labels = _tokens(2, 24)
     net(tokens, labels=labels, noise_seeds=torch.tensor([1, 2]))
@@ -387,8 +481,9 @@ def test_bf16_model_keeps_routing_fp32_and_ddp_main_grads_fp32(megatron_env):
     loss, core = net(tokens, labels=labels, noise_seeds=torch.tensor([1, 2]), record=True, return_core=True)
     assert loss.dtype == torch.float32
     assert all(r.probs.dtype == torch.float32 and r.gate.dtype == torch.float32 for r in core.records)
-    ddp = DistributedDataParallel(config=net.config, ddp_config=DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True), module=net)
+    ddp = DistributedDataParallel(
+        config=net.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=net
+    )
     loss.sum().backward()
     assert {p.main_grad.dtype for p in ddp.module.parameters()} == {torch.float32}
 
@@ -397,14 +492,21 @@ def test_fp8_padding_bench_runs():
     """bench/fp8_padding.py (the figures in docs/performance.md) runs and stays within its bound:
     at most 15 padding rows per block per depth."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "fp8_padding.py"), "--batches", "1"],
-                          capture_output=True, text=True, timeout=300, env=env, cwd=str(REPO))
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / "fp8_padding.py"), "--batches", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=str(REPO),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [l for l in proc.stdout.splitlines() if l.startswith("lol-360m")]
     assert len(rows) == 5
     for line in rows:
         import re
 
-        L, tokens, uniform, one_block, _ = re.match(r".+?\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+)%$",
-                                                   line).groups()
+        L, tokens, uniform, one_block, _ = re.match(
+            r".+?\s+(\d+)\s+(\d+)\s+([\d.]+)%\s+([\d.]+)%\s+([\d.]+)%$", line
+        ).groups()
         assert 0 < float(uniform) <= 100 * 15 * int(L) / int(tokens) and float(one_block) == 0.0, line

@@ -17,18 +17,23 @@ REPO = Path(__file__).resolve().parent.parent
 @pytest.mark.timeout(600)
 def test_run_all_dry_run_writes_the_report(tmp_path):
     env = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    proc = subprocess.run(["bash", "bench/gpu/run_all.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=540)
+    proc = subprocess.run(
+        ["bash", "bench/gpu/run_all.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True, text=True, timeout=540
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     report = json.loads((tmp_path / "gpu_report.json").read_text())
     assert report["dry_run"] and report["complete"] and not report["environment"]["cuda"]
     tests = report["parts"]["gpu_tests"]
     # the GPU tests were collected and run by pytest: every one skips without CUDA, none fails
     assert tests["ran"] and tests["exit_code"] == 0 and not tests["failed"] and not tests["passed"]
-    assert len(tests["skipped"]) == 13 and any(n.startswith("test_one_gpu_equals_cpu_in_fp32[lol") for n in tests["skipped"])
+    assert len(tests["skipped"]) == 13 and any(
+        n.startswith("test_one_gpu_equals_cpu_in_fp32[lol") for n in tests["skipped"]
+    )
     # the wheelhouse list covers what the profiled config needs (Muon's packages included)
     wheelhouse = report["parts"]["wheelhouse"]
-    assert wheelhouse["missing"] == [] and {"megatron-core", "emerging-optimizers", "absl-py"} <= set(wheelhouse["needed"])
+    assert wheelhouse["missing"] == [] and {"megatron-core", "emerging-optimizers", "absl-py"} <= set(
+        wheelhouse["needed"]
+    )
     bf16 = report["parts"]["throughput_bf16"]
     dense = bf16["dense_of_equal_flops"]
     assert 0.9 < dense["flops_ratio"] < 1.1
@@ -48,6 +53,8 @@ def test_run_all_dry_run_writes_the_report(tmp_path):
     breakdown = bf16["breakdown"]["lol_bf16_breakdown"]
     assert "error" not in breakdown and breakdown["timing"]["section_timers"] is True
     assert breakdown["breakdown_s"]["core"] > 0 and "not throughput" in breakdown["note"]
-    assert report["parts"]["throughput_fp8"] == {"ran": False,
-                                                 "reason": "needs Transformer Engine on a GPU with FP8 (8.9+)"}
+    assert report["parts"]["throughput_fp8"] == {
+        "ran": False,
+        "reason": "needs Transformer Engine on a GPU with FP8 (8.9+)",
+    }
     assert report["goals"] == {"measured": False, "reason": "dry run"}

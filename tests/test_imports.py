@@ -70,7 +70,7 @@ def _cycle(edges: dict):
         state[node] = "open"
         for nxt in sorted(edges.get(node, ())):
             if state.get(nxt) == "open":
-                return stack[stack.index(nxt):] + [nxt]
+                return stack[stack.index(nxt) :] + [nxt]
             if nxt not in state:
                 found = visit(nxt, stack + [nxt])
                 if found:
@@ -136,11 +136,28 @@ def test_a_cycle_is_detected():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
 
 
-@pytest.mark.parametrize("package", ["errors", "log", "plan", "config", "backends", "parallel", "model", "data",
-                                     "perf", "training", "convert", "analysis", "cli"])
+@pytest.mark.parametrize(
+    "package",
+    [
+        "errors",
+        "log",
+        "plan",
+        "config",
+        "backends",
+        "parallel",
+        "model",
+        "data",
+        "perf",
+        "training",
+        "convert",
+        "analysis",
+        "cli",
+    ],
+)
 def test_each_package_imports_alone(package):
-    proc = subprocess.run([sys.executable, "-c", f"import megatron_lol.{package}"], capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", f"import megatron_lol.{package}"], capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

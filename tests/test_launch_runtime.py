@@ -36,8 +36,12 @@ def test_threads_follow_the_allocation_unless_set():
     from megatron_lol.training.runtime import resolve_threads
 
     # torchrun: 4 workers share one Slurm task of 16 CPUs
-    slurm = {"SLURM_CPUS_PER_TASK": "16", "SLURM_CPUS_ON_NODE": "64", "LOCAL_WORLD_SIZE": "4",
-             "TORCHELASTIC_RUN_ID": "none"}
+    slurm = {
+        "SLURM_CPUS_PER_TASK": "16",
+        "SLURM_CPUS_ON_NODE": "64",
+        "LOCAL_WORLD_SIZE": "4",
+        "TORCHELASTIC_RUN_ID": "none",
+    }
     assert resolve_threads(None, slurm) == (4, "SLURM_CPUS_PER_TASK=16 / 4 process(es) per task")
     # srun: one task per process
     srun = {"SLURM_CPUS_PER_TASK": "8", "LOCAL_WORLD_SIZE": "8"}
@@ -56,8 +60,7 @@ def test_threads_follow_the_allocation_unless_set():
 def test_train_and_profile_take_a_threads_flag():
     import argparse
 
-    from megatron_lol.training import profile
-    from megatron_lol.training import cli
+    from megatron_lol.training import cli, profile
 
     for module in (cli, profile):
         parser = argparse.ArgumentParser()
@@ -84,8 +87,9 @@ def test_config_error_is_recorded_for_the_batch_script(tmp_path, monkeypatch, ca
     assert rc == 2
     # a configuration error is printed by rank 0 only; every rank records it for the batch script
     assert capsys.readouterr().err.strip() == ""
-    assert (status / "rank-1.status").read_text() == \
-        "2 megatron-lol train: error: --set training.bogus_key=1: unknown key 'training.bogus_key'\n"
+    assert (
+        status / "rank-1.status"
+    ).read_text() == "2 megatron-lol train: error: --set training.bogus_key=1: unknown key 'training.bogus_key'\n"
 
 
 def test_dry_run_validates_layout_batch_and_files(tmp_path, monkeypatch, capsys):
@@ -104,9 +108,10 @@ def test_dry_run_validates_layout_batch_and_files(tmp_path, monkeypatch, capsys)
     assert "data.paths (--data-path): /nonexistent/data.bin does not exist" in capsys.readouterr().err
     monkeypatch.setenv("WORLD_SIZE", "3")
     assert main(["train", "--config", cfg, "--dry-run=config", "--set", "training.global_batch_size=4"]) == 2
-    assert "training.global_batch_size (--global-batch-size): 4 is not a multiple of micro_batch_size x " \
-        "data_parallel_size = 6" \
-        in capsys.readouterr().err
+    assert (
+        "training.global_batch_size (--global-batch-size): 4 is not a multiple of micro_batch_size x "
+        "data_parallel_size = 6" in capsys.readouterr().err
+    )
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--config", cfg, "--dry-run=config", "--tensor-model-parallel-size", "4"]) == 2
 
@@ -142,12 +147,26 @@ def test_stop_request_from_the_launcher_saves_after_the_first_step(tmp_path, cor
     cfg, save, status = _yaml(tmp_path, prefix, tok), tmp_path / "save", tmp_path / "status"
     stop = tmp_path / "stop"
     stop.write_text("SIGUSR1\n")
-    env = {k: v for k, v in __import__("os").environ.items()
-           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore", MEGATRON_LOL_STOP_FILE=str(stop),
-               MEGATRON_LOL_STATUS_DIR=str(status), PYTHONPATH=str(REPO) + ":" + env.get("PYTHONPATH", ""))
-    res = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", cfg, "--save", str(save)],
-                         cwd=str(REPO), env=env, capture_output=True, text=True, timeout=280)
+    env = {
+        k: v
+        for k, v in __import__("os").environ.items()
+        if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+    }
+    env.update(
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        MEGATRON_LOL_STOP_FILE=str(stop),
+        MEGATRON_LOL_STATUS_DIR=str(status),
+        PYTHONPATH=str(REPO) + ":" + env.get("PYTHONPATH", ""),
+    )
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "train", "--config", cfg, "--save", str(save)],
+        cwd=str(REPO),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=280,
+    )
     out = res.stdout + res.stderr
     assert res.returncode == EXIT_REQUEUE, out[-3000:]
     assert "preemption: received SIGUSR1 at iteration 1:" in out
@@ -162,9 +181,14 @@ def test_stop_request_from_the_launcher_saves_after_the_first_step(tmp_path, cor
     loaded = load_config(str(run_config), check_data=False)
     assert loaded.model.vocab_size == 512 and loaded.training.train_iters == 3
     env.pop("MEGATRON_LOL_STOP_FILE")
-    res = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", str(run_config),
-                          "--load", str(save), "--dry-run"], cwd=str(REPO), env=env, capture_output=True,
-                         text=True, timeout=60)
+    res = subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "train", "--config", str(run_config), "--load", str(save), "--dry-run"],
+        cwd=str(REPO),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert res.returncode == 0 and "config OK" in res.stdout, res.stdout + res.stderr
 
 
@@ -181,17 +205,30 @@ def test_checkpoint_section_must_be_a_mapping(tmp_path):
 
 # ------------------------------------------------------------------ profile rows per node
 def _rank_report(rank: int, node: int, host: str, step: float) -> dict:
-    return {"host": host, "node": node, "rank": rank, "devices_per_node": 2, "tokens_per_s_per_device": 100.0,
-            "step_time_s": {"median": step}, "tflops_per_device": 1.0, "mfu": None,
-            "peak_memory": {"bytes": 2**20 * (rank + 1)}, "gpu": None}
+    return {
+        "host": host,
+        "node": node,
+        "rank": rank,
+        "devices_per_node": 2,
+        "tokens_per_s_per_device": 100.0,
+        "step_time_s": {"median": step},
+        "tflops_per_device": 1.0,
+        "mfu": None,
+        "peak_memory": {"bytes": 2**20 * (rank + 1)},
+        "gpu": None,
+    }
 
 
 def test_profile_rows_are_per_node_even_when_hostnames_repeat():
     from megatron_lol.training.profile_report import format_nodes, merge_reports, node_identity, node_rows
 
     # two containers (or slurmd instances) that report the same hostname
-    ranks = [_rank_report(0, 0, "box", 1.0), _rank_report(1, 0, "box", 2.0),
-             _rank_report(2, 1, "box", 1.0), _rank_report(3, 1, "box", 1.0)]
+    ranks = [
+        _rank_report(0, 0, "box", 1.0),
+        _rank_report(1, 0, "box", 2.0),
+        _rank_report(2, 1, "box", 1.0),
+        _rank_report(3, 1, "box", 1.0),
+    ]
     rows = node_rows(ranks)
     assert [(r["node"], r["ranks"]) for r in rows] == [(0, [0, 1]), (1, [2, 3])]
     assert rows[0]["step_time_s"] == 2.0 and rows[0]["tokens_per_s_per_node"] == pytest.approx(100.0)

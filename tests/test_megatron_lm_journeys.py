@@ -27,7 +27,6 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from distributed import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -60,16 +59,48 @@ def _main(capsys, *argv) -> tuple:
 
 # ------------------------------------------------------------------ flags
 def test_megatron_lm_flags_alias_their_keys():
-    cfg = _parse("--config", TINY, "--hidden-size", 96, "--num-attention-heads", 6, "--ffn-hidden-size", 256,
-                 "--num-query-groups", 2, "--recompute-granularity", "full", "--recompute-method", "uniform",
-                 "--data-cache-path", "/tmp/cache", "--exit-interval", 7, "--override-opt_param-scheduler",
-                 "--profile", "--profile-step-start", 3, "--profile-step-end", 5, "--profile-ranks", 0, 1,
-                 "--use-pytorch-profiler")
+    cfg = _parse(
+        "--config",
+        TINY,
+        "--hidden-size",
+        96,
+        "--num-attention-heads",
+        6,
+        "--ffn-hidden-size",
+        256,
+        "--num-query-groups",
+        2,
+        "--recompute-granularity",
+        "full",
+        "--recompute-method",
+        "uniform",
+        "--data-cache-path",
+        "/tmp/cache",
+        "--exit-interval",
+        7,
+        "--override-opt_param-scheduler",
+        "--profile",
+        "--profile-step-start",
+        3,
+        "--profile-step-end",
+        5,
+        "--profile-ranks",
+        0,
+        1,
+        "--use-pytorch-profiler",
+    )
     m, par, tr = cfg.model, cfg.parallel, cfg.training
     assert (m.hidden_size, m.num_attention_heads, m.ffn_hidden_size, m.num_query_groups) == (96, 6, 256, 2)
     assert (par.recompute_granularity, par.recompute_method, cfg.data.cache_dir) == ("full", "uniform", "/tmp/cache")
-    assert (tr.exit_interval, tr.override_opt_param_scheduler, tr.profile, tr.profile_step_start,
-            tr.profile_step_end, tr.profile_ranks, tr.use_pytorch_profiler) == (7, True, True, 3, 5, [0, 1], True)
+    assert (
+        tr.exit_interval,
+        tr.override_opt_param_scheduler,
+        tr.profile,
+        tr.profile_step_start,
+        tr.profile_step_end,
+        tr.profile_ranks,
+        tr.use_pytorch_profiler,
+    ) == (7, True, True, 3, 5, [0, 1], True)
     from megatron_lol.errors import ConfigError
 
     with pytest.raises(ConfigError, match="recompute_method: block is not offered"):
@@ -85,8 +116,9 @@ def test_megatron_lm_flags_alias_their_keys():
 
     assert _parse("--config", TINY).optimizer.muon_tp_mode == "duplicated"
     assert layout_dependence_note(_parse("--config", TINY, "--tensor-model-parallel-size", 2)) is None
-    note = layout_dependence_note(_parse("--config", TINY, "--tensor-model-parallel-size", 2, "--muon-tp-mode",
-                                         "blockwise"))
+    note = layout_dependence_note(
+        _parse("--config", TINY, "--tensor-model-parallel-size", 2, "--muon-tp-mode", "blockwise")
+    )
     assert note.startswith("note: optimizer.muon_tp_mode blockwise (--muon-tp-mode)") and "depend on" in note
 
 
@@ -106,15 +138,43 @@ def test_configuration_error_names_the_flag_and_is_printed_once(tmp_path):
     any process group): rank 0 prints one line naming key and flag, rank 1 nothing; both exit 2."""
     procs = []
     for rank in (0, 1):
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONWARNINGS="ignore", RANK=str(rank),
-                   LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT="1")
-        procs.append(subprocess.Popen([sys.executable, "-m", "megatron_lol", "train", "--config", str(TINY),
-                                       "--micro-batch-size", "0", "--save", str(tmp_path / "run")],
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONPATH=str(REPO),
+            PYTHONWARNINGS="ignore",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE="2",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT="1",
+        )
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "megatron_lol",
+                    "train",
+                    "--config",
+                    str(TINY),
+                    "--micro-batch-size",
+                    "0",
+                    "--save",
+                    str(tmp_path / "run"),
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+                env=env,
+            )
+        )
     results = [(p.wait(timeout=120), *p.communicate()) for p in procs]
     assert [r[0] for r in results] == [2, 2]
     assert results[0][2].strip().splitlines() == [
-        "megatron-lol train: error: training.micro_batch_size (--micro-batch-size): must be > 0 (got 0)"]
+        "megatron-lol train: error: training.micro_batch_size (--micro-batch-size): must be > 0 (got 0)"
+    ]
     assert results[1][2].strip() == "" and not (tmp_path / "run").exists()
 
 
@@ -127,9 +187,22 @@ def test_empty_corpus_is_refused_by_preprocess_and_by_the_dataset_check(corpus, 
     tok = corpus["tokenizer"]
     empty = tmp_path / "empty.jsonl"
     empty.write_text('{"text": ""}\n\n')
-    code, _, err = _main(capsys, "preprocess", "--input", empty, "--output-prefix", tmp_path / "out",
-                         "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", tok, "--append-eod",
-                         "--workers", 1, "--no-progress")
+    code, _, err = _main(
+        capsys,
+        "preprocess",
+        "--input",
+        empty,
+        "--output-prefix",
+        tmp_path / "out",
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        tok,
+        "--append-eod",
+        "--workers",
+        1,
+        "--no-progress",
+    )
     assert code == 2 and len(err.strip().splitlines()) == 1 and "no document with text" in err, err
     assert not list(tmp_path.glob("out*"))
     import numpy as np
@@ -153,9 +226,11 @@ def test_convert_hf_refuses_an_existing_save_before_importing_torch(tmp_path):
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "x").write_text("x")
-    code = ("import sys; from megatron_lol.cli import main; "
-            f"rc = main(['convert-hf', '--load', {str(tmp_path / 'ckpt')!r}, '--save', {str(tmp_path / 'out')!r}]); "
-            "print(rc, 'torch' in sys.modules)")
+    code = (
+        "import sys; from megatron_lol.cli import main; "
+        f"rc = main(['convert-hf', '--load', {str(tmp_path / 'ckpt')!r}, '--save', {str(tmp_path / 'out')!r}]); "
+        "print(rc, 'torch' in sys.modules)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60)
     assert proc.stdout.split() == ["2", "False"], proc.stderr
     assert "exists and is not empty (pass --force" in proc.stderr
@@ -188,11 +263,18 @@ def test_known_warnings_are_quiet_on_cpu():
         restore = quiet_known_warnings()
         try:
             for text, where in (
-                    ("When using async grad allreduce it is recommended to set the environment variable "
-                     "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup", "megatron/core/tensor_parallel/layers.py"),
-                    ("`load_state_dict` is deprecated and will be removed in future versions. Please use `load` "
-                     "instead.", "megatron/core/dist_checkpointing/strategies/torch.py"),
-                    ("something else", "megatron/core/other.py")):
+                (
+                    "When using async grad allreduce it is recommended to set the environment variable "
+                    "CUDA_DEVICE_MAX_CONNECTIONS to 1 for maximum speedup",
+                    "megatron/core/tensor_parallel/layers.py",
+                ),
+                (
+                    "`load_state_dict` is deprecated and will be removed in future versions. Please use `load` "
+                    "instead.",
+                    "megatron/core/dist_checkpointing/strategies/torch.py",
+                ),
+                ("something else", "megatron/core/other.py"),
+            ):
                 warnings.showwarning(UserWarning(text), UserWarning, where, 1)
         finally:
             restore()
@@ -212,9 +294,12 @@ def test_memory_estimate_follows_the_layout(capsys):
     from megatron_lol.perf.memory import Layout, rank_memory
 
     def est(world=None, **par):
-        cfg = load_config(TINY, [(f"parallel.{k}", v, "t") for k, v in par.items()]
-                          + [("model.vocab_size", 8064, "t"), ("training.global_batch_size", 16, "t")],
-                          check_data=False)
+        cfg = load_config(
+            TINY,
+            [(f"parallel.{k}", v, "t") for k, v in par.items()]
+            + [("model.vocab_size", 8064, "t"), ("training.global_batch_size", 16, "t")],
+            check_data=False,
+        )
         layout = Layout.of(cfg, world)
         return [rank_memory(cfg, 8064, layout, r) for r in range(layout.pp)]
 
@@ -232,19 +317,44 @@ def test_memory_estimate_follows_the_layout(capsys):
     sp = est(tensor_model_parallel_size=2, sequence_parallel=True)[0]
     full = est(recompute_granularity="full")[0]
     assert sp.activations < tp2.activations and full.activations < one.activations / 5
-    code, out, _ = _main(capsys, "memory", "--config", TINY, "--pipeline-model-parallel-size", 2, "--world-size", 4,
-                         "--set", "training.global_batch_size=16", "--device-memory", 1, "--vocab-size", 8000)
+    code, out, _ = _main(
+        capsys,
+        "memory",
+        "--config",
+        TINY,
+        "--pipeline-model-parallel-size",
+        2,
+        "--world-size",
+        4,
+        "--set",
+        "training.global_batch_size=16",
+        "--device-memory",
+        1,
+        "--vocab-size",
+        8000,
+    )
     assert code == 0 and "TP 1 x PP 2 x DP 2" in out and "stage 1" in out and "of the device (1.00 GiB)" in out
     code, plain, _ = _main(capsys, "params", "--config", TINY, "--vocab-size", 8000)
-    code, laid, _ = _main(capsys, "params", "--config", TINY, "--vocab-size", 8000, "--tensor-model-parallel-size",
-                          2, "--pipeline-model-parallel-size", 2, "--use-distributed-optimizer")
+    code, laid, _ = _main(
+        capsys,
+        "params",
+        "--config",
+        TINY,
+        "--vocab-size",
+        8000,
+        "--tensor-model-parallel-size",
+        2,
+        "--pipeline-model-parallel-size",
+        2,
+        "--use-distributed-optimizer",
+    )
     assert code == 0 and laid.startswith(plain.rstrip("\n")) and "per rank (TP 2 x PP 2" in laid
 
 
 # ------------------------------------------------------------------ --use-checkpoint-args
 def test_use_checkpoint_args_takes_model_and_tokenizer_from_the_checkpoint(tmp_path):
-    from megatron_lol.training.checkpoint_args import config_with_checkpoint_args
     from megatron_lol.errors import ConfigError
+    from megatron_lol.training.checkpoint_args import config_with_checkpoint_args
 
     saved = yaml.safe_load(TINY.read_text())
     saved["model"].update(hidden_size=64, num_attention_heads=2, vocab_size=8064)
@@ -257,17 +367,16 @@ def test_use_checkpoint_args_takes_model_and_tokenizer_from_the_checkpoint(tmp_p
     (it / "metadata.json").write_text("{}")
     (tmp_path / "run" / "latest_checkpointed_iteration.txt").write_text("4")
     save = [("training.save", str(tmp_path / "run"), "--save")]
-    cfg = config_with_checkpoint_args(str(TINY), save + [("training.train_iters", 9, "--train-iters")],
-                                      check_data=False)
+    cfg = config_with_checkpoint_args(
+        str(TINY), save + [("training.train_iters", 9, "--train-iters")], check_data=False
+    )
     assert (cfg.model.hidden_size, cfg.model.num_attention_heads, cfg.model.vocab_size) == (64, 2, 8064)
     assert cfg.data.tokenizer_model == str(it / "tokenizer" / "tok.model") and cfg.training.train_iters == 9
     assert cfg.data.paths == yaml.safe_load(TINY.read_text())["data"]["paths"]  # the rest is --config's
-    flagged = config_with_checkpoint_args(None, save + [("model.hidden_size", 32, "--hidden-size")],
-                                          check_data=False)
+    flagged = config_with_checkpoint_args(None, save + [("model.hidden_size", 32, "--hidden-size")], check_data=False)
     assert flagged.model.hidden_size == 32  # flags win
     with pytest.raises(ConfigError, match="--use-checkpoint-args: no checkpoint to take the arguments from"):
-        config_with_checkpoint_args(str(TINY), [("training.save", str(tmp_path / "none"), "--save")],
-                                    check_data=False)
+        config_with_checkpoint_args(str(TINY), [("training.save", str(tmp_path / "none"), "--save")], check_data=False)
 
 
 # ------------------------------------------------------------------ launches
@@ -279,13 +388,23 @@ def _muon_losses(modes: list) -> dict:
 
     out = {}
     for name, extra in modes:
-        over = {"model.hidden_size": 64, "model.ffn_hidden_size": 128, "model.window_size": 16,
-                "model.window_shift": 8, "model.vocab_size": 256, "training.seq_length": 64,
-                "training.micro_batch_size": 2, "training.global_batch_size": 4, "training.train_iters": STEPS,
-                "curriculum.initial_depth": None, **extra}
+        over = {
+            "model.hidden_size": 64,
+            "model.ffn_hidden_size": 128,
+            "model.window_size": 16,
+            "model.window_shift": 8,
+            "model.vocab_size": 256,
+            "training.seq_length": 64,
+            "training.micro_batch_size": 2,
+            "training.global_batch_size": 4,
+            "training.train_iters": STEPS,
+            "curriculum.initial_depth": None,
+            **extra,
+        }
         cfg = load_config(TINY, [(k, v, "test") for k, v in over.items()], check_data=False)
-        trainer = Trainer(cfg, tokenizer=_StubTokenizer(256, eod=2),
-                          datasets=(SyntheticDataset(64, 256, 2, seed=3), None, None)).setup()
+        trainer = Trainer(
+            cfg, tokenizer=_StubTokenizer(256, eod=2), datasets=(SyntheticDataset(64, 256, 2, seed=3), None, None)
+        ).setup()
         data = trainer.data_iterator(trainer.train_ds, 0)
         out[name] = [trainer.train_step(data).loss for _ in range(STEPS)]
     return out
@@ -308,7 +427,6 @@ def _metrics(save: Path) -> dict:
 def _heldout(corpus: dict) -> list:
     """Three documents: short, medium, and one long enough for several pieces of 64 tokens."""
     import sentencepiece as spm
-
     from corpus_fixtures import stdlib_documents
 
     sp = spm.SentencePieceProcessor(model_file=corpus["tokenizer"])
@@ -338,14 +456,34 @@ def _one_process(corpus: dict, root: str) -> dict:
 
     out = {"muon": _muon_losses([("duplicated", {}), ("blockwise", {"optimizer.muon_tp_mode": "blockwise"})])}
     root = Path(root)
-    config = write_config(root / "tiny.yaml", corpus["prefix"], corpus["tokenizer"], str(root / "cache"),
-                          train_iters=3, save_interval=100)
+    config = write_config(
+        root / "tiny.yaml", corpus["prefix"], corpus["tokenizer"], str(root / "cache"), train_iters=3, save_interval=100
+    )
     # smoke run: a warm-up longer than the run, --exit-interval, and --profile over iterations 0 and 1
     smoke = root / "smoke"
-    code, text = _cli("train", "--config", config, "--save", smoke, "--lr-warmup-iters", 10, "--exit-interval", 2,
-                      "--profile", "--use-pytorch-profiler", "--profile-step-start", 0, "--profile-step-end", 2)
-    out["smoke"] = (code, text, (smoke / "latest_checkpointed_iteration.txt").read_text().strip(),
-                    sorted(_metrics(smoke)))
+    code, text = _cli(
+        "train",
+        "--config",
+        config,
+        "--save",
+        smoke,
+        "--lr-warmup-iters",
+        10,
+        "--exit-interval",
+        2,
+        "--profile",
+        "--use-pytorch-profiler",
+        "--profile-step-start",
+        0,
+        "--profile-step-end",
+        2,
+    )
+    out["smoke"] = (
+        code,
+        text,
+        (smoke / "latest_checkpointed_iteration.txt").read_text().strip(),
+        sorted(_metrics(smoke)),
+    )
     trace = smoke / "profile" / "trace-rank0-iter0-2.json"
     events = json.loads(trace.read_text())["traceEvents"] if trace.exists() else []
     out["ranges"] = sorted({e.get("name") for e in events if e.get("cat") == "user_annotation"})
@@ -354,10 +492,12 @@ def _one_process(corpus: dict, root: str) -> dict:
     save = root / "run"
     out["first"] = _cli("train", "--config", config, "--save", save)[0]
     out["mismatch"] = _cli("train", "--config", config, "--save", save, "--train-iters", 5)
-    out["keep"] = _cli("train", "--config", config, "--save", save, "--train-iters", 5,
-                       "--use-checkpoint-opt_param-scheduler")[0]
-    out["override"] = _cli("train", "--config", config, "--save", save, "--train-iters", 8,
-                           "--override-opt_param-scheduler")[0]
+    out["keep"] = _cli(
+        "train", "--config", config, "--save", save, "--train-iters", 5, "--use-checkpoint-opt_param-scheduler"
+    )[0]
+    out["override"] = _cli(
+        "train", "--config", config, "--save", save, "--train-iters", 8, "--override-opt_param-scheduler"
+    )[0]
     out["lr"] = {s: r["lr"] for s, r in _metrics(save).items()}
     out["dry_run"] = _cli("train", "--use-checkpoint-args", "--save", save, "--dry-run")
     # evaluate: the packed training forward against the plain-PyTorch model, one piece per row
@@ -374,10 +514,15 @@ def _one_process(corpus: dict, root: str) -> dict:
 
 
 def _two_processes(save: str, docs: list) -> dict:
-    return {"muon": _muon_losses([(name, dict(extra, **{"parallel.tensor_model_parallel_size": 2}))
-                                  for name, extra in (("duplicated", {}),
-                                                      ("blockwise", {"optimizer.muon_tp_mode": "blockwise"}))]),
-            "packed_nll": _packed_nll(save, docs, tp=2)}
+    return {
+        "muon": _muon_losses(
+            [
+                (name, dict(extra, **{"parallel.tensor_model_parallel_size": 2}))
+                for name, extra in (("duplicated", {}), ("blockwise", {"optimizer.muon_tp_mode": "blockwise"}))
+            ]
+        ),
+        "packed_nll": _packed_nll(save, docs, tp=2),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -396,12 +541,22 @@ def _relative(got: list, ref: list) -> float:
 @pytest.mark.timeout(900)
 def test_training_journeys_layouts_traces_and_evaluate(corpus, tmp_path):
     # one process of its own (not a daemon: checkpoint saves start a writer process)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    proc = subprocess.run([sys.executable, __file__, json.dumps([corpus, str(tmp_path)])], cwd=str(tmp_path),
-                          env=env, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps([corpus, str(tmp_path)])],
+        cwd=str(tmp_path),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     one = json.loads((tmp_path / "one_process.json").read_text())
     # the bundled optimizer's default: one process, duplicated == blockwise (the same update)
@@ -411,8 +566,9 @@ def test_training_journeys_layouts_traces_and_evaluate(corpus, tmp_path):
     assert code == 0 and tracked == "2" and steps == [1, 2], text[-2000:]
     assert "the run ends inside the warm-up" in text and "exit interval: stopping at iteration 2" in text
     # the trace holds the prelude, every routed depth with its router and dispatch, the blocks and the coda
-    assert {"prelude", "depth 1", "depth 2", "router", "dispatch", "block 0", "coda"} <= set(one["ranges"]), \
-        one["ranges"]
+    assert {"prelude", "depth 1", "depth 2", "router", "dispatch", "block 0", "coda"} <= set(one["ranges"]), one[
+        "ranges"
+    ]
     # a changed schedule on resume: one line, nothing trained; then each flag
     code, text = one["mismatch"]
     lines = [line for line in text.splitlines() if "error:" in line]

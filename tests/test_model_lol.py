@@ -3,7 +3,6 @@ against a naive per-window loop, path forcing, truncated backprop, FiLM, input i
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -63,9 +62,9 @@ def test_causality_changing_token_t_changes_nothing_before_t(make_model, mode):
 
 # ----------------------------------------------------------------- packed documents
 def _packed_rows():
-    a = _tokens(1, 12, seed=1)[0].tolist() + [0]   # A: 13 tokens including its EOD
-    b = _tokens(1, 21, seed=2)[0].tolist() + [0]   # B: 22 tokens including its EOD
-    c = _tokens(1, 11, seed=3)[0].tolist()         # C: 11 tokens
+    a = _tokens(1, 12, seed=1)[0].tolist() + [0]  # A: 13 tokens including its EOD
+    b = _tokens(1, 21, seed=2)[0].tolist() + [0]  # B: 22 tokens including its EOD
+    c = _tokens(1, 11, seed=3)[0].tolist()  # C: 11 tokens
     row = torch.tensor([a + b + c])
     return row, torch.tensor([b]), torch.tensor([c]), len(a), len(a) + len(b)
 
@@ -89,7 +88,7 @@ def test_packed_documents_equal_documents_alone(make_model, mode):
         with torch.no_grad():
             loss_row = model(row, labels=torch.roll(row, -1, 1))
             loss_b = model(b_alone, labels=torch.roll(b_alone, -1, 1))
-        torch.testing.assert_close(loss_row[:, b0:c0 - 1], loss_b[:, :-1], rtol=0, atol=1e-5)
+        torch.testing.assert_close(loss_row[:, b0 : c0 - 1], loss_b[:, :-1], rtol=0, atol=1e-5)
 
 
 def test_packed_documents_see_no_previous_document(make_model):
@@ -115,9 +114,15 @@ class NaiveRoutedStep(RoutedStep):
             first, n = int(windows.window_first_token[w]), int(windows.window_length[w])
             assert first == expect_first  # windows tile the flat tokens in order
             expect_first += n
-            x = flat[first:first + n]
-            y = self.core.call(self.step, int(decision.choice[w]), x.unsqueeze(1), SegmentMask(),
-                               ctx.token_rope[first:first + n], ctx).squeeze(1)
+            x = flat[first : first + n]
+            y = self.core.call(
+                self.step,
+                int(decision.choice[w]),
+                x.unsqueeze(1),
+                SegmentMask(),
+                ctx.token_rope[first : first + n],
+                ctx,
+            ).squeeze(1)
             pieces.append(x + decision.gate[w].to(x.dtype) * (y - x))
         assert expect_first == flat.shape[0]
         return torch.cat(pieces, 0)
@@ -321,19 +326,29 @@ def _block_grad(model, blk):
     return sum(0.0 if g is None else float(g.abs().sum()) for g in grads)
 
 
-@pytest.mark.parametrize("block0_first, backprop_depth, first_full, expect_grad", [
-    (False, 1, True, False),   # block 0 only at depth 1, windows with ordinal >= 1: no gradient
-    (False, None, True, True),  # control: full backprop
-    (False, 2, True, False),   # depth 1 is still truncated with k=2
-    (True, 1, True, True),     # ordinal-0 windows keep full gradients
-    (True, 1, False, False),   # ... unless first_window_full_backprop is off
-])
+@pytest.mark.parametrize(
+    "block0_first, backprop_depth, first_full, expect_grad",
+    [
+        (False, 1, True, False),  # block 0 only at depth 1, windows with ordinal >= 1: no gradient
+        (False, None, True, True),  # control: full backprop
+        (False, 2, True, False),  # depth 1 is still truncated with k=2
+        (True, 1, True, True),  # ordinal-0 windows keep full gradients
+        (True, 1, False, False),  # ... unless first_window_full_backprop is off
+    ],
+)
 def test_truncated_backprop_through_depth(make_model, block0_first, backprop_depth, first_full, expect_grad):
     model = make_model(seed=3, **TRUNC).train()
     x = _tokens(2, 32, seed=4)
     x[1, 11] = 0  # document starts inside a row: its ordinal-0 windows too
-    loss = _forward(model, x, seed=1, labels=_tokens(2, 32, seed=5), forced_path=_trunc_path(block0_first),
-                    backprop_depth=backprop_depth, first_window_full_backprop=first_full)
+    loss = _forward(
+        model,
+        x,
+        seed=1,
+        labels=_tokens(2, 32, seed=5),
+        forced_path=_trunc_path(block0_first),
+        backprop_depth=backprop_depth,
+        first_window_full_backprop=first_full,
+    )
     loss.sum().backward()
     assert (_block_grad(model, 0) > 0) is expect_grad
     assert _block_grad(model, 2) > 0  # the last depth always learns
@@ -347,15 +362,15 @@ def test_truncated_backprop_through_depth(make_model, block0_first, backprop_dep
 def test_truncated_backprop_keeps_router_gradient_of_last_depths_only(make_model):
     model = make_model(seed=3, router_tied=False, **TRUNC).train()
     x = _tokens(2, 32, seed=4)
-    loss = _forward(model, x, seed=1, labels=_tokens(2, 32, seed=5), backprop_depth=1,
-                    first_window_full_backprop=False)
+    loss = _forward(model, x, seed=1, labels=_tokens(2, 32, seed=5), backprop_depth=1, first_window_full_backprop=False)
     loss.sum().backward()
     g = [0.0 if r.logits.weight.grad is None else float(r.logits.weight.grad.abs().sum()) for r in model.core.routers]
     # the LM loss reaches router l only through the gates of depth l; the aux loss still
     # reaches every router, so compare with the aux loss switched off
     model2 = make_model(seed=3, router_tied=False, seq_aux_loss_coeff=0.0, **TRUNC).train()
-    loss2 = _forward(model2, x, seed=1, labels=_tokens(2, 32, seed=5), backprop_depth=1,
-                     first_window_full_backprop=False)
+    loss2 = _forward(
+        model2, x, seed=1, labels=_tokens(2, 32, seed=5), backprop_depth=1, first_window_full_backprop=False
+    )
     loss2.sum().backward()
     g2 = [0.0 if r.logits.weight.grad is None else float(r.logits.weight.grad.abs().sum()) for r in model2.core.routers]
     assert g2[0] == 0 and g2[1] == 0 and g2[2] > 0
@@ -388,7 +403,9 @@ def test_film_parameters_init_gradients_and_identity_at_init(make_model, film, s
         assert (model(x, depth=3) - before3).abs().max() > 1e-4
         assert torch.equal(model(x, depth=2), before2)
     # FiLM is an argument of each block call, never state on the norms: fixed layers cannot see it
-    assert not any(hasattr(n, "film") for blk in _all_blocks(core) for n in (blk.input_layernorm, blk.pre_mlp_layernorm))
+    assert not any(
+        hasattr(n, "film") for blk in _all_blocks(core) for n in (blk.input_layernorm, blk.pre_mlp_layernorm)
+    )
 
 
 def test_input_injection_parameter_and_effect(make_model):
@@ -412,8 +429,9 @@ def test_input_injection_formula_and_router_reads_injected_state(make_model, mon
     """Hand-check s <- sig(theta) s + (1 - sig(theta)) s0 at the input of depth 2, as the router sees it."""
     import megatron_lol.model.core as core_mod
 
-    model = make_model(router_std=10.0, seed=3, input_injection=True, routed_depth=2, num_blocks=3,
-                       window_size=8, window_shift=4)
+    model = make_model(
+        router_std=10.0, seed=3, input_injection=True, routed_depth=2, num_blocks=3, window_size=8, window_shift=4
+    )
     with torch.no_grad():
         model.core.injection_logit.copy_(torch.linspace(-2, 2, 32))
     seen = []

@@ -32,42 +32,86 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from distributed import run_distributed
 from test_parallel_lol import SEQ, SyntheticTokens, TinyTokenizer
 
 REPO = Path(__file__).resolve().parents[1]
-MODEL = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, n_prelude=1, n_coda=1, num_blocks=3,
-             routed_depth=4, window_size=8, window_shift=4, vocab_size=128)
+MODEL = dict(
+    hidden_size=32,
+    num_attention_heads=4,
+    ffn_hidden_size=64,
+    n_prelude=1,
+    n_coda=1,
+    num_blocks=3,
+    routed_depth=4,
+    window_size=8,
+    window_shift=4,
+    vocab_size=128,
+)
 PLANS = {
     "lol": dict(film="depth", input_injection=True, moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=32),
     "dense": dict(plan="dense"),
-    "foil": dict(plan="looped", num_blocks=1, routed_depth=2, untie_attention=True, moe_layers="all", num_experts=4,
-                 moe_ffn_hidden_size=32),
-    "accordion": dict(plan="accordion", num_blocks=2, loop_budgets=[0, 1, 2], num_query_groups=2, moe_layers="all",
-                      num_experts=4, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=16,
-                      second_pass_router="separate"),
+    "foil": dict(
+        plan="looped",
+        num_blocks=1,
+        routed_depth=2,
+        untie_attention=True,
+        moe_layers="all",
+        num_experts=4,
+        moe_ffn_hidden_size=32,
+    ),
+    "accordion": dict(
+        plan="accordion",
+        num_blocks=2,
+        loop_budgets=[0, 1, 2],
+        num_query_groups=2,
+        moe_layers="all",
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=16,
+        second_pass_router="separate",
+    ),
 }
 # the hidden matrices, written out independently of megatron_lol.training.optimizer's rule
 HIDDEN_MATRIX = re.compile(
     r"(prelude|coda|core\.blocks|core\.pass_attention)\.\w+\."
     r"(self_attention\.linear_(qkv|proj)|mlp\.(linear_fc[12]|experts\.local_experts\.\d+\.linear_fc[12]"
-    r"|shared_experts\.linear_fc[12]))\.weight")
+    r"|shared_experts\.linear_fc[12]))\.weight"
+)
 MUST_BE_MUON = {
-    "lol": ["core.blocks.0.self_attention.linear_qkv.weight", "core.blocks.2.mlp.linear_fc2.weight",
-            "prelude.0.self_attention.linear_proj.weight", "prelude.0.mlp.experts.local_experts.3.linear_fc1.weight",
-            "coda.0.mlp.experts.local_experts.0.linear_fc2.weight"],
+    "lol": [
+        "core.blocks.0.self_attention.linear_qkv.weight",
+        "core.blocks.2.mlp.linear_fc2.weight",
+        "prelude.0.self_attention.linear_proj.weight",
+        "prelude.0.mlp.experts.local_experts.3.linear_fc1.weight",
+        "coda.0.mlp.experts.local_experts.0.linear_fc2.weight",
+    ],
     "dense": ["core.blocks.1.mlp.linear_fc1.weight", "prelude.0.mlp.linear_fc1.weight", "coda.0.mlp.linear_fc2.weight"],
-    "foil": ["core.blocks.0.mlp.experts.local_experts.1.linear_fc1.weight",
-             "core.pass_attention.0_1.self_attention.linear_qkv.weight"],
-    "accordion": ["core.blocks.1.mlp.shared_experts.linear_fc1.weight", "prelude.0.mlp.shared_experts.linear_fc2.weight",
-                  "core.blocks.0.mlp.experts.local_experts.2.linear_fc2.weight"],
+    "foil": [
+        "core.blocks.0.mlp.experts.local_experts.1.linear_fc1.weight",
+        "core.pass_attention.0_1.self_attention.linear_qkv.weight",
+    ],
+    "accordion": [
+        "core.blocks.1.mlp.shared_experts.linear_fc1.weight",
+        "prelude.0.mlp.shared_experts.linear_fc2.weight",
+        "core.blocks.0.mlp.experts.local_experts.2.linear_fc2.weight",
+    ],
 }
 MUST_BE_ADAMW = {
-    "lol": ["embedding.word_embeddings.weight", "output_layer.weight", "final_norm.weight",
-            "core.blocks.0.input_layernorm.weight", "core.depth_vectors", "core.routers.0.logits.weight",
-            "core.routers.0.logits.bias", "core.routers.0.noise_scale.weight", "core.film_gamma", "core.film_beta",
-            "core.injection_logit", "prelude.0.mlp.router.weight"],
+    "lol": [
+        "embedding.word_embeddings.weight",
+        "output_layer.weight",
+        "final_norm.weight",
+        "core.blocks.0.input_layernorm.weight",
+        "core.depth_vectors",
+        "core.routers.0.logits.weight",
+        "core.routers.0.logits.bias",
+        "core.routers.0.noise_scale.weight",
+        "core.film_gamma",
+        "core.film_beta",
+        "core.injection_logit",
+        "prelude.0.mlp.router.weight",
+    ],
     "dense": ["embedding.word_embeddings.weight", "output_layer.weight", "core.blocks.0.pre_mlp_layernorm.weight"],
     "foil": ["core.blocks.0.mlp.router.weight", "core.pass_attention.0_1.input_layernorm.weight"],
     "accordion": ["core.loop_gates", "core.second_pass_routers.0.weight", "core.blocks.0.mlp.router.weight"],
@@ -77,12 +121,23 @@ MUST_BE_ADAMW = {
 def _config(model: dict, parallel: dict = None, **optimizer):
     from megatron_lol.config import config_from_dict
 
-    return config_from_dict({
-        "model": dict(MODEL, **model), "parallel": parallel or {},
-        "training": {"train_iters": 3, "micro_batch_size": 1, "global_batch_size": 2, "seq_length": SEQ,
-                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7},
-        "optimizer": dict({"name": "muon", "lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0}, **optimizer),
-    })
+    return config_from_dict(
+        {
+            "model": dict(MODEL, **model),
+            "parallel": parallel or {},
+            "training": {
+                "train_iters": 3,
+                "micro_batch_size": 1,
+                "global_batch_size": 2,
+                "seq_length": SEQ,
+                "log_interval": 100,
+                "eval_interval": 100,
+                "eval_iters": 0,
+                "seed": 7,
+            },
+            "optimizer": dict({"name": "muon", "lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0}, **optimizer),
+        }
+    )
 
 
 def _trainer(cfg):
@@ -103,18 +158,27 @@ def test_parameter_split_by_name_and_in_the_built_optimizer(megatron_env, plan):
     assert sorted(muon + adamw) == sorted(names)
     assert set(muon) == {n for n in names if HIDDEN_MATRIX.fullmatch(n)}, plan
     assert set(MUST_BE_MUON[plan]) <= set(muon) and set(MUST_BE_ADAMW[plan]) <= set(adamw)
-    assert all(n.endswith((".bias", "norm.weight")) or n in MUST_BE_ADAMW[plan] or "router" in n
-               or n in ("embedding.word_embeddings.weight", "output_layer.weight") for n in adamw), adamw
+    assert all(
+        n.endswith((".bias", "norm.weight"))
+        or n in MUST_BE_ADAMW[plan]
+        or "router" in n
+        or n in ("embedding.word_embeddings.weight", "output_layer.weight")
+        for n in adamw
+    ), adamw
     # megatron-core's optimizer holds exactly these: Muon for the matrices, its AdamW for the rest
     by_name = dict(model.named_parameters())
     held_by_muon = {id(p) for p in muon_parameters(trainer.optimizer)}
     assert held_by_muon == {id(by_name[n]) for n in muon}
-    adam = [sub.optimizer for sub in trainer.optimizer.chained_optimizers
-            if isinstance(sub.optimizer, torch.optim.AdamW)]
+    adam = [
+        sub.optimizer for sub in trainer.optimizer.chained_optimizers if isinstance(sub.optimizer, torch.optim.AdamW)
+    ]
     assert {id(p) for opt in adam for g in opt.param_groups for p in g["params"]} == {id(by_name[n]) for n in adamw}
     # the temporary AdamW marking that steers megatron-core's split is removed after the build
-    assert not any(getattr(by_name[n], "is_embedding_or_output_parameter", False) for n in names
-                   if n not in ("embedding.word_embeddings.weight", "output_layer.weight"))
+    assert not any(
+        getattr(by_name[n], "is_embedding_or_output_parameter", False)
+        for n in names
+        if n not in ("embedding.word_embeddings.weight", "output_layer.weight")
+    )
     # one step trains every part (experts under Muon included)
     before = {n: p.detach().clone() for n, p in by_name.items()}
     res = trainer.train_step(trainer.data_iterator(trainer.train_ds, 0))
@@ -162,8 +226,9 @@ def test_megatron_muon_step_and_zero_gradient(megatron_env, nesterov):
     gen = torch.Generator().manual_seed(0)
     p = torch.nn.Parameter(torch.randn(12, 5, generator=gen))
     lr, wd, beta = 0.05, 0.1, 0.9
-    opt = muon.TensorParallelMuon([p], lr=lr, momentum_beta=beta, use_nesterov=nesterov, weight_decay=wd,
-                                  fp32_matmul_prec="highest")
+    opt = muon.TensorParallelMuon(
+        [p], lr=lr, momentum_beta=beta, use_nesterov=nesterov, weight_decay=wd, fp32_matmul_prec="highest"
+    )
     ref_p, ref_m = p.detach().clone(), torch.zeros_like(p)
     grads = [torch.randn(12, 5, generator=gen), torch.zeros(12, 5), torch.zeros(12, 5)]
     for grad in grads:
@@ -227,8 +292,9 @@ def test_compat_shim_and_install_pin():
     if importlib.util.find_spec("triton") is None:
         assert kernels.HAS_TRITON_340 is False and "Stand-in" in kernels.__doc__
     # megatron-core's loop that moves expert groups out of the Muon groups, on our list
-    groups = muon_compat._GroupList([{"is_expert_parallel": e, "params": [torch.zeros(2), torch.ones(2)]}
-                                     for e in (False, True, True, False)])
+    groups = muon_compat._GroupList(
+        [{"is_expert_parallel": e, "params": [torch.zeros(2), torch.ones(2)]} for e in (False, True, True, False)]
+    )
     moved = []
     for group in groups:
         if group["is_expert_parallel"]:
@@ -269,13 +335,41 @@ def test_flags_and_one_line_errors(tmp_path):
         add_config_arguments(parser)
         return config_from_args(parser.parse_args(["--config", str(config), *flags]), check_data=False)
 
-    o = parse("--optimizer", "muon", "--muon-momentum", "0.9", "--muon-tp-mode", "duplicated",
-              "--muon-use-nesterov", "--muon-no-split-qkv", "--muon-num-ns-steps", "6", "--muon-scale-mode",
-              "unit_rms_norm", "--muon-extra-scale-factor", "0.2", "--muon-fp32-matmul-prec", "highest",
-              "--muon-adam-lr", "1e-3", "--adam-beta2", "0.99").optimizer
-    assert (o.name, o.muon_momentum, o.muon_tp_mode, o.muon_use_nesterov, o.muon_split_qkv, o.muon_num_ns_steps,
-            o.muon_scale_mode, o.muon_extra_scale_factor, o.muon_fp32_matmul_prec, o.muon_adam_lr, o.adam_beta2) == \
-        ("muon", 0.9, "duplicated", True, False, 6, "unit_rms_norm", 0.2, "highest", 1e-3, 0.99)
+    o = parse(
+        "--optimizer",
+        "muon",
+        "--muon-momentum",
+        "0.9",
+        "--muon-tp-mode",
+        "duplicated",
+        "--muon-use-nesterov",
+        "--muon-no-split-qkv",
+        "--muon-num-ns-steps",
+        "6",
+        "--muon-scale-mode",
+        "unit_rms_norm",
+        "--muon-extra-scale-factor",
+        "0.2",
+        "--muon-fp32-matmul-prec",
+        "highest",
+        "--muon-adam-lr",
+        "1e-3",
+        "--adam-beta2",
+        "0.99",
+    ).optimizer
+    assert (
+        o.name,
+        o.muon_momentum,
+        o.muon_tp_mode,
+        o.muon_use_nesterov,
+        o.muon_split_qkv,
+        o.muon_num_ns_steps,
+        o.muon_scale_mode,
+        o.muon_extra_scale_factor,
+        o.muon_fp32_matmul_prec,
+        o.muon_adam_lr,
+        o.adam_beta2,
+    ) == ("muon", 0.9, "duplicated", True, False, 6, "unit_rms_norm", 0.2, "highest", 1e-3, 0.99)
     assert parse().optimizer.name == "adam"
     for flags, message in [
         (("--optimizer", "sgd"), "optimizer.name: must be one of adam, muon (got 'sgd')"),
@@ -287,22 +381,40 @@ def test_flags_and_one_line_errors(tmp_path):
         with pytest.raises(ConfigError) as err:
             parse(*flags)
         assert message in str(err.value) and "\n" not in str(err.value)
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config", str(config),
-                           "--optimizer", "lion"], capture_output=True, text=True, timeout=120, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "train", "--config", str(config), "--optimizer", "lion"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "megatron-lol train: error: optimizer.name (--optimizer): must be one of adam, muon (got 'lion')"]
+        "megatron-lol train: error: optimizer.name (--optimizer): must be one of adam, muon (got 'lion')"
+    ]
 
 
 # ------------------------------------------------------------------ parallel layouts
-FOIL = dict(plan="looped", num_blocks=2, routed_depth=4, num_experts=4, core_num_experts=4, moe_ffn_hidden_size=32,
-            moe_router_topk=2, moe_layers="all", untie_attention=True)
+FOIL = dict(
+    plan="looped",
+    num_blocks=2,
+    routed_depth=4,
+    num_experts=4,
+    core_num_experts=4,
+    moe_ffn_hidden_size=32,
+    moe_router_topk=2,
+    moe_layers="all",
+    untie_attention=True,
+)
 HIGHEST = {"muon_fp32_matmul_prec": "highest"}
 LAYOUTS = {  # name: (parallel, optimizer, model)
     "tp2_duplicated_medium": ({"tensor_model_parallel_size": 2}, {"muon_tp_mode": "duplicated"}, {}),
     "tp2_duplicated": ({"tensor_model_parallel_size": 2}, dict(HIGHEST, muon_tp_mode="duplicated"), {}),
-    "tp2_sp_duplicated": ({"tensor_model_parallel_size": 2, "sequence_parallel": True},
-                          dict(HIGHEST, muon_tp_mode="duplicated"), {}),
+    "tp2_sp_duplicated": (
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+        dict(HIGHEST, muon_tp_mode="duplicated"),
+        {},
+    ),
     "tp2_distributed": ({"tensor_model_parallel_size": 2}, dict(HIGHEST, muon_tp_mode="distributed"), {}),
     "tp2_blockwise": ({"tensor_model_parallel_size": 2}, dict(HIGHEST, muon_tp_mode="blockwise"), {}),
     "ep2": ({"expert_model_parallel_size": 2}, HIGHEST, {}),
@@ -344,8 +456,16 @@ def test_layouts_equal_one_process():
     got = results[0]
     assert ref["lol"][0] != ref["lol"][-1]
     assert _relative(got["tp2_duplicated_medium"], ref["lol_medium"]) < 1e-4
-    for name in ("tp2_duplicated", "tp2_sp_duplicated", "tp2_distributed", "ep2", "ep2_layer_wise", "pp2", "dp2",
-                 "dp2_layer_wise"):
+    for name in (
+        "tp2_duplicated",
+        "tp2_sp_duplicated",
+        "tp2_distributed",
+        "ep2",
+        "ep2_layer_wise",
+        "pp2",
+        "dp2",
+        "dp2_layer_wise",
+    ):
         assert _relative(got[name], ref["lol"]) < 1e-6, (name, got[name], ref["lol"])
     assert _relative(got["foil_ep2"], ref["foil"]) < 1e-6, (got["foil_ep2"], ref["foil"])
     assert 1e-5 < _relative(got["tp2_blockwise"], ref["lol"]) < 1e-2, (got["tp2_blockwise"], ref["lol"])
@@ -367,8 +487,7 @@ MUON_ARGS = ("--optimizer", "muon", "--set", "optimizer.muon_fp32_matmul_prec=hi
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
-    from test_checkpointing import (TRAIN_ITERS, assert_same_losses, kill9, launch, metrics, run, tracker,
-                                    wait_for)
+    from test_checkpointing import TRAIN_ITERS, assert_same_losses, kill9, launch, metrics, run, tracker, wait_for
 
     root, config = corpus
     ref_save, ref_log = root / "ref", root / "ref.log"
@@ -394,8 +513,20 @@ def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
     save.mkdir()
     shutil.copytree(ref_save / "iter_0000004", save / "iter_0000004")
     (save / "latest_checkpointed_iteration.txt").write_text("4\n")
-    assert run(config, save, *MUON_ARGS, "--tensor-model-parallel-size", "2", "--muon-tp-mode", "duplicated",
-               log=log, nproc=2) == 0, log.read_text()[-3000:]
+    assert (
+        run(
+            config,
+            save,
+            *MUON_ARGS,
+            "--tensor-model-parallel-size",
+            "2",
+            "--muon-tp-mode",
+            "duplicated",
+            log=log,
+            nproc=2,
+        )
+        == 0
+    ), log.read_text()[-3000:]
     assert "optimizer loaded" in log.read_text() and "parallel layout changed" in log.read_text()
     got = metrics(save)
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
@@ -431,9 +562,11 @@ def test_layer_wise_checkpoint_reshards_over_data_parallel(corpus):
     before = sorted(p.name for p in one.iterdir())
     assert run(config, one, *MUON_ARGS, log=root / "switch.log") == 2
     errors = [line for line in (root / "switch.log").read_text().splitlines() if "error:" in line]
-    assert errors == [f"megatron-lol train: error: {one / 'iter_0000012'}: holds the optimizer state of muon with the "
-                      f"layer-wise distributed optimizer, this run uses muon; to switch, start a new --save from "
-                      f"--load {one} with training.reset_optimizer: true"]
+    assert errors == [
+        f"megatron-lol train: error: {one / 'iter_0000012'}: holds the optimizer state of muon with the "
+        f"layer-wise distributed optimizer, this run uses muon; to switch, start a new --save from "
+        f"--load {one} with training.reset_optimizer: true"
+    ]
     assert sorted(p.name for p in one.iterdir()) == before
 
 
@@ -443,10 +576,34 @@ def test_layer_wise_checkpoint_reshards_over_data_parallel(corpus):
 def test_benchmark_runs_and_prints_both_optimizers(corpus, tmp_path):
     root, config = corpus
     out_json = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "optimizer.py"), "--config", str(config),
-                           "--train-iters", "3", "--set", "optimizer.lr_warmup_iters=1", "--big-steps", "1",
-                           "--big-warmup", "1", "--big-hidden", "32", "--big-heads", "4", "--big-ffn", "64",
-                           "--json", str(out_json)], capture_output=True, text=True, timeout=600, cwd=REPO)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "bench" / "optimizer.py"),
+            "--config",
+            str(config),
+            "--train-iters",
+            "3",
+            "--set",
+            "optimizer.lr_warmup_iters=1",
+            "--big-steps",
+            "1",
+            "--big-warmup",
+            "1",
+            "--big-hidden",
+            "32",
+            "--big-heads",
+            "4",
+            "--big-ffn",
+            "64",
+            "--json",
+            str(out_json),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(out_json.read_text())
     for model in ("tiny", "big"):

@@ -16,21 +16,34 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _cfg(model=None, parallel=None):
-    base = dict(hidden_size=64, num_attention_heads=4, num_blocks=4, routed_depth=4, window_size=8,
-                window_shift=4, n_prelude=1, n_coda=1)
+    base = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_blocks=4,
+        routed_depth=4,
+        window_size=8,
+        window_shift=4,
+        n_prelude=1,
+        n_coda=1,
+    )
     base.update(model or {})
     return {"model": base, "parallel": parallel or {}}
 
 
-@pytest.mark.parametrize("parallel,key", [
-    ({"expert_model_parallel_size": 3}, "parallel.expert_model_parallel_size"),
-    ({"tensor_model_parallel_size": 3}, "parallel.tensor_model_parallel_size"),
-    ({"pipeline_model_parallel_size": 4}, "parallel.pipeline_model_parallel_size"),
-    ({"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
-     "parallel.pipeline_model_parallel_size"),
-    ({"virtual_pipeline_model_parallel_size": 2}, "parallel.virtual_pipeline_model_parallel_size"),
-    ({"sequence_parallel": True}, "parallel.sequence_parallel"),
-])
+@pytest.mark.parametrize(
+    "parallel,key",
+    [
+        ({"expert_model_parallel_size": 3}, "parallel.expert_model_parallel_size"),
+        ({"tensor_model_parallel_size": 3}, "parallel.tensor_model_parallel_size"),
+        ({"pipeline_model_parallel_size": 4}, "parallel.pipeline_model_parallel_size"),
+        (
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            "parallel.pipeline_model_parallel_size",
+        ),
+        ({"virtual_pipeline_model_parallel_size": 2}, "parallel.virtual_pipeline_model_parallel_size"),
+        ({"sequence_parallel": True}, "parallel.sequence_parallel"),
+    ],
+)
 def test_invalid_layouts_name_the_key(parallel, key):
     with pytest.raises(ConfigError) as err:
         config_from_dict(_cfg(parallel=parallel))
@@ -38,8 +51,9 @@ def test_invalid_layouts_name_the_key(parallel, key):
 
 
 def test_world_size_must_match_layout():
-    cfg = config_from_dict(_cfg(parallel={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2},
-                                model={"routed_depth": 2}))
+    cfg = config_from_dict(
+        _cfg(parallel={"tensor_model_parallel_size": 2, "pipeline_model_parallel_size": 2}, model={"routed_depth": 2})
+    )
     assert cfg.parallel.data_parallel_size(8) == 2
     with pytest.raises(ConfigError, match="world size 6"):
         cfg.parallel.data_parallel_size(6)
@@ -123,24 +137,59 @@ def test_torchrun_launch_and_layout_error(tmp_path):
     spm = train_sentencepiece(stdlib_documents(max_bytes=300_000), str(tmp_path / "spm"), vocab_size=1000)
     prefix = _write_dataset(tmp_path)
     config = tmp_path / "tiny.yaml"
-    config.write_text(json.dumps({
-        "model": {"hidden_size": 32, "num_attention_heads": 2, "num_blocks": 2, "routed_depth": 2,
-                  "window_size": 16, "window_shift": 8},
-        "data": {"paths": [prefix], "split": "90,10,0", "tokenizer_model": spm,
-                 "cache_dir": str(tmp_path / "cache")},
-        "training": {"train_iters": 2, "micro_batch_size": 2, "seq_length": 64, "log_interval": 1,
-                     "eval_interval": 2, "eval_iters": 1, "save": str(tmp_path / "run")},
-    }))
+    config.write_text(
+        json.dumps(
+            {
+                "model": {
+                    "hidden_size": 32,
+                    "num_attention_heads": 2,
+                    "num_blocks": 2,
+                    "routed_depth": 2,
+                    "window_size": 16,
+                    "window_shift": 8,
+                },
+                "data": {
+                    "paths": [prefix],
+                    "split": "90,10,0",
+                    "tokenizer_model": spm,
+                    "cache_dir": str(tmp_path / "cache"),
+                },
+                "training": {
+                    "train_iters": 2,
+                    "micro_batch_size": 2,
+                    "seq_length": 64,
+                    "log_interval": 1,
+                    "eval_interval": 2,
+                    "eval_iters": 1,
+                    "save": str(tmp_path / "run"),
+                },
+            }
+        )
+    )
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "megatron_lol",
-           "train", "--config", str(config)]
-    bad = subprocess.run(cmd + ["--tensor-model-parallel-size", "3"], capture_output=True, text=True,
-                         env=env, cwd=REPO, timeout=300)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "megatron_lol",
+        "train",
+        "--config",
+        str(config),
+    ]
+    bad = subprocess.run(
+        cmd + ["--tensor-model-parallel-size", "3"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+    )
     assert bad.returncode != 0
-    assert "parallel.tensor_model_parallel_size (--tensor-model-parallel-size): 3 does not divide " \
+    assert (
+        "parallel.tensor_model_parallel_size (--tensor-model-parallel-size): 3 does not divide "
         "model.num_attention_heads=2" in bad.stderr
-    ok = subprocess.run(cmd + ["--tensor-model-parallel-size", "2"], capture_output=True, text=True,
-                        env=env, cwd=REPO, timeout=600)
+    )
+    ok = subprocess.run(
+        cmd + ["--tensor-model-parallel-size", "2"], capture_output=True, text=True, env=env, cwd=REPO, timeout=600
+    )
     assert ok.returncode == 0, ok.stderr[-3000:]
     lines = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
     assert [l["step"] for l in lines] == [1, 2] and "eval_loss" in lines[-1]

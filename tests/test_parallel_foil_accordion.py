@@ -12,16 +12,34 @@ is compared at a fixed budget, and its ranks must draw identical budgets.
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_distributed
 from test_parallel_lol import SyntheticTokens, TinyTokenizer
 
-FOIL = dict(plan="looped", num_blocks=2, routed_depth=4, num_experts=4, core_num_experts=4, moe_ffn_hidden_size=64,
-            moe_router_topk=2, moe_layers="all", untie_attention=True, moe_z_loss_coeff=1e-3,
-            moe_loss_average_over_executions=True)
-ACCORDION = dict(plan="accordion", num_blocks=3, num_experts=4, moe_ffn_hidden_size=64, moe_router_topk=2,
-                 moe_layers="all", moe_shared_expert_intermediate_size=64, loop_budgets=[0, 1, 3],
-                 second_pass_router="separate", num_query_groups=2)
+FOIL = dict(
+    plan="looped",
+    num_blocks=2,
+    routed_depth=4,
+    num_experts=4,
+    core_num_experts=4,
+    moe_ffn_hidden_size=64,
+    moe_router_topk=2,
+    moe_layers="all",
+    untie_attention=True,
+    moe_z_loss_coeff=1e-3,
+    moe_loss_average_over_executions=True,
+)
+ACCORDION = dict(
+    plan="accordion",
+    num_blocks=3,
+    num_experts=4,
+    moe_ffn_hidden_size=64,
+    moe_router_topk=2,
+    moe_layers="all",
+    moe_shared_expert_intermediate_size=64,
+    loop_budgets=[0, 1, 3],
+    second_pass_router="separate",
+    num_query_groups=2,
+)
 
 
 def _train(parallel: dict, model: dict) -> dict:
@@ -30,15 +48,34 @@ def _train(parallel: dict, model: dict) -> dict:
     from megatron_lol.config import config_from_dict
     from megatron_lol.training.trainer import Trainer
 
-    m = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, n_prelude=1, n_coda=1,
-             window_size=16, window_shift=8, vocab_size=128)
+    m = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        n_prelude=1,
+        n_coda=1,
+        window_size=16,
+        window_shift=8,
+        vocab_size=128,
+    )
     m.update(model)
-    cfg = config_from_dict({
-        "model": m, "parallel": parallel,
-        "training": {"train_iters": 3, "micro_batch_size": 1, "global_batch_size": 4, "seq_length": 64,
-                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7},
-        "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0, "clip_grad": 1.0},
-    })
+    cfg = config_from_dict(
+        {
+            "model": m,
+            "parallel": parallel,
+            "training": {
+                "train_iters": 3,
+                "micro_batch_size": 1,
+                "global_batch_size": 4,
+                "seq_length": 64,
+                "log_interval": 100,
+                "eval_interval": 100,
+                "eval_iters": 0,
+                "seed": 7,
+            },
+            "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0, "clip_grad": 1.0},
+        }
+    )
     trainer = Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(32, 0), None, None)).setup()
     data = trainer.data_iterator(trainer.train_ds, 0)
     steps = [trainer.train_step(data) for _ in range(3)]
@@ -47,8 +84,13 @@ def _train(parallel: dict, model: dict) -> dict:
     dist.all_gather_object(gathered, budgets)
     core = trainer.model_chunks[0].module.core
     experts = core.block(0).mlp.experts.local_experts
-    return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps], "budgets": budgets,
-            "budgets_equal": all(g == budgets for g in gathered), "local_experts": len(experts)}
+    return {
+        "loss": [s.loss for s in steps],
+        "grad_norm": [s.grad_norm for s in steps],
+        "budgets": budgets,
+        "budgets_equal": all(g == budgets for g in gathered),
+        "local_experts": len(experts),
+    }
 
 
 LAYOUTS = {
@@ -62,8 +104,11 @@ LAYOUTS = {
 
 
 def _references() -> dict:
-    return {"foil": _train({}, FOIL), "accordion": _train({}, ACCORDION),
-            "accordion_fixed": _train({}, dict(ACCORDION, loop_budget=3))}
+    return {
+        "foil": _train({}, FOIL),
+        "accordion": _train({}, ACCORDION),
+        "accordion_fixed": _train({}, dict(ACCORDION, loop_budget=3)),
+    }
 
 
 def _layouts() -> dict:
@@ -76,8 +121,13 @@ def test_foil_and_accordion_layouts_match_single_process():
     results = run_distributed(_layouts, 2, timeout=900)
     assert ref["foil"]["local_experts"] == 4
     assert sorted({k for b in ref["accordion"]["budgets"] for k in b}) != [3]  # budgets really vary
-    expect = {"foil_tp2_sp": "foil", "foil_ep2": "foil", "foil_dp2": "foil", "accordion_tp2_sp": "accordion",
-              "accordion_dp2_fixed": "accordion_fixed"}
+    expect = {
+        "foil_tp2_sp": "foil",
+        "foil_ep2": "foil",
+        "foil_dp2": "foil",
+        "accordion_tp2_sp": "accordion",
+        "accordion_dp2_fixed": "accordion_fixed",
+    }
     for rank_result in results:
         assert rank_result["foil_ep2"]["local_experts"] == 2  # experts split over the two ranks
         assert rank_result["accordion_tp2_sp"]["budgets"] == ref["accordion"]["budgets"]

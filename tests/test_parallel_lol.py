@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from distributed import run_distributed
 
 VOCAB = 96
@@ -45,16 +44,36 @@ class TinyTokenizer:
 def _config(parallel: dict, **model):
     from megatron_lol.config import config_from_dict
 
-    m = dict(hidden_size=64, num_attention_heads=4, ffn_hidden_size=128, n_prelude=1, n_coda=1,
-             num_blocks=4, routed_depth=6, window_size=16, window_shift=8, vocab_size=128)
+    m = dict(
+        hidden_size=64,
+        num_attention_heads=4,
+        ffn_hidden_size=128,
+        n_prelude=1,
+        n_coda=1,
+        num_blocks=4,
+        routed_depth=6,
+        window_size=16,
+        window_shift=8,
+        vocab_size=128,
+    )
     m.update(model)
-    return config_from_dict({
-        "model": m,
-        "parallel": parallel,
-        "training": {"train_iters": 3, "micro_batch_size": 1, "global_batch_size": 4, "seq_length": SEQ,
-                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7},
-        "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0, "clip_grad": 1.0},
-    })
+    return config_from_dict(
+        {
+            "model": m,
+            "parallel": parallel,
+            "training": {
+                "train_iters": 3,
+                "micro_batch_size": 1,
+                "global_batch_size": 4,
+                "seq_length": SEQ,
+                "log_interval": 100,
+                "eval_interval": 100,
+                "eval_iters": 0,
+                "seed": 7,
+            },
+            "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0, "clip_grad": 1.0},
+        }
+    )
 
 
 def _train(parallel: dict, **model) -> dict:
@@ -73,11 +92,15 @@ def _train(parallel: dict, **model) -> dict:
     gathered = [torch.zeros_like(bias) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, bias)
     held = [g for g in gathered if not torch.isnan(g).any()]
-    return {"loss": [s.loss for s in steps], "grad_norm": [s.grad_norm for s in steps],
-            "bias_equal": all(torch.equal(g, held[0]) for g in held), "bias": held[0].tolist(),
-            "bias_holders": len(held),
-            "local_blocks": sorted({int(k) for c in cores for k in c.blocks.keys()}),
-            "library_params": sum(p.numel() for p in cores[0].blocks.parameters()) if cores else 0}
+    return {
+        "loss": [s.loss for s in steps],
+        "grad_norm": [s.grad_norm for s in steps],
+        "bias_equal": all(torch.equal(g, held[0]) for g in held),
+        "bias": held[0].tolist(),
+        "bias_holders": len(held),
+        "local_blocks": sorted({int(k) for c in cores for k in c.blocks.keys()}),
+        "library_params": sum(p.numel() for p in cores[0].blocks.parameters()) if cores else 0,
+    }
 
 
 LAYOUTS_2 = {

@@ -10,7 +10,6 @@ unpacked process, within 1e-5 relative.
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_distributed
 from test_parallel_lol import SyntheticTokens, TinyTokenizer, _config
 
@@ -50,8 +49,12 @@ LAYOUTS = {
 
 
 def _packed_layouts() -> dict:
-    return {(name, layout): _train(par, True, **MODELS[name]) for name in MODELS for layout, par in LAYOUTS.items()
-            if not (name == "dense" and layout == "pp2")}
+    return {
+        (name, layout): _train(par, True, **MODELS[name])
+        for name in MODELS
+        for layout, par in LAYOUTS.items()
+        if not (name == "dense" and layout == "pp2")
+    }
 
 
 @pytest.mark.slow

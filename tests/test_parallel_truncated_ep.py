@@ -9,7 +9,6 @@ of the library), and the result must equal a single process's.
 from __future__ import annotations
 
 import pytest
-
 from distributed import run_distributed
 from test_parallel_lol import SyntheticTokens, TinyTokenizer, _config
 
@@ -20,8 +19,10 @@ def _train_truncated(parallel: dict, first_window_full: bool) -> dict:
     from megatron_lol.training.trainer import Trainer
 
     cfg = _config(parallel)
-    cfg = dataclasses.replace(cfg, curriculum=dataclasses.replace(
-        cfg.curriculum, backprop_depth=2, first_window_full_backprop=first_window_full))
+    cfg = dataclasses.replace(
+        cfg,
+        curriculum=dataclasses.replace(cfg.curriculum, backprop_depth=2, first_window_full_backprop=first_window_full),
+    )
     trainer = Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(32, 0), None, None)).setup()
     data = trainer.data_iterator(trainer.train_ds, 0)
     steps = [trainer.train_step(data) for _ in range(3)]
@@ -46,4 +47,6 @@ def test_truncated_backprop_with_expert_parallel_library_matches_one_process():
             got = rank_result[full]
             for key in ("loss", "grad_norm"):
                 for a, b in zip(ref[full][key], got[key]):
-                    assert abs(a - b) <= 1e-5 * abs(a), f"first_window_full={full} {key}: {got[key]} vs {ref[full][key]}"
+                    assert abs(a - b) <= 1e-5 * abs(a), (
+                        f"first_window_full={full} {key}: {got[key]} vs {ref[full][key]}"
+                    )

@@ -8,9 +8,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
-
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -30,8 +29,16 @@ M = 1e6
 
 # the English FineWeb runs use GPT-NeoX tokenization: 50,277 tokens, padded to a multiple of 128 (as
 # Megatron-LM pads them at TP 1 and the trainer at every TP); the others keep 32,000 pieces
-FINEWEB = {"lol-360m-L2", "lol-360m-L4", "lol-360m-L8", "huginn-360m-2x8", "huginn-360m-4x4", "huginn-360m-8x2",
-           "lol-vs-moe", "moe-baseline"}
+FINEWEB = {
+    "lol-360m-L2",
+    "lol-360m-L4",
+    "lol-360m-L8",
+    "huginn-360m-2x8",
+    "huginn-360m-4x4",
+    "huginn-360m-8x2",
+    "lol-vs-moe",
+    "moe-baseline",
+}
 NEOX_TOKENS, NEOX_PADDED = 50_277, 50_304
 
 
@@ -62,8 +69,16 @@ def test_gqa_attention():
 
 
 def test_moe_counts_and_active_conventions():
-    base = dict(hidden_size=16, num_attention_heads=2, ffn_hidden_size=32, n_prelude=1, n_coda=1,
-                num_experts=4, moe_ffn_hidden_size=8, moe_router_topk=2)
+    base = dict(
+        hidden_size=16,
+        num_attention_heads=2,
+        ffn_hidden_size=32,
+        n_prelude=1,
+        n_coda=1,
+        num_experts=4,
+        moe_ffn_hidden_size=8,
+        moe_router_topk=2,
+    )
     att = attention_parameters(ModelConfig(**base))
     expert = 3 * 16 * 8
     dense_mlp = 3 * 16 * 32
@@ -153,23 +168,60 @@ CASES = {
     "lol-gqa-kv-channels": dict(LOL, num_query_groups=2, kv_channels=16, ffn_hidden_size=96),
     "lol-no-fixed-layers-L-gt-D": dict(n_prelude=0, n_coda=0, num_blocks=5, routed_depth=3),
     "dense": dict(plan="dense", core_layers=3),
-    "dense-strided-film-injection": dict(plan="dense", core_layers=3, dense_attention="strided", film="depth",
-                                         input_injection=True),
+    "dense-strided-film-injection": dict(
+        plan="dense", core_layers=3, dense_attention="strided", film="depth", input_injection=True
+    ),
     "looped": dict(plan="looped", loop_layers=2, loop_count=3),
     "moe-dense-fixed": dict(plan="dense", core_layers=3, moe_layers="fixed", num_experts=4, moe_ffn_hidden_size=16),
     # Foil: looped MoE core with its own expert count, 2 passes, attention untied / tied
-    "foil-untied": dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4,
-                        foil_experts=6, moe_ffn_hidden_size=16, untie_attention=True, moe_z_loss_coeff=1e-3,
-                        moe_loss_average_over_executions=True),
-    "foil-tied": dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4,
-                      foil_experts=6, moe_ffn_hidden_size=16, untie_attention=False, moe_z_loss_coeff=1e-3),
+    "foil-untied": dict(
+        plan="foil",
+        foil_layers=2,
+        foil_loops=2,
+        moe_layers="all",
+        num_experts=4,
+        foil_experts=6,
+        moe_ffn_hidden_size=16,
+        untie_attention=True,
+        moe_z_loss_coeff=1e-3,
+        moe_loss_average_over_executions=True,
+    ),
+    "foil-tied": dict(
+        plan="foil",
+        foil_layers=2,
+        foil_loops=2,
+        moe_layers="all",
+        num_experts=4,
+        foil_experts=6,
+        moe_ffn_hidden_size=16,
+        untie_attention=False,
+        moe_z_loss_coeff=1e-3,
+    ),
     # Accordion: shared expert, separate second-pass router, loop gates, GQA
-    "accordion": dict(plan="accordion", loop_window=3, loop_budgets=[0, 1, 3], moe_layers="all", num_experts=4,
-                      moe_router_topk=2, moe_ffn_hidden_size=16, moe_shared_expert_intermediate_size=24,
-                      second_pass_router="separate", loop_gates=True, num_query_groups=2, kv_channels=16),
-    "accordion-shared-router-no-gates": dict(plan="accordion", loop_window=3, loop_budgets=[0, 2], moe_layers="all",
-                                             num_experts=4, moe_ffn_hidden_size=16,
-                                             moe_shared_expert_intermediate_size=24, loop_gates=False),
+    "accordion": dict(
+        plan="accordion",
+        loop_window=3,
+        loop_budgets=[0, 1, 3],
+        moe_layers="all",
+        num_experts=4,
+        moe_router_topk=2,
+        moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=24,
+        second_pass_router="separate",
+        loop_gates=True,
+        num_query_groups=2,
+        kv_channels=16,
+    ),
+    "accordion-shared-router-no-gates": dict(
+        plan="accordion",
+        loop_window=3,
+        loop_budgets=[0, 2],
+        moe_layers="all",
+        num_experts=4,
+        moe_ffn_hidden_size=16,
+        moe_shared_expert_intermediate_size=24,
+        loop_gates=False,
+    ),
 }
 
 
@@ -189,14 +241,17 @@ def test_counter_matches_instantiated_model(build_model, case):
     assert real == counts.breakdown
     assert counts.non_embedding == total - real["embedding"] - real["output"]
     # one stored block (its own attention, MLP / experts, router, norms; not its extra passes' parts)
-    block = sum(p.numel() for name, p in model.named_parameters()
-                if name.startswith("core.blocks.0.") and _category(name) not in ("pass_attention",
-                                                                                  "second_pass_router"))
+    block = sum(
+        p.numel()
+        for name, p in model.named_parameters()
+        if name.startswith("core.blocks.0.") and _category(name) not in ("pass_attention", "second_pass_router")
+    )
     assert block == counts.block.total
     sets = counts.pass_attention_sets
     pass_linear = real["pass_attention"] - sets * cfg.hidden_size  # minus the sets' norm gains
-    assert counts.linear_total == (real["attention"] + real["mlp"] + real["experts"] + real["shared_experts"]
-                                   + pass_linear)
+    assert counts.linear_total == (
+        real["attention"] + real["mlp"] + real["experts"] + real["shared_experts"] + pass_linear
+    )
     if cfg.moe_layers == "all":
         E = cfg.core_experts
         assert model.core.blocks["0"].mlp.router.weight.shape == (E, cfg.hidden_size)
@@ -268,13 +323,18 @@ def test_sudoku_and_maze_released_shapes(name):
     fixed layers; "At width 512 a block is 3.4M parameters, so the 24 stored blocks come to about 82M")."""
     cfg, c = paper_counts(name)
     m = cfg.model
-    assert (m.hidden_size, m.num_attention_heads, m.num_blocks, m.routed_depth, m.n_prelude, m.n_coda) == \
-        (512, 8, 16, 16, 4, 4)
+    assert (m.hidden_size, m.num_attention_heads, m.num_blocks, m.routed_depth, m.n_prelude, m.n_coda) == (
+        512,
+        8,
+        16,
+        16,
+        4,
+        4,
+    )
     assert near(c.block.linear, 3.4, 0.05) and near(c.linear_total, 82, 0.5)
 
 
-FOIL = ["foil-base", "foil-3", "foil-2", "foil-1", "foil-base-tied", "proto-foil-3", "proto-foil-2",
-        "proto-foil-1"]
+FOIL = ["foil-base", "foil-3", "foil-2", "foil-1", "foil-base-tied", "proto-foil-3", "proto-foil-2", "proto-foil-1"]
 ACCORDION = ["accordion-6b-a0.5b", "accordion-1.61b"]
 
 
@@ -317,8 +377,13 @@ def test_foil_configs(name):
     cfg, c = paper_counts(name, vocab=49152)
     m = cfg.model
     plan = m.execution_plan()
-    assert (m.plan, m.core_experts, plan.num_stored_blocks, plan.loop_passes, plan.untie_attention) == \
-        ("foil", E, D, L, untied)
+    assert (m.plan, m.core_experts, plan.num_stored_blocks, plan.loop_passes, plan.untie_attention) == (
+        "foil",
+        E,
+        D,
+        L,
+        untied,
+    )
     assert (m.foil_experts, m.foil_layers, m.foil_loops) == (E, D, L)
     assert (m.hidden_size, m.num_attention_heads, m.moe_ffn_hidden_size, m.moe_router_topk) == (1024, 16, 1536, 2)
     assert (m.n_prelude, m.n_coda, m.num_experts, m.moe_layers) == (1, 1, 8, "all")
@@ -341,8 +406,15 @@ def test_foil_configs(name):
     assert cols["other"] == 2 * 49152 * 1024 == 100_663_296
     norms = 2 * 2 * 1024 + D * 2 * 1024 + 1024  # fixed layers, core blocks, final norm
     assert c.total == sum(cols.values()) + D * 2 * 1024 + 1024
-    assert c.total == (64 * expert + 64 * 1024 + (16 if untied else D) * attention_set + c.pass_attention_sets * 1024
-                       + 2 * (8 * expert + attention_set + 8 * 1024) + 100_663_296 + norms)
+    assert c.total == (
+        64 * expert
+        + 64 * 1024
+        + (16 if untied else D) * attention_set
+        + c.pass_attention_sets * 1024
+        + 2 * (8 * expert + attention_set + 8 * 1024)
+        + 100_663_296
+        + norms
+    )
     if figure is not None:
         assert abs(c.total / M - figure) / figure < 0.005
         assert near(c.total, figure, 0.1)
@@ -381,8 +453,12 @@ def test_accordion_configs(name):
     m = cfg.model
     assert (m.plan, m.n_prelude, m.loop_window, m.n_coda, m.loop_budgets) == ("accordion", 6, 12, 6, [0, 3, 6, 9, 12])
     assert (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels) == (h, nq, nkv, 128)
-    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == \
-        (128, 8, f, f)
+    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (
+        128,
+        8,
+        f,
+        f,
+    )
     # by hand, per layer: GQA attention, 128 SwiGLU experts, the shared expert, the router
     attention = h * (nq * 128 + 2 * nkv * 128) + nq * 128 * h
     expert = 3 * h * f
@@ -415,8 +491,9 @@ def test_accordion_configs(name):
 
 # ------------------------------------------------------------------ the CLI
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_lol", "params", *args],
-                          capture_output=True, text=True, cwd=ROOT, timeout=60)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "params", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
+    )
 
 
 def test_cli_json():
@@ -430,8 +507,9 @@ def test_cli_json():
 
 
 def test_cli_overrides_vocab_and_table():
-    out = _cli("--config", str(PAPER / "lol-360m-L8.yaml"), "--json", "--set", "model.num_blocks=4",
-               "--vocab-size", "50257")
+    out = _cli(
+        "--config", str(PAPER / "lol-360m-L8.yaml"), "--json", "--set", "model.num_blocks=4", "--vocab-size", "50257"
+    )
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["vocab_size_given"] == 50257 and d["vocab_size"] == 50304  # padded to 128
@@ -447,8 +525,12 @@ def test_cli_foil_and_accordion():
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert d["loop_accounting"]["shape"] == "(32,2,8)"
-    assert {k: d["loop_accounting"][k] for k in ("E_real", "D_eff", "E_eq", "E_comp")} == \
-        {"E_real": 64, "D_eff": 16, "E_eq": 512, "E_comp": 32}
+    assert {k: d["loop_accounting"][k] for k in ("E_real", "D_eff", "E_eq", "E_comp")} == {
+        "E_real": 64,
+        "D_eff": 16,
+        "E_eq": 512,
+        "E_comp": 32,
+    }
     assert d["pass_attention_sets"] == 14 and near(d["total"], 553.7, 0.1)
     assert d["seed_columns"]["other"] == 100_663_296
     out = _cli("--config", str(PAPER / "foil-2.yaml"))

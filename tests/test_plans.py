@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import ensure_megatron
 
 VOCAB, EOD = 96, 0
@@ -59,8 +58,10 @@ def test_plan_trains_and_matches_param_count(megatron_env, name):
 def _block_calls(model, tokens, **kw):
     calls = []
     # the attention norm runs once per block call, as a module, on every path
-    hooks = [blk.input_layernorm.register_forward_hook(lambda m, i, o, k=k: calls.append(int(k)))
-             for k, blk in model.core.blocks.items()]
+    hooks = [
+        blk.input_layernorm.register_forward_hook(lambda m, i, o, k=k: calls.append(int(k)))
+        for k, blk in model.core.blocks.items()
+    ]
     model(tokens, **kw)
     for h in hooks:
         h.remove()

@@ -11,8 +11,8 @@ import types
 
 import pytest
 import torch
-
 from distributed import model_parallel, run_distributed
+
 from megatron_lol import platform as plat
 
 
@@ -139,9 +139,8 @@ def test_rng_tracker_fork_switches_streams(single_process):
 
 
 def test_gpt_forward_backward(single_process):
-    from tiny_gpt import build_gpt, gpt_batch
-
     from megatron.core import tensor_parallel
+    from tiny_gpt import build_gpt, gpt_batch
 
     tensor_parallel.model_parallel_cuda_manual_seed(7)
     model = build_gpt(dropout=0.1)
@@ -192,9 +191,9 @@ def _run_layout(tp=1, pp=1, vpp=None, sp=False):
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
+    from tiny_gpt import SEQ, build_gpt, deterministic_init, gpt_config
 
     from megatron_lol.platform import device
-    from tiny_gpt import SEQ, build_gpt, deterministic_init, gpt_config
 
     extra = {}
     if vpp:
@@ -316,7 +315,6 @@ def _dist_opt_model():
     from megatron.core import tensor_parallel
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-
     from tiny_gpt import build_gpt, deterministic_init, gpt_config
 
     tensor_parallel.model_parallel_cuda_manual_seed(1)

@@ -60,7 +60,11 @@ def test_sampler_arithmetic_against_fake_nvml():
     from megatron_lol.perf.gpu_monitor import GpuSampler, decode_throttle
 
     script = [
-        [(100, 10 * 2**30, 700_000, 1980, 0), (80, 12 * 2**30, 650_000, 1700, 0x4), (90, 11 * 2**30, 600_000, 1800, 0x4 | 0x20)],
+        [
+            (100, 10 * 2**30, 700_000, 1980, 0),
+            (80, 12 * 2**30, 650_000, 1700, 0x4),
+            (90, 11 * 2**30, 600_000, 1800, 0x4 | 0x20),
+        ],
         [(50, 1 * 2**30, 300_000, 1500, 0x1), (70, 2 * 2**30, 400_000, 1600, 0), (60, 3 * 2**30, 500_000, 1700, 0)],
     ]
     nv = FakeNvml(script)
@@ -112,8 +116,15 @@ def test_peaks_table_and_override():
 
 def _node(host, step, tps, tfl, mfu, clock=None):
     gpus = [] if clock is None else [{"samples": 3, "sm_clock_mhz": {"min": clock}, "utilization_pct": {"min": 50}}]
-    return {"host": host, "step_time_s": step, "tokens_per_s_per_node": tps, "tflops_per_device": tfl,
-            "mfu": mfu, "peak_memory_bytes": 2**30, "gpus": gpus}
+    return {
+        "host": host,
+        "step_time_s": step,
+        "tokens_per_s_per_node": tps,
+        "tflops_per_device": tfl,
+        "mfu": mfu,
+        "peak_memory_bytes": 2**30,
+        "gpus": gpus,
+    }
 
 
 def test_merge_reports():
@@ -138,8 +149,10 @@ def _tiny_yaml(tmp_path, extra: str = "") -> str:
     path.write_text(
         "model:\n  plan: lol\n  hidden_size: 32\n  num_attention_heads: 4\n  ffn_hidden_size: 64\n"
         "  n_prelude: 1\n  n_coda: 1\n  num_blocks: 3\n  routed_depth: 4\n  window_size: 8\n  window_shift: 4\n"
-        "  vocab_size: 128\n" + extra +
-        "training:\n  train_iters: 4\n  micro_batch_size: 2\n  global_batch_size: 2\n  seq_length: 32\n")
+        "  vocab_size: 128\n"
+        + extra
+        + "training:\n  train_iters: 4\n  micro_batch_size: 2\n  global_batch_size: 2\n  seq_length: 32\n"
+    )
     return str(path)
 
 
@@ -149,8 +162,22 @@ def test_profile_cli_on_cpu_writes_json(tmp_path, capsys):
     out = tmp_path / "report.json"
     n_threads = torch.get_num_threads()
     try:
-        rc = main(["profile", "--config", _tiny_yaml(tmp_path), "--synthetic-data", "--steps", "2", "--warmup", "1",
-                   "--threads", "1", "--json", str(out)])
+        rc = main(
+            [
+                "profile",
+                "--config",
+                _tiny_yaml(tmp_path),
+                "--synthetic-data",
+                "--steps",
+                "2",
+                "--warmup",
+                "1",
+                "--threads",
+                "1",
+                "--json",
+                str(out),
+            ]
+        )
     finally:
         torch.set_num_threads(n_threads)
     assert rc == 0
@@ -161,8 +188,17 @@ def test_profile_cli_on_cpu_writes_json(tmp_path, capsys):
     assert rep["tokens_per_step"] == 64 and rep["tokens_per_s_per_device"] > 0
     assert rep["flops_per_step"] > 0 and rep["flops_per_step_executed"] > rep["flops_per_step"] * 0.5
     b = rep["breakdown_s"]
-    for key in ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head", "backward",
-                "optimizer", "data"):
+    for key in (
+        "prelude",
+        "core",
+        "core.blocks",
+        "core.dispatch",
+        "core.routing",
+        "coda_head",
+        "backward",
+        "optimizer",
+        "data",
+    ):
         assert b[key] >= 0
     assert 0 < b["core.blocks"] <= b["core"]
     assert b["core.dispatch"] > 0  # the dispatch functions core.py calls are the ones timed

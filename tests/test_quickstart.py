@@ -23,11 +23,28 @@ def test_quickstart_validation_loss_falls(tmp_path):
     data = os.path.join(REPO, "data", "quickstart")
     run = tmp_path / "run"
     t0 = time.time()
-    subprocess.run([sys.executable, "-m", "megatron_lol", "prepare-quickstart", "--output-dir", data],
-                   check=True, cwd=REPO, timeout=600)
-    proc = subprocess.run([sys.executable, "-m", "megatron_lol", "train", "--config",
-                           "examples/configs/tiny-cpu.yaml", "--save", str(run)],
-                          cwd=REPO, capture_output=True, text=True, timeout=1800)
+    subprocess.run(
+        [sys.executable, "-m", "megatron_lol", "prepare-quickstart", "--output-dir", data],
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_lol",
+            "train",
+            "--config",
+            "examples/configs/tiny-cpu.yaml",
+            "--save",
+            str(run),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
     elapsed = time.time() - t0
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = [json.loads(line) for line in open(run / "metrics.jsonl")]

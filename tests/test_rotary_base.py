@@ -29,7 +29,7 @@ def _native(ckpt):
     cfg, info, _ = read_run_config(path, str(ckpt))
     model = LoLGPTModel(cfg.model, cfg.model.vocab_size, info["tokenizer"]["eod_id"])
     state = dist_checkpointing.load(model.sharded_state_dict(prefix="model."), path)
-    model.load_state_dict({k[len("model."):]: v for k, v in state.items() if k.startswith("model.")}, strict=True)
+    model.load_state_dict({k[len("model.") :]: v for k, v in state.items() if k.startswith("model.")}, strict=True)
     return model.eval(), cfg
 
 
@@ -47,9 +47,19 @@ def test_fractional_rope_theta_survives_import_model_and_export(tmp_path):
     from megatron_lol.convert.to_hf import convert_checkpoint
 
     torch.manual_seed(0)
-    conf = LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                       rope_theta=THETA, tie_word_embeddings=False, eos_token_id=2, bos_token_id=1)
+    conf = LlamaConfig(
+        vocab_size=128,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_theta=THETA,
+        tie_word_embeddings=False,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     hf = LlamaForCausalLM(conf).eval()
     with torch.no_grad():  # make the attention (hence the rotation) matter for the logits
         for name, p in hf.named_parameters():

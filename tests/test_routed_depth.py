@@ -46,8 +46,8 @@ def test_host_layout_equals_the_device_layout(b, s, W, S, short):
     base = window_capacity(b, s, W)
     assert layout.capacity % base == 0 and layout.capacity >= max(docs.num_docs, base)
     cu_docs, _ = thd_params(docs.doc_index, s)
-    assert torch.equal(layout.doc_cu_seqlens[:docs.num_docs + 1], cu_docs.cu_seqlens_q)
-    assert bool((layout.doc_cu_seqlens[docs.num_docs:] == b * s).all())
+    assert torch.equal(layout.doc_cu_seqlens[: docs.num_docs + 1], cu_docs.cu_seqlens_q)
+    assert bool((layout.doc_cu_seqlens[docs.num_docs :] == b * s).all())
     for depth in depths:
         ref = WindowLayout.build(docs, depth, W, S)
         win = layout.for_depth(depth)
@@ -59,7 +59,7 @@ def test_host_layout_equals_the_device_layout(b, s, W, S, short):
         assert bool((win.window_length[n:] == 0).all()) and int(win.window_valid.sum()) == n
         assert torch.equal(win.as_window_layout(depth).window_length, ref.window_length)
         cu, _ = thd_params(ref.token_window, W)
-        assert torch.equal(win.cu_seqlens[:n + 1], cu.cu_seqlens_q) and bool((win.cu_seqlens[n:] == b * s).all())
+        assert torch.equal(win.cu_seqlens[: n + 1], cu.cu_seqlens_q) and bool((win.cu_seqlens[n:] == b * s).all())
         first = ref.window_first_token.index_select(0, ref.token_window)
         assert torch.equal(win.token_position, torch.arange(b * s) - first)
         assert int(win.token_is_first.sum()) == n
@@ -100,7 +100,7 @@ def test_host_layout_for_a_trainer_batch_draws_the_trainers_noise():
     assert routed_depths(cfg) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
     ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.window_size, cfg.window_shift)
     seeds = batch["sample_ids"] + 7 * 1_000_000_007
-    assert torch.equal(layout.noise[3][:ref.num_windows], window_noise(ref, seeds, 3, cfg.num_blocks, 24))
+    assert torch.equal(layout.noise[3][: ref.num_windows], window_noise(ref, seeds, 3, cfg.num_blocks, 24))
     assert host_layout_for_batch({"tokens": tokens}, cfg, 0, run_seed=7).noise == {}
 
 
@@ -183,17 +183,20 @@ def test_grouping_combine_loads_and_losses_equal_the_reference():
     assert torch.equal(grouping.order, reference.order) and torch.equal(grouping.segments, reference.segments)
     assert torch.equal(grouping.group_offsets.diff(), torch.tensor(reference.counts))
     assert torch.equal(grouping.order.index_select(0, grouping.inverse), torch.arange(t))
-    assert torch.equal(cu[:n + 1], thd_params(reference.segments, 8)[0].cu_seqlens_q)
+    assert torch.equal(cu[: n + 1], thd_params(reference.segments, 8)[0].cu_seqlens_q)
     assert torch.equal(loads, torch.bincount(choice[:n], minlength=L)) and int(loads[L - 1]) == 0
 
     # gated combine through the grouped order, with and without truncated backprop
     out_w = torch.randn(t, 16, generator=g)
     for first_window in (None, True, False):
+
         def new(x, gate_w):
             gate = sr.token_gates(win, gate_w)
-            block_out = sr.permute_rows(sr.permute_rows(x, grouping.order, grouping.inverse) * 1.5
-                                        + out_w.index_select(0, grouping.order),
-                                        grouping.inverse, grouping.order)
+            block_out = sr.permute_rows(
+                sr.permute_rows(x, grouping.order, grouping.inverse) * 1.5 + out_w.index_select(0, grouping.order),
+                grouping.inverse,
+                grouping.order,
+            )
             keep = None if first_window is None else sr.truncation_keep(win, first_window)
             if first_window is False:
                 with torch.no_grad():
@@ -278,11 +281,31 @@ def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window
     rope = net.rotary(layout.row_length)
     with OpCounter() as count:
         if impl == "grouped":
-            out = grouped_core_forward(core, x, layout, rope, steps, depth=len(steps), forced=forced, record=record,
-                                       backprop_depth=backprop_depth, first_window_full_backprop=first_window)
+            out = grouped_core_forward(
+                core,
+                x,
+                layout,
+                rope,
+                steps,
+                depth=len(steps),
+                forced=forced,
+                record=record,
+                backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window,
+            )
         else:
-            out = core(x, layout.document_layout(), rope, steps, depth=len(steps), forced=forced, record=record,
-                       backprop_depth=backprop_depth, first_window_full_backprop=first_window, noise_seeds=seeds)
+            out = core(
+                x,
+                layout.document_layout(),
+                rope,
+                steps,
+                depth=len(steps),
+                forced=forced,
+                record=record,
+                backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window,
+                noise_seeds=seeds,
+            )
         loss = (out.states * torch.randn(out.states.shape, generator=torch.Generator().manual_seed(8))).sum()
         if out.aux_loss is not None:
             loss = loss + 100 * out.aux_loss
@@ -296,12 +319,20 @@ def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window
 CASES = {
     # local layout; FiLM per depth, input injection, per-depth bias, forced ordinals, truncated with first windows
     "local-film-injection-forced-truncated": dict(
-        packed=False, model=dict(film="depth", input_injection=True, per_depth_bias=True, seq_aux_loss_coeff=0.01),
-        forced="ordinal", backprop_depth=2, first_window=True),
+        packed=False,
+        model=dict(film="depth", input_injection=True, per_depth_bias=True, seq_aux_loss_coeff=0.01),
+        forced="ordinal",
+        backprop_depth=2,
+        first_window=True,
+    ),
     # packed (THD) layout; FiLM per block, GQA, global aux loss, untied routers, forced per document, frozen depths
     "packed-filmblock-gqa-auxloss-forced-frozen": dict(
-        packed=True, model=dict(film="depth_block", num_query_groups=2, balancing="aux_loss", router_tied=False),
-        forced="document", backprop_depth=1, first_window=False),
+        packed=True,
+        model=dict(film="depth_block", num_query_groups=2, balancing="aux_loss", router_tied=False),
+        forced="document",
+        backprop_depth=1,
+        first_window=False,
+    ),
     # evaluation: no noise, routing records
     "local-eval-records": dict(packed=False, model=dict(routed_depth=3), train=False, record=True),
 }
@@ -332,8 +363,15 @@ def test_grouped_core_equals_the_per_block_reference(monkeypatch, case):
     x0 = torch.randn(s, b, h, generator=torch.Generator().manual_seed(5))
     if spec["packed"]:
         x0 = x0.transpose(0, 1).reshape(b * s, 1, h)
-    args = (x0, layout, seeds, forced, spec.get("backprop_depth"), spec.get("first_window", True),
-            spec.get("record", False))
+    args = (
+        x0,
+        layout,
+        seeds,
+        forced,
+        spec.get("backprop_depth"),
+        spec.get("first_window", True),
+        spec.get("record", False),
+    )
     with torch.set_grad_enabled(spec.get("train", True)):
         ref, ref_dx, ref_grads, ref_loads, _ = _run_core(net, "ref", *args)
         new, new_dx, new_grads, new_loads, count = _run_core(net, "grouped", *args)
@@ -400,8 +438,14 @@ def _tensor_parallel_check():
     results = {}
     with model_parallel(tp=2, seed=1):
         for packed in (False, True):
-            net = _build_lol(packed, ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True), vocab=98,
-                             film="depth_block", input_injection=True, num_query_groups=2).train()
+            net = _build_lol(
+                packed,
+                ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True),
+                vocab=98,
+                film="depth_block",
+                input_injection=True,
+                num_query_groups=2,
+            ).train()
             assert grouped_core_support(net.core) is None
             b, s, h, D = 2, 40, net.cfg.hidden_size, net.plan.depth
             tokens = _tokens(b, s, 13, short_docs=True)
@@ -426,11 +470,18 @@ def _tensor_parallel_check():
                     dist.all_reduce = real
             ref, ref_dx, ref_grads, _, ref_calls = runs["ref"]
             new, new_dx, new_grads, _, new_calls = runs["grouped"]
-            worst = max([(new.states - ref.states).abs().max().item(), (new_dx - ref_dx).abs().max().item()]
-                        + [(new_grads[k] - g).abs().max().item() for k, g in ref_grads.items()])
-            results[packed] = dict(worst=worst, same_params=set(new_grads) == set(ref_grads),
-                                   ref_calls=ref_calls, new_calls=new_calls, depths=D,
-                                   blocks_used=int((ref.block_loads > 0).sum()))
+            worst = max(
+                [(new.states - ref.states).abs().max().item(), (new_dx - ref_dx).abs().max().item()]
+                + [(new_grads[k] - g).abs().max().item() for k, g in ref_grads.items()]
+            )
+            results[packed] = dict(
+                worst=worst,
+                same_params=set(new_grads) == set(ref_grads),
+                ref_calls=ref_calls,
+                new_calls=new_calls,
+                depths=D,
+                blocks_used=int((ref.block_loads > 0).sum()),
+            )
     return results
 
 
@@ -478,19 +529,25 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     x = torch.randn(80, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     args = (core.depth_vectors[depth - 1], layout.noise[depth], core.balancer.for_depth(depth))
     torch._dynamo.reset()
-    compiled = (torch.compile(route, fullgraph=True, backend="aot_eager"),
-                torch.compile(combine, fullgraph=True, backend="aot_eager"))
+    compiled = (
+        torch.compile(route, fullgraph=True, backend="aot_eager"),
+        torch.compile(combine, fullgraph=True, backend="aot_eager"),
+    )
     outs = []
     for run_route, run_combine in ((route, combine), compiled):
         leaf = x.clone().requires_grad_(True)
         grouped, loads, aux = run_route(leaf, *args)
-        new = run_combine(leaf, grouped_blocks(library, grouped.rows, grouped.grouping, grouped.rope,
-                                               grouped.attention_bias, 8, film), grouped)
+        new = run_combine(
+            leaf,
+            grouped_blocks(library, grouped.rows, grouped.grouping, grouped.rope, grouped.attention_bias, 8, film),
+            grouped,
+        )
         (new.square().sum() + aux).backward()
         outs.append((new.detach(), loads, aux.detach(), leaf.grad))
     for got, want in zip(outs[1], outs[0]):
-        torch.testing.assert_close(got, want, rtol=0, atol=0) if not got.is_floating_point() else \
-            torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(
+            got, want, rtol=0, atol=0
+        ) if not got.is_floating_point() else torch.testing.assert_close(got, want, **TOL)
 
     # the grouped blocks, in bf16
     bf16 = stack_library([core.block(i).to(torch.bfloat16) for i in range(L)])
@@ -514,14 +571,33 @@ def _grouped_trainer(routed_core: str, **model):
 
     shape = dict(num_blocks=3, routed_depth=3, film="depth")
     shape.update(model)
-    cfg = config_from_dict({
-        "model": dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, n_prelude=1, n_coda=1,
-                      window_size=8, window_shift=4, vocab_size=128, routed_core=routed_core,
-                      **{k: v for k, v in shape.items() if v is not None}),
-        "training": {"train_iters": 3, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": SEQ,
-                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7},
-        "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0},
-    })
+    cfg = config_from_dict(
+        {
+            "model": dict(
+                hidden_size=32,
+                num_attention_heads=4,
+                ffn_hidden_size=64,
+                n_prelude=1,
+                n_coda=1,
+                window_size=8,
+                window_shift=4,
+                vocab_size=128,
+                routed_core=routed_core,
+                **{k: v for k, v in shape.items() if v is not None},
+            ),
+            "training": {
+                "train_iters": 3,
+                "micro_batch_size": 2,
+                "global_batch_size": 4,
+                "seq_length": SEQ,
+                "log_interval": 100,
+                "eval_interval": 100,
+                "eval_iters": 0,
+                "seed": 7,
+            },
+            "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0},
+        }
+    )
     return Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(16, 0), None, None)).setup()
 
 
@@ -536,8 +612,7 @@ def test_training_with_the_grouped_core_equals_the_reference(megatron_env, monke
         batches = trainer.data_iterator(trainer.train_ds, 0)
         assert ("layout" in next(trainer.data_iterator(trainer.train_ds, 0))) == (mode == "grouped")
         losses[mode] = [trainer.train_step(batches).loss for _ in range(3)]
-    torch.testing.assert_close(torch.tensor(losses["grouped"]), torch.tensor(losses["reference"]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.tensor(losses["grouped"]), torch.tensor(losses["reference"]), rtol=1e-5, atol=1e-5)
     assert losses["auto"] == losses["reference"]
 
 

@@ -107,9 +107,9 @@ def _bias(L=4, D=3, per_depth=False, speed=1e-3, clamp=16.0, stop=0.966):
 
 def test_bias_sign_rule_and_mean_block_keeps_bias():
     bb = _bias()
-    bb.record(1, torch.tensor([0, 0, 0, 1]))       # loads after depth 1: [3, 1, 0, 0]
-    bb.record(2, torch.tensor([1, 2, 0]))          # + [1, 1, 1, 0] -> [4, 2, 1, 0]
-    bb.record(3, torch.tensor([3, 3, 3, 1, 2]))    # + [0, 1, 1, 3] -> [4, 3, 2, 3], mean 3
+    bb.record(1, torch.tensor([0, 0, 0, 1]))  # loads after depth 1: [3, 1, 0, 0]
+    bb.record(2, torch.tensor([1, 2, 0]))  # + [1, 1, 1, 0] -> [4, 2, 1, 0]
+    bb.record(3, torch.tensor([3, 3, 3, 1, 2]))  # + [0, 1, 1, 3] -> [4, 3, 2, 3], mean 3
     assert bb.loads.tolist() == [[4, 3, 2, 3]]
     assert bb.update(step=0, train_iters=100)
     assert torch.equal(bb.bias, torch.tensor([[-1e-3, 0.0, 1e-3, 0.0]]))
@@ -150,14 +150,14 @@ def test_bias_stop_fraction_exact():
 def test_bias_per_depth_rows():
     bb = _bias(L=3, D=2, per_depth=True)
     assert tuple(bb.bias.shape) == (2, 3)
-    bb.record(1, torch.tensor([0, 0, 1]))   # depth 1: [2, 1, 0] mean 1
-    bb.record(2, torch.tensor([2, 2, 2]))   # depth 2: [0, 0, 3] mean 1
+    bb.record(1, torch.tensor([0, 0, 1]))  # depth 1: [2, 1, 0] mean 1
+    bb.record(2, torch.tensor([2, 2, 2]))  # depth 2: [0, 0, 3] mean 1
     bb.update(0, 10)
     torch.testing.assert_close(bb.bias, torch.tensor([[-1e-3, 0.0, 1e-3], [1e-3, 1e-3, -1e-3]]))
     assert torch.equal(bb.for_depth(2), bb.bias[1])
     glob = _bias(L=3, D=2)
     glob.record(1, torch.tensor([0, 0, 1]))
-    glob.record(2, torch.tensor([2, 2, 2]))   # summed: [2, 1, 3] mean 2
+    glob.record(2, torch.tensor([2, 2, 2]))  # summed: [2, 1, 3] mean 2
     glob.update(0, 10)
     torch.testing.assert_close(glob.bias, torch.tensor([[0.0, 1e-3, -1e-3]]))
     assert torch.equal(glob.for_depth(1), glob.for_depth(2))

@@ -23,8 +23,18 @@ aten = torch.ops.aten
 
 #: aten overloads whose CUDA kernels accumulate floats in thread order (torch.use_deterministic_algorithms)
 _ALWAYS = {
-    "index_add", "index_add_", "scatter_add", "scatter_add_", "put", "put_", "index_copy", "index_copy_",
-    "histc", "embedding_dense_backward", "_embedding_bag_backward", "nll_loss2d_forward",
+    "index_add",
+    "index_add_",
+    "scatter_add",
+    "scatter_add_",
+    "put",
+    "put_",
+    "index_copy",
+    "index_copy_",
+    "histc",
+    "embedding_dense_backward",
+    "_embedding_bag_backward",
+    "nll_loss2d_forward",
 }
 _SCATTER_REDUCE = {"scatter_reduce", "scatter_reduce_"}
 _INDEX_PUT = {"index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"}
@@ -77,8 +87,7 @@ def _routing_path(core, tokens, eod, depths, seeds):
 
     docs = DocumentLayout.from_tokens(tokens, eod)
     b, s = tokens.shape
-    states = torch.randn(b * s, core.cfg.hidden_size, generator=torch.Generator().manual_seed(3),
-                         requires_grad=True)
+    states = torch.randn(b * s, core.cfg.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
     loss = 0.0
     loads = []
     for depth in depths:
@@ -117,7 +126,7 @@ def _naive_means(states, layout):
     out = torch.zeros(layout.num_windows, states.shape[1], dtype=torch.float64)
     for j in range(layout.num_windows):
         first, n = int(layout.window_first_token[j]), int(layout.window_length[j])
-        out[j] = states[first:first + n].double().mean(0)
+        out[j] = states[first : first + n].double().mean(0)
     return out
 
 
@@ -128,7 +137,7 @@ def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, 50, (2, 64), generator=g)
-    tokens[:, doc_every - 1::doc_every] = 0
+    tokens[:, doc_every - 1 :: doc_every] = 0
     docs = DocumentLayout.from_tokens(tokens, 0)
     states = torch.randn(2 * 64, 16, generator=g).to(torch.bfloat16)
     for depth in (1, 2):
@@ -140,7 +149,7 @@ def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
         prefix = layout.prefix_means(means)
         for j in range(layout.num_windows):
             k = int(layout.window_ordinal[j])
-            ref = means[j - k:j].double().sum(0) / k if k else torch.zeros(16, dtype=torch.float64)
+            ref = means[j - k : j].double().sum(0) / k if k else torch.zeros(16, dtype=torch.float64)
             torch.testing.assert_close(prefix[j].double(), ref, rtol=1e-6, atol=1e-6)
 
 

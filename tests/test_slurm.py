@@ -49,8 +49,22 @@ PRETRAIN_ITERS = 16
 CONTEXT_ITERS = 6
 TIMEOUT = 900  # the whole campaign; a hang (a job pending forever) fails here
 STRAY_ENV = {"MASTER_ADDR": "10.255.255.1", "MASTER_PORT": "1", "RANK": "3", "WORLD_SIZE": "7", "LOCAL_RANK": "5"}
-ACTIVE = {"PENDING", "RUNNING", "CONFIGURING", "COMPLETING", "REQUEUED", "REQUEUE_FED", "REQUEUE_HOLD", "RESIZING",
-          "SUSPENDED", "STAGE_OUT", "SIGNALING", "RESV_DEL_HOLD", "SPECIAL_EXIT", "STOPPED"}
+ACTIVE = {
+    "PENDING",
+    "RUNNING",
+    "CONFIGURING",
+    "COMPLETING",
+    "REQUEUED",
+    "REQUEUE_FED",
+    "REQUEUE_HOLD",
+    "RESIZING",
+    "SUSPENDED",
+    "STAGE_OUT",
+    "SIGNALING",
+    "RESV_DEL_HOLD",
+    "SPECIAL_EXIT",
+    "STOPPED",
+}
 
 pytestmark = pytest.mark.slow
 
@@ -76,8 +90,9 @@ def cluster():
     # 8 CPUs per node declared: the campaign's jobs run side by side (they mostly wait)
     _sh("bash", LOCAL_SLURM / "start.sh", env=dict(os.environ, LOCAL_SLURM_CPUS="8"), timeout=600)
     original = SLURM_CONF.read_text()
-    SLURM_CONF.write_text("".join(line for line in original.splitlines(keepends=True)
-                                  if not line.startswith("DependencyParameters=")))
+    SLURM_CONF.write_text(
+        "".join(line for line in original.splitlines(keepends=True) if not line.startswith("DependencyParameters="))
+    )
     try:
         _sh("scontrol", "reconfigure")
         assert "kill_invalid_depend" not in _sh("scontrol", "show", "config")
@@ -167,10 +182,16 @@ def campaign(cluster, tmp_path_factory):
 
     env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LOL_ROOT"}
     env.update(STRAY_ENV)
-    env.update(MEGATRON_LOL_PYTHON=sys.executable, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1",
-               GPUS_PER_NODE="0", TOKENIZER_MODEL=tokenizer)
-    pipe_env = dict(env, INPUT=str(raw / "part*.jsonl"), NUM_SHARDS="2", PREPROCESS_CPUS="1", NODES="2",
-                    CONTEXT_LAUNCHER="srun")
+    env.update(
+        MEGATRON_LOL_PYTHON=sys.executable,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        GPUS_PER_NODE="0",
+        TOKENIZER_MODEL=tokenizer,
+    )
+    pipe_env = dict(
+        env, INPUT=str(raw / "part*.jsonl"), NUM_SHARDS="2", PREPROCESS_CPUS="1", NODES="2", CONTEXT_LAUNCHER="srun"
+    )
     submit = str(REPO / "slurm" / "submit_pipeline.sh")
     t0 = time.time()
     try:
@@ -181,11 +202,19 @@ def campaign(cluster, tmp_path_factory):
         c.jobs.update(merge=ids["MERGE_JOB"], pretrain=ids["PRETRAIN_JOB"], context=ids["CONTEXT_JOB"])
         c.data_prefix = ids["DATA_PREFIX"]
         # a pipeline whose preprocess fails, on a cluster without kill_invalid_depend
-        _sh("bash", submit, env=dict(pipe_env, INPUT=str(raw / "broken.jsonl"), NUM_SHARDS="1",
-                                     WORK_DIR="broken"), cwd=c.run_dir)
+        _sh(
+            "bash",
+            submit,
+            env=dict(pipe_env, INPUT=str(raw / "broken.jsonl"), NUM_SHARDS="1", WORK_DIR="broken"),
+            cwd=c.run_dir,
+        )
         ids = dict(line.split("=", 1) for line in (c.run_dir / "broken" / "jobs.env").read_text().split())
-        c.jobs.update(broken_pre=ids["PREPROCESS_JOB"], broken_merge=ids["MERGE_JOB"],
-                      broken_pretrain=ids["PRETRAIN_JOB"], broken_context=ids["CONTEXT_JOB"])
+        c.jobs.update(
+            broken_pre=ids["PREPROCESS_JOB"],
+            broken_merge=ids["MERGE_JOB"],
+            broken_pretrain=ids["PRETRAIN_JOB"],
+            broken_context=ids["CONTEXT_JOB"],
+        )
         _submit_drills(c, env)
         _drive(c, t0)
     finally:
@@ -199,14 +228,27 @@ def campaign(cluster, tmp_path_factory):
 def _submission_checks(c: Campaign, submit: str, pipe_env: dict) -> None:
     """submit_pipeline.sh refusals (nothing submitted) and held submissions (CPUs per launch style)."""
     before = set(_all_jobs())
-    res = _run("bash", submit, env=dict(pipe_env, WORK_DIR="typo", PRETRAIN_ARGS="--set training.bogus_key=1"),
-               cwd=c.run_dir)
-    c.submit_checks["typo"] = (res.returncode, res.stdout, res.stderr, set(_all_jobs()) - before,
-                               (c.run_dir / "typo" / "jobs.env").exists())
+    res = _run(
+        "bash", submit, env=dict(pipe_env, WORK_DIR="typo", PRETRAIN_ARGS="--set training.bogus_key=1"), cwd=c.run_dir
+    )
+    c.submit_checks["typo"] = (
+        res.returncode,
+        res.stdout,
+        res.stderr,
+        set(_all_jobs()) - before,
+        (c.run_dir / "typo" / "jobs.env").exists(),
+    )
     res = _run("bash", submit, env=dict(pipe_env, WORK_DIR="ambiguous", CPUS_PER_TASK="4"), cwd=c.run_dir)
     c.submit_checks["cpus_per_task"] = (res.returncode, res.stderr, set(_all_jobs()) - before)
-    held_env = dict(pipe_env, WORK_DIR="held", SBATCH_EXTRA="--hold", PROCS_PER_NODE="2", CPUS_PER_NODE="4",
-                    PRETRAIN_ARGS="--global-batch-size 8", CONTEXT_ARGS="--global-batch-size 4")
+    held_env = dict(
+        pipe_env,
+        WORK_DIR="held",
+        SBATCH_EXTRA="--hold",
+        PROCS_PER_NODE="2",
+        CPUS_PER_NODE="4",
+        PRETRAIN_ARGS="--global-batch-size 8",
+        CONTEXT_ARGS="--global-batch-size 4",
+    )
     _sh("bash", submit, env=held_env, cwd=c.run_dir)
     ids = dict(line.split("=", 1) for line in (c.run_dir / "held" / "jobs.env").read_text().split())
     jobs = _all_jobs()
@@ -221,24 +263,40 @@ def _submit_drills(c: Campaign, env: dict) -> None:
     two = ["--nodes=2", "--ntasks-per-node=1"]
     data = dict(env, DATA_PREFIX=c.data_prefix)
     # relative SAVE_DIRs: relative to the run directory the jobs are submitted from
-    c.sbatch("stale", "pretrain.sbatch", *two, env=dict(env, SAVE_DIR="stale",
-                                                        TRAIN_ARGS="--set training.bogus_key=1"))
+    c.sbatch("stale", "pretrain.sbatch", *two, env=dict(env, SAVE_DIR="stale", TRAIN_ARGS="--set training.bogus_key=1"))
     merge = c.jobs["merge"]
     c.sbatch("steps_usr1", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="steps_usr1"), after=merge)
     # the batch-shell drills do not depend on the launch style: one task per process (no torchrun) is cheaper
-    c.sbatch("batch_usr1", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="batch_usr1", LAUNCHER="srun"),
-             after=merge)
+    c.sbatch("batch_usr1", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="batch_usr1", LAUNCHER="srun"), after=merge)
     # SIGUSR1 to the batch shell 170 s before a 3-minute limit: Slurm sends it up to 30 s early,
     # at its first periodic check, 0-30 s into the run; the save of iteration 4 pauses 30 s,
     # so the run is certainly still going when it arrives
-    c.sbatch("time_limit", "pretrain.sbatch", *two, "--time=3", "--signal=B:USR1@170",
-             env=dict(data, SAVE_DIR="time_limit", LAUNCHER="srun", MEGATRON_LOL_CKPT_PAUSE="4:30"), after=merge)
+    c.sbatch(
+        "time_limit",
+        "pretrain.sbatch",
+        *two,
+        "--time=3",
+        "--signal=B:USR1@170",
+        env=dict(data, SAVE_DIR="time_limit", LAUNCHER="srun", MEGATRON_LOL_CKPT_PAUSE="4:30"),
+        after=merge,
+    )
     c.sbatch("startup", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="startup"), after=merge)
-    c.sbatch("nonfinite", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="nonfinite", LAUNCHER="srun",
-                                                            MEGATRON_LOL_INJECT_NAN_STEPS="2"), after=merge)
+    c.sbatch(
+        "nonfinite",
+        "pretrain.sbatch",
+        *two,
+        env=dict(data, SAVE_DIR="nonfinite", LAUNCHER="srun", MEGATRON_LOL_INJECT_NAN_STEPS="2"),
+        after=merge,
+    )
     profile_env = {k: v for k, v in data.items() if k != "OMP_NUM_THREADS"}
-    c.sbatch("profile", "profile.sbatch", *two, "--cpus-per-task=2",
-             env=dict(profile_env, LAUNCHER="srun", PROFILE_ARGS="--steps 2 --warmup 1"), after=merge)
+    c.sbatch(
+        "profile",
+        "profile.sbatch",
+        *two,
+        "--cpus-per-task=2",
+        env=dict(profile_env, LAUNCHER="srun", PROFILE_ARGS="--steps 2 --warmup 1"),
+        after=merge,
+    )
 
 
 def _drive(c: Campaign, t0: float) -> None:
@@ -360,8 +418,10 @@ def test_stale_marker_never_requeues_and_the_job_carries_the_exit_status(campaig
     assert _field(line, "JobState") == "FAILED" and _field(line, "ExitCode") == "2:0", line
     assert _field(line, "Restarts") == "0" and "requeueing" not in log, log[-3000:]
     assert "REQUEUE_REQUESTED left by an earlier run" in log
-    assert "training failed with status 2: megatron-lol train: error: --set training.bogus_key=1: " \
-           "unknown key 'training.bogus_key'" in log, log[-3000:]
+    assert (
+        "training failed with status 2: megatron-lol train: error: --set training.bogus_key=1: "
+        "unknown key 'training.bogus_key'" in log
+    ), log[-3000:]
     assert "Comment=megatron-lol: status 2: " in line
     assert not (c.run_dir / "stale" / "REQUEUE_REQUESTED").exists()
 
@@ -371,8 +431,9 @@ def test_runtime_failure_under_srun_launcher_carries_its_status(campaign):
     line, log = c.final["nonfinite"], c.log("nonfinite")
     assert _field(line, "JobState") == "FAILED" and _field(line, "ExitCode") == "3:0", line + log[-3000:]
     assert "launch: srun" in log and "requeueing" not in log
-    assert re.search(r"training failed with status 3: megatron-lol train: error: non-finite loss .* at iteration 2",
-                     log), log[-3000:]
+    assert re.search(
+        r"training failed with status 3: megatron-lol train: error: non-finite loss .* at iteration 2", log
+    ), log[-3000:]
 
 
 def test_failed_stage_cancels_its_dependents_without_kill_invalid_depend(campaign):
@@ -385,8 +446,10 @@ def test_failed_stage_cancels_its_dependents_without_kill_invalid_depend(campaig
 def test_submit_pipeline_validates_every_stage_before_submitting(campaign):
     rc, out, err, new_jobs, wrote = campaign.submit_checks["typo"]
     assert rc == 2 and not new_jobs and not wrote, (rc, out, err, new_jobs)
-    assert "pretrain stage: megatron-lol train: error: --set training.bogus_key=1: unknown key " \
-           "'training.bogus_key' -- nothing submitted" in err, err
+    assert (
+        "pretrain stage: megatron-lol train: error: --set training.bogus_key=1: unknown key "
+        "'training.bogus_key' -- nothing submitted" in err
+    ), err
     rc, err, new_jobs = campaign.submit_checks["cpus_per_task"]
     assert rc == 2 and not new_jobs and "CPUS_PER_TASK=4 is ambiguous" in err, err
 

@@ -32,7 +32,8 @@ data = config_from_dict({"data": {"paths": ["x"], "tokenizer_type": "HuggingFace
 out["on_hub"] = data.tokenizer_on_hub()
 out["recorded"] = _recorded_tokenizer_model(data, tok)
 out["local_missing_is_hub"] = is_hub_name("data/missing/tokenizer.json")
-out["sentencepiece_on_hub"] = config_from_dict({"data": {"paths": ["x"], "tokenizer_model": name}}).data.tokenizer_on_hub()
+sentencepiece = config_from_dict({"data": {"paths": ["x"], "tokenizer_model": name}}).data
+out["sentencepiece_on_hub"] = sentencepiece.tokenizer_on_hub()
 try:
     build_tokenizer("HuggingFaceTokenizer", "nobody/no-such-tokenizer")
 except TokenizerError as err:
@@ -42,8 +43,9 @@ print("RESULT " + json.dumps(out))
 
 
 def test_hub_name_from_the_local_cache(tmp_path):
-    files = train_bytelevel_bpe(["the cat sat on the mat"] * 40 + ["a quick brown fox"] * 40, str(tmp_path / "bpe"),
-                                vocab_size=300)
+    files = train_bytelevel_bpe(
+        ["the cat sat on the mat"] * 40 + ["a quick brown fox"] * 40, str(tmp_path / "bpe"), vocab_size=300
+    )
     commit = "0" * 40
     repo = tmp_path / "hub" / f"models--{NAME.replace('/', '--')}"
     snapshot = repo / "snapshots" / commit
@@ -53,11 +55,17 @@ def test_hub_name_from_the_local_cache(tmp_path):
     (snapshot / "tokenizer.json").write_bytes(Path(files["tokenizer_json"]).read_bytes())
     (snapshot / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, "-c", CHECK, NAME, str(snapshot)], capture_output=True, text=True,
-                          timeout=120, env=env, cwd=str(tmp_path))
+    proc = subprocess.run(
+        [sys.executable, "-c", CHECK, NAME, str(snapshot)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=str(tmp_path),
+    )
     lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stderr[-2000:]
-    out = json.loads(lines[-1][len("RESULT "):])
+    out = json.loads(lines[-1][len("RESULT ") :])
     from megatron_lol.data.tokenizers import build_tokenizer
 
     local = build_tokenizer("HuggingFaceTokenizer", files["tokenizer_json"])

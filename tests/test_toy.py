@@ -56,8 +56,10 @@ def test_batches_are_correct_and_step_specific():
     assert int(b["tokens"].max()) < toy.VOCAB
 
 
-@pytest.mark.parametrize("label,blocks,params", [("dense", 3, None), ("oracle", 4, 202_826),
-                                                 ("step_prim", 12, 602_698), ("program_id", 4, 202_826)])
+@pytest.mark.parametrize(
+    "label,blocks,params",
+    [("dense", 3, None), ("oracle", 4, 202_826), ("step_prim", 12, 602_698), ("program_id", 4, 202_826)],
+)
 def test_fixed_paths_and_sizes(label, blocks, params):
     model = toy.ToyModel(toy.ModelSpec(label, toy.default_blocks(label)))
     assert len(model.blocks) == blocks
@@ -86,8 +88,11 @@ def test_learned_router_and_router_only():
     trained, _ = toy.split_programs(0)
     g = torch.Generator().manual_seed(2)
     b = toy.make_batch(trained, 32, g)
-    for spec in (toy.ModelSpec("lol", 4, tied=True), toy.ModelSpec("lol", 8, tied=False),
-                 toy.ModelSpec("lol_router_only", 4)):
+    for spec in (
+        toy.ModelSpec("lol", 4, tied=True),
+        toy.ModelSpec("lol", 8, tied=False),
+        toy.ModelSpec("lol_router_only", 4),
+    ):
         model = toy.ToyModel(spec)
         assert len(model.routers) == (1 if spec.tied else 3)
         out = model(b)
@@ -111,6 +116,7 @@ def test_tiny_training_smoke():
     res = toy.train_one(toy.ModelSpec("oracle", 4), seed=0, cfg=cfg)
     assert 0.0 <= res["heldout_acc"] <= 1.0 and 0.0 <= res["train_acc"] <= 1.0
     assert res["final_loss"] < 2.3  # below chance (ln 10) after 40 steps
-    res = toy.train_one(toy.ModelSpec("lol", 4), seed=0, cfg=toy.TrainConfig(steps=10, batch=16, warmup=2,
-                                                                          eval_examples=64))
+    res = toy.train_one(
+        toy.ModelSpec("lol", 4), seed=0, cfg=toy.TrainConfig(steps=10, batch=16, warmup=2, eval_examples=64)
+    )
     assert 0.25 <= res["separation"] <= 1.0 and 1 / 3 - 1e-6 <= res["depth_concentration"] <= 1.0

@@ -32,16 +32,38 @@ class _Tokenizer:
 def _cfg(tp: int, save: str, vocab_size=None, divisible_by: int = 64):
     from megatron_lol.config import config_from_dict
 
-    return config_from_dict({
-        "model": {"plan": "lol", "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64,
-                  "n_prelude": 1, "n_coda": 1, "num_blocks": 3, "routed_depth": 3, "window_size": 8,
-                  "window_shift": 4, "make_vocab_size_divisible_by": divisible_by, "vocab_size": vocab_size},
-        "parallel": {"tensor_model_parallel_size": tp},
-        "training": {"train_iters": STEPS, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 32,
-                     "log_interval": 100, "eval_interval": 100, "eval_iters": 0, "seed": 7, "save": save,
-                     "save_interval": SAVE_INTERVAL},
-        "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0},
-    })
+    return config_from_dict(
+        {
+            "model": {
+                "plan": "lol",
+                "hidden_size": 32,
+                "num_attention_heads": 4,
+                "ffn_hidden_size": 64,
+                "n_prelude": 1,
+                "n_coda": 1,
+                "num_blocks": 3,
+                "routed_depth": 3,
+                "window_size": 8,
+                "window_shift": 4,
+                "make_vocab_size_divisible_by": divisible_by,
+                "vocab_size": vocab_size,
+            },
+            "parallel": {"tensor_model_parallel_size": tp},
+            "training": {
+                "train_iters": STEPS,
+                "micro_batch_size": 2,
+                "global_batch_size": 4,
+                "seq_length": 32,
+                "log_interval": 100,
+                "eval_interval": 100,
+                "eval_iters": 0,
+                "seed": 7,
+                "save": save,
+                "save_interval": SAVE_INTERVAL,
+            },
+            "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0},
+        }
+    )
 
 
 def _train(tp: int, save: str, vocab_size=None) -> dict:
@@ -88,12 +110,27 @@ def runs(tmp_path_factory):
     from distributed import free_port
 
     root = tmp_path_factory.mktemp("vocab")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
-               PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONWARNINGS="ignore",
+        PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "tests"), os.environ.get("PYTHONPATH", "")]),
+    )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-           "--master-port", str(free_port()), __file__, str(root)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        __file__,
+        str(root),
+    ]
     proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = json.loads((root / "results.json").read_text())

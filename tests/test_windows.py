@@ -129,21 +129,21 @@ def test_prefix_means_restart_per_document():
         packed = WindowLayout.build(DocumentLayout.from_tokens(row, eod), depth, W, S)
         alone = WindowLayout.build(DocumentLayout.from_tokens(b.view(1, -1), eod), depth, W, S)
         r_packed = router_summaries(packed, states, e)[packed.window_doc == 1]
-        r_alone = router_summaries(alone, states[len(a):], e)
+        r_alone = router_summaries(alone, states[len(a) :], e)
         torch.testing.assert_close(r_packed, r_alone, rtol=0, atol=1e-6)
         # hand check of r_2 for B alone: mean of the means of windows 0 and 1
         g = window_groups(len(b), depth, W, S)
-        mu = [states[len(a) + s:len(a) + t + 1].mean(0) for s, t in g]
+        mu = [states[len(a) + s : len(a) + t + 1].mean(0) for s, t in g]
         torch.testing.assert_close(r_alone[2], (mu[0] + mu[1]) / 2, rtol=0, atol=1e-6)
         torch.testing.assert_close(r_alone[0], 0.5 * (e + states[len(a)]), rtol=0, atol=1e-6)
 
 
 # ------------------------------------------------- window-blocked attention (the real mask)
 def _attention():
+    from conftest import tiny_config
+
     from megatron_lol.model.attention import SegmentCausalAttention
     from megatron_lol.model.library import transformer_config
-
-    from conftest import tiny_config
 
     return SegmentCausalAttention(transformer_config(tiny_config(hidden_size=32, num_attention_heads=4)), 1)
 
@@ -189,8 +189,9 @@ def test_shift_zero_nothing_crosses_a_window_in_the_model(make_model, shift):
     from megatron_lol.model.core import ForcedPath
 
     W, D, n = 8, 4, 32
-    model = make_model(n_prelude=0, n_coda=0, routed_depth=D, num_blocks=3, window_size=W,
-                       window_shift=shift, router_std=10.0)
+    model = make_model(
+        n_prelude=0, n_coda=0, routed_depth=D, num_blocks=3, window_size=W, window_shift=shift, router_std=10.0
+    )
     ids, gates = _forced_everywhere(D, n // W + 1, lambda d, k: (d + k) % 3)
     forced = ForcedPath(ids, gates)
     torch.manual_seed(1)
@@ -204,8 +205,8 @@ def test_shift_zero_nothing_crosses_a_window_in_the_model(make_model, shift):
             k = t // W
             window = torch.arange(n) // W == k
             changed = (out - base).abs().amax(-1)[0] > 0
-            assert changed[t:(k + 1) * W].all()  # the window itself from t on
+            assert changed[t : (k + 1) * W].all()  # the window itself from t on
             if shift == 0:
                 assert not changed[~window].any(), f"S=0: token {t} leaked out of window {k}"
             elif k < n // W - 1:
-                assert changed[(k + 1) * W:].any(), "S=4: shifted windows must carry information"
+                assert changed[(k + 1) * W :].any(), "S=4: shifted windows must carry information"

@@ -104,7 +104,7 @@ def _global_param_name(model, name: str) -> str:
     has the same name in every pipeline stage / virtual chunk."""
     prefix = "decoder.layers."
     if name.startswith(prefix):
-        local, rest = name[len(prefix):].split(".", 1)
+        local, rest = name[len(prefix) :].split(".", 1)
         layer = model.decoder.layers[int(local)]
         return f"{prefix}{layer.layer_number - 1}.{rest}"
     return name

@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 bash tools/setup_env.sh
 . .venv/bin/activate
-python -m pytest -q -p no:cacheprovider "$@" tests
+python -m pytest -q -p no:cacheprovider --durations=30 "$@" tests

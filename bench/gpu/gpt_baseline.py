@@ -42,8 +42,7 @@ def _config(path: str, sets: list, precision):
 
 def build(cfg, vocab: int):
     """``(DDP-wrapped GPTModel, its TransformerConfig, whether the spec is Transformer Engine's)``."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
     from megatron.core.models.gpt import GPTModel
 
     from megatron_lol.model.library import block_spec, transformer_config, use_te_for
@@ -53,13 +52,19 @@ def build(cfg, vocab: int):
     use_te = use_te_for(m)
     layers = m.n_prelude + m.execution_plan().num_stored_blocks + m.n_coda
     tconfig = transformer_config(m, cfg.parallel, num_layers=layers, use_te=use_te, gradient_accumulation_fusion=True)
-    model = GPTModel(config=tconfig, transformer_layer_spec=block_spec(use_te), vocab_size=vocab,
-                     max_sequence_length=cfg.training.seq_length, position_embedding_type="rope",
-                     rotary_base=int(m.rotary_base),
-                     share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights)
+    model = GPTModel(
+        config=tconfig,
+        transformer_layer_spec=block_spec(use_te),
+        vocab_size=vocab,
+        max_sequence_length=cfg.training.seq_length,
+        position_embedding_type="rope",
+        rotary_base=int(m.rotary_base),
+        share_embeddings_and_output_weights=not m.untie_embeddings_and_output_weights,
+    )
     model.to(device())
-    ddp = DistributedDataParallel(config=tconfig, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True),
-                                  module=model)
+    ddp = DistributedDataParallel(
+        config=tconfig, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
+    )
     tconfig.finalize_model_grads_func = finalize_model_grads
     return ddp, tconfig, use_te
 
@@ -73,9 +78,9 @@ def run(args) -> dict:
     from megatron_lol.model.precision import enable_tf32
     from megatron_lol.perf import flops as fl
     from megatron_lol.perf.peaks import mfu, peak_tflops
+    from megatron_lol.perf.timing import StepTimer
     from megatron_lol.platform import device, init_distributed, setup_platform, to_device
     from megatron_lol.training.optimizer import build_optimizer, build_scheduler
-    from megatron_lol.perf.timing import StepTimer
     from megatron_lol.training.profile import SyntheticDataset, _device_info, _peak_memory_bytes, _precision
     from megatron_lol.training.trainer import stack_batch
 
@@ -127,8 +132,15 @@ def run(args) -> dict:
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
-        out = fb(forward_step_func=forward_step, data_iterator=iterator, model=[model], num_microbatches=micro,
-                 seq_length=tr.seq_length, micro_batch_size=tr.micro_batch_size, forward_only=False)
+        out = fb(
+            forward_step_func=forward_step,
+            data_iterator=iterator,
+            model=[model],
+            num_microbatches=micro,
+            seq_length=tr.seq_length,
+            micro_batch_size=tr.micro_batch_size,
+            forward_only=False,
+        )
         optimizer.step()
         scheduler.step(increment=1)
         total = sum(o["lm loss"] for o in out)
@@ -156,14 +168,23 @@ def run(args) -> dict:
     peak = peak_tflops(dev["name"] if dev["kind"] == "cuda" else None, prec)
     tflops = model_flops / median / 1e12
     return {
-        "model": "megatron.core.models.gpt.GPTModel", "spec": "transformer_engine" if use_te else "local",
-        "num_layers": tconfig.num_layers, "device": dev, "precision": prec,
+        "model": "megatron.core.models.gpt.GPTModel",
+        "spec": "transformer_engine" if use_te else "local",
+        "num_layers": tconfig.num_layers,
+        "device": dev,
+        "precision": prec,
         "timing": {"steps": timer.method, "section_timers": False},
         "step_time_s": {"median": median, "mean": sum(times) / len(times), "all": times},
-        "tokens_per_step": tokens, "tokens_per_s_per_device": tokens / median,
-        "flops_per_step": model_flops, "flops_per_step_executed": exec_flops,
-        "tflops_per_device": tflops, "tflops_per_device_executed": exec_flops / median / 1e12,
-        "peak_tflops": peak, "mfu": mfu(tflops, peak), "peak_memory": _peak_memory_bytes(), "loss": losses,
+        "tokens_per_step": tokens,
+        "tokens_per_s_per_device": tokens / median,
+        "flops_per_step": model_flops,
+        "flops_per_step_executed": exec_flops,
+        "tflops_per_device": tflops,
+        "tflops_per_device_executed": exec_flops / median / 1e12,
+        "peak_tflops": peak,
+        "mfu": mfu(tflops, peak),
+        "peak_memory": _peak_memory_bytes(),
+        "loss": losses,
     }
 
 
@@ -184,9 +205,11 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     report = run(args)
     Path(args.json_out).write_text(json.dumps(report, indent=2))
-    print(f"GPTModel baseline: {report['num_layers']} layers, {report['tokens_per_s_per_device']:,.0f} tokens/s, "
-          f"{report['tflops_per_device']:.4g} TFLOP/s, step {report['step_time_s']['median'] * 1e3:.1f} ms "
-          f"({report['timing']['steps']})")
+    print(
+        f"GPTModel baseline: {report['num_layers']} layers, {report['tokens_per_s_per_device']:,.0f} tokens/s, "
+        f"{report['tflops_per_device']:.4g} TFLOP/s, step {report['step_time_s']['median'] * 1e3:.1f} ms "
+        f"({report['timing']['steps']})"
+    )
     return 0
 
 

@@ -49,7 +49,7 @@ def requirements(path: Path) -> list:
 
 def _compatible(filename: str) -> int:
     """Preference of a wheel for this interpreter: 2 its CPython tag, 1 pure Python or abi3, 0 other."""
-    tags = filename[:-len(".whl")].split("-")[-3:]
+    tags = filename[: -len(".whl")].split("-")[-3:]
     here = f"cp{sys.version_info.major}{sys.version_info.minor}"
     if tags[0] == here:
         return 2
@@ -61,12 +61,17 @@ def find_wheels(wheels: Path, reqs: list) -> list:
     found = []
     files = sorted(p for p in wheels.glob("*.whl"))
     for name, version in reqs:
-        matches = [p for p in files if _norm(p.name.split("-")[0]) == _norm(name)
-                   and (not version or p.name.split("-")[1] == version)]
+        matches = [
+            p
+            for p in files
+            if _norm(p.name.split("-")[0]) == _norm(name) and (not version or p.name.split("-")[1] == version)
+        ]
         matches = [p for p in matches if _compatible(p.name)]
         if not matches:
-            sys.stderr.write(f"install_wheelhouse.py: {name}=={version} has no wheel for this Python in {wheels} "
-                             f"(build it with bench/gpu/build_wheelhouse.sh)\n")
+            sys.stderr.write(
+                f"install_wheelhouse.py: {name}=={version} has no wheel for this Python in {wheels} "
+                f"(build it with bench/gpu/build_wheelhouse.sh)\n"
+            )
             raise SystemExit(2)
         found.append(max(matches, key=lambda p: _compatible(p.name)))
     return found
@@ -100,17 +105,18 @@ def _run(cmd: list) -> bool:
 def install(wheels: Path, reqs_file: Path, target: Path, method: str) -> str:
     reqs = requirements(reqs_file)
     wheel_files = find_wheels(wheels, reqs)
-    pip_args = ["install", "-q", "--no-index", "--find-links", str(wheels), "--no-deps",
-                *[str(p) for p in wheel_files]]
+    pip_args = ["install", "-q", "--no-index", "--find-links", str(wheels), "--no-deps", *[str(p) for p in wheel_files]]
     if method in ("auto", "venv"):
         venv = target / "venv"
         python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
-        if _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)]) and \
-                _run([str(python), "-m", "pip", *pip_args]):
+        if _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)]) and _run(
+            [str(python), "-m", "pip", *pip_args]
+        ):
             return f"PYTHON={python}"
         if method == "venv":
-            raise SystemExit("install_wheelhouse.py: python -m venv with pip failed (no ensurepip?): "
-                             "use --method pip or unpack")
+            raise SystemExit(
+                "install_wheelhouse.py: python -m venv with pip failed (no ensurepip?): use --method pip or unpack"
+            )
     site = target / "site"
     if method in ("auto", "pip") and _run([sys.executable, "-m", "pip", *pip_args, "--target", str(site)]):
         return f"PYTHONPATH={site}"

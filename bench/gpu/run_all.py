@@ -37,16 +37,47 @@ REPO = Path(__file__).resolve().parents[2]
 LOL_CONFIG = "examples/configs/paper/lol-360m-L4.yaml"
 SEQ = 2048
 #: the dry run's model: the same plan and options as LOL_CONFIG, tiny
-TINY = ["model.hidden_size=64", "model.num_attention_heads=4", "model.ffn_hidden_size=128", "model.n_prelude=1",
-        "model.n_coda=1", "model.num_blocks=2", "model.routed_depth=2", "model.window_size=16",
-        "model.window_shift=8", "model.vocab_size=512"]
+TINY = [
+    "model.hidden_size=64",
+    "model.num_attention_heads=4",
+    "model.ffn_hidden_size=128",
+    "model.n_prelude=1",
+    "model.n_coda=1",
+    "model.num_blocks=2",
+    "model.routed_depth=2",
+    "model.window_size=16",
+    "model.window_shift=8",
+    "model.vocab_size=512",
+]
 BUDGET_S = {"gpu_tests": 270, "profile": 90}
 WHEELHOUSE_LIST = REPO / "bench" / "gpu" / "wheelhouse.txt"
 #: what the lent GPU machine has (docs/gpu.md): Python 3.12, CUDA torch and transformers, with their requirements
 GPU_MACHINE_PROVIDES = {
-    "torch", "transformers", "numpy", "pyyaml", "tqdm", "typing-extensions", "safetensors", "tokenizers",
-    "huggingface-hub", "filelock", "fsspec", "jinja2", "markupsafe", "networkx", "sympy", "mpmath", "regex",
-    "requests", "certifi", "charset-normalizer", "idna", "urllib3", "setuptools", "triton", "hf-xet",
+    "torch",
+    "transformers",
+    "numpy",
+    "pyyaml",
+    "tqdm",
+    "typing-extensions",
+    "safetensors",
+    "tokenizers",
+    "huggingface-hub",
+    "filelock",
+    "fsspec",
+    "jinja2",
+    "markupsafe",
+    "networkx",
+    "sympy",
+    "mpmath",
+    "regex",
+    "requests",
+    "certifi",
+    "charset-normalizer",
+    "idna",
+    "urllib3",
+    "setuptools",
+    "triton",
+    "hf-xet",
 }
 #: what the test runner and the profiler add to megatron-lol's requirements on the GPU machine
 RUN_NEEDS = ("pytest", "pytest-timeout", "nvidia-ml-py")
@@ -75,9 +106,17 @@ def _requirements_312(lines) -> list:
     """Names of the requirements (no extras) that apply on CPython 3.12 / Linux."""
     from packaging.requirements import Requirement
 
-    env = {"python_version": "3.12", "python_full_version": "3.12.0", "sys_platform": "linux",
-           "platform_system": "Linux", "platform_machine": "x86_64", "implementation_name": "cpython",
-           "platform_python_implementation": "CPython", "os_name": "posix", "extra": ""}
+    env = {
+        "python_version": "3.12",
+        "python_full_version": "3.12.0",
+        "sys_platform": "linux",
+        "platform_system": "Linux",
+        "platform_machine": "x86_64",
+        "implementation_name": "cpython",
+        "platform_python_implementation": "CPython",
+        "os_name": "posix",
+        "extra": "",
+    }
     names = []
     for line in lines or ():
         req = Requirement(line)
@@ -93,8 +132,9 @@ def wheelhouse_check(configs=(LOL_CONFIG,)) -> dict:
     and profiler (:data:`RUN_NEEDS`), closed over the requirements of every installed distribution among
     them (this machine's metadata), minus :data:`GPU_MACHINE_PROVIDES`.
     """
-    import tomllib
     from importlib import metadata
+
+    import tomllib
 
     from megatron_lol.config import load_config
 
@@ -122,8 +162,12 @@ def environment() -> dict:
 
     env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.cuda.is_available()}
     if env["cuda"]:
-        env.update(device=torch.cuda.get_device_name(), device_count=torch.cuda.device_count(),
-                   capability=list(torch.cuda.get_device_capability()), cuda_version=torch.version.cuda)
+        env.update(
+            device=torch.cuda.get_device_name(),
+            device_count=torch.cuda.device_count(),
+            capability=list(torch.cuda.get_device_capability()),
+            cuda_version=torch.version.cuda,
+        )
     from megatron_lol.platform import has_transformer_engine
 
     env["transformer_engine"] = has_transformer_engine()
@@ -140,16 +184,33 @@ def environment() -> dict:
 
 def run_gpu_tests(out: Path, timeout: int) -> dict:
     xml = out / "gpu_tests.xml"
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests/test_gpu.py",
-           f"--junitxml={xml}", "-rs"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-m",
+        "gpu",
+        "tests/test_gpu.py",
+        f"--junitxml={xml}",
+        "-rs",
+    ]
     t0 = time.time()
     try:
         proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return {"ran": True, "error": f"timed out after {timeout} s"}
     (out / "gpu_tests.log").write_text(proc.stdout + proc.stderr)
-    result = {"ran": True, "exit_code": proc.returncode, "seconds": round(time.time() - t0, 1),
-              "passed": [], "failed": [], "skipped": {}}
+    result = {
+        "ran": True,
+        "exit_code": proc.returncode,
+        "seconds": round(time.time() - t0, 1),
+        "passed": [],
+        "failed": [],
+        "skipped": {},
+    }
     if not xml.exists():
         result["error"] = (proc.stdout + proc.stderr)[-2000:]
         return result
@@ -175,8 +236,9 @@ def dense_equal_flops(overrides: list, seq: int, batch: int) -> dict:
     from megatron_lol.model.lol_model import padded_vocab_size
     from megatron_lol.perf.flops import dense_equivalent, training_flops
 
-    cfg = load_config(REPO / LOL_CONFIG, [(k, _yaml(v), "--set") for k, v in (o.split("=", 1) for o in overrides)],
-                      check_data=False)
+    cfg = load_config(
+        REPO / LOL_CONFIG, [(k, _yaml(v), "--set") for k, v in (o.split("=", 1) for o in overrides)], check_data=False
+    )
     m = cfg.model
     vocab = m.vocab_size or padded_vocab_size(32000, m.make_vocab_size_divisible_by)
     plan = m.execution_plan()
@@ -189,8 +251,12 @@ def dense_equal_flops(overrides: list, seq: int, batch: int) -> dict:
         f = training_flops(dense, vocab, seq, batch, attention_pairs="executed").total
         if best is None or abs(f - lol.total) < abs(best[1] - lol.total):
             best = (layers, f)
-    return {"core_layers": best[0], "lol_flops_per_step": lol.total, "dense_flops_per_step": best[1],
-            "flops_ratio": best[1] / lol.total}
+    return {
+        "core_layers": best[0],
+        "lol_flops_per_step": lol.total,
+        "dense_flops_per_step": best[1],
+        "flops_ratio": best[1] / lol.total,
+    }
 
 
 def _yaml(raw: str):
@@ -201,12 +267,22 @@ def _yaml(raw: str):
 
 def _summary(report: Path, t0: float) -> dict:
     r = json.loads(report.read_text())
-    return {"ran": True, "seconds": round(time.time() - t0, 1), "device": r["device"], "precision": r["precision"],
-            "timing": r.get("timing"), "step_time_s": r["step_time_s"]["median"],
-            "tokens_per_s_per_gpu": r["tokens_per_s_per_device"], "tflops_per_gpu": r["tflops_per_device"],
-            "tflops_per_gpu_executed": r["tflops_per_device_executed"], "mfu": r["mfu"],
-            "flops_per_step_executed": r["flops_per_step_executed"], "peak_memory_bytes": r["peak_memory"]["bytes"],
-            "loss": r["loss"], **({"model": r["model"], "spec": r["spec"]} if "model" in r else {})}
+    return {
+        "ran": True,
+        "seconds": round(time.time() - t0, 1),
+        "device": r["device"],
+        "precision": r["precision"],
+        "timing": r.get("timing"),
+        "step_time_s": r["step_time_s"]["median"],
+        "tokens_per_s_per_gpu": r["tokens_per_s_per_device"],
+        "tflops_per_gpu": r["tflops_per_device"],
+        "tflops_per_gpu_executed": r["tflops_per_device_executed"],
+        "mfu": r["mfu"],
+        "flops_per_step_executed": r["flops_per_step_executed"],
+        "peak_memory_bytes": r["peak_memory"]["bytes"],
+        "loss": r["loss"],
+        **({"model": r["model"], "spec": r["spec"]} if "model" in r else {}),
+    }
 
 
 def _run_json(name: str, cmd: list, out: Path, report: Path, timeout: int) -> dict:
@@ -221,13 +297,27 @@ def _run_json(name: str, cmd: list, out: Path, report: Path, timeout: int) -> di
     return _summary(report, t0)
 
 
-def profile(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool,
-            breakdown: bool = False) -> dict:
+def profile(
+    name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool, breakdown: bool = False
+) -> dict:
     """``megatron-lol profile`` of the LoL config: whole-step CUDA-event times (``--no-breakdown``), or the
     section breakdown (a run of its own: its timers synchronise the GPU at every module)."""
     report = out / f"profile_{name}.json"
-    cmd = [sys.executable, "-m", "megatron_lol", "profile", "--config", LOL_CONFIG, "--synthetic-data",
-           "--steps", str(steps), "--warmup", str(warmup), "--json", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_lol",
+        "profile",
+        "--config",
+        LOL_CONFIG,
+        "--synthetic-data",
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--json",
+        str(report),
+    ]
     if not breakdown:
         cmd.append("--no-breakdown")
     for s in sets:
@@ -243,8 +333,18 @@ def profile(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: 
 def gpt_baseline(name: str, sets: list, out: Path, steps: int, warmup: int, timeout: int, fp8: bool) -> dict:
     """megatron-core's GPTModel with the LoL layer spec (bench/gpu/gpt_baseline.py)."""
     report = out / f"profile_{name}.json"
-    cmd = [sys.executable, "bench/gpu/gpt_baseline.py", "--config", LOL_CONFIG, "--steps", str(steps),
-           "--warmup", str(warmup), "--json", str(report)]
+    cmd = [
+        sys.executable,
+        "bench/gpu/gpt_baseline.py",
+        "--config",
+        LOL_CONFIG,
+        "--steps",
+        str(steps),
+        "--warmup",
+        str(warmup),
+        "--json",
+        str(report),
+    ]
     for s in sets:
         cmd += ["--set", s]
     if fp8:
@@ -253,28 +353,48 @@ def gpt_baseline(name: str, sets: list, out: Path, steps: int, warmup: int, time
 
 
 def throughput(out: Path, args, dense: dict, fp8: bool) -> dict:
-    base = [f"training.seq_length={args.seq}", f"training.micro_batch_size={args.micro_batch_size}",
-            f"training.global_batch_size={args.micro_batch_size}", "curriculum.initial_depth=null",
-            "data.tokenizer_model=null",  # synthetic tokens over model.vocab_size
-            "model.params_dtype=bf16" if not args.dry_run or args.cuda else "model.params_dtype=fp32"]
+    base = [
+        f"training.seq_length={args.seq}",
+        f"training.micro_batch_size={args.micro_batch_size}",
+        f"training.global_batch_size={args.micro_batch_size}",
+        "curriculum.initial_depth=null",
+        "data.tokenizer_model=null",  # synthetic tokens over model.vocab_size
+        "model.params_dtype=bf16" if not args.dry_run or args.cuda else "model.params_dtype=fp32",
+    ]
     base += TINY if args.dry_run else []
-    dense_sets = ["model.plan=dense", "model.num_blocks=null", "model.routed_depth=null",
-                  f"model.core_layers={dense['core_layers']}", "model.dense_attention=full", "model.film='off'"]
+    dense_sets = [
+        "model.plan=dense",
+        "model.num_blocks=null",
+        "model.routed_depth=null",
+        f"model.core_layers={dense['core_layers']}",
+        "model.dense_attention=full",
+        "model.film='off'",
+    ]
     # current scaling for both: the LoL plan refuses delayed scaling (docs/gpu.md, "FP8")
     precision = ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"] if fp8 else []
     tag = "fp8" if fp8 else "bf16"
-    runs = {f"lol_{tag}": profile(f"lol_{tag}", base + precision, out, args.steps, args.warmup,
-                                  BUDGET_S["profile"], fp8),
-            f"dense_{tag}": gpt_baseline(f"dense_{tag}", base + dense_sets + precision, out, args.steps,
-                                         args.warmup, BUDGET_S["profile"], fp8)}
+    runs = {
+        f"lol_{tag}": profile(f"lol_{tag}", base + precision, out, args.steps, args.warmup, BUDGET_S["profile"], fp8),
+        f"dense_{tag}": gpt_baseline(
+            f"dense_{tag}", base + dense_sets + precision, out, args.steps, args.warmup, BUDGET_S["profile"], fp8
+        ),
+    }
     lol, dn = runs[f"lol_{tag}"], runs[f"dense_{tag}"]
     if "error" not in lol and "error" not in dn:
         runs["lol_over_dense_tokens_per_s"] = lol["tokens_per_s_per_gpu"] / dn["tokens_per_s_per_gpu"]
-    breakdown = profile(f"lol_{tag}_breakdown", base + precision, out, args.steps, args.warmup,
-                        BUDGET_S["profile"], fp8, breakdown=True)
-    return {"ran": True, "dense_of_equal_flops": dense, "runs": runs,
-            "breakdown": {f"lol_{tag}_breakdown": dict(breakdown, note="section timers synchronise the GPU at "
-                                                                       "every timed module: not throughput")}}
+    breakdown = profile(
+        f"lol_{tag}_breakdown", base + precision, out, args.steps, args.warmup, BUDGET_S["profile"], fp8, breakdown=True
+    )
+    return {
+        "ran": True,
+        "dense_of_equal_flops": dense,
+        "runs": runs,
+        "breakdown": {
+            f"lol_{tag}_breakdown": dict(
+                breakdown, note="section timers synchronise the GPU at every timed module: not throughput"
+            )
+        },
+    }
 
 
 def goals(report: dict) -> dict:
@@ -285,10 +405,15 @@ def goals(report: dict) -> dict:
         why = "dry run" if report["dry_run"] else ("no GPU" if not report["environment"]["cuda"] else "a run failed")
         return {"measured": False, "reason": why}
     ratio = runs.get("lol_over_dense_tokens_per_s")
-    return {"measured": True, "dense_bf16_mfu": dense["mfu"], "dense_mfu_goal": 0.40,
-            "dense_mfu_met": dense["mfu"] is not None and dense["mfu"] >= 0.40,
-            "lol_over_dense_tokens_per_s": ratio, "lol_ratio_goal": 0.9,
-            "lol_ratio_met": ratio is not None and ratio >= 0.9}
+    return {
+        "measured": True,
+        "dense_bf16_mfu": dense["mfu"],
+        "dense_mfu_goal": 0.40,
+        "dense_mfu_met": dense["mfu"] is not None and dense["mfu"] >= 0.40,
+        "lol_over_dense_tokens_per_s": ratio,
+        "lol_ratio_goal": 0.9,
+        "lol_ratio_met": ratio is not None and ratio >= 0.9,
+    }
 
 
 def main(argv=None) -> int:
@@ -322,8 +447,9 @@ def main(argv=None) -> int:
     parts = report["parts"]
     parts["wheelhouse"] = wheelhouse_check()
     save()
-    parts["gpu_tests"] = {"ran": False, "reason": "--skip-tests"} if args.skip_tests else \
-        run_gpu_tests(out, BUDGET_S["gpu_tests"])
+    parts["gpu_tests"] = (
+        {"ran": False, "reason": "--skip-tests"} if args.skip_tests else run_gpu_tests(out, BUDGET_S["gpu_tests"])
+    )
     save()
     sets = TINY if args.dry_run else []
     dense = dense_equal_flops(sets, args.seq, args.micro_batch_size)
@@ -340,8 +466,13 @@ def main(argv=None) -> int:
     print(f"wrote {path}")
     tests = parts["gpu_tests"]
     failed = bool(tests.get("failed")) or "error" in tests or bool(parts["wheelhouse"]["missing"])
-    failed |= any("error" in r for p in ("throughput_bf16", "throughput_fp8") for key in ("runs", "breakdown")
-                  for r in parts[p].get(key, {}).values() if isinstance(r, dict))
+    failed |= any(
+        "error" in r
+        for p in ("throughput_bf16", "throughput_fp8")
+        for key in ("runs", "breakdown")
+        for r in parts[p].get(key, {}).values()
+        if isinstance(r, dict)
+    )
     return 1 if failed else 0
 
 

@@ -39,7 +39,7 @@ from __future__ import annotations
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -209,7 +209,7 @@ class ToyModel(nn.Module):
             self.register_buffer("bias", torch.zeros(spec.n_blocks))
         if spec.kind == "program_id":
             g = torch.Generator().manual_seed(10_000 + seed)
-            self.register_buffer("id_paths", torch.randint(spec.n_blocks, (N_PRIMS ** N_STEPS, N_STEPS), generator=g))
+            self.register_buffer("id_paths", torch.randint(spec.n_blocks, (N_PRIMS**N_STEPS, N_STEPS), generator=g))
         self.last_choices: Optional[torch.Tensor] = None  # [B, 3]
         self.last_loads: Optional[torch.Tensor] = None  # [3, L]
 
@@ -369,9 +369,16 @@ def train_one(spec: ModelSpec, seed: int, cfg: TrainConfig, threads: int = 1, lo
     train_s = time.perf_counter() - t0
     tr = evaluate(model, trained, cfg.eval_examples, seed=7_000 + seed)
     ho = evaluate(model, held, cfg.eval_examples, seed=8_000 + seed)
-    res = {"model": spec.label, "seed": seed, "params": count_params(model), "train_acc": tr["accuracy"],
-           "heldout_acc": ho["accuracy"], "final_loss": float(loss.item()), "seconds": train_s,
-           "steps": cfg.steps}
+    res = {
+        "model": spec.label,
+        "seed": seed,
+        "params": count_params(model),
+        "train_acc": tr["accuracy"],
+        "heldout_acc": ho["accuracy"],
+        "final_loss": float(loss.item()),
+        "seconds": train_s,
+        "steps": cfg.steps,
+    }
     for k in ("separation", "depth_concentration"):
         if k in ho:
             res[k] = ho[k]

@@ -36,26 +36,48 @@ SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "
 def _common(p: argparse.ArgumentParser, data_required: bool = True) -> argparse._ArgumentGroup:
     """The options every analysis takes, grouped; returns the group for the analysis's own options."""
     ck = p.add_argument_group("checkpoint")
-    ck.add_argument("--load", required=True, metavar="DIR",
-                    help="checkpoint directory (a training --save dir or an iter_XXXXXXX dir)")
-    ck.add_argument("--iteration", type=int, default=None, metavar="N",
-                    help="iteration to read (default: the tracker's)")
+    ck.add_argument(
+        "--load",
+        required=True,
+        metavar="DIR",
+        help="checkpoint directory (a training --save dir or an iter_XXXXXXX dir)",
+    )
+    ck.add_argument(
+        "--iteration", type=int, default=None, metavar="N", help="iteration to read (default: the tracker's)"
+    )
     ex = p.add_argument_group("examples")
     src = ex.add_mutually_exclusive_group(required=data_required)
     src.add_argument("--data-path", metavar="PREFIX", help="Megatron indexed dataset prefix (documents are examples)")
     src.add_argument("--jsonl", metavar="FILE", help="JSON-lines file, one example per line")
-    ex.add_argument("--text-field", default="text", metavar="KEY",
-                    help="--jsonl field holding each example's text (default: text)")
-    ex.add_argument("--label-field", default=None, metavar="KEY",
-                    help="--jsonl field that labels each example (colours, groups)")
-    ex.add_argument("--part", default="valid", choices=("train", "valid", "test", "all"),
-                    help="documents of --data-path: this part of the run's split (default valid)")
-    ex.add_argument("--max-examples", type=int, default=256, metavar="N",
-                    help="read at most this many examples (default 256)")
-    ex.add_argument("--seq-length", type=int, default=None, metavar="N",
-                    help="tokens per example, longer ones are truncated (default: the run's seq_length)")
-    ex.add_argument("--rows-per-batch", type=int, default=8, metavar="N",
-                    help="rows of packed examples per forward pass (default 8; memory vs speed)")
+    ex.add_argument(
+        "--text-field", default="text", metavar="KEY", help="--jsonl field holding each example's text (default: text)"
+    )
+    ex.add_argument(
+        "--label-field", default=None, metavar="KEY", help="--jsonl field that labels each example (colours, groups)"
+    )
+    ex.add_argument(
+        "--part",
+        default="valid",
+        choices=("train", "valid", "test", "all"),
+        help="documents of --data-path: this part of the run's split (default valid)",
+    )
+    ex.add_argument(
+        "--max-examples", type=int, default=256, metavar="N", help="read at most this many examples (default 256)"
+    )
+    ex.add_argument(
+        "--seq-length",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens per example, longer ones are truncated (default: the run's seq_length)",
+    )
+    ex.add_argument(
+        "--rows-per-batch",
+        type=int,
+        default=8,
+        metavar="N",
+        help="rows of packed examples per forward pass (default 8; memory vs speed)",
+    )
     out = p.add_argument_group("output")
     out.add_argument("--output", required=True, metavar="DIR", help="directory for the PNG/JSON outputs (created)")
     own = p.add_argument_group(f"{p.prog.split()[-1]} options")
@@ -69,17 +91,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _common(p)
     p = sub.add_parser("paths", help="routing-path vectors and their PCA, coloured by a label")
     own = _common(p)
-    own.add_argument("--max-windows", type=int, default=None, metavar="K",
-                     help="window ordinals kept per depth (default: all)")
+    own.add_argument(
+        "--max-windows", type=int, default=None, metavar="K", help="window ordinals kept per depth (default: all)"
+    )
     p = sub.add_parser("mode-path", help='mode path (docs/model.md, "Path forcing"); evaluate / generate under it')
     own = _common(p, data_required=False)
-    own.add_argument("--path-file", default=None, metavar="JSON",
-                     help="force this ids/gates JSON instead of computing a mode path")
+    own.add_argument(
+        "--path-file", default=None, metavar="JSON", help="force this ids/gates JSON instead of computing a mode path"
+    )
     own.add_argument("--label", default=None, help="use the mode path of this label (with --label-field)")
     own.add_argument("--evaluate", action="store_true", help="loss of the examples routed vs under the mode path")
     own.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation routed and forced")
-    own.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
-                     help="tokens --generate adds at most (default 32)")
+    own.add_argument(
+        "--max-new-tokens", type=int, default=32, metavar="N", help="tokens --generate adds at most (default 32)"
+    )
     p = sub.add_parser("distinct", help="distinct blocks per routing path vs E[U]")
     _common(p)
     p = sub.add_parser("moe-routing", help="U_t, B2 and MMR per pass of a looped MoE core (Foil)")
@@ -88,8 +113,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p = sub.add_parser("budgets", help="Accordion: loss (and generation) at every budget")
     own = _common(p, data_required=False)
     own.add_argument("--generate", default=None, metavar="PROMPT", help="greedy generation at every budget")
-    own.add_argument("--max-new-tokens", type=int, default=32, metavar="N",
-                     help="tokens --generate adds at most (default 32)")
+    own.add_argument(
+        "--max-new-tokens", type=int, default=32, metavar="N", help="tokens --generate adds at most (default 32)"
+    )
 
 
 # ------------------------------------------------------------------ helpers
@@ -101,8 +127,10 @@ def _load(args):
     has_budgets = plan.has_budgets
     if args.analysis == "moe-routing":
         if plan.routed or plan.core_experts is None:
-            raise CliError(f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
-                           f"(model.moe_layers: all); this model is plan {m.plan!r}, moe_layers {m.moe_layers!r}")
+            raise CliError(
+                f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
+                f"(model.moe_layers: all); this model is plan {m.plan!r}, moe_layers {m.moe_layers!r}"
+            )
     elif args.analysis == "budgets":
         if not has_budgets:
             raise CliError(f"{ckpt.path}: budgets needs plan: accordion (this model is plan {m.plan!r})")
@@ -110,8 +138,10 @@ def _load(args):
         raise CliError(f"{ckpt.path}: the model's plan is {m.plan!r}; routing analyses need plan: lol")
     budget = getattr(args, "budget", None)
     if budget is not None and budget not in plan.budgets:
-        raise CliError(f"--budget: {budget} is not one of the model's loop_budgets "
-                       f"{plan.budgets if has_budgets else '(not an accordion model)'}")
+        raise CliError(
+            f"--budget: {budget} is not one of the model's loop_budgets "
+            f"{plan.budgets if has_budgets else '(not an accordion model)'}"
+        )
     return ckpt
 
 
@@ -146,10 +176,18 @@ def _write_json(path: str, obj) -> None:
 
 def _meta(ckpt, args, n: int) -> dict:
     m, plan = ckpt.cfg.model, ckpt.model.plan
-    return {"checkpoint": ckpt.path, "iteration": ckpt.iteration, "examples": n,
-            "num_blocks": plan.num_stored_blocks, "depth": plan.depth, "window_size": m.window_size,
-            "window_shift": m.window_shift, "router_tied": m.router_tied,
-            "data": args.data_path or args.jsonl, "part": args.part if args.data_path else None}
+    return {
+        "checkpoint": ckpt.path,
+        "iteration": ckpt.iteration,
+        "examples": n,
+        "num_blocks": plan.num_stored_blocks,
+        "depth": plan.depth,
+        "window_size": m.window_size,
+        "window_shift": m.window_shift,
+        "router_tied": m.router_tied,
+        "data": args.data_path or args.jsonl,
+        "part": args.part if args.data_path else None,
+    }
 
 
 # ------------------------------------------------------------------ subcommands
@@ -162,22 +200,26 @@ def run_utilisation(args, ckpt, toks, labels) -> dict:
     counts = utilisation_counts(routes, plan.depth, plan.num_stored_blocks)
     share = counts.double() / counts.sum(1, keepdim=True).clamp(min=1)
     png = os.path.join(args.output, "utilisation.png")
-    plots.utilisation_heatmap(counts, png, f"block utilisation, {os.path.basename(ckpt.path)} "
-                                           f"({len(routes)} examples)")
-    out = dict(_meta(ckpt, args, len(routes)), counts=counts.tolist(),
-               share=[[round(v, 6) for v in row] for row in share.tolist()],
-               top_block_share=[round(v, 6) for v in share.max(1).values.tolist()])
+    plots.utilisation_heatmap(counts, png, f"block utilisation, {os.path.basename(ckpt.path)} ({len(routes)} examples)")
+    out = dict(
+        _meta(ckpt, args, len(routes)),
+        counts=counts.tolist(),
+        share=[[round(v, 6) for v in row] for row in share.tolist()],
+        top_block_share=[round(v, 6) for v in share.max(1).values.tolist()],
+    )
     _write_json(os.path.join(args.output, "utilisation.json"), out)
-    print(f"utilisation: {counts.sum().item()} windows over {plan.depth} depths x {plan.num_stored_blocks} blocks; "
-          f"busiest block per depth {[f'{100 * v:.0f}%' for v in out['top_block_share']]}")
+    print(
+        f"utilisation: {counts.sum().item()} windows over {plan.depth} depths x {plan.num_stored_blocks} blocks; "
+        f"busiest block per depth {[f'{100 * v:.0f}%' for v in out['top_block_share']]}"
+    )
     return {"png": png, "json": os.path.join(args.output, "utilisation.json")}
 
 
 def run_paths(args, ckpt, toks, labels) -> dict:
+    import torch
+
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import collect_routes, nearest_centroid_accuracy, path_vectors, pca
-
-    import torch
 
     plan = ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
@@ -187,19 +229,34 @@ def run_paths(args, ckpt, toks, labels) -> dict:
     acc = nearest_centroid_accuracy(vec, labs)
     png = os.path.join(args.output, "paths_pca.png")
     distinct = int(torch.unique(vec, dim=0).shape[0]) if len(routes) else 0
-    plots.pca_scatter(coords, labs, png, ratio,
-                      f"routing paths, PCA ({len(routes)} examples, {distinct} distinct paths)")
-    out = dict(_meta(ckpt, args, len(routes)), label_field=args.label_field, vector_size=int(vec.shape[1]),
-               distinct_paths=distinct,
-               explained_variance_ratio=ratio.tolist(), nearest_centroid_accuracy=acc,
-               labels=sorted(set(labs), key=str),
-               examples=[{"index": i, "label": labs[i], "pc": [round(float(c), 6) for c in coords[i]],
-                          "path": [r.choice.tolist() for r in routes[i].records]} for i in range(len(routes))])
+    plots.pca_scatter(
+        coords, labs, png, ratio, f"routing paths, PCA ({len(routes)} examples, {distinct} distinct paths)"
+    )
+    out = dict(
+        _meta(ckpt, args, len(routes)),
+        label_field=args.label_field,
+        vector_size=int(vec.shape[1]),
+        distinct_paths=distinct,
+        explained_variance_ratio=ratio.tolist(),
+        nearest_centroid_accuracy=acc,
+        labels=sorted(set(labs), key=str),
+        examples=[
+            {
+                "index": i,
+                "label": labs[i],
+                "pc": [round(float(c), 6) for c in coords[i]],
+                "path": [r.choice.tolist() for r in routes[i].records],
+            }
+            for i in range(len(routes))
+        ],
+    )
     _write_json(os.path.join(args.output, "paths.json"), out)
     torch_save_vectors(os.path.join(args.output, "path_vectors.pt"), vec, labs)
-    print(f"paths: {len(routes)} vectors of size {vec.shape[1]} ({distinct} distinct), PC1/PC2 explain "
-          f"{100 * float(ratio[0]):.1f}% / {100 * float(ratio[1]):.1f}%"
-          + (f", nearest-centroid label accuracy {100 * acc:.1f}%" if acc is not None else ""))
+    print(
+        f"paths: {len(routes)} vectors of size {vec.shape[1]} ({distinct} distinct), PC1/PC2 explain "
+        f"{100 * float(ratio[0]):.1f}% / {100 * float(ratio[1]):.1f}%"
+        + (f", nearest-centroid label accuracy {100 * acc:.1f}%" if acc is not None else "")
+    )
     return {"png": png, "json": os.path.join(args.output, "paths.json")}
 
 
@@ -217,13 +274,20 @@ def run_distinct(args, ckpt, toks, labels) -> dict:
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
     summary = distinct_summary(routes, plan.depth, plan.num_stored_blocks, m.window_size, m.window_shift)
     png = os.path.join(args.output, "distinct.png")
-    plots.distinct_histogram(summary["histogram"], summary["expected_distinct_uniform"], summary["mean_distinct"],
-                             png, f"distinct blocks per token path (L={plan.num_stored_blocks}, D={plan.depth})")
+    plots.distinct_histogram(
+        summary["histogram"],
+        summary["expected_distinct_uniform"],
+        summary["mean_distinct"],
+        png,
+        f"distinct blocks per token path (L={plan.num_stored_blocks}, D={plan.depth})",
+    )
     out = dict(_meta(ckpt, args, len(routes)), **summary)
     _write_json(os.path.join(args.output, "distinct.json"), out)
-    print(f"distinct: mean {summary['mean_distinct']:.2f} distinct blocks per token path "
-          f"(uniform independent routing: E[U] = {summary['expected_distinct_uniform']:.2f}); "
-          f"{summary['unique_paths']} unique paths over {summary['tokens']} tokens")
+    print(
+        f"distinct: mean {summary['mean_distinct']:.2f} distinct blocks per token path "
+        f"(uniform independent routing: E[U] = {summary['expected_distinct_uniform']:.2f}); "
+        f"{summary['unique_paths']} unique paths over {summary['tokens']} tokens"
+    )
     return {"png": png, "json": os.path.join(args.output, "distinct.json")}
 
 
@@ -240,18 +304,31 @@ def run_moe_routing(args, ckpt, toks, labels) -> dict:
         raise CliError("moe-routing: no example was long enough to route (see --seq-length / --max-examples)")
     E, D, passes, k = plan.core_experts, plan.num_stored_blocks, plan.loop_passes, m.moe_router_topk
     summary = summarise(records, E, k)
-    shape = {"E": E, "D": D, "L": passes, "k": k, "E_real": E * D, "D_eff": D * passes, "E_eq": E * D * passes,
-             "E_comp": k * D * passes}
+    shape = {
+        "E": E,
+        "D": D,
+        "L": passes,
+        "k": k,
+        "E_real": E * D,
+        "D_eff": D * passes,
+        "E_eq": E * D * passes,
+        "E_comp": k * D * passes,
+    }
     png = os.path.join(args.output, "moe_routing.png")
-    plots.per_pass_metrics(summary["by_pass"], png, f"(E, D, L) = ({shape['E']}, {shape['D']}, {shape['L']}), "
-                                                    f"{os.path.basename(ckpt.path)}")
+    plots.per_pass_metrics(
+        summary["by_pass"],
+        png,
+        f"(E, D, L) = ({shape['E']}, {shape['D']}, {shape['L']}), {os.path.basename(ckpt.path)}",
+    )
     out = dict(_meta(ckpt, args, len(toks)), shape=shape, **summary)
     if kw:
         out["budget"] = plan.resolve_budget(args.budget)
     _write_json(os.path.join(args.output, "moe_routing.json"), out)
-    print(f"moe-routing: U_t {summary['distinct_experts_per_token']:.2f} of at most {summary['distinct_experts_cap']} "
-          f"| B2 {summary['b2']:.3f} | MMR {summary['mmr']:.3f} | per pass MMR "
-          f"{[round(p['mmr'], 3) for p in summary['by_pass']]}")
+    print(
+        f"moe-routing: U_t {summary['distinct_experts_per_token']:.2f} of at most {summary['distinct_experts_cap']} "
+        f"| B2 {summary['b2']:.3f} | MMR {summary['mmr']:.3f} | per pass MMR "
+        f"{[round(p['mmr'], 3) for p in summary['by_pass']]}"
+    )
     return {"png": png, "json": os.path.join(args.output, "moe_routing.json")}
 
 
@@ -265,11 +342,14 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
     prompt = _prompt_ids(args, ckpt) if args.generate is not None else None
     out = dict(_meta(ckpt, args, len(toks) if toks else 0), budgets=list(m.loop_budgets))
     if toks:
-        losses = {str(k): lm_loss(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch,
-                                  budget=k) for k in m.loop_budgets}
+        losses = {
+            str(k): lm_loss(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch, budget=k)
+            for k in m.loop_budgets
+        }
         out["loss_by_budget"] = losses
-        plots.loss_by_budget(losses, os.path.join(args.output, "budgets.png"),
-                             f"loss per budget, {os.path.basename(ckpt.path)}")
+        plots.loss_by_budget(
+            losses, os.path.join(args.output, "budgets.png"), f"loss per budget, {os.path.basename(ckpt.path)}"
+        )
         print("budgets: loss " + " ".join(f"k={k}: {v:.4f}" for k, v in losses.items()))
     if prompt is not None:
         gens = {}
@@ -305,8 +385,14 @@ def _read_path_file(path: str):
 def run_mode_path(args, ckpt, toks, labels) -> dict:
     import torch
 
-    from megatron_lol.analysis.routing import (collect_routes, forced_path, greedy_generate, group_by_label,
-                                               lm_loss, mode_path)
+    from megatron_lol.analysis.routing import (
+        collect_routes,
+        forced_path,
+        greedy_generate,
+        group_by_label,
+        lm_loss,
+        mode_path,
+    )
 
     plan = ckpt.model.plan
     seq = _seq_length(args, ckpt)
@@ -335,8 +421,12 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
         raise CliError(f"path ids of shape {tuple(ids.shape)}: expected [{plan.depth}, K] (one row per routed depth)")
     if int(ids.max()) >= plan.num_stored_blocks:
         raise CliError(f"path names block {int(ids.max())} but the library has {plan.num_stored_blocks}")
-    out.update(ids=ids.tolist(), gates=[[round(float(g), 6) for g in row] for row in gates.reshape(ids.shape[0], -1)]
-               if ids.dim() == 2 else gates.tolist())
+    out.update(
+        ids=ids.tolist(),
+        gates=[[round(float(g), 6) for g in row] for row in gates.reshape(ids.shape[0], -1)]
+        if ids.dim() == 2
+        else gates.tolist(),
+    )
     if per_label:
         out["per_label"] = per_label
     forced = forced_path(ids, gates)
@@ -344,8 +434,9 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
         if not toks:
             raise CliError("--evaluate needs --data-path or --jsonl")
         routed, routed_ex = lm_loss(ckpt.model, toks, seq, ckpt.eod_id, args.rows_per_batch, per_example=True)
-        forced_l, forced_ex = lm_loss(ckpt.model, toks, seq, ckpt.eod_id, args.rows_per_batch, forced=forced,
-                                      per_example=True)
+        forced_l, forced_ex = lm_loss(
+            ckpt.model, toks, seq, ckpt.eod_id, args.rows_per_batch, forced=forced, per_example=True
+        )
         ev = {"routed_loss": routed, "forced_loss": forced_l, "forced_minus_routed": forced_l - routed}
         if per_label:
             by = {}
@@ -353,21 +444,28 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
                 idx = [i for i, lb in enumerate(labels) if lb == lab]
                 sub = [toks[i] for i in idx]
                 own = forced_path(torch.tensor(info["ids"]), torch.tensor(info["gates"]))
-                by[lab] = {"routed_loss": sum(routed_ex[i] for i in idx) / len(idx),
-                           "forced_global_loss": sum(forced_ex[i] for i in idx) / len(idx),
-                           "forced_own_label_loss": lm_loss(ckpt.model, sub, seq, ckpt.eod_id, args.rows_per_batch,
-                                                            forced=own)}
+                by[lab] = {
+                    "routed_loss": sum(routed_ex[i] for i in idx) / len(idx),
+                    "forced_global_loss": sum(forced_ex[i] for i in idx) / len(idx),
+                    "forced_own_label_loss": lm_loss(
+                        ckpt.model, sub, seq, ckpt.eod_id, args.rows_per_batch, forced=own
+                    ),
+                }
             ev["per_label"] = by
         out["evaluation"] = ev
-        print(f"mode-path: loss routed {routed:.4f}, under the forced path {forced_l:.4f} "
-              f"({forced_l - routed:+.4f})")
+        print(f"mode-path: loss routed {routed:.4f}, under the forced path {forced_l:.4f} ({forced_l - routed:+.4f})")
     if args.generate is not None:
         prompt = _prompt_ids(args, ckpt)
         gen_r = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id)
         gen_f = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id, forced=forced)
-        out["generation"] = {"prompt": args.generate, "prompt_ids": prompt,
-                             "routed_ids": gen_r, "routed_text": ckpt.tokenizer.detokenize(gen_r),
-                             "forced_ids": gen_f, "forced_text": ckpt.tokenizer.detokenize(gen_f)}
+        out["generation"] = {
+            "prompt": args.generate,
+            "prompt_ids": prompt,
+            "routed_ids": gen_r,
+            "routed_text": ckpt.tokenizer.detokenize(gen_r),
+            "forced_ids": gen_f,
+            "forced_text": ckpt.tokenizer.detokenize(gen_f),
+        }
         print(f"routed: {args.generate}{out['generation']['routed_text']!r}")
         print(f"forced: {args.generate}{out['generation']['forced_text']!r}")
     _write_json(os.path.join(args.output, "mode_path.json"), out)
@@ -375,8 +473,14 @@ def run_mode_path(args, ckpt, toks, labels) -> dict:
     return {"json": os.path.join(args.output, "mode_path.json")}
 
 
-RUNNERS = {"utilisation": run_utilisation, "paths": run_paths, "mode-path": run_mode_path, "distinct": run_distinct,
-           "moe-routing": run_moe_routing, "budgets": run_budgets}
+RUNNERS = {
+    "utilisation": run_utilisation,
+    "paths": run_paths,
+    "mode-path": run_mode_path,
+    "distinct": run_distinct,
+    "moe-routing": run_moe_routing,
+    "budgets": run_budgets,
+}
 
 
 def run(args) -> int:

@@ -53,8 +53,10 @@ def resolve_iteration_dir(load: str, iteration: Optional[int] = None) -> tuple:
     if iteration is None:
         tracker = os.path.join(load, TRACKER)
         if not os.path.isfile(tracker):
-            raise CliError(f"{load} has no {TRACKER}: not a complete megatron-lol checkpoint "
-                           f"(pass an iter_XXXXXXX directory or --iteration)")
+            raise CliError(
+                f"{load} has no {TRACKER}: not a complete megatron-lol checkpoint "
+                f"(pass an iter_XXXXXXX directory or --iteration)"
+            )
         text = open(tracker).read().strip()
         if not text.isdigit():
             raise CliError(f"{tracker} does not hold an iteration number")
@@ -134,18 +136,19 @@ def load_checkpoint(load: str, iteration: Optional[int] = None, with_tokenizer: 
     cfg.parallel.tensor_model_parallel_size = cfg.parallel.pipeline_model_parallel_size = 1
     cfg.parallel.expert_model_parallel_size = 1
     cfg.parallel.virtual_pipeline_model_parallel_size = None
-    model = LoLGPTModel(cfg.model, int(vocab), eod, max_sequence_length=cfg.training.seq_length,
-                        init_seed=cfg.training.seed)
+    model = LoLGPTModel(
+        cfg.model, int(vocab), eod, max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed
+    )
     from megatron_lol.training.checkpointing.files import verify_checkpoint
     from megatron_lol.training.checkpointing.safe_load import load_sharded
 
     model.to(device())  # the weights load straight onto the platform's device (a no-op on CPU)
     verify_checkpoint(path)
     state = load_sharded(_sharded_state_dict(model), path)  # .metadata through the restricted unpickler
-    model.load_state_dict({k[len(KEY_PREFIX):]: v for k, v in state.items() if k.startswith(KEY_PREFIX)},
-                          strict=True)
-    return LoadedCheckpoint(model=model.eval(), cfg=cfg, info=info, path=path, iteration=it,
-                            tokenizer=tokenizer, eod_id=eod)
+    model.load_state_dict({k[len(KEY_PREFIX) :]: v for k, v in state.items() if k.startswith(KEY_PREFIX)}, strict=True)
+    return LoadedCheckpoint(
+        model=model.eval(), cfg=cfg, info=info, path=path, iteration=it, tokenizer=tokenizer, eod_id=eod
+    )
 
 
 # ------------------------------------------------------------------ data
@@ -174,13 +177,13 @@ def read_indexed(prefix: str, part: str = "valid", split: str = "98,2,0", max_ex
     n = len(ds)
     lo, hi = (0, n) if part == "all" else split_range(split, part, n)
     if hi <= lo:
-        raise CliError(f"{prefix}: the {part} part of split {split!r} holds no document of {n}; "
-                       f"use --part all")
+        raise CliError(f"{prefix}: the {part} part of split {split!r} holds no document of {n}; use --part all")
     return [ds[i].tolist() for i in range(lo, min(hi, lo + max_examples))]
 
 
-def read_jsonl(path: str, tokenizer, text_field: str = "text", label_field: Optional[str] = None,
-               max_examples: int = 256) -> tuple:
+def read_jsonl(
+    path: str, tokenizer, text_field: str = "text", label_field: Optional[str] = None, max_examples: int = 256
+) -> tuple:
     """``(token_lists, labels)`` from a JSON-lines file (labels None without ``label_field``)."""
     if not os.path.isfile(path):
         raise CliError(f"{path} does not exist")

@@ -14,8 +14,8 @@ Choices (also in docs/model.md, "Path forcing"):
 * ties in the argmax of the average go to the lowest block index, as in routing.
 
 The records come from ``model(..., record=True)`` in eval mode
-(``CoreOutput.records`` of ``model(..., record=True, return_core=True)``); their ``probs`` are the router's softmax, before
-the balancing bias (the bias is used only to choose).
+(``CoreOutput.records`` of ``model(..., record=True, return_core=True)``); their ``probs``
+are the router's softmax, before the balancing bias (the bias is used only to choose).
 """
 
 from __future__ import annotations

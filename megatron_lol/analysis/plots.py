@@ -67,8 +67,13 @@ def overlap_groups(coords: torch.Tensor, labels: Sequence, decimals: int = 6) ->
     return groups
 
 
-def pca_scatter(coords: torch.Tensor, labels: Optional[Sequence], path: Optional[str], ratio: Optional[torch.Tensor] = None,
-                title: str = "") -> None:
+def pca_scatter(
+    coords: torch.Tensor,
+    labels: Optional[Sequence],
+    path: Optional[str],
+    ratio: Optional[torch.Tensor] = None,
+    title: str = "",
+) -> None:
     """PCA of the path vectors. Identical paths share a point, so each (point, label) is one
     marker whose area grows with its examples, numbered when there are several; labels that
     share a point sit on a small circle around it instead of hiding each other."""
@@ -110,8 +115,14 @@ def pca_scatter(coords: torch.Tensor, labels: Optional[Sequence], path: Optional
     ax.set_xlabel(f"{pc[0]}, path-vector units")
     ax.set_ylabel(f"{pc[1]}, path-vector units")
     ax.set_title(title or "routing paths (one-hot per depth x window), PCA", fontsize=9)
-    ax.text(0.01, 0.01, f"{len(labels)} examples at {len(groups)} distinct points; marker area and number: "
-                        f"examples with that path", transform=ax.transAxes, fontsize=6, color="0.3")
+    ax.text(
+        0.01,
+        0.01,
+        f"{len(labels)} examples at {len(groups)} distinct points; marker area and number: examples with that path",
+        transform=ax.transAxes,
+        fontsize=6,
+        color="0.3",
+    )
     return _finish(plt, fig, path)
 
 

@@ -67,15 +67,22 @@ class PackedBatch:
 
 
 @torch.no_grad()
-def collect_moe_records(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int],
-                        rows_per_batch: int = 8, **forward_kwargs) -> list:
+def collect_moe_records(
+    model,
+    token_lists: Sequence[Sequence[int]],
+    seq_length: int,
+    eod_id: Optional[int],
+    rows_per_batch: int = 8,
+    **forward_kwargs,
+) -> list:
     """The core's MoE routing records (one list per packed batch) from eval-mode forwards."""
     model.eval()
     examples = prepare_examples(token_lists, seq_length, eod_id)
     device = next(model.parameters()).device
     batches = []
-    for batch in progress(pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing",
-                          unit="batch"):
+    for batch in progress(
+        pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing", unit="batch"
+    ):
         _, core = model(batch.tokens.to(device), record_moe=True, return_core=True, **forward_kwargs)
         batches.append(core.moe_records)
     return batches
@@ -107,8 +114,9 @@ def prepare_examples(token_lists: Sequence[Sequence[int]], seq_length: int, eod_
     return out
 
 
-def pack_examples(examples: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int],
-                  rows_per_batch: int = 8) -> list:
+def pack_examples(
+    examples: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int], rows_per_batch: int = 8
+) -> list:
     """Greedy packing of prepared examples into ``[rows, seq_length]`` batches."""
     from megatron_lol.model.windows import DocumentLayout
 
@@ -126,8 +134,8 @@ def pack_examples(examples: Sequence[Sequence[int]], seq_length: int, eod_id: Op
         rows.append(cur), row_examples.append(cur_ex)
     batches = []
     for start in range(0, len(rows), rows_per_batch):
-        chunk = rows[start:start + rows_per_batch]
-        chunk_ex = row_examples[start:start + rows_per_batch]
+        chunk = rows[start : start + rows_per_batch]
+        chunk_ex = row_examples[start : start + rows_per_batch]
         tokens = torch.full((len(chunk), seq_length), eod_id, dtype=torch.long)
         starts = torch.zeros(len(chunk), seq_length, dtype=torch.bool)  # example starts
         for r, row in enumerate(chunk):
@@ -146,16 +154,23 @@ def pack_examples(examples: Sequence[Sequence[int]], seq_length: int, eod_id: Op
 
 
 @torch.no_grad()
-def collect_routes(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int],
-                   rows_per_batch: int = 8, forced=None) -> list:
+def collect_routes(
+    model,
+    token_lists: Sequence[Sequence[int]],
+    seq_length: int,
+    eod_id: Optional[int],
+    rows_per_batch: int = 8,
+    forced=None,
+) -> list:
     """One :class:`ExampleRoute` per (usable) example, in order, from eval-mode forwards."""
     _core_cfg(model)
     model.eval()
     examples = prepare_examples(token_lists, seq_length, eod_id)
     routes = [ExampleRoute(length=len(ex)) for ex in examples]
     device = next(model.parameters()).device
-    for batch in progress(pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing",
-                          unit="batch"):
+    for batch in progress(
+        pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing", unit="batch"
+    ):
         _, core = model(batch.tokens.to(device), record=True, forced_path=forced, return_core=True)
         for rec in core.records:
             ex_of_window = batch.example_of_doc[rec.window_doc.cpu()]
@@ -163,9 +178,15 @@ def collect_routes(model, token_lists: Sequence[Sequence[int]], seq_length: int,
                 sel = (ex_of_window == i).nonzero(as_tuple=True)[0]
                 order = rec.window_ordinal.cpu()[sel].argsort()
                 sel = sel[order]
-                routes[i].records.append(WindowRecord(
-                    depth=rec.depth, choice=rec.choice.cpu()[sel].long(), gate=rec.gate.cpu()[sel].float(),
-                    probs=rec.probs.cpu()[sel].float(), window_ordinal=rec.window_ordinal.cpu()[sel].long()))
+                routes[i].records.append(
+                    WindowRecord(
+                        depth=rec.depth,
+                        choice=rec.choice.cpu()[sel].long(),
+                        gate=rec.gate.cpu()[sel].float(),
+                        probs=rec.probs.cpu()[sel].float(),
+                        window_ordinal=rec.window_ordinal.cpu()[sel].long(),
+                    )
+                )
     return routes
 
 
@@ -178,11 +199,14 @@ def utilisation_counts(routes: Sequence[ExampleRoute], depth: int, num_blocks: i
     return counts
 
 
-def path_vectors(routes: Sequence[ExampleRoute], depth: int, num_blocks: int,
-                 max_windows: Optional[int] = None) -> torch.Tensor:
+def path_vectors(
+    routes: Sequence[ExampleRoute], depth: int, num_blocks: int, max_windows: Optional[int] = None
+) -> torch.Tensor:
     """``[N, D * K * L]`` one-hot chosen block per (depth, window ordinal), concatenated."""
-    k_max = max((int(rec.window_ordinal.max()) + 1 for r in routes for rec in r.records
-                 if rec.window_ordinal.numel()), default=1)
+    k_max = max(
+        (int(rec.window_ordinal.max()) + 1 for r in routes for rec in r.records if rec.window_ordinal.numel()),
+        default=1,
+    )
     K = k_max if max_windows is None else min(max_windows, k_max)
     out = torch.zeros(len(routes), depth, K, num_blocks)
     for n, r in enumerate(routes):
@@ -199,7 +223,7 @@ def pca(x: torch.Tensor, k: int = 2) -> tuple:
     xc = x - x.mean(0, keepdim=True)
     _, s, vh = torch.linalg.svd(xc, full_matrices=False)
     coords = xc @ vh[:k].T
-    var = s ** 2
+    var = s**2
     total = var.sum()
     ratio = var[:k] / total if total > 0 else torch.zeros(min(k, var.numel()), dtype=var.dtype)
     if coords.shape[1] < k:
@@ -258,8 +282,9 @@ def distinct_per_path(paths: torch.Tensor, num_blocks: int) -> torch.Tensor:
     return onehot.sum(1).long()
 
 
-def distinct_summary(routes: Sequence[ExampleRoute], depth: int, num_blocks: int, window_size: int,
-                     window_shift: int) -> dict:
+def distinct_summary(
+    routes: Sequence[ExampleRoute], depth: int, num_blocks: int, window_size: int, window_shift: int
+) -> dict:
     """Histogram of distinct blocks per token path against ``E[U]``, plus the unique paths."""
     paths = token_paths(routes, depth, window_size, window_shift)
     u = distinct_per_path(paths, num_blocks)
@@ -267,7 +292,9 @@ def distinct_summary(routes: Sequence[ExampleRoute], depth: int, num_blocks: int
     unique, counts = torch.unique(paths, dim=0, return_counts=True) if paths.numel() else (paths, paths)
     top = counts.argsort(descending=True)[:10] if paths.numel() else []
     return {
-        "num_blocks": num_blocks, "depth": depth, "tokens": int(paths.shape[0]),
+        "num_blocks": num_blocks,
+        "depth": depth,
+        "tokens": int(paths.shape[0]),
         "mean_distinct": float(u.float().mean()) if u.numel() else 0.0,
         "expected_distinct_uniform": expected_distinct_blocks(num_blocks, depth),
         "histogram": {str(k): int(v) for k, v in enumerate(hist.tolist())},
@@ -288,8 +315,16 @@ def forced_path(ids: torch.Tensor, gates: torch.Tensor):
 
 
 @torch.no_grad()
-def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id: Optional[int],
-            rows_per_batch: int = 8, forced=None, per_example: bool = False, **forward_kwargs):
+def lm_loss(
+    model,
+    token_lists: Sequence[Sequence[int]],
+    seq_length: int,
+    eod_id: Optional[int],
+    rows_per_batch: int = 8,
+    forced=None,
+    per_example: bool = False,
+    **forward_kwargs,
+):
     """Mean next-token cross entropy over the examples' tokens (EOD as the last target),
     routed normally or under ``forced``. With ``per_example`` also the list of per-example means.
     ``forward_kwargs`` go to the model (e.g. Accordion's ``budget``)."""
@@ -299,8 +334,9 @@ def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id
     total, count = 0.0, 0
     ex_loss = [0.0] * len(examples)
     ex_count = [0] * len(examples)
-    for batch in progress(pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: loss",
-                          unit="batch"):
+    for batch in progress(
+        pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: loss", unit="batch"
+    ):
         from megatron_lol.model.windows import DocumentLayout
 
         tokens = batch.tokens.to(device)
@@ -325,8 +361,15 @@ def lm_loss(model, token_lists: Sequence[Sequence[int]], seq_length: int, eod_id
 
 
 @torch.no_grad()
-def greedy_generate(model, prompt: Sequence[int], max_new_tokens: int, eod_id: Optional[int] = None,
-                    forced=None, stop_at_eod: bool = True, **forward_kwargs) -> list:
+def greedy_generate(
+    model,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    eod_id: Optional[int] = None,
+    forced=None,
+    stop_at_eod: bool = True,
+    **forward_kwargs,
+) -> list:
     """Greedy continuation of ``prompt`` (full re-forward per token, no KV cache), routed or
     under a forced path (windows beyond the path's ordinals are routed normally)."""
     model.eval()

@@ -14,7 +14,17 @@ from megatron_lol.config.schema import (
 )
 
 __all__ = [
-    "add_config_arguments", "config_from_args", "config_from_dict", "load_config",
-    "ConfigError", "CurriculumConfig", "DataConfig", "ExperimentConfig", "ModelConfig",
-    "OptimizerConfig", "ParallelConfig", "TrainingConfig", "bias_updates_allowed",
+    "add_config_arguments",
+    "config_from_args",
+    "config_from_dict",
+    "load_config",
+    "ConfigError",
+    "CurriculumConfig",
+    "DataConfig",
+    "ExperimentConfig",
+    "ModelConfig",
+    "OptimizerConfig",
+    "ParallelConfig",
+    "TrainingConfig",
+    "bias_updates_allowed",
 ]

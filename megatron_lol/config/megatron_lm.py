@@ -13,9 +13,11 @@ from __future__ import annotations
 from typing import Optional
 
 NO_FLAG_HERE: dict[str, str] = {
-    "--num-layers": ("a LoL model has no single layer count: set model.n_prelude, model.n_coda and the core's "
-                     "depth (plan lol: model.num_blocks, model.routed_depth; dense: model.core_layers), e.g. "
-                     "--set model.routed_depth=8"),
+    "--num-layers": (
+        "a LoL model has no single layer count: set model.n_prelude, model.n_coda and the core's "
+        "depth (plan lol: model.num_blocks, model.routed_depth; dense: model.core_layers), e.g. "
+        "--set model.routed_depth=8"
+    ),
     "--encoder-num-layers": "decoder only; see --num-layers",
     "--decoder-num-layers": "see --num-layers",
     "--max-position-embeddings": "RoPE has no position table: the longest sequence is --seq-length",
@@ -35,8 +37,9 @@ NO_FLAG_HERE: dict[str, str] = {
     "--lr-warmup-fraction": "use --lr-warmup-iters",
     "--train-samples": "training counts iterations: --train-iters",
     "--rampup-batch-size": "not offered: the global batch is fixed (--global-batch-size)",
-    "--recompute-num-layers": ("full recomputation checkpoints every layer execution on its own "
-                               "(--recompute-granularity full)"),
+    "--recompute-num-layers": (
+        "full recomputation checkpoints every layer execution on its own (--recompute-granularity full)"
+    ),
     "--no-load-optim": "--set training.reset_optimizer=true (with --load)",
     "--no-load-rng": "not needed: RNG state is restored when the layout is unchanged, re-seeded otherwise",
     "--finetune": "--load DIR --set training.reset_optimizer=true --set training.reset_schedule=true",

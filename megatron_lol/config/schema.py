@@ -23,7 +23,6 @@ from megatron_lol.errors import ConfigError
 from megatron_lol.plan import PLANS, ExecutionPlan, build_plan
 from megatron_lol.plan.stages import check_pipeline_layout
 
-
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 ROUTED_CORES = ("auto", "reference", "grouped")
@@ -243,8 +242,7 @@ class ModelConfig:
         positive(f"{prefix}.window_size", self.window_size)
         if not 0 <= self.window_shift < self.window_size:
             raise ConfigError(
-                f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) "
-                f"(got {self.window_shift})"
+                f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) (got {self.window_shift})"
             )
         self.execution_plan(prefix)  # the plan's own shape keys and options
         if self.vocab_size is not None:
@@ -257,8 +255,7 @@ class ModelConfig:
         positive(f"{prefix}.bias_clamp", self.bias_clamp)
         if not 0 <= self.bias_update_stop_fraction <= 1:
             raise ConfigError(
-                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] "
-                f"(got {self.bias_update_stop_fraction})"
+                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] (got {self.bias_update_stop_fraction})"
             )
         nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
         nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
@@ -270,14 +267,18 @@ class ModelConfig:
             from megatron_lol.platform import has_transformer_engine
 
             if not has_transformer_engine():
-                raise ConfigError(f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
-                                  f"is not available on this machine")
+                raise ConfigError(
+                    f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
+                    f"is not available on this machine"
+                )
         if self.params_dtype == "fp32" and self.uses_transformer_engine():
             # TE 2.9/2.10 get_attention_backend: FlashAttention and FusedAttention take fp16/bf16 only and
             # UnfusedDotProductAttention no THD, the packed layout of this spec (docs/gpu.md, "Precision")
-            raise ConfigError(f"{prefix}.params_dtype: fp32 under the Transformer Engine spec has no attention "
-                              f"backend (TE's fused attention needs bf16, its unfused one does not take the packed "
-                              f"THD layout); use bf16 (or auto), or model.use_transformer_engine: false")
+            raise ConfigError(
+                f"{prefix}.params_dtype: fp32 under the Transformer Engine spec has no attention "
+                f"backend (TE's fused attention needs bf16, its unfused one does not take the packed "
+                f"THD layout); use bf16 (or auto), or model.use_transformer_engine: false"
+            )
         if self.moe_layers != "none":
             if self.num_experts is None or self.num_experts < 1:
                 raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
@@ -290,8 +291,10 @@ class ModelConfig:
                 if self.moe_layers != "all":
                     raise ConfigError(f"{prefix}.core_num_experts: needs moe_layers: all (got {self.moe_layers})")
                 if not self.moe_router_topk <= self.core_num_experts:
-                    raise ConfigError(f"{prefix}.core_num_experts: must be >= moe_router_topk="
-                                      f"{self.moe_router_topk} (got {self.core_num_experts})")
+                    raise ConfigError(
+                        f"{prefix}.core_num_experts: must be >= moe_router_topk="
+                        f"{self.moe_router_topk} (got {self.core_num_experts})"
+                    )
             if self.moe_shared_expert_intermediate_size is not None:
                 positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
             nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
@@ -301,16 +304,17 @@ class ModelConfig:
             nonnegative(f"{prefix}.moe_router_bias_update_rate", self.moe_router_bias_update_rate)
             if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
                 # megatron-core's TransformerConfig refuses it too: the bias is added to sigmoid scores
-                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
-                                  f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
-                                  f"{self.moe_router_score_function})")
+                raise ConfigError(
+                    f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
+                    f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
+                    f"{self.moe_router_score_function})"
+                )
         else:
             for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
                 if getattr(self, key) is not None:
                     raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
             if self.moe_router_enable_expert_bias:
                 raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs MoE layers (moe_layers is none)")
-
 
     def _validate_fp8(self, prefix: str) -> None:
         """FP8 needs TE on CUDA (and Blackwell for MXFP8); the block GEMMs it runs need rows in
@@ -325,8 +329,11 @@ class ModelConfig:
         positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
         nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
         if self.use_transformer_engine is False or not has_transformer_engine():
-            why = ("disabled by use_transformer_engine: false" if self.use_transformer_engine is False
-                   else "not available on this machine")
+            why = (
+                "disabled by use_transformer_engine: false"
+                if self.use_transformer_engine is False
+                else "not available on this machine"
+            )
             raise ConfigError(f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA ({why})")
         if self.params_dtype != "bf16":
             raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
@@ -335,19 +342,25 @@ class ModelConfig:
 
             major, _ = torch.cuda.get_device_capability()
             if major < 10:
-                raise ConfigError(f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
-                                  f"this one has {major}.x); use delayed or tensorwise")
+                raise ConfigError(
+                    f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
+                    f"this one has {major}.x); use delayed or tensorwise"
+                )
         plan = self.execution_plan(prefix)
         if self.fp8_recipe == "delayed" and runs_layers_repeatedly(plan):
             # TE's autocast: with reduce_amax a module must not run more than once per region, and every
             # rank must register the same modules in the same order for the amax all-reduce
-            raise ConfigError(f"{prefix}.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward "
-                              f"on every rank, but plan {plan.name} runs its blocks "
-                              f"{'where windows are routed' if plan.routed else 'several times'}; "
-                              f"use tensorwise (current scaling, the default for this plan)")
+            raise ConfigError(
+                f"{prefix}.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward "
+                f"on every rank, but plan {plan.name} runs its blocks "
+                f"{'where windows are routed' if plan.routed else 'several times'}; "
+                f"use tensorwise (current scaling, the default for this plan)"
+            )
         if plan.routed and self.moe_layers == "all":
-            raise ConfigError(f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
-                              f"windows to FP8's row multiple to experts; use moe_layers: fixed or no fp8")
+            raise ConfigError(
+                f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
+                f"windows to FP8's row multiple to experts; use moe_layers: fixed or no fp8"
+            )
 
 
 @dataclass
@@ -363,8 +376,7 @@ class CurriculumConfig:
         if self.initial_depth is not None:
             if not 1 <= self.initial_depth <= model.core_depth:
                 raise ConfigError(
-                    f"{prefix}.initial_depth: must be in [1, {model.core_depth}] "
-                    f"(got {self.initial_depth})"
+                    f"{prefix}.initial_depth: must be in [1, {model.core_depth}] (got {self.initial_depth})"
                 )
         if not 0 < self.growth_fraction <= 1:
             raise ConfigError(f"{prefix}.growth_fraction: must be in (0, 1] (got {self.growth_fraction})")
@@ -395,8 +407,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
 
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
-        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size",
-                     "expert_model_parallel_size"):
+        for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             positive(f"{prefix}.{name}", getattr(self, name))
         tp = self.tensor_model_parallel_size
         if model.num_attention_heads % tp:
@@ -409,7 +420,8 @@ class ParallelConfig:
         if plan.shards_library and plan.num_stored_blocks % ep:
             raise ConfigError(
                 f"{prefix}.expert_model_parallel_size: {ep} does not divide the {plan.num_stored_blocks} "
-                f"stored blocks of plan {plan.name} (model.num_blocks)")
+                f"stored blocks of plan {plan.name} (model.num_blocks)"
+            )
         if not plan.shards_library and model.moe_layers != "none":
             for key, n in (("num_experts", model.num_experts), ("core experts", plan.core_experts)):
                 if n is not None and n % ep:
@@ -417,37 +429,48 @@ class ParallelConfig:
         if plan.shards_library and model.moe_layers == "all" and ep > 1:
             # EP would shard the block library and every block's experts over the same ranks,
             # leaving some (block, expert) pairs on no rank
-            raise ConfigError(f"{prefix}.expert_model_parallel_size: plan {plan.name} shards its block library "
-                              f"over EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
-                              f"moe_layers: fixed or expert_model_parallel_size: 1")
+            raise ConfigError(
+                f"{prefix}.expert_model_parallel_size: plan {plan.name} shards its block library "
+                f"over EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
+                f"moe_layers: fixed or expert_model_parallel_size: 1"
+            )
         if model.moe_layers != "none" and tp > 1:
             # megatron-core refuses to train MoE layers under TP without SP
             if not self.sequence_parallel:
-                raise ConfigError(f"{prefix}.sequence_parallel: megatron-core MoE layers with "
-                                  f"tensor_model_parallel_size={tp} need sequence_parallel: true")
+                raise ConfigError(
+                    f"{prefix}.sequence_parallel: megatron-core MoE layers with "
+                    f"tensor_model_parallel_size={tp} need sequence_parallel: true"
+                )
             if model.moe_layers == "all" and plan.gathers_sequence:
-                raise ConfigError(f"{prefix}.tensor_model_parallel_size: MoE blocks in a core that gathers the "
-                                  f"sequence (routed or strided attention) cannot use TP={tp}; use "
-                                  f"expert_model_parallel_size instead")
+                raise ConfigError(
+                    f"{prefix}.tensor_model_parallel_size: MoE blocks in a core that gathers the "
+                    f"sequence (routed or strided attention) cannot use TP={tp}; use "
+                    f"expert_model_parallel_size instead"
+                )
         if self.sequence_parallel and tp == 1:
             raise ConfigError(f"{prefix}.sequence_parallel: needs tensor_model_parallel_size > 1")
         if self.overlap_grad_reduce and self.pipeline_model_parallel_size > 1:
-            raise ConfigError(f"{prefix}.overlap_grad_reduce: not with pipeline_model_parallel_size="
-                              f"{self.pipeline_model_parallel_size}: the library's copies on several stages are "
-                              f"summed before the data-parallel reduction (parallel/library_sync.py)")
+            raise ConfigError(
+                f"{prefix}.overlap_grad_reduce: not with pipeline_model_parallel_size="
+                f"{self.pipeline_model_parallel_size}: the library's copies on several stages are "
+                f"summed before the data-parallel reduction (parallel/library_sync.py)"
+            )
         if self.recompute_granularity not in (None, "full", "selective"):
             raise ConfigError(
-                f"{prefix}.recompute_granularity: must be full or selective "
-                f"(got {self.recompute_granularity!r})"
+                f"{prefix}.recompute_granularity: must be full or selective (got {self.recompute_granularity!r})"
             )
         if self.recompute_method is not None:
             if self.recompute_method == "block":
-                raise ConfigError(f"{prefix}.recompute_method: block is not offered: full recomputation "
-                                  f"checkpoints every layer execution on its own (uniform)")
+                raise ConfigError(
+                    f"{prefix}.recompute_method: block is not offered: full recomputation "
+                    f"checkpoints every layer execution on its own (uniform)"
+                )
             choice(f"{prefix}.recompute_method", self.recompute_method, ("uniform",))
             if self.recompute_granularity != "full":
-                raise ConfigError(f"{prefix}.recompute_method: {self.recompute_method} needs "
-                                  f"recompute_granularity: full (got {self.recompute_granularity})")
+                raise ConfigError(
+                    f"{prefix}.recompute_method: {self.recompute_method} needs "
+                    f"recompute_granularity: full (got {self.recompute_granularity})"
+                )
 
     def data_parallel_size(self, world_size: int) -> int:
         model_parallel = self.tensor_model_parallel_size * self.pipeline_model_parallel_size
@@ -578,8 +601,9 @@ class OptimizerConfig:
         nonnegative(f"{prefix}.clip_grad", self.clip_grad)
         nonnegative(f"{prefix}.lr_warmup_iters", self.lr_warmup_iters)
         choice(f"{prefix}.lr_decay_style", self.lr_decay_style, ("cosine", "WSD", "linear", "constant"))
-        choice(f"{prefix}.lr_wsd_decay_style", self.lr_wsd_decay_style,
-                ("linear", "cosine", "exponential", "minus_sqrt"))
+        choice(
+            f"{prefix}.lr_wsd_decay_style", self.lr_wsd_decay_style, ("linear", "cosine", "exponential", "minus_sqrt")
+        )
         if not (0 <= self.adam_beta1 < 1 and 0 <= self.adam_beta2 < 1):
             raise ConfigError(f"{prefix}.adam_beta1/adam_beta2: must be in [0, 1)")
         if not 0 <= self.muon_momentum < 1:
@@ -597,8 +621,9 @@ class OptimizerConfig:
             nonnegative(f"{prefix}.muon_adam_min_lr", self.muon_adam_min_lr)
             peak = self.lr if self.muon_adam_lr is None else self.muon_adam_lr
             if self.muon_adam_min_lr > peak:
-                raise ConfigError(f"{prefix}.muon_adam_min_lr: {self.muon_adam_min_lr} is above the AdamW "
-                                  f"peak learning rate {peak}")
+                raise ConfigError(
+                    f"{prefix}.muon_adam_min_lr: {self.muon_adam_min_lr} is above the AdamW peak learning rate {peak}"
+                )
 
 
 @dataclass
@@ -674,12 +699,16 @@ class TrainingConfig:
             # held to a step count and a FLOP count at once
             positive(f"{prefix}.train_flops", self.train_flops)
             if self.train_iters is not None:
-                raise ConfigError(f"{prefix}.train_iters: {self.train_iters} cannot be combined with "
-                                  f"{prefix}.train_flops={self.train_flops:g} (the iterations are derived from "
-                                  f"the FLOP budget); drop one, e.g. --set {prefix}.train_flops=null")
+                raise ConfigError(
+                    f"{prefix}.train_iters: {self.train_iters} cannot be combined with "
+                    f"{prefix}.train_flops={self.train_flops:g} (the iterations are derived from "
+                    f"the FLOP budget); drop one, e.g. --set {prefix}.train_flops=null"
+                )
             if self.global_batch_size is None:
-                raise ConfigError(f"{prefix}.train_flops: needs {prefix}.global_batch_size (the iterations a "
-                                  f"FLOP budget buys would otherwise depend on the data-parallel size)")
+                raise ConfigError(
+                    f"{prefix}.train_flops: needs {prefix}.global_batch_size (the iterations a "
+                    f"FLOP budget buys would otherwise depend on the data-parallel size)"
+                )
         elif self.train_iters is None:
             self.train_iters = 100
         if self.train_iters is not None:
@@ -707,14 +736,19 @@ class TrainingConfig:
         if self.exit_interval is not None:
             positive(f"{prefix}.exit_interval", self.exit_interval)
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
-            raise ConfigError(f"{prefix}.override_opt_param_scheduler: cannot be combined with "
-                              f"use_checkpoint_opt_param_scheduler (pick which schedule wins)")
+            raise ConfigError(
+                f"{prefix}.override_opt_param_scheduler: cannot be combined with "
+                f"use_checkpoint_opt_param_scheduler (pick which schedule wins)"
+            )
         nonnegative(f"{prefix}.profile_step_start", self.profile_step_start)
         if self.profile_step_end <= self.profile_step_start:
-            raise ConfigError(f"{prefix}.profile_step_end: {self.profile_step_end} must be larger than "
-                              f"profile_step_start={self.profile_step_start}")
-        if not self.profile_ranks or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
-                                             for r in self.profile_ranks):
+            raise ConfigError(
+                f"{prefix}.profile_step_end: {self.profile_step_end} must be larger than "
+                f"profile_step_start={self.profile_step_start}"
+            )
+        if not self.profile_ranks or not all(
+            isinstance(r, int) and not isinstance(r, bool) and r >= 0 for r in self.profile_ranks
+        ):
             raise ConfigError(f"{prefix}.profile_ranks: must be a list of ranks >= 0 (got {self.profile_ranks!r})")
         if self.check_routing_agreement is not None:
             nonnegative(f"{prefix}.check_routing_agreement", self.check_routing_agreement)
@@ -723,8 +757,10 @@ class TrainingConfig:
         if self.heartbeat_timeout is not None:
             positive(f"{prefix}.heartbeat_timeout", self.heartbeat_timeout)
         if self.heartbeat_interval and self.stall_timeout_seconds < 2 * self.heartbeat_interval:
-            raise ConfigError(f"{prefix}.heartbeat_timeout: {self.stall_timeout_seconds:g} s must be at least twice "
-                              f"heartbeat_interval={self.heartbeat_interval:g} s (a rank misses beats while busy)")
+            raise ConfigError(
+                f"{prefix}.heartbeat_timeout: {self.stall_timeout_seconds:g} s must be at least twice "
+                f"heartbeat_interval={self.heartbeat_interval:g} s (a rank misses beats while busy)"
+            )
         choice(f"{prefix}.on_save_failure", self.on_save_failure, ("stop", "continue"))
 
     @property
@@ -753,22 +789,32 @@ class ExperimentConfig:
         self.curriculum.validate(self.model)
         self.parallel.validate(self.model)
         par, plan = self.parallel, self.model.execution_plan()
-        check_pipeline_layout(self.model, plan.depth, par.pipeline_model_parallel_size,
-                              par.virtual_pipeline_model_parallel_size, plan.name, plan.pipeline_ok)
+        check_pipeline_layout(
+            self.model,
+            plan.depth,
+            par.pipeline_model_parallel_size,
+            par.virtual_pipeline_model_parallel_size,
+            plan.name,
+            plan.pipeline_ok,
+        )
         self.optimizer.validate()
         self.training.validate()
         m = self.model
         windowed = any(step.attention != "full" for step in plan.steps())  # window, strided or sliding
         if windowed and m.window_size > self.training.seq_length:
-            raise ConfigError(f"model.window_size: {m.window_size} is larger than training.seq_length="
-                              f"{self.training.seq_length} (a window must fit in a sequence)")
+            raise ConfigError(
+                f"model.window_size: {m.window_size} is larger than training.seq_length="
+                f"{self.training.seq_length} (a window must fit in a sequence)"
+            )
         # a warm-up longer than the run is allowed (a smoke run of a long config): the run ends inside
         # it, and the trainer says so (training/optimizer.py, build_scheduler)
         tr = self.training
         multiple = fp8_row_multiple(self.model.fp8_recipe)
         if self.model.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % multiple:
-            raise ConfigError(f"training.seq_length: FP8 GEMMs ({self.model.fp8_recipe}) need micro_batch_size x "
-                              f"seq_length = {tr.micro_batch_size * tr.seq_length} tokens in multiples of {multiple}")
+            raise ConfigError(
+                f"training.seq_length: FP8 GEMMs ({self.model.fp8_recipe}) need micro_batch_size x "
+                f"seq_length = {tr.micro_batch_size * tr.seq_length} tokens in multiples of {multiple}"
+            )
         if check_data:
             self.data.validate()
         return self

@@ -32,15 +32,20 @@ from megatron_lol.errors import CliError
 from megatron_lol.training.checkpointing.files import RUN_CONFIG, TRACKER, read_manifest, verify_files
 from megatron_lol.training.checkpointing.safe_load import read_metadata_file, restricted_unpickling
 
+
 def check_output_apart(save: str, load: str) -> None:
     """Refuse an output directory that is, contains or lies inside the checkpoint directory,
     or that holds a training checkpoint: replacing it (``--force``) would delete the run."""
     out, src = os.path.realpath(save), os.path.realpath(load)
     if out == src or src.startswith(out + os.sep) or out.startswith(src + os.sep):
-        raise CliError(f"--save {save} overlaps --load {load}: write the HuggingFace model to a directory "
-                       f"outside the checkpoint")
-    if os.path.isdir(out) and (os.path.exists(os.path.join(out, TRACKER)) or os.path.exists(os.path.join(out, ".metadata"))
-                               or any(re.fullmatch(r"iter_\d{7,}", d) for d in os.listdir(out))):
+        raise CliError(
+            f"--save {save} overlaps --load {load}: write the HuggingFace model to a directory outside the checkpoint"
+        )
+    if os.path.isdir(out) and (
+        os.path.exists(os.path.join(out, TRACKER))
+        or os.path.exists(os.path.join(out, ".metadata"))
+        or any(re.fullmatch(r"iter_\d{7,}", d) for d in os.listdir(out))
+    ):
         raise CliError(f"--save {save} holds a training checkpoint; not replacing it (choose another directory)")
 
 
@@ -118,8 +123,7 @@ class DistCheckpointReader:
         self.reader = reader
         from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-        self.tensors = {k: v for k, v in metadata.state_dict_metadata.items()
-                        if isinstance(v, TensorStorageMetadata)}
+        self.tensors = {k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
         self._verified: set = set()
 
     def _verify_file_of(self, key: str) -> None:
@@ -151,19 +155,25 @@ class DistCheckpointReader:
         out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
         covered = sum(int(torch.Size(c.sizes).numel()) for c in md.chunks)
         if covered < out.numel():
-            raise CliError(f"{self.path}: tensor {key} is incomplete in the checkpoint "
-                           f"({covered} of {out.numel()} elements saved)")
+            raise CliError(
+                f"{self.path}: tensor {key} is incomplete in the checkpoint ({covered} of {out.numel()} elements saved)"
+            )
         try:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="torch.distributed is disabled")
                 with restricted_unpickling():
-                    load({key: out}, storage_reader=self.reader, planner=DefaultLoadPlanner(allow_partial_load=True),
-                         no_dist=True)
+                    load(
+                        {key: out},
+                        storage_reader=self.reader,
+                        planner=DefaultLoadPlanner(allow_partial_load=True),
+                        no_dist=True,
+                    )
         except (KeyboardInterrupt, SystemExit):
             raise
         except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
             msg = str(err).strip().splitlines()
             detail = next((line for line in reversed(msg) if line.strip()), type(err).__name__)
-            raise CliError(f"{self.path}: cannot read tensor {key} (corrupted or truncated .distcp file?): "
-                           f"{detail[:200]}") from None
+            raise CliError(
+                f"{self.path}: cannot read tensor {key} (corrupted or truncated .distcp file?): {detail[:200]}"
+            ) from None
         return out

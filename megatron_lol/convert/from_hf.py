@@ -24,9 +24,9 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.convert import mapping
+from megatron_lol.errors import CliError
 from megatron_lol.progress import progress
 
 TRACKER = "latest_checkpointed_iteration.txt"
@@ -35,21 +35,39 @@ TRACKER = "latest_checkpointed_iteration.txt"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hf-dir", "--load", dest="hf_dir", required=True, help="HuggingFace model directory")
     parser.add_argument("--save", required=True, help="megatron-lol checkpoint directory to create")
-    parser.add_argument("--n-prelude", type=int, default=None,
-                        help="HF layers that become prelude layers (default: as recorded by convert-hf, else 1)")
-    parser.add_argument("--n-coda", type=int, default=None,
-                        help="HF layers that become coda layers (default: as recorded by convert-hf, else 1)")
-    parser.add_argument("--config", default=None,
-                        help="training YAML whose data/optimizer/training sections the run_config.yaml takes")
+    parser.add_argument(
+        "--n-prelude",
+        type=int,
+        default=None,
+        help="HF layers that become prelude layers (default: as recorded by convert-hf, else 1)",
+    )
+    parser.add_argument(
+        "--n-coda",
+        type=int,
+        default=None,
+        help="HF layers that become coda layers (default: as recorded by convert-hf, else 1)",
+    )
+    parser.add_argument(
+        "--config", default=None, help="training YAML whose data/optimizer/training sections the run_config.yaml takes"
+    )
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model.params_dtype")
     parser.add_argument("--force", action="store_true", help="replace an existing --save directory")
 
 
 def run(args: argparse.Namespace) -> int:
-    out = import_hf(args.hf_dir, args.save, n_prelude=args.n_prelude, n_coda=args.n_coda, config=args.config,
-                    dtype=args.dtype, force=args.force)
-    print(f"wrote {out['path']} ({out['num_layers']} layers: {out['n_prelude']} prelude, {out['core_layers']} "
-          f"blocks, {out['n_coda']} coda; vocab {out['vocab_size']})")
+    out = import_hf(
+        args.hf_dir,
+        args.save,
+        n_prelude=args.n_prelude,
+        n_coda=args.n_coda,
+        config=args.config,
+        dtype=args.dtype,
+        force=args.force,
+    )
+    print(
+        f"wrote {out['path']} ({out['num_layers']} layers: {out['n_prelude']} prelude, {out['core_layers']} "
+        f"blocks, {out['n_coda']} coda; vocab {out['vocab_size']})"
+    )
     return 0
 
 
@@ -109,8 +127,9 @@ class HFCheckpoint:
         try:
             return self._open(shard).get_tensor(name)
         except Exception as err:  # noqa: BLE001
-            raise CliError(f"safetensors shard {os.path.join(self.dir, shard)} is corrupted: cannot read "
-                           f"{name}: {err}") from None
+            raise CliError(
+                f"safetensors shard {os.path.join(self.dir, shard)} is corrupted: cannot read {name}: {err}"
+            ) from None
 
 
 def _check_safetensors_file(path: str) -> None:
@@ -143,8 +162,10 @@ def _read_config(hf_dir: str) -> dict:
         raise CliError(f"{path} is not valid JSON: {err}") from None
     arch = conf.get("architectures") or []
     if conf.get("model_type") != "llama" and "LlamaForCausalLM" not in arch:
-        raise CliError(f"{path}: model_type {conf.get('model_type')!r} / architectures {arch} is not a Llama "
-                       "model; import-hf reads LlamaForCausalLM checkpoints")
+        raise CliError(
+            f"{path}: model_type {conf.get('model_type')!r} / architectures {arch} is not a Llama "
+            "model; import-hf reads LlamaForCausalLM checkpoints"
+        )
     checks = {"hidden_act": "silu", "attention_bias": False, "mlp_bias": False}
     for key, want in checks.items():
         if conf.get(key, want) != want:
@@ -180,14 +201,24 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
     head_dim = int(conf.get("head_dim") or hidden // heads)
     theta, factor = _rope(conf)
     m = ModelConfig(
-        plan="dense", dense_attention="full", hidden_size=hidden, num_attention_heads=heads,
+        plan="dense",
+        dense_attention="full",
+        hidden_size=hidden,
+        num_attention_heads=heads,
         num_query_groups=int(conf.get("num_key_value_heads") or heads),
         kv_channels=head_dim if head_dim * heads != hidden else None,
-        ffn_hidden_size=int(conf["intermediate_size"]), n_prelude=n_prelude, n_coda=n_coda,
-        core_layers=blocks, vocab_size=int(conf["vocab_size"]),
+        ffn_hidden_size=int(conf["intermediate_size"]),
+        n_prelude=n_prelude,
+        n_coda=n_coda,
+        core_layers=blocks,
+        vocab_size=int(conf["vocab_size"]),
         untie_embeddings_and_output_weights=not conf.get("tie_word_embeddings", False),
-        rotary_base=theta, rotary_scaling_factor=factor, norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)),
-        init_method_std=float(conf.get("initializer_range", 0.02)), params_dtype=dtype)
+        rotary_base=theta,
+        rotary_scaling_factor=factor,
+        norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)),
+        init_method_std=float(conf.get("initializer_range", 0.02)),
+        params_dtype=dtype,
+    )
     for key in ("window_size", "window_shift", "make_vocab_size_divisible_by", "balancing", "router_tied"):
         if key in recorded:
             setattr(m, key, recorded[key])
@@ -198,15 +229,22 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
 def native_tensor(name: str, hf: HFCheckpoint, m: ModelConfig) -> torch.Tensor:
     """The native tensor ``name`` assembled from the HF Llama tensors."""
     d = mapping.Dims.of(m)
-    fixed = {"embedding.word_embeddings.weight": "model.embed_tokens.weight", "final_norm.weight": "model.norm.weight",
-             "output_layer.weight": "lm_head.weight"}
+    fixed = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "final_norm.weight": "model.norm.weight",
+        "output_layer.weight": "lm_head.weight",
+    }
     if name in fixed:
         return hf.read(fixed[name])
     prefix, suffix = mapping.split_layer_name(name)
     p = f"model.layers.{mapping.llama_layer_index(prefix, m)}."
     if suffix == "self_attention.linear_qkv.weight":
-        return mapping.merge_qkv(hf.read(p + "self_attn.q_proj.weight"), hf.read(p + "self_attn.k_proj.weight"),
-                                 hf.read(p + "self_attn.v_proj.weight"), d)
+        return mapping.merge_qkv(
+            hf.read(p + "self_attn.q_proj.weight"),
+            hf.read(p + "self_attn.k_proj.weight"),
+            hf.read(p + "self_attn.v_proj.weight"),
+            d,
+        )
     if suffix == "mlp.linear_fc1.weight":
         return torch.cat([hf.read(p + "mlp.gate_proj.weight"), hf.read(p + "mlp.up_proj.weight")], dim=0)
     return hf.read(p + mapping.HF_LAYER[suffix])
@@ -223,19 +261,26 @@ def _check_hf_tensors(hf: HFCheckpoint, m: ModelConfig) -> None:
         want["lm_head.weight"] = (m.vocab_size, m.hidden_size)
     for i in range(layers):
         p = f"model.layers.{i}."
-        want.update({p + "input_layernorm.weight": (d.hidden,), p + "post_attention_layernorm.weight": (d.hidden,),
-                     p + "self_attn.q_proj.weight": (d.heads * d.head_dim, d.hidden),
-                     p + "self_attn.k_proj.weight": (d.groups * d.head_dim, d.hidden),
-                     p + "self_attn.v_proj.weight": (d.groups * d.head_dim, d.hidden),
-                     p + "self_attn.o_proj.weight": (d.hidden, d.heads * d.head_dim),
-                     p + "mlp.gate_proj.weight": (d.ffn, d.hidden), p + "mlp.up_proj.weight": (d.ffn, d.hidden),
-                     p + "mlp.down_proj.weight": (d.hidden, d.ffn)})
+        want.update(
+            {
+                p + "input_layernorm.weight": (d.hidden,),
+                p + "post_attention_layernorm.weight": (d.hidden,),
+                p + "self_attn.q_proj.weight": (d.heads * d.head_dim, d.hidden),
+                p + "self_attn.k_proj.weight": (d.groups * d.head_dim, d.hidden),
+                p + "self_attn.v_proj.weight": (d.groups * d.head_dim, d.hidden),
+                p + "self_attn.o_proj.weight": (d.hidden, d.heads * d.head_dim),
+                p + "mlp.gate_proj.weight": (d.ffn, d.hidden),
+                p + "mlp.up_proj.weight": (d.ffn, d.hidden),
+                p + "mlp.down_proj.weight": (d.hidden, d.ffn),
+            }
+        )
     for name, shape in want.items():
         if not hf.has(name):
             raise CliError(f"{hf.dir}: tensor {name} is missing (config.json and weights do not match)")
         if hf.shape(name) != shape:
-            raise CliError(f"{hf.dir}: tensor {name} has shape {list(hf.shape(name))}, config.json implies "
-                           f"{list(shape)}")
+            raise CliError(
+                f"{hf.dir}: tensor {name} has shape {list(hf.shape(name))}, config.json implies {list(shape)}"
+            )
 
 
 def _tokenizer_section(hf_dir: str, save: str, conf: dict) -> dict:
@@ -254,8 +299,16 @@ def _tokenizer_section(hf_dir: str, save: str, conf: dict) -> dict:
 
 
 # ------------------------------------------------------------------ import
-def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda: Optional[int] = None,
-              config: Optional[str] = None, dtype: str = "fp32", force: bool = False) -> dict:
+def import_hf(
+    hf_dir: str,
+    save: str,
+    *,
+    n_prelude: Optional[int] = None,
+    n_coda: Optional[int] = None,
+    config: Optional[str] = None,
+    dtype: str = "fp32",
+    force: bool = False,
+) -> dict:
     import yaml
 
     conf = _read_config(hf_dir)
@@ -297,10 +350,21 @@ def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda
     opt = cfg.optimizer
     state = {
         "model": model.sharded_state_dict(prefix="model."),
-        "iteration": iteration, "consumed_train_samples": 0, "nonfinite_skipped": 0,
-        "scheduler": {"max_lr": opt.lr, "lr_warmup_steps": 0, "num_steps": 0, "lr_decay_style": opt.lr_decay_style,
-                      "lr_decay_steps": 1, "min_lr": opt.min_lr, "start_wd": opt.weight_decay,
-                      "end_wd": opt.weight_decay, "wd_incr_style": "constant", "wd_incr_steps": 1},
+        "iteration": iteration,
+        "consumed_train_samples": 0,
+        "nonfinite_skipped": 0,
+        "scheduler": {
+            "max_lr": opt.lr,
+            "lr_warmup_steps": 0,
+            "num_steps": 0,
+            "lr_decay_style": opt.lr_decay_style,
+            "lr_decay_steps": 1,
+            "min_lr": opt.min_lr,
+            "start_wd": opt.weight_decay,
+            "end_wd": opt.weight_decay,
+            "wd_incr_style": "constant",
+            "wd_incr_steps": 1,
+        },
         "curriculum": {"depth": m.core_depth},
         "layout": {"tp": 1, "pp": 1, "ep": 1, "dp": 1, "world": 1},
         "format_version": 1,
@@ -308,10 +372,19 @@ def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda
     dist_checkpointing.save(state, tmp)
     out = cfg.to_dict()
     out["checkpoint"] = {
-        "iteration": iteration, "consumed_train_samples": 0, "padded_vocab_size": m.vocab_size,
-        "tokenizer": {"type": cfg.data.tokenizer_type, "tokenizer_model": cfg.data.tokenizer_model,
-                      "copied_files": {}, "eod_id": eod},
-        "layout": state["layout"], "key_prefix": "model.", "format": "torch_dist", "format_version": 1,
+        "iteration": iteration,
+        "consumed_train_samples": 0,
+        "padded_vocab_size": m.vocab_size,
+        "tokenizer": {
+            "type": cfg.data.tokenizer_type,
+            "tokenizer_model": cfg.data.tokenizer_model,
+            "copied_files": {},
+            "eod_id": eod,
+        },
+        "layout": state["layout"],
+        "key_prefix": "model.",
+        "format": "torch_dist",
+        "format_version": 1,
         "imported_from": os.path.abspath(hf_dir),
     }
     with open(os.path.join(tmp, "run_config.yaml"), "w") as f:
@@ -320,8 +393,14 @@ def import_hf(hf_dir: str, save: str, *, n_prelude: Optional[int] = None, n_coda
     with open(os.path.join(save, TRACKER + ".tmp"), "w") as f:
         f.write(f"{iteration}\n")
     os.replace(os.path.join(save, TRACKER + ".tmp"), os.path.join(save, TRACKER))
-    return {"path": final, "num_layers": m.n_prelude + m.core_layers + m.n_coda, "n_prelude": m.n_prelude,
-            "core_layers": m.core_layers, "n_coda": m.n_coda, "vocab_size": m.vocab_size}
+    return {
+        "path": final,
+        "num_layers": m.n_prelude + m.core_layers + m.n_coda,
+        "n_prelude": m.n_prelude,
+        "core_layers": m.core_layers,
+        "n_coda": m.n_coda,
+        "vocab_size": m.vocab_size,
+    }
 
 
 def _asdict(m: ModelConfig) -> dict:
@@ -340,8 +419,10 @@ def _build_native_model(cfg, vocab: int, eod):
 
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(1, 1)
-    elif parallel_state.get_tensor_model_parallel_world_size() * \
-            parallel_state.get_pipeline_model_parallel_world_size() != 1:
+    elif (
+        parallel_state.get_tensor_model_parallel_world_size() * parallel_state.get_pipeline_model_parallel_world_size()
+        != 1
+    ):
         raise CliError("import-hf runs in one process (found a model-parallel state)")
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
     from megatron_lol.model.lol_model import LoLGPTModel

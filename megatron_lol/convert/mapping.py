@@ -57,11 +57,16 @@ class Dims:
     def of(cls, m: ModelConfig) -> "Dims":
         heads = m.num_attention_heads
         moe = m.moe_layers != "none"
-        return cls(hidden=m.hidden_size, heads=heads, groups=m.num_query_groups or heads,
-                   head_dim=m.kv_channels or m.hidden_size // heads, ffn=m.ffn_hidden,
-                   moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden) if moe else 0,
-                   shared_ffn=(m.moe_shared_expert_intermediate_size or 0) if moe else 0,
-                   expert_bias=moe and m.moe_router_enable_expert_bias)
+        return cls(
+            hidden=m.hidden_size,
+            heads=heads,
+            groups=m.num_query_groups or heads,
+            head_dim=m.kv_channels or m.hidden_size // heads,
+            ffn=m.ffn_hidden,
+            moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden) if moe else 0,
+            shared_ffn=(m.moe_shared_expert_intermediate_size or 0) if moe else 0,
+            expert_bias=moe and m.moe_router_enable_expert_bias,
+        )
 
 
 def fixed_experts(m: ModelConfig) -> int | None:
@@ -87,9 +92,11 @@ def mlp_shapes(d: Dims, experts: int | None) -> dict[str, tuple]:
     """Native suffix -> global shape of a layer's MLP (dense SwiGLU, or MoE with ``experts`` experts)."""
     if experts is None:
         return {"mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), "mlp.linear_fc2.weight": (d.hidden, d.ffn)}
-    out = {"mlp.router.weight": (experts, d.hidden),
-           EXPERT_FC1: (experts, 2 * d.moe_ffn, d.hidden),
-           EXPERT_FC2: (experts, d.hidden, d.moe_ffn)}
+    out = {
+        "mlp.router.weight": (experts, d.hidden),
+        EXPERT_FC1: (experts, 2 * d.moe_ffn, d.hidden),
+        EXPERT_FC2: (experts, d.hidden, d.moe_ffn),
+    }
     if d.expert_bias:
         out["mlp.router.expert_bias"] = (experts,)
     if d.shared_ffn:
@@ -113,8 +120,11 @@ def layer_shapes(d: Dims, experts: int | None = None) -> dict[str, tuple]:
 
 def layer_prefixes(m: ModelConfig) -> list[str]:
     blocks = m.execution_plan().num_stored_blocks
-    return ([f"prelude.{i}." for i in range(m.n_prelude)] + [f"core.blocks.{i}." for i in range(blocks)]
-            + [f"coda.{i}." for i in range(m.n_coda)])
+    return (
+        [f"prelude.{i}." for i in range(m.n_prelude)]
+        + [f"core.blocks.{i}." for i in range(blocks)]
+        + [f"coda.{i}." for i in range(m.n_coda)]
+    )
 
 
 def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
@@ -180,8 +190,10 @@ def split_qkv(w: torch.Tensor, d: Dims) -> tuple[torch.Tensor, torch.Tensor, tor
 def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims) -> torch.Tensor:
     per = d.heads // d.groups
     h = q.shape[-1]
-    g = torch.cat([q.view(d.groups, per, d.head_dim, h), k.view(d.groups, 1, d.head_dim, h),
-                   v.view(d.groups, 1, d.head_dim, h)], dim=1)
+    g = torch.cat(
+        [q.view(d.groups, per, d.head_dim, h), k.view(d.groups, 1, d.head_dim, h), v.view(d.groups, 1, d.head_dim, h)],
+        dim=1,
+    )
     return g.reshape(-1, h).contiguous()
 
 
@@ -203,15 +215,19 @@ def layer_to_hf(suffix: str, t: torch.Tensor, d: Dims) -> list[tuple[str, torch.
         out = []
         for e, w in enumerate(t):
             gate, up = w.chunk(2, dim=0)
-            out += [(f"mlp.experts.{e}.gate_proj.weight", gate.contiguous()),
-                    (f"mlp.experts.{e}.up_proj.weight", up.contiguous())]
+            out += [
+                (f"mlp.experts.{e}.gate_proj.weight", gate.contiguous()),
+                (f"mlp.experts.{e}.up_proj.weight", up.contiguous()),
+            ]
         return out
     if suffix == EXPERT_FC2:
         return [(f"mlp.experts.{e}.down_proj.weight", w.contiguous()) for e, w in enumerate(t)]
     if suffix == "mlp.shared_experts.linear_fc1.weight":
         gate, up = t.chunk(2, dim=0)
-        return [("mlp.shared_expert.gate_proj.weight", gate.contiguous()),
-                ("mlp.shared_expert.up_proj.weight", up.contiguous())]
+        return [
+            ("mlp.shared_expert.gate_proj.weight", gate.contiguous()),
+            ("mlp.shared_expert.up_proj.weight", up.contiguous()),
+        ]
     if suffix == "self_attention.linear_qkv.weight":
         q, k, v = split_qkv(t, d)
         return [("self_attn.q_proj.weight", q), ("self_attn.k_proj.weight", k), ("self_attn.v_proj.weight", v)]

@@ -26,10 +26,10 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.errors import CliError
 from megatron_lol.config.schema import ExperimentConfig, ModelConfig
 from megatron_lol.convert import mapping
 from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_apart, iteration_dir, read_run_config
+from megatron_lol.errors import CliError
 from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
@@ -60,8 +60,14 @@ def is_plain_stack(m: ModelConfig) -> bool:
     """An ordinary decoder stack that Llama computes exactly (within one document)."""
     steps = m.execution_plan().steps()
     every_block_once = all(step.block == i and step.pass_index == 0 for i, step in enumerate(steps))
-    return (every_block_once and m.dense_attention == "full" and m.film == "off" and not m.input_injection
-            and m.rotary_scaling_factor >= 1.0 and m.moe_layers == "none")
+    return (
+        every_block_once
+        and m.dense_attention == "full"
+        and m.film == "off"
+        and not m.input_injection
+        and m.rotary_scaling_factor >= 1.0
+        and m.moe_layers == "none"
+    )
 
 
 class ShardWriter:
@@ -87,8 +93,9 @@ class ShardWriter:
 
         if not self.pending:
             return
-        save_file(self.pending, os.path.join(self.out_dir, f"shard-{len(self.shards):05d}.tmp"),
-                  metadata={"format": "pt"})
+        save_file(
+            self.pending, os.path.join(self.out_dir, f"shard-{len(self.shards):05d}.tmp"), metadata={"format": "pt"}
+        )
         self.shards.append(list(self.pending))
         self.pending, self.pending_bytes = {}, 0
 
@@ -127,28 +134,38 @@ def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, sou
     emb = mapping.checkpoint_key("embedding.word_embeddings.weight", available)
     if emb is None:
         model_keys = [k for k in available if k.startswith("model.")]
-        raise CliError(f"{source}: no model.embedding.word_embeddings.weight in the checkpoint "
-                       f"({len(model_keys)} model tensors): not a megatron-lol model checkpoint")
+        raise CliError(
+            f"{source}: no model.embedding.word_embeddings.weight in the checkpoint "
+            f"({len(model_keys)} model tensors): not a megatron-lol model checkpoint"
+        )
     vocab, hidden = reader.shape(emb)
     if hidden != m.hidden_size:
-        raise CliError(f"{source}: the checkpoint's hidden size is {hidden} but the config says "
-                       f"model.hidden_size={m.hidden_size}: checkpoint and config do not match")
+        raise CliError(
+            f"{source}: the checkpoint's hidden size is {hidden} but the config says "
+            f"model.hidden_size={m.hidden_size}: checkpoint and config do not match"
+        )
     keys = {}
     for name, shape in mapping.native_shapes(m, vocab).items():
         key = mapping.checkpoint_key(name, available)
         if key is None:
-            raise CliError(f"{source}: tensor model.{name} is missing: the checkpoint was not saved from a "
-                           f"model with this config (plan={m.plan}, {m.execution_plan().describe()}, "
-                           f"n_prelude={m.n_prelude}, n_coda={m.n_coda})")
+            raise CliError(
+                f"{source}: tensor model.{name} is missing: the checkpoint was not saved from a "
+                f"model with this config (plan={m.plan}, {m.execution_plan().describe()}, "
+                f"n_prelude={m.n_prelude}, n_coda={m.n_coda})"
+            )
         if reader.shape(key) != tuple(shape):
-            raise CliError(f"{source}: tensor {key} has shape {list(reader.shape(key))} but the config implies "
-                           f"{list(shape)}: checkpoint and config do not match")
+            raise CliError(
+                f"{source}: tensor {key} has shape {list(reader.shape(key))} but the config implies "
+                f"{list(shape)}: checkpoint and config do not match"
+            )
         keys[name] = key
     used = set(keys.values())
     extra = sorted(k for k in available if k.startswith("model.") and k not in used and "_extra_state" not in k)
     if extra:
-        raise CliError(f"{source}: {len(extra)} checkpoint tensor(s) are not part of a model with this config, "
-                       f"e.g. {extra[0]}: checkpoint and config do not match")
+        raise CliError(
+            f"{source}: {len(extra)} checkpoint tensor(s) are not part of a model with this config, "
+            f"e.g. {extra[0]}: checkpoint and config do not match"
+        )
     return keys, vocab
 
 
@@ -163,16 +180,19 @@ def resolve_loop_budget(m: ModelConfig, loop_budget: Optional[int]) -> Optional[
         raise CliError(f"--loop-{err}") from None
 
 
-def lol_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict,
-                    loop_budget: Optional[int] = None) -> dict:
+def lol_config_json(
+    cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tokens: dict, loop_budget: Optional[int] = None
+) -> dict:
     m, d = cfg.model, mapping.Dims.of(cfg.model)
     plan = m.execution_plan()
     accordion = plan.has_budgets
     return {
         "architectures": ["LoLForCausalLM"],
         "model_type": "lol",
-        "auto_map": {"AutoConfig": "configuration_lol.LoLConfig",
-                     "AutoModelForCausalLM": "modeling_lol.LoLForCausalLM"},
+        "auto_map": {
+            "AutoConfig": "configuration_lol.LoLConfig",
+            "AutoModelForCausalLM": "modeling_lol.LoLForCausalLM",
+        },
         "vocab_size": vocab,
         "hidden_size": m.hidden_size,
         "intermediate_size": d.ffn,
@@ -251,11 +271,22 @@ def llama_config_json(cfg: ExperimentConfig, vocab: int, dtype: torch.dtype, tok
 
 
 # ------------------------------------------------------------------ conversion
-def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None, dtype: Optional[str] = None,
-                       tokenizer: Optional[str] = None, tokenizer_type: Optional[str] = None,
-                       export_tokenizer: bool = True, eod_id: Optional[int] = None, config: Optional[str] = None,
-                       fmt: str = "auto", max_shard_size="5GB", force: bool = False,
-                       loop_budget: Optional[int] = None) -> dict:
+def convert_checkpoint(
+    load: str,
+    save: str,
+    *,
+    iteration: Optional[int] = None,
+    dtype: Optional[str] = None,
+    tokenizer: Optional[str] = None,
+    tokenizer_type: Optional[str] = None,
+    export_tokenizer: bool = True,
+    eod_id: Optional[int] = None,
+    config: Optional[str] = None,
+    fmt: str = "auto",
+    max_shard_size="5GB",
+    force: bool = False,
+    loop_budget: Optional[int] = None,
+) -> dict:
     path, it = iteration_dir(load, iteration)
     if config is not None:
         from megatron_lol.config import load_config
@@ -268,12 +299,16 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
     keys, vocab = validate_checkpoint(reader, cfg, path)
     m = cfg.model
     if m.execution_plan().untied_attention_sets() and m.film != "off":
-        raise CliError(f"{path}: FiLM with untied per-pass attention (film={m.film}) is not exported "
-                       f"(no test covers the exported per-pass norms)")
+        raise CliError(
+            f"{path}: FiLM with untied per-pass attention (film={m.film}) is not exported "
+            f"(no test covers the exported per-pass norms)"
+        )
     if fmt == "llama" and not is_plain_stack(m):
-        raise CliError(f"--format llama: plan={m.plan}, dense_attention={m.dense_attention}, film={m.film}, "
-                       f"input_injection={m.input_injection}, moe_layers={m.moe_layers} is not an ordinary "
-                       f"Llama stack")
+        raise CliError(
+            f"--format llama: plan={m.plan}, dense_attention={m.dense_attention}, film={m.film}, "
+            f"input_injection={m.input_injection}, moe_layers={m.moe_layers} is not an ordinary "
+            f"Llama stack"
+        )
     llama = fmt == "llama" or (fmt == "auto" and is_plain_stack(m))
     torch_dtype = DTYPES[dtype or m.params_dtype]
     max_bytes = parse_size(max_shard_size)
@@ -291,14 +326,21 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
 
             d = cfg.data
             files = tokenizer_files(path, cfg, info)
-            tokens = write_tokenizer(tokenizer_type or d.tokenizer_type, tokenizer or files["tokenizer_model"], tmp,
-                                     vocab_file=files["vocab_file"], merge_file=files["merge_file"],
-                                     max_length=cfg.training.seq_length)
+            tokens = write_tokenizer(
+                tokenizer_type or d.tokenizer_type,
+                tokenizer or files["tokenizer_model"],
+                tmp,
+                vocab_file=files["vocab_file"],
+                merge_file=files["merge_file"],
+                max_length=cfg.training.seq_length,
+            )
         saved_eod = (info.get("tokenizer") or {}).get("eod_id")
         if eod_id is None and saved_eod is not None:
             if tokens["eod_id"] is not None and tokens["eod_id"] != saved_eod:
-                raise CliError(f"the tokenizer's eos id is {tokens['eod_id']} but the run trained with "
-                               f"eod_id={saved_eod}: wrong --tokenizer? (pass --eod-id to override)")
+                raise CliError(
+                    f"the tokenizer's eos id is {tokens['eod_id']} but the run trained with "
+                    f"eod_id={saved_eod}: wrong --tokenizer? (pass --eod-id to override)"
+                )
             eod_id = saved_eod
         if eod_id is not None:
             tokens["eod_id"] = eod_id
@@ -315,12 +357,19 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
             del tensor
         num_shards = writer.finish()
 
-        conf = (llama_config_json(cfg, vocab, torch_dtype, tokens) if llama
-                else lol_config_json(cfg, vocab, torch_dtype, tokens, budget))
+        conf = (
+            llama_config_json(cfg, vocab, torch_dtype, tokens)
+            if llama
+            else lol_config_json(cfg, vocab, torch_dtype, tokens, budget)
+        )
         conf["megatron_lol"] = {"model": _model_dict(m), "iteration": it, "source": os.path.abspath(path)}
         _write_json(os.path.join(tmp, "config.json"), conf)
-        gen = {"bos_token_id": tokens.get("bos_id"), "eos_token_id": tokens["eod_id"],
-               "pad_token_id": tokens.get("pad_id"), "do_sample": False}
+        gen = {
+            "bos_token_id": tokens.get("bos_id"),
+            "eos_token_id": tokens["eod_id"],
+            "pad_token_id": tokens.get("pad_id"),
+            "do_sample": False,
+        }
         if not llama:
             gen["use_cache"] = True
         _write_json(os.path.join(tmp, "generation_config.json"), {k: v for k, v in gen.items() if v is not None})
@@ -333,8 +382,14 @@ def convert_checkpoint(load: str, save: str, *, iteration: Optional[int] = None,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return {"format": "llama" if llama else "lol", "num_tensors": sum(len(s) for s in writer.shards),
-            "num_shards": num_shards, "dtype": DTYPE_NAMES[torch_dtype], "source": path, "iteration": it}
+    return {
+        "format": "llama" if llama else "lol",
+        "num_tensors": sum(len(s) for s in writer.shards),
+        "num_shards": num_shards,
+        "dtype": DTYPE_NAMES[torch_dtype],
+        "source": path,
+        "iteration": it,
+    }
 
 
 def tokenizer_files(path: str, cfg: ExperimentConfig, info: dict) -> dict:
@@ -367,9 +422,11 @@ def hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims,
             hf_prefix = mapping.lol_hf_names(prefix, m)
         return [(hf_prefix + s, t) for s, t in mapping.layer_to_hf(suffix, tensor, d)]
     if llama:
-        names = {"embedding.word_embeddings.weight": "model.embed_tokens.weight",
-                 "final_norm.weight": "model.norm.weight", "output_layer.weight": "lm_head.weight"}
+        names = {
+            "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+            "final_norm.weight": "model.norm.weight",
+            "output_layer.weight": "lm_head.weight",
+        }
         return [(names[name], tensor)]
     hf = mapping.lol_hf_names(name, m)
     return [] if hf is None else [(hf, tensor)]
-

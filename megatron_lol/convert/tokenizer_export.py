@@ -56,12 +56,12 @@ def _fields(buf: bytes):
         if wire == 0:
             value, i = _varint(buf, i)
         elif wire == 1:
-            value, i = buf[i:i + 8], i + 8
+            value, i = buf[i : i + 8], i + 8
         elif wire == 2:
             length, i = _varint(buf, i)
-            value, i = buf[i:i + length], i + length
+            value, i = buf[i : i + length], i + length
         elif wire == 5:
-            value, i = buf[i:i + 4], i + 4
+            value, i = buf[i : i + 4], i + 4
         else:
             raise ValueError(f"unsupported protobuf wire type {wire}")
         yield number, wire, value
@@ -71,10 +71,21 @@ def read_sentencepiece_model(path: str) -> dict:
     """Pieces ``(piece, score, type)``, trainer and normaliser settings of a SentencePiece ``.model``."""
     with open(path, "rb") as f:
         data = f.read()
-    model = {"pieces": [], "model_type": 1, "byte_fallback": False, "split_by_whitespace": True,
-             "treat_whitespace_as_suffix": False, "unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": -1,
-             "precompiled_charsmap": b"", "add_dummy_prefix": True, "remove_extra_whitespaces": True,
-             "escape_whitespaces": True}
+    model = {
+        "pieces": [],
+        "model_type": 1,
+        "byte_fallback": False,
+        "split_by_whitespace": True,
+        "treat_whitespace_as_suffix": False,
+        "unk_id": 0,
+        "bos_id": 1,
+        "eos_id": 2,
+        "pad_id": -1,
+        "precompiled_charsmap": b"",
+        "add_dummy_prefix": True,
+        "remove_extra_whitespaces": True,
+        "escape_whitespaces": True,
+    }
     for number, _, value in _fields(data):
         if number == 1:  # SentencePiece
             piece, score, kind = "", 0.0, 1
@@ -87,8 +98,16 @@ def read_sentencepiece_model(path: str) -> dict:
                     kind = v
             model["pieces"].append((piece, score, kind))
         elif number == 2:  # TrainerSpec
-            names = {3: "model_type", 35: "byte_fallback", 22: "split_by_whitespace",
-                     24: "treat_whitespace_as_suffix", 40: "unk_id", 41: "bos_id", 42: "eos_id", 43: "pad_id"}
+            names = {
+                3: "model_type",
+                35: "byte_fallback",
+                22: "split_by_whitespace",
+                24: "treat_whitespace_as_suffix",
+                40: "unk_id",
+                41: "bos_id",
+                42: "eos_id",
+                43: "pad_id",
+            }
             for n, w, v in _fields(value):
                 if n in names and w == 0:
                     if n >= 40:  # int32 ids: -1 is encoded as a 64-bit two's complement varint
@@ -133,8 +152,9 @@ def sentencepiece_to_tokenizers(path: str):
                     ranked.append((-score, i, vocab[left], vocab[right], left, right))
         ranked.sort()
         merges = [(left, right) for *_, left, right in ranked]
-        model = BPE(vocab=vocab, merges=merges, unk_token=pieces[unk_id][0], fuse_unk=True,
-                    byte_fallback=spm["byte_fallback"])
+        model = BPE(
+            vocab=vocab, merges=merges, unk_token=pieces[unk_id][0], fuse_unk=True, byte_fallback=spm["byte_fallback"]
+        )
     else:
         raise CliError(f"{path}: SentencePiece model type {spm['model_type']} (word/char) is not supported")
     tok = Tokenizer(model)
@@ -142,13 +162,18 @@ def sentencepiece_to_tokenizers(path: str):
     if spm["precompiled_charsmap"]:
         norm.append(normalizers.Precompiled(spm["precompiled_charsmap"]))
     if spm["remove_extra_whitespaces"]:
-        norm += [normalizers.Replace(Regex(r"\A +"), ""), normalizers.Replace(Regex(r" +\z"), ""),
-                 normalizers.Replace(Regex(" {2,}"), " ")]
+        norm += [
+            normalizers.Replace(Regex(r"\A +"), ""),
+            normalizers.Replace(Regex(r" +\z"), ""),
+            normalizers.Replace(Regex(" {2,}"), " "),
+        ]
     if norm:
         tok.normalizer = normalizers.Sequence(norm)
     tok.pre_tokenizer = pre_tokenizers.Metaspace(
-        replacement="▁", prepend_scheme="always" if spm["add_dummy_prefix"] else "never",
-        split=spm["split_by_whitespace"])
+        replacement="▁",
+        prepend_scheme="always" if spm["add_dummy_prefix"] else "never",
+        split=spm["split_by_whitespace"],
+    )
     dec = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     if spm["add_dummy_prefix"]:
         dec.append(decoders.Strip(content=" ", left=1, right=0))
@@ -163,8 +188,12 @@ def sentencepiece_to_tokenizers(path: str):
     def piece(i):
         return pieces[i][0] if 0 <= i < len(pieces) else None
 
-    specials = {"bos_token": piece(spm["bos_id"]), "eos_token": piece(spm["eos_id"]),
-                "unk_token": piece(unk_id), "pad_token": piece(spm["pad_id"])}
+    specials = {
+        "bos_token": piece(spm["bos_id"]),
+        "eos_token": piece(spm["eos_id"]),
+        "unk_token": piece(unk_id),
+        "pad_token": piece(spm["pad_id"]),
+    }
     return tok, specials
 
 
@@ -181,8 +210,12 @@ def _check_against_sentencepiece(tok, model_file: str, texts) -> Optional[str]:
 
 
 def _write_tokenizer_config(out_dir: str, specials: dict, max_length: Optional[int]) -> None:
-    cfg = {"tokenizer_class": "PreTrainedTokenizerFast", "add_bos_token": False, "add_eos_token": False,
-           "clean_up_tokenization_spaces": False}
+    cfg = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
     cfg.update({k: v for k, v in specials.items() if v is not None})
     if max_length:
         cfg["model_max_length"] = max_length
@@ -194,9 +227,16 @@ def _write_tokenizer_config(out_dir: str, specials: dict, max_length: Optional[i
         f.write("\n")
 
 
-def export_tokenizer(tokenizer_type: str, model_file: Optional[str], out_dir: str, *,
-                     vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
-                     max_length: Optional[int] = None, check_texts=None) -> dict:
+def export_tokenizer(
+    tokenizer_type: str,
+    model_file: Optional[str],
+    out_dir: str,
+    *,
+    vocab_file: Optional[str] = None,
+    merge_file: Optional[str] = None,
+    max_length: Optional[int] = None,
+    check_texts=None,
+) -> dict:
     """Write tokenizer files into ``out_dir``; returns ``{"eod_id", "bos_id", "pad_id", "files"}``."""
     if tokenizer_type in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         if not model_file or not os.path.isfile(model_file):
@@ -204,8 +244,11 @@ def export_tokenizer(tokenizer_type: str, model_file: Optional[str], out_dir: st
         tok, specials = sentencepiece_to_tokenizers(model_file)
         problem = _check_against_sentencepiece(tok, model_file, list(check_texts or []) + SAMPLE_TEXTS)
         if problem:
-            warnings.warn(f"exported tokenizer.json does not reproduce SentencePiece exactly on {problem}; "
-                          "tokenizer.model is included for SentencePiece-based loading", stacklevel=2)
+            warnings.warn(
+                f"exported tokenizer.json does not reproduce SentencePiece exactly on {problem}; "
+                "tokenizer.model is included for SentencePiece-based loading",
+                stacklevel=2,
+            )
         tok.save(os.path.join(out_dir, "tokenizer.json"))
         shutil.copyfile(model_file, os.path.join(out_dir, "tokenizer.model"))
         _write_tokenizer_config(out_dir, specials, max_length)
@@ -242,8 +285,10 @@ def export_tokenizer(tokenizer_type: str, model_file: Optional[str], out_dir: st
         _write_tokenizer_config(out_dir, specials, max_length)
         files = ["tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"]
     else:
-        raise CliError(f"tokenizer type {tokenizer_type} cannot be exported yet; pass --no-tokenizer "
-                       "and add tokenizer files yourself")
+        raise CliError(
+            f"tokenizer type {tokenizer_type} cannot be exported yet; pass --no-tokenizer "
+            "and add tokenizer files yourself"
+        )
 
     def tid(name):
         value = specials.get(name)

@@ -143,7 +143,8 @@ def check_split_tokens(headers: dict, weights, split_matrix, sizes: list, split:
                 raise DatasetError(
                     f"{prefix}.idx: data.split {split!r} gives the {SPLIT_NAMES[i]} split documents "
                     f"[{beg}, {end}) of {n}, which hold no tokens, but it must provide {sizes[i]} samples: "
-                    f"use more documents or a larger {SPLIT_NAMES[i]} share{hint}")
+                    f"use more documents or a larger {SPLIT_NAMES[i]} share{hint}"
+                )
 
 
 def check_token_ids(headers: dict, vocab_size: int, cache_dir: str | None) -> None:
@@ -185,7 +186,8 @@ def check_token_ids(headers: dict, vocab_size: int, cache_dir: str | None) -> No
             raise DatasetError(
                 f"{prefix}.bin: token ids reach {max_id}, outside the model's vocabulary of {vocab_size} "
                 f"(the first at document {doc}, position {pos}): the dataset was made with another "
-                f"tokenizer, or data.tokenizer_model / model.vocab_size is wrong")
+                f"tokenizer, or data.tokenizer_model / model.vocab_size is wrong"
+            )
 
 
 def _max_id_key(prefix: str) -> str:
@@ -247,4 +249,3 @@ def _process_group_for_build():
             yield
         finally:
             dist.destroy_process_group()
-

@@ -42,8 +42,11 @@ class _NoPickleCache:
     """The cache logic shared by both dataset classes (``self`` is a megatron dataset)."""
 
     def _cached_or_built(self, directory: Optional[str], split_name: str, names: tuple, build: Callable):
-        if not directory or getattr(self.config, "defer_npy_index_mmap", False) \
-                or getattr(self.config, "fast_cache_load", False):
+        if (
+            not directory
+            or getattr(self.config, "defer_npy_index_mmap", False)
+            or getattr(self.config, "fast_cache_load", False)
+        ):
             return build()
         base = f"{self.unique_description_hash}-{type(self).__name__}-{split_name}"
         paths = [os.path.join(directory, f"{base}-{name}") for name in names]
@@ -55,8 +58,10 @@ class _NoPickleCache:
 
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             # megatron-core builds on rank 0 first; the others read what it wrote
-            raise DatasetError(f"{description}: not readable after rank 0 built the index cache: "
-                               f"data.cache_dir must be a directory every rank shares")
+            raise DatasetError(
+                f"{description}: not readable after rank 0 built the index cache: "
+                f"data.cache_dir must be a directory every rank shares"
+            )
         os.makedirs(directory, exist_ok=True)
         _remove_dead_builds(directory)
         private = os.path.join(directory, f".build-{os.getpid()}-{socket.gethostname()}")
@@ -91,7 +96,7 @@ def _remove_dead_builds(directory: str) -> None:
     for name in os.listdir(directory):
         if not name.startswith(".build-"):
             continue
-        pid, _, owner = name[len(".build-"):].partition("-")
+        pid, _, owner = name[len(".build-") :].partition("-")
         if pid.isdigit() and owner == host and not pid_alive(int(pid)):
             shutil.rmtree(os.path.join(directory, name), ignore_errors=True)
 
@@ -103,16 +108,21 @@ class SafeGPTDataset(_NoPickleCache, GPTDataset):
         directory = self.config.path_to_cache
         if directory is None and not self.config.mock:  # megatron-core's default place
             directory = os.path.join(self.dataset.path_prefix, "cache", f"{type(self).__name__}_indices")
-        return self._cached_or_built(directory, self.index_split.name,
-                                     ("document_index.npy", "sample_index.npy", "shuffle_index.npy"),
-                                     super()._build_document_sample_shuffle_indices)
+        return self._cached_or_built(
+            directory,
+            self.index_split.name,
+            ("document_index.npy", "sample_index.npy", "shuffle_index.npy"),
+            super()._build_document_sample_shuffle_indices,
+        )
 
     def _get_num_epochs(self, num_tokens_per_epoch: int) -> int:
         if num_tokens_per_epoch <= 0:
             if not self.num_samples:
                 return 1  # nothing is asked of this split
-            raise DatasetError(f"{self.dataset_path}.idx: the {self.index_split.name} split holds no tokens, "
-                               f"but {self.num_samples} samples are needed from it")
+            raise DatasetError(
+                f"{self.dataset_path}.idx: the {self.index_split.name} split holds no tokens, "
+                f"but {self.num_samples} samples are needed from it"
+            )
         return super()._get_num_epochs(num_tokens_per_epoch)
 
 
@@ -120,8 +130,12 @@ class SafeBlendedDataset(_NoPickleCache, BlendedDataset):
     """megatron-core's ``BlendedDataset`` with the cache of this module."""
 
     def _build_indices(self):
-        return self._cached_or_built(self.config.path_to_cache, self.split.name,
-                                     ("dataset_index.npy", "dataset_sample_index.npy"), super()._build_indices)
+        return self._cached_or_built(
+            self.config.path_to_cache,
+            self.split.name,
+            ("dataset_index.npy", "dataset_sample_index.npy"),
+            super()._build_indices,
+        )
 
 
 class SafeCacheBuilder(BlendedMegatronDatasetBuilder):

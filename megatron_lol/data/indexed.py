@@ -74,7 +74,7 @@ def remove_stale_tmp(path: str) -> list:
     for name in names:
         if not name.startswith(stem):
             continue
-        pid_text, _, owner = name[len(stem):].partition("-")
+        pid_text, _, owner = name[len(stem) :].partition("-")
         if not pid_text.isdigit() or (owner and owner != host) or pid_alive(int(pid_text)):
             continue
         try:
@@ -276,9 +276,7 @@ def merge_datasets(prefixes: list, output_prefix: str) -> dict:
             for h in headers:
                 for chunk in h.iter_array("lengths"):
                     f.write(chunk.tobytes())
-            _write_pointers(
-                f, (c for h in headers for c in h.iter_array("lengths")), itemsize
-            )
+            _write_pointers(f, (c for h in headers for c in h.iter_array("lengths")), itemsize)
             f.write(np.zeros(1, dtype=np.int64).tobytes())
             offset = 0
             for h in headers:
@@ -295,8 +293,13 @@ def merge_datasets(prefixes: list, output_prefix: str) -> dict:
             if os.path.exists(p):
                 os.unlink(p)
         raise
-    return {"datasets": len(prefixes), "sequences": seqs, "documents": docs - 1,
-            "bytes": os.path.getsize(bin_path), "dtype": np.dtype(dtype).name}
+    return {
+        "datasets": len(prefixes),
+        "sequences": seqs,
+        "documents": docs - 1,
+        "bytes": os.path.getsize(bin_path),
+        "dtype": np.dtype(dtype).name,
+    }
 
 
 # -- checks before training ------------------------------------------------------
@@ -336,8 +339,8 @@ def validate_dataset(prefix: str) -> IndexHeader:
     lengths = _memmap(idx_path, np.int32, h.lengths_offset, h.sequence_count)
     pointers = _memmap(idx_path, np.int64, h.pointers_offset, h.sequence_count)
     for start in range(0, h.sequence_count, CHUNK):
-        ln = np.asarray(lengths[start:start + CHUNK], dtype=np.int64)
-        pt = np.asarray(pointers[start:start + CHUNK])
+        ln = np.asarray(lengths[start : start + CHUNK], dtype=np.int64)
+        pt = np.asarray(pointers[start : start + CHUNK])
         if (ln < 0).any():
             i = start + int(np.flatnonzero(ln < 0)[0])
             raise DatasetError(f"{idx_path}: sequence {i} has a negative length ({int(lengths[i])}): corrupt index")
@@ -347,14 +350,16 @@ def validate_dataset(prefix: str) -> IndexHeader:
         want[1:] += expected_end
         if (pt != want).any():
             i = int(np.flatnonzero(pt != want)[0])
-            raise DatasetError(f"{idx_path}: sequence {start + i} starts at byte {int(pt[i])}, expected "
-                               f"{int(want[i])} (after the previous sequence): corrupt index")
+            raise DatasetError(
+                f"{idx_path}: sequence {start + i} starts at byte {int(pt[i])}, expected "
+                f"{int(want[i])} (after the previous sequence): corrupt index"
+            )
         expected_end = int(want[-1] + ln[-1] * h.itemsize)
         ptr_end = expected_end
     docs = _memmap(idx_path, np.int64, h.doc_offset, h.document_count)
     previous = -1
     for start in range(0, h.document_count, CHUNK):
-        d = np.asarray(docs[start:start + CHUNK])
+        d = np.asarray(docs[start : start + CHUNK])
         if start == 0 and d[0] != 0:
             raise DatasetError(f"{idx_path}: document indices start at {int(d[0])}, not 0: corrupt index")
         steps = np.diff(np.concatenate([[previous], d]))
@@ -362,13 +367,17 @@ def validate_dataset(prefix: str) -> IndexHeader:
             raise DatasetError(f"{idx_path}: document indices decrease: corrupt index")
         previous = int(d[-1])
     if previous != h.sequence_count:
-        raise DatasetError(f"{idx_path}: the last document ends at sequence {previous}, the index holds "
-                           f"{h.sequence_count}: corrupt index")
+        raise DatasetError(
+            f"{idx_path}: the last document ends at sequence {previous}, the index holds "
+            f"{h.sequence_count}: corrupt index"
+        )
     size = os.path.getsize(bin_path)
     if size != ptr_end:
         what = "truncated" if size < ptr_end else "longer than its index"
-        raise DatasetError(f"{bin_path}: {what} ({size} bytes, {idx_path} describes {ptr_end}): "
-                           f"re-run preprocess, or pair it with its own .idx")
+        raise DatasetError(
+            f"{bin_path}: {what} ({size} bytes, {idx_path} describes {ptr_end}): "
+            f"re-run preprocess, or pair it with its own .idx"
+        )
     return h
 
 
@@ -389,7 +398,7 @@ def scan_token_ids(prefix: str, h: IndexHeader, limit: int | None = None, part: 
     for k, start in enumerate(range(0, size, step)):
         if k % parts != index:
             continue
-        chunk = np.asarray(data[start:start + step])
+        chunk = np.asarray(data[start : start + step])
         top = int(chunk.max())
         best = max(best, top)
         if limit is not None and first is None and top >= limit:

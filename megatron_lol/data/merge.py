@@ -19,8 +19,9 @@ SHARD_RE = re.compile(r"^(?P<base>.*)\.shard-(?P<i>\d{5})-of-(?P<n>\d{5})$")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--input", required=True, nargs="+",
-                        help="directory, glob or prefixes of the datasets to merge (in order)")
+    parser.add_argument(
+        "--input", required=True, nargs="+", help="directory, glob or prefixes of the datasets to merge (in order)"
+    )
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}.bin/.idx")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     parser.add_argument("--multimodal", action="store_true", help="not supported")
@@ -72,7 +73,7 @@ def order_shards(prefixes: list) -> list:
     groups = {(os.path.dirname(p), m["base"], int(m["n"])) for p, m in zip(prefixes, matches)}
     if len(groups) != 1:
         raise ValueError(f"shards of different datasets or shard counts: {sorted(groups)}")
-    (_, base, n), = groups
+    ((_, base, n),) = groups
     by_index = {int(m["i"]): p for p, m in zip(prefixes, matches)}
     missing = [i for i in range(n) if i not in by_index]
     if missing:
@@ -81,8 +82,8 @@ def order_shards(prefixes: list) -> list:
 
 
 def run(args) -> int:
-    from megatron_lol.errors import CliError
     from megatron_lol.data.indexed import merge_datasets, remove_stale_tmp
+    from megatron_lol.errors import CliError
 
     if args.multimodal:
         raise CliError("--multimodal is not supported")
@@ -102,6 +103,8 @@ def run(args) -> int:
         info = merge_datasets(prefixes, out)
     except (ValueError, OSError) as err:
         raise CliError(str(err)) from None
-    print(f"merge-datasets: {info['datasets']} datasets, {info['documents']:,} documents, "
-          f"{info['bytes'] / 2**20:.1f} MB ({info['dtype']}) -> {out}.bin/.idx")
+    print(
+        f"merge-datasets: {info['datasets']} datasets, {info['documents']:,} documents, "
+        f"{info['bytes'] / 2**20:.1f} MB ({info['dtype']}) -> {out}.bin/.idx"
+    )
     return 0

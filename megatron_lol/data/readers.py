@@ -22,9 +22,7 @@ from dataclasses import dataclass
 
 JSONL_EXT = (".jsonl", ".json", ".ndjson")
 SUPPORTED = tuple(
-    [e for e in JSONL_EXT]
-    + [e + c for e in JSONL_EXT for c in (".gz", ".zst", ".zstd")]
-    + [".parquet", ".txt"]
+    [e for e in JSONL_EXT] + [e + c for e in JSONL_EXT for c in (".gz", ".zst", ".zstd")] + [".parquet", ".txt"]
 )
 BLOCK = 1 << 20  # bytes per task for JSONL input
 
@@ -134,8 +132,9 @@ def shard_pieces(paths: list, shard: int = 0, num_shards: int = 1) -> list:
         if pc.kind == "jsonl":
             a, b = max(lo, pc.start), min(hi, pc.start + pc.size)
             if a < b:
-                mine.append(Piece(pc.file_index, pc.path, pc.kind, a, b - a,
-                                  local_lo=a - pc.start, local_hi=b - pc.start))
+                mine.append(
+                    Piece(pc.file_index, pc.path, pc.kind, a, b - a, local_lo=a - pc.start, local_hi=b - pc.start)
+                )
         elif lo <= pc.start < hi:
             mine.append(pc)
     return mine
@@ -196,7 +195,7 @@ class ZstdFrames(io.RawIOBase):
     def readinto(self, buffer) -> int:
         self._fill()
         n = min(len(buffer), len(self._pending) - self._pos)
-        buffer[:n] = self._pending[self._pos:self._pos + n]
+        buffer[:n] = self._pending[self._pos : self._pos + n]
         self._pos += n
         return n
 

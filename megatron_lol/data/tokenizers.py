@@ -87,16 +87,20 @@ def hub_tokenizer_file(name: str) -> str:
     try:
         from huggingface_hub import hf_hub_download
     except ImportError:
-        raise TokenizerError(f"HuggingFace tokenizer {name}: not a local file or directory, and reading a Hub "
-                             f"name needs huggingface_hub (pip install huggingface_hub)") from None
+        raise TokenizerError(
+            f"HuggingFace tokenizer {name}: not a local file or directory, and reading a Hub "
+            f"name needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
     try:
         file = hf_hub_download(name, "tokenizer.json")
     except Exception as err:  # noqa: BLE001 - network, cache and repository errors alike
         first = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise TokenizerError(f"HuggingFace tokenizer {name}: not a local file or directory, and the Hub could not "
-                             f"provide its tokenizer.json ({first}); download it where the Hub is reachable "
-                             f"(hf download {name} tokenizer.json tokenizer_config.json) or "
-                             f"name a local tokenizer.json directory") from None
+        raise TokenizerError(
+            f"HuggingFace tokenizer {name}: not a local file or directory, and the Hub could not "
+            f"provide its tokenizer.json ({first}); download it where the Hub is reachable "
+            f"(hf download {name} tokenizer.json tokenizer_config.json) or "
+            f"name a local tokenizer.json directory"
+        ) from None
     try:
         hf_hub_download(name, "tokenizer_config.json")
     except Exception:  # noqa: BLE001 - optional: the EOD token then comes from HF_EOD_CANDIDATES
@@ -309,9 +313,7 @@ class TikTokenizer(_BaseTokenizer):
             vocab_size = min(TIKTOKEN_DEFAULT_VOCAB, len(tokens) + num_special_tokens)
         inner = vocab_size - num_special_tokens
         if inner > len(tokens) or inner < 256:
-            raise TokenizerError(
-                f"{path}: vocab size {vocab_size} needs {inner} BPE ranks, file has {len(tokens)}"
-            )
+            raise TokenizerError(f"{path}: vocab size {vocab_size} needs {inner} BPE ranks, file has {len(tokens)}")
         if pattern not in TIKTOKEN_PATTERNS:
             raise TokenizerError(f"tiktoken pattern must be v1 or v2, got {pattern!r}")
         self.files = (path,)

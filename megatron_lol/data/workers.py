@@ -42,10 +42,14 @@ def worker_died(procs: dict, path: str) -> WorkerDiedError:
         p.join(timeout=5)
     codes = [p.exitcode for p in procs.values() if p.exitcode]
     codes.sort(key=lambda c: c == -signal.SIGTERM)  # the executor SIGTERMs the survivors itself
-    how = next((f"killed by {signal.Signals(-c).name}" for c in codes if c < 0 and -c in signal.valid_signals()),
-               f"exit status {codes[0]}" if codes else "died")
-    return WorkerDiedError(f"a tokenizer worker process {how} while tokenizing {path} "
-                           f"(out of memory? try fewer --workers or a smaller --max-inflight)")
+    how = next(
+        (f"killed by {signal.Signals(-c).name}" for c in codes if c < 0 and -c in signal.valid_signals()),
+        f"exit status {codes[0]}" if codes else "died",
+    )
+    return WorkerDiedError(
+        f"a tokenizer worker process {how} while tokenizing {path} "
+        f"(out of memory? try fewer --workers or a smaller --max-inflight)"
+    )
 
 
 def submit(pool, procs: dict, fn, task: tuple, paths: list):

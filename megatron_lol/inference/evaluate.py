@@ -56,24 +56,44 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     src.add_argument("--jsonl", help="JSONL file, one document per line")
     parser.add_argument("--json-key", default="text", help="--jsonl: the key holding the text (default text)")
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="predicted tokens per row (default: the run's training.seq_length)")
-    parser.add_argument("--micro-batch-size", type=int, default=None,
-                        help="packed rows per forward (default: the run's training.micro_batch_size)")
-    parser.add_argument("--tensor-model-parallel-size", type=int, default=1, metavar="N",
-                        help="tensor-parallel ranks of the evaluation (torchrun; default 1)")
-    parser.add_argument("--pipeline-model-parallel-size", type=int, default=1, metavar="N",
-                        help="pipeline stages of the evaluation (torchrun; default 1); the rest of the world "
-                             "is data parallel")
+    parser.add_argument(
+        "--seq-length", type=int, default=None, help="predicted tokens per row (default: the run's training.seq_length)"
+    )
+    parser.add_argument(
+        "--micro-batch-size",
+        type=int,
+        default=None,
+        help="packed rows per forward (default: the run's training.micro_batch_size)",
+    )
+    parser.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks of the evaluation (torchrun; default 1)",
+    )
+    parser.add_argument(
+        "--pipeline-model-parallel-size",
+        type=int,
+        default=1,
+        metavar="N",
+        help="pipeline stages of the evaluation (torchrun; default 1); the rest of the world is data parallel",
+    )
     parser.add_argument("--max-documents", type=int, default=None, help="score only the first N documents")
-    parser.add_argument("--length-buckets", default="128,512,2048",
-                        help="comma-separated document-length edges in tokens (default 128,512,2048)")
+    parser.add_argument(
+        "--length-buckets",
+        default="128,512,2048",
+        help="comma-separated document-length edges in tokens (default 128,512,2048)",
+    )
     from megatron_lol.config.loader import add_threads_argument
 
     add_threads_argument(parser)  # the trainer's thread policy: evaluate runs the same forward
     parser.add_argument("--json", action="store_true", help="print the results as one JSON object")
-    parser.add_argument("--no-progress", action="store_true",
-                        help="no progress (a bar on a terminal, timed lines in logs) and no closing line")
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress (a bar on a terminal, timed lines in logs) and no closing line",
+    )
 
 
 @dataclass
@@ -91,9 +111,14 @@ class Totals:
 
     def as_dict(self) -> dict:
         loss = self.nll / self.tokens if self.tokens else float("nan")
-        return {"documents": self.documents, "tokens": self.tokens, "bytes": self.bytes, "loss": loss,
-                "perplexity": math.exp(loss) if self.tokens else float("nan"),
-                "bits_per_byte": self.nll / (math.log(2) * self.bytes) if self.bytes else float("nan")}
+        return {
+            "documents": self.documents,
+            "tokens": self.tokens,
+            "bytes": self.bytes,
+            "loss": loss,
+            "perplexity": math.exp(loss) if self.tokens else float("nan"),
+            "bits_per_byte": self.nll / (math.log(2) * self.bytes) if self.bytes else float("nan"),
+        }
 
 
 @dataclass
@@ -168,7 +193,7 @@ def pieces(doc_index: int, tokens: list, eod_id: int, seq_length: int):
     ids = [eod_id] + tokens
     for start in range(0, len(tokens), seq_length):
         end = min(start + seq_length, len(tokens))  # predicts tokens[start:end] = ids[start + 1:end + 1]
-        yield doc_index, ids[max(0, end - seq_length):end], ids[start + 1:end + 1]
+        yield doc_index, ids[max(0, end - seq_length) : end], ids[start + 1 : end + 1]
 
 
 # ------------------------------------------------------------------ scoring
@@ -178,14 +203,14 @@ def score_rows(model, rows: list, pad: int) -> list:
     ids = torch.full((len(rows), width), pad, dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, (_, inputs, _) in enumerate(rows):
-        ids[i, :len(inputs)] = torch.tensor(inputs)
-        mask[i, :len(inputs)] = 1
+        ids[i, : len(inputs)] = torch.tensor(inputs)
+        mask[i, : len(inputs)] = 1
     device = model.device
     with torch.no_grad():
         hidden, _ = model.model(ids.to(device), attention_mask=mask.to(device))
         out = []
         for i, (_, inputs, targets) in enumerate(rows):
-            scored = hidden[i, len(inputs) - len(targets):len(inputs)]
+            scored = hidden[i, len(inputs) - len(targets) : len(inputs)]
             logits = model.lm_head(scored).float()  # one row at a time: [n, vocab]
             nll = torch.nn.functional.cross_entropy(logits, torch.tensor(targets, device=device), reduction="sum")
             out.append(float(nll))
@@ -220,12 +245,17 @@ def run(args: argparse.Namespace) -> int:
     for (tokens, nbytes), value in zip(docs, nll.tolist()):
         overall.add(len(tokens), nbytes, value)
         buckets.add(len(tokens), nbytes, value)
-    result = {"source": source, "checkpoint": loaded.path, "iteration": loaded.iteration,
-              "plan": loaded.cfg.model.plan, "loop_budget": loaded.loop_budget, "seq_length": seq_length,
-              "overall": overall.as_dict(),
-              "buckets": [dict(bucket=buckets.label(i), **t.as_dict()) for i, t in enumerate(buckets.totals)
-                          if t.documents],
-              "tokens_per_s": overall.tokens / seconds if seconds > 0 else None}
+    result = {
+        "source": source,
+        "checkpoint": loaded.path,
+        "iteration": loaded.iteration,
+        "plan": loaded.cfg.model.plan,
+        "loop_budget": loaded.loop_budget,
+        "seq_length": seq_length,
+        "overall": overall.as_dict(),
+        "buckets": [dict(bucket=buckets.label(i), **t.as_dict()) for i, t in enumerate(buckets.totals) if t.documents],
+        "tokens_per_s": overall.tokens / seconds if seconds > 0 else None,
+    }
     if args.json:
         print(json.dumps(result))
     else:
@@ -251,8 +281,10 @@ def score_with_training_forward(loaded, args, pieces_: list, num_docs: int, seq_
     tp, pp = _layout(args)
     have = "cuda" if cuda_available() else "cpu"
     if args.device is not None and args.device.split(":")[0] != have:
-        raise CliError(f"--device {args.device}: evaluate runs on the device policy's device ({have}"
-                       + (": hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)" if have == "cuda" else ")"))
+        raise CliError(
+            f"--device {args.device}: evaluate runs on the device policy's device ({have}"
+            + (": hide the GPUs with CUDA_VISIBLE_DEVICES= to run on the CPU)" if have == "cuda" else ")")
+        )
     cfg = loaded.cfg
     if args.dtype is not None:
         cfg.model.params_dtype = args.dtype
@@ -300,8 +332,12 @@ class TokenProgress:
             return
         now = time.monotonic()
         if self.rank0 and now - self.last >= self.interval and self.done < self.total:
-            print(f"{self.desc}: {self.done:,} of {self.total:,} tokens ({100 * self.done / self.total:.0f}%), "
-                  f"{now - self.start:.0f} s", file=sys.stderr, flush=True)
+            print(
+                f"{self.desc}: {self.done:,} of {self.total:,} tokens ({100 * self.done / self.total:.0f}%), "
+                f"{now - self.start:.0f} s",
+                file=sys.stderr,
+                flush=True,
+            )
             self.last = now
 
     def close(self, forward_seconds: float) -> None:
@@ -309,16 +345,23 @@ class TokenProgress:
             self.bar.close()
         if self.rank0:
             rate = f", {self.done / forward_seconds:,.0f} tokens/s in the forward" if forward_seconds > 0 else ""
-            print(f"{self.desc}: {self.done:,} tokens scored in {time.monotonic() - self.start:.1f} s{rate}",
-                  file=sys.stderr, flush=True)
+            print(
+                f"{self.desc}: {self.done:,} tokens scored in {time.monotonic() - self.start:.1f} s{rate}",
+                file=sys.stderr,
+                flush=True,
+            )
 
 
 def format_table(result: dict) -> str:
-    head = (f"{result['source']}: checkpoint {result['checkpoint']} (plan {result['plan']}"
-            + (f", loop budget {result['loop_budget']}" if result["loop_budget"] is not None else "")
-            + f"), {result['seq_length']} tokens per row")
+    head = (
+        f"{result['source']}: checkpoint {result['checkpoint']} (plan {result['plan']}"
+        + (f", loop budget {result['loop_budget']}" if result["loop_budget"] is not None else "")
+        + f"), {result['seq_length']} tokens per row"
+    )
     lines = [head, f"{'documents (tokens)':<20} {'docs':>6} {'tokens':>9} {'loss':>8} {'ppl':>10} {'bpb':>7}"]
     for name, t in [("all", result["overall"])] + [(b["bucket"], b) for b in result["buckets"]]:
-        lines.append(f"{name:<20} {t['documents']:>6} {t['tokens']:>9} {t['loss']:>8.4f} {t['perplexity']:>10.3f} "
-                     f"{t['bits_per_byte']:>7.4f}")
+        lines.append(
+            f"{name:<20} {t['documents']:>6} {t['tokens']:>9} {t['loss']:>8.4f} {t['perplexity']:>10.3f} "
+            f"{t['bits_per_byte']:>7.4f}"
+        )
     return "\n".join(lines)

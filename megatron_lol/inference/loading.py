@@ -45,19 +45,26 @@ def add_model_arguments(parser) -> None:
     parser.add_argument("--load", required=True, help="checkpoint directory (holds latest_checkpointed_iteration.txt)")
     parser.add_argument("--iteration", type=int, default=None, help="iteration to load (default: the tracker's)")
     parser.add_argument("--config", default=None, help="training YAML, when the checkpoint has no run_config.yaml")
-    parser.add_argument("--loop-budget", type=int, default=None,
-                        help="plan accordion: the loop budget k (default: the run's model.loop_budget, else the "
-                             "largest)")
+    parser.add_argument(
+        "--loop-budget",
+        type=int,
+        default=None,
+        help="plan accordion: the loop budget k (default: the run's model.loop_budget, else the largest)",
+    )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer model file / directory (default: the copy saved with the checkpoint, else "
-                             "the run's data.tokenizer_model)")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="tokenizer model file / directory (default: the copy saved with the checkpoint, else "
+        "the run's data.tokenizer_model)",
+    )
     parser.add_argument("--tokenizer-type", default=None, help="default: the run's data.tokenizer_type")
 
 
-def load_run(load: str, iteration: Optional[int] = None, *, config: Optional[str] = None,
-             loop_budget: Optional[int] = None) -> LoadedModel:
+def load_run(
+    load: str, iteration: Optional[int] = None, *, config: Optional[str] = None, loop_budget: Optional[int] = None
+) -> LoadedModel:
     """The checkpoint's directory, run config and record, without its weights (``model`` is None)."""
     from megatron_lol.convert.checkpoint import iteration_dir, read_run_config
     from megatron_lol.convert.to_hf import resolve_loop_budget
@@ -74,8 +81,15 @@ def load_run(load: str, iteration: Optional[int] = None, *, config: Optional[str
     return LoadedModel(model=None, cfg=cfg, info=info, path=path, iteration=it, eod_id=eod_id, loop_budget=budget)
 
 
-def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[str] = None,
-               loop_budget: Optional[int] = None, dtype: str = "fp32", device: str = "cpu") -> LoadedModel:
+def load_model(
+    load: str,
+    iteration: Optional[int] = None,
+    *,
+    config: Optional[str] = None,
+    loop_budget: Optional[int] = None,
+    dtype: str = "fp32",
+    device: str = "cpu",
+) -> LoadedModel:
     """The checkpoint's model as a ``LoLForCausalLM`` (eval mode, on ``device``)."""
     from megatron_lol.convert import mapping
     from megatron_lol.convert.checkpoint import DistCheckpointReader
@@ -87,8 +101,10 @@ def load_model(load: str, iteration: Optional[int] = None, *, config: Optional[s
     path, it, cfg, info, budget = run.path, run.iteration, run.cfg, run.info, run.loop_budget
     m = cfg.model
     if m.untie_attention and m.film != "off":
-        raise CliError(f"{path}: untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
-                       f"attention norms is not defined)")
+        raise CliError(
+            f"{path}: untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
+            f"attention norms is not defined)"
+        )
     reader = DistCheckpointReader(path)
     keys, vocab = validate_checkpoint(reader, cfg, path)
     eod_id = (info.get("tokenizer") or {}).get("eod_id")
@@ -131,11 +147,17 @@ def load_tokenizer(loaded: LoadedModel, tokenizer: Optional[str] = None, tokeniz
         where = files.get(key)
         if not where or not os.path.exists(where):
             flag = "--tokenizer" if key == "tokenizer_model" else "--config"
-            raise CliError(f"the tokenizer is missing: {key} {where or '(not set)'} does not exist and the checkpoint "
-                           f"{loaded.path} holds no copy of it (pass {flag})")
+            raise CliError(
+                f"the tokenizer is missing: {key} {where or '(not set)'} does not exist and the checkpoint "
+                f"{loaded.path} holds no copy of it (pass {flag})"
+            )
     try:
-        tok = build_tokenizer(kind, tokenizer_model=files["tokenizer_model"], vocab_file=files["vocab_file"],
-                              merge_file=files["merge_file"])
+        tok = build_tokenizer(
+            kind,
+            tokenizer_model=files["tokenizer_model"],
+            vocab_file=files["vocab_file"],
+            merge_file=files["merge_file"],
+        )
     except (ValueError, OSError, RuntimeError) as err:
         raise CliError(f"cannot build the {kind} tokenizer from {files['tokenizer_model']}: {err}") from None
     if loaded.eod_id is None:
@@ -143,8 +165,10 @@ def load_tokenizer(loaded: LoadedModel, tokenizer: Optional[str] = None, tokeniz
         if loaded.model is not None:
             loaded.model.config.eod_token_id = tok.eod
     elif tok.eod != loaded.eod_id:
-        raise CliError(f"the tokenizer's end-of-document id is {tok.eod} but the run trained with "
-                       f"eod_id={loaded.eod_id}: wrong --tokenizer?")
+        raise CliError(
+            f"the tokenizer's end-of-document id is {tok.eod} but the run trained with "
+            f"eod_id={loaded.eod_id}: wrong --tokenizer?"
+        )
     return tok
 
 
@@ -169,4 +193,3 @@ def jsonl_texts(flag: str, path: str, keys: tuple, key_flag: str = "") -> Iterat
                 wanted = " (or ".join(repr(k) for k in keys) + ")" * (len(keys) - 1)
                 raise CliError(f"{flag} {path} line {i}: no {wanted} string" + (f" ({key_flag})" if key_flag else ""))
             yield i, text
-

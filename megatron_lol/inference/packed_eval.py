@@ -100,8 +100,14 @@ def row_tensors(rows: list, row_length: int, eod: Optional[int], pad: int) -> di
 class PackedScorer:
     """Per-document summed NLL of pieces through a model built for this process's layout."""
 
-    def __init__(self, model_chunks: list, micro_batch_size: int, row_length: int, eod: Optional[int],
-                 budget: Optional[int] = None):
+    def __init__(
+        self,
+        model_chunks: list,
+        micro_batch_size: int,
+        row_length: int,
+        eod: Optional[int],
+        budget: Optional[int] = None,
+    ):
         self.chunks = model_chunks
         self.model = model_chunks[0]
         self.mbs = micro_batch_size
@@ -115,8 +121,7 @@ class PackedScorer:
 
         batch = next(data_iterator)
         docs = DocumentLayout.from_starts(batch["starts"].to(device))
-        output = model(batch["tokens"].to(device), labels=batch["labels"].to(device), docs=docs,
-                       budget=self.budget)
+        output = model(batch["tokens"].to(device), labels=batch["labels"].to(device), docs=docs, budget=self.budget)
         return output, self._loss
 
     @staticmethod
@@ -152,17 +157,17 @@ class PackedScorer:
         last_stage = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         counted = parallel_state.get_tensor_model_parallel_rank() == 0 and last_stage
         for call in range(calls):
-            take = mine[call * self.mbs * per_call:(call + 1) * self.mbs * per_call]
+            take = mine[call * self.mbs * per_call : (call + 1) * self.mbs * per_call]
             # every rank runs the same number of micro-batches: a short rank repeats a row, not counted
             batches, index = [], []
             for m in range(per_call):
-                sel = take[m * self.mbs:(m + 1) * self.mbs]
+                sel = take[m * self.mbs : (m + 1) * self.mbs]
                 if not sel and m:
                     break
                 sel = sel + [sel[-1] if sel else 0] * (self.mbs - len(sel))
                 idx = torch.tensor(sel)
                 batches.append({k: data[k].index_select(0, idx) for k in ("tokens", "labels", "starts")})
-                index.append((idx, len(take[m * self.mbs:(m + 1) * self.mbs])))
+                index.append((idx, len(take[m * self.mbs : (m + 1) * self.mbs])))
             n_micro = torch.tensor([len(batches)], device=device)
             if dp > 1:  # the same micro-batch count on every rank of the pipeline and data-parallel groups
                 torch.distributed.all_reduce(n_micro, op=torch.distributed.ReduceOp.MAX)
@@ -170,9 +175,16 @@ class PackedScorer:
                 batches.append(batches[-1])
                 index.append((index[-1][0], 0))
             t0 = time.perf_counter()
-            outputs = fb(forward_step_func=partial(self._forward_step, device), data_iterator=iter(batches),
-                         model=self.chunks, num_microbatches=len(batches), seq_length=seq, micro_batch_size=mbs,
-                         decoder_seq_length=seq, forward_only=True)
+            outputs = fb(
+                forward_step_func=partial(self._forward_step, device),
+                data_iterator=iter(batches),
+                model=self.chunks,
+                num_microbatches=len(batches),
+                seq_length=seq,
+                micro_batch_size=mbs,
+                decoder_seq_length=seq,
+                forward_only=True,
+            )
             seconds += time.perf_counter() - t0
             scored = 0
             if counted:
@@ -196,11 +208,13 @@ class PackedScorer:
         return nll, seconds
 
 
-def build_model(cfg, vocab_size: int, eod_id: Optional[int], path: str, tensor_parallel: int = 1,
-                pipeline_parallel: int = 1) -> list:
+def build_model(
+    cfg, vocab_size: int, eod_id: Optional[int], path: str, tensor_parallel: int = 1, pipeline_parallel: int = 1
+) -> list:
     """``LoLGPTModel`` of ``cfg`` for this process's rank of a TP x PP (x DP) layout, with the weights of
     the ``torch_dist`` checkpoint ``path`` (any layout saved it); the process group must exist."""
-    from megatron.core import parallel_state, tensor_parallel as mtp
+    from megatron.core import parallel_state
+    from megatron.core import tensor_parallel as mtp
 
     from megatron_lol.model.lol_model import LoLGPTModel
     from megatron_lol.platform import device
@@ -216,13 +230,19 @@ def build_model(cfg, vocab_size: int, eod_id: Optional[int], path: str, tensor_p
     cfg.parallel.data_parallel_size(torch.distributed.get_world_size())  # one-line error for a bad layout
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tensor_parallel,
-                                             pipeline_model_parallel_size=pipeline_parallel)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tensor_parallel, pipeline_model_parallel_size=pipeline_parallel
+    )
     mtp.model_parallel_cuda_manual_seed(cfg.training.seed)
-    model = LoLGPTModel(cfg.model, vocab_size=vocab_size, eod_id=eod_id, parallel=cfg.parallel,
-                        max_sequence_length=cfg.training.seq_length, init_seed=None)
+    model = LoLGPTModel(
+        cfg.model,
+        vocab_size=vocab_size,
+        eod_id=eod_id,
+        parallel=cfg.parallel,
+        max_sequence_length=cfg.training.seq_length,
+        init_seed=None,
+    )
     model.to(device())
     state = load_sharded({"model": model_sharded_state_dict(model, KEY_PREFIX)}, path)["model"]
-    model.load_state_dict({k[len(KEY_PREFIX):]: v for k, v in state.items() if k.startswith(KEY_PREFIX)},
-                          strict=True)
+    model.load_state_dict({k[len(KEY_PREFIX) :]: v for k, v in state.items() if k.startswith(KEY_PREFIX)}, strict=True)
     return [model.eval()]

@@ -73,13 +73,26 @@ class SegmentCausalAttention(MegatronModule):
     #: PyTorch's fused attention (SDPA) for the masked softmax: None = wherever the tensors are not on the CPU
     fused: Optional[bool] = None
 
-    def __init__(self, config, layer_number: int, attn_mask_type=None, *, attention_type: str = "self",
-                 attention_dropout: Optional[float] = None, softmax_scale: Optional[float] = None,
-                 cp_comm_type: Optional[str] = None, pg_collection=None):
+    def __init__(
+        self,
+        config,
+        layer_number: int,
+        attn_mask_type=None,
+        *,
+        attention_type: str = "self",
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
         super().__init__(config=config)
         from megatron.core import parallel_state
 
-        tp = parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+        tp = (
+            parallel_state.get_tensor_model_parallel_world_size()
+            if parallel_state.model_parallel_is_initialized()
+            else 1
+        )
         self.heads = config.num_attention_heads // tp
         self.groups = config.num_query_groups // tp
         self.head_dim = config.kv_channels
@@ -88,8 +101,9 @@ class SegmentCausalAttention(MegatronModule):
         self.dropout = torch.nn.Dropout(p)
         self.selective_recompute = config.recompute_granularity == "selective"
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None:
             return self._packed(query, key, value, packed_seq_params)
         mask = attention_mask if isinstance(attention_mask, SegmentMask) else SegmentMask()
@@ -112,8 +126,9 @@ class SegmentCausalAttention(MegatronModule):
             raise ValueError(f"SegmentCausalAttention: packed format {params.qkv_format!r} (only thd)")
         cu = params.cu_seqlens_q.long()
         total = query.shape[0]
-        segments = torch.repeat_interleave(torch.arange(cu.numel() - 1, device=query.device), cu[1:] - cu[:-1],
-                                           output_size=total)
+        segments = torch.repeat_interleave(
+            torch.arange(cu.numel() - 1, device=query.device), cu[1:] - cu[:-1], output_size=total
+        )
         window = getattr(self.config, "window_size", None)
         sliding = window[0] + 1 if window else None
         # sequences at most max_seqlen long: the chunked algorithm, unless a sliding window needs the dense one
@@ -189,14 +204,30 @@ class SegmentCausalAttention(MegatronModule):
         if bias is None:
             bias = chunk_bias(mask.segments.reshape(-1), mask.chunk, [0], [t_len])
         fused = self._fused_attention if self._use_fused(q) else None
-        out = chunked_attention(q.reshape(t_len, h, d), k.reshape(t_len, h, d), v.reshape(t_len, h, d), bias,
-                                mask.chunk, self.softmax_scale, self.dropout, fused=fused)
+        out = chunked_attention(
+            q.reshape(t_len, h, d),
+            k.reshape(t_len, h, d),
+            v.reshape(t_len, h, d),
+            bias,
+            mask.chunk,
+            self.softmax_scale,
+            self.dropout,
+            fused=fused,
+        )
         return out.unsqueeze(1)  # [T, 1, h, d]
 
 
-def chunked_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor, c: int,
-                      softmax_scale: float, dropout: Optional[torch.nn.Dropout] = None, *,
-                      fused=None) -> torch.Tensor:
+def chunked_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    bias: torch.Tensor,
+    c: int,
+    softmax_scale: float,
+    dropout: Optional[torch.nn.Dropout] = None,
+    *,
+    fused=None,
+) -> torch.Tensor:
     """Segment-causal attention of a packed stream ``[T, heads, dim]`` whose segments are at most ``c``
     long, with the additive mask ``bias`` of :func:`chunk_bias`; returns ``[T, heads, dim]``.
 
@@ -245,7 +276,7 @@ def chunk_bias(segments: torch.Tensor, c: int, starts, lengths) -> torch.Tensor:
             continue
         n = -(-length // c)
         grid = segments.new_full((n * c,), -1)
-        grid[:length] = segments[start:start + length]
+        grid[:length] = segments[start : start + length]
         grid = grid.view(n, c)
         prev = torch.cat([grid.new_full((1, c), -2), grid[:-1]], dim=0)
         grids.append(torch.cat([prev, grid], dim=1))  # [n, 2c]: keys

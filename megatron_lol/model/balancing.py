@@ -31,8 +31,9 @@ class BalancingBias(nn.Module):
     the optimizer.
     """
 
-    def __init__(self, num_blocks: int, routed_depth: int, per_depth: bool, speed: float, clamp: float,
-                 stop_fraction: float):
+    def __init__(
+        self, num_blocks: int, routed_depth: int, per_depth: bool, speed: float, clamp: float, stop_fraction: float
+    ):
         super().__init__()
         rows = routed_depth if per_depth else 1
         self.per_depth = per_depth

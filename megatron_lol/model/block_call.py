@@ -72,8 +72,7 @@ def _attention_half(att, x, mask, rope, film, packed_seq_params, backend) -> tor
     y = att.input_layernorm(x)
     if modulate is not None:
         y = modulate(y)
-    attn, bias = att.self_attention(y, attention_mask=mask, rotary_pos_emb=rope,
-                                    packed_seq_params=packed_seq_params)
+    attn, bias = att.self_attention(y, attention_mask=mask, rotary_pos_emb=rope, packed_seq_params=packed_seq_params)
     return x + (attn if bias is None else attn + bias)
 
 
@@ -112,8 +111,7 @@ def _mlp_half(layer, h, film, parts: BlockParts, backend) -> tuple:
     return h + (out if bias is None else out + bias), None
 
 
-def reference_layer(layer, x, mask, rope, parts: BlockParts = NO_PARTS, packed_seq_params=None,
-                    backend=None) -> tuple:
+def reference_layer(layer, x, mask, rope, parts: BlockParts = NO_PARTS, packed_seq_params=None, backend=None) -> tuple:
     """``(output, MoERoute or None)`` of one layer call on ``x`` ``[s, b, h]``."""
     att = parts.attention if parts.attention is not None else layer
     h = _attention_half(att, x, mask, rope, parts.film, packed_seq_params, backend)
@@ -128,15 +126,32 @@ def reference_layer(layer, x, mask, rope, parts: BlockParts = NO_PARTS, packed_s
 class LoLTransformerLayer(TransformerLayer):
     """megatron-core's ``TransformerLayer`` whose forward takes the step's parts explicitly."""
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb=None,
-                packed_seq_params=None, parts: BlockParts = NO_PARTS, backend=None, **unused) -> tuple:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        rotary_pos_emb=None,
+        packed_seq_params=None,
+        parts: BlockParts = NO_PARTS,
+        backend=None,
+        **unused,
+    ) -> tuple:
         """``(output, MoERoute or None)``; see :func:`reference_layer`."""
-        return reference_layer(self, hidden_states, attention_mask, rotary_pos_emb, parts, packed_seq_params,
-                               backend)
+        return reference_layer(self, hidden_states, attention_mask, rotary_pos_emb, parts, packed_seq_params, backend)
 
 
-def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], parts: BlockParts = NO_PARTS, *,
-               packed: bool = False, recompute: bool = False, backend=None, pad_to: int = 1) -> tuple:
+def call_block(
+    layer,
+    hidden: torch.Tensor,
+    mask,
+    rope: Optional[torch.Tensor],
+    parts: BlockParts = NO_PARTS,
+    *,
+    packed: bool = False,
+    recompute: bool = False,
+    backend=None,
+    pad_to: int = 1,
+) -> tuple:
     """Run one layer with segment-causal attention; returns ``(output, MoERoute or None)``.
 
     Unpacked (the local spec): ``hidden`` is ``[s, b, h]`` and ``mask`` (a
@@ -159,10 +174,10 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
         holder = {}
 
         def run(h, segments, rope_):
-            m = type(mask)(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias,
-                           cu_seqlens=mask.cu_seqlens)
-            out, holder["route"] = call_block(layer, h, m, rope_, parts, packed=packed, backend=backend,
-                                              pad_to=pad_to)
+            m = type(mask)(
+                segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias, cu_seqlens=mask.cu_seqlens
+            )
+            out, holder["route"] = call_block(layer, h, m, rope_, parts, packed=packed, backend=backend, pad_to=pad_to)
             return out
 
         out = checkpoint(layer.config, run, hidden, mask.segments, rope)
@@ -180,8 +195,9 @@ def call_block(layer, hidden: torch.Tensor, mask, rope: Optional[torch.Tensor], 
     rows = hidden.shape[0]
     if padded > segments.numel():  # never under sequence parallelism: the trunk is a multiple already
         hidden = pad_rows(hidden, rows + padded - segments.numel())
-    out, route = layer(hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope, parts=parts,
-                       packed_seq_params=params)
+    out, route = layer(
+        hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope, parts=parts, packed_seq_params=params
+    )
     return (out[:rows] if out.shape[0] != rows else out), route
 
 
@@ -189,5 +205,7 @@ def _check_window_size(layer, sliding: int) -> None:
     """Packed attention takes its sliding window from its config: it must be the mask's."""
     config = layer.self_attention.config
     if tuple(config.window_size or ()) != (sliding - 1, 0):
-        raise RuntimeError(f"sliding window {sliding} requested, but the layer's attention was built with "
-                           f"window_size={config.window_size}: build the core with library.core_config(packed=True)")
+        raise RuntimeError(
+            f"sliding window {sliding} requested, but the layer's attention was built with "
+            f"window_size={config.window_size}: build the core with library.core_config(packed=True)"
+        )

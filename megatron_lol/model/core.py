@@ -103,8 +103,7 @@ def _expert_parallel() -> tuple:
 
     if not parallel_state.model_parallel_is_initialized():
         return 1, 0
-    return (parallel_state.get_expert_model_parallel_world_size(),
-            parallel_state.get_expert_model_parallel_rank())
+    return (parallel_state.get_expert_model_parallel_world_size(), parallel_state.get_expert_model_parallel_rank())
 
 
 class Core(nn.Module):
@@ -114,8 +113,16 @@ class Core(nn.Module):
     routed_step_class = RoutedStep
     fixed_step_class = FixedStep
 
-    def __init__(self, model: ModelConfig, tconfig, spec, first_layer_number: int, init_seed: Optional[int] = None,
-                 vp_stage: Optional[int] = None, packed: bool = False):
+    def __init__(
+        self,
+        model: ModelConfig,
+        tconfig,
+        spec,
+        first_layer_number: int,
+        init_seed: Optional[int] = None,
+        vp_stage: Optional[int] = None,
+        packed: bool = False,
+    ):
         """``packed``: the blocks take THD packed sequences (the Transformer Engine layout, see
         :func:`~.block_call.call_block`); states then arrive as one packed stream ``[T, 1, h]``."""
         super().__init__()
@@ -142,14 +149,21 @@ class Core(nn.Module):
             n_routers = 1 if model.router_tied else D
             self.routers = nn.ModuleList(
                 WindowRouter(h, L, noise=model.router_noise, noise_clamp=model.router_noise_clamp)
-                for _ in range(n_routers))
+                for _ in range(n_routers)
+            )
             # e^(l): exists whether or not the router is tied
             self.depth_vectors = nn.Parameter(torch.empty(D, h, dtype=torch.float32))
             with seeded(init_seed, "core.depth_vectors"):
                 nn.init.normal_(self.depth_vectors, std=model.init_method_std)
             if model.balancing == "loss_free":
-                self.balancer = BalancingBias(L, D, model.per_depth_bias, model.bias_update_speed,
-                                              model.bias_clamp, model.bias_update_stop_fraction)
+                self.balancer = BalancingBias(
+                    L,
+                    D,
+                    model.per_depth_bias,
+                    model.bias_update_speed,
+                    model.bias_clamp,
+                    model.bias_update_stop_fraction,
+                )
         if model.film != "off":
             shape = (D, 2, h) if model.film == "depth" else (D, L, 2, h)
             self.film_gamma = nn.Parameter(torch.ones(shape, dtype=tconfig.params_dtype))
@@ -175,13 +189,15 @@ class Core(nn.Module):
             self.pass_attention = nn.ModuleDict()
             for b, p in sets:
                 with seeded(init_seed, f"core.pass_attention.{b}_{p}"):
-                    self.pass_attention[f"{b}_{p}"] = build_attention_set(spec, tconfig, first_layer_number + b,
-                                                                          vp_stage)
+                    self.pass_attention[f"{b}_{p}"] = build_attention_set(
+                        spec, tconfig, first_layer_number + b, vp_stage
+                    )
         self.loop_gates = None
         if plan.gated_blocks():
             # per-channel gates of the second pass's attention and MLP writes; 1 = an ordinary layer call
-            self.loop_gates = nn.Parameter(torch.ones(plan.num_stored_blocks, 2, self.cfg.hidden_size,
-                                                      dtype=tconfig.params_dtype))
+            self.loop_gates = nn.Parameter(
+                torch.ones(plan.num_stored_blocks, 2, self.cfg.hidden_size, dtype=tconfig.params_dtype)
+            )
         self.second_pass_routers = None
         if plan.separate_router_blocks():
             self.second_pass_routers = nn.ModuleDict()
@@ -229,24 +245,44 @@ class Core(nn.Module):
         return BlockParts(
             film=self._film(step.depth, block),
             attention=self.pass_attention[f"{block}_{step.pass_index}"] if step.untied_attention else None,
-            gates=((self.loop_gates[block, 0], self.loop_gates[block, 1])
-                   if step.gated and self.loop_gates is not None else None),
+            gates=(
+                (self.loop_gates[block, 0], self.loop_gates[block, 1])
+                if step.gated and self.loop_gates is not None
+                else None
+            ),
             moe_router=self.second_pass_routers[str(block)] if step.separate_router else None,
-            record_moe=record_moe)
+            record_moe=record_moe,
+        )
 
     def call(self, step: Step, block: int, x, mask, rope, ctx: CoreContext, *, pad_to: int = 1):
         """One call of stored ``block`` at ``step`` (its per-pass parts, recompute, the backend)."""
         recompute = self.recompute_full and self.training and torch.is_grad_enabled()
         moe_records = ctx.moe_records
         with trace_range(f"block {block}"):
-            out, route = call_block(self.block(block), x, mask, rope, self.parts(step, block, moe_records is not None),
-                                    packed=self.packed, recompute=recompute, backend=ctx.backend, pad_to=pad_to)
+            out, route = call_block(
+                self.block(block),
+                x,
+                mask,
+                rope,
+                self.parts(step, block, moe_records is not None),
+                packed=self.packed,
+                recompute=recompute,
+                backend=ctx.backend,
+                pad_to=pad_to,
+            )
         if route is not None and moe_records is not None:
             moe_records.append(MoERecord(block, step.pass_index, route.logits, route.routing_map))
         return out
 
-    def decide(self, depth: int, windows: WindowLayout, flat: torch.Tensor, forced: Optional[ForcedPath],
-               noise_seeds: Optional[torch.Tensor], row_length: int) -> RoutingDecision:
+    def decide(
+        self,
+        depth: int,
+        windows: WindowLayout,
+        flat: torch.Tensor,
+        forced: Optional[ForcedPath],
+        noise_seeds: Optional[torch.Tensor],
+        row_length: int,
+    ) -> RoutingDecision:
         """Router (or forced path) for the windows of one depth."""
         summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
         router = self.router_for(depth)
@@ -264,11 +300,23 @@ class Core(nn.Module):
         return RoutingDecision(probs=probs, choice=choice, gate=gate)
 
     # ------------------------------------------------------------------ forward
-    def forward(self, states: torch.Tensor, docs: DocumentLayout, rope: Optional[torch.Tensor],
-                steps: Sequence[Step], *, depth: int, forced: Optional[ForcedPath] = None, record: bool = False,
-                record_moe: bool = False, backprop_depth: Optional[int] = None,
-                first_window_full_backprop: bool = True, noise_seeds: Optional[torch.Tensor] = None,
-                routing_check: Optional[Callable] = None, layout=None) -> CoreOutput:
+    def forward(
+        self,
+        states: torch.Tensor,
+        docs: DocumentLayout,
+        rope: Optional[torch.Tensor],
+        steps: Sequence[Step],
+        *,
+        depth: int,
+        forced: Optional[ForcedPath] = None,
+        record: bool = False,
+        record_moe: bool = False,
+        backprop_depth: Optional[int] = None,
+        first_window_full_backprop: bool = True,
+        noise_seeds: Optional[torch.Tensor] = None,
+        routing_check: Optional[Callable] = None,
+        layout=None,
+    ) -> CoreOutput:
         """Run ``steps`` (this pipeline stage's share of the first ``depth`` steps of the plan).
 
         ``states``: [s, b, h] output of the prelude (or the previous stage); packed: the
@@ -290,21 +338,42 @@ class Core(nn.Module):
             # grouped_core builds on this module: imported at the call
             from megatron_lol.model.grouped_core import grouped_core_forward
 
-            return grouped_core_forward(self, states, layout, rope, steps, depth=depth, forced=forced, record=record,
-                                        backprop_depth=backprop_depth,
-                                        first_window_full_backprop=first_window_full_backprop,
-                                        routing_check=routing_check)
+            return grouped_core_forward(
+                self,
+                states,
+                layout,
+                rope,
+                steps,
+                depth=depth,
+                forced=forced,
+                record=record,
+                backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window_full_backprop,
+                routing_check=routing_check,
+            )
         backend = select_backend(states.device)
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape
         context = backend.core_context(self) if backend is not None else contextlib.nullcontext()
         with context:
             ctx = CoreContext(
-                docs=docs, rope=rope, token_rope=rope.repeat(rows, 1, 1, 1) if rope is not None else None,
-                rows=rows, row_length=row_len, stream_shape=(s_len, b), depth=depth, training=self.training, forced=forced,
-                noise_seeds=noise_seeds, backprop_depth=backprop_depth,
-                first_window_full_backprop=first_window_full_backprop, backend=backend,
-                routing_check=routing_check, moe_records=[] if record_moe else None, record=record)
+                docs=docs,
+                rope=rope,
+                token_rope=rope.repeat(rows, 1, 1, 1) if rope is not None else None,
+                rows=rows,
+                row_length=row_len,
+                stream_shape=(s_len, b),
+                depth=depth,
+                training=self.training,
+                forced=forced,
+                noise_seeds=noise_seeds,
+                backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window_full_backprop,
+                backend=backend,
+                routing_check=routing_check,
+                moe_records=[] if record_moe else None,
+                record=record,
+            )
             flat = states.transpose(0, 1).reshape(b * s_len, h)
             state = CoreState(flat=flat, injected=flat)
             for step in trace_steps(steps):  # profiler range "depth {l}" around each step
@@ -317,14 +386,18 @@ class Core(nn.Module):
 
     def _output(self, state: CoreState, ctx: CoreContext, shape: tuple) -> CoreOutput:
         s_len, b, h = shape
-        out = CoreOutput(states=state.flat.view(b, s_len, h).transpose(0, 1).contiguous(), records=state.records,
-                         moe_records=ctx.moe_records if ctx.moe_records is not None else [])
+        out = CoreOutput(
+            states=state.flat.view(b, s_len, h).transpose(0, 1).contiguous(),
+            records=state.records,
+            moe_records=ctx.moe_records if ctx.moe_records is not None else [],
+        )
         if state.aux_terms:
             out.aux_loss = torch.stack(state.aux_terms).sum()
         if self.plan.routed:
             # rows for every depth of the plan; zero for depths not run here (other stages, not grown yet)
-            out.block_loads = torch.zeros(self.plan.depth, self.plan.num_stored_blocks, dtype=torch.long,
-                                          device=state.flat.device)
+            out.block_loads = torch.zeros(
+                self.plan.depth, self.plan.num_stored_blocks, dtype=torch.long, device=state.flat.device
+            )
             for l, row in state.loads:
                 out.block_loads[l - 1] = row
         return out

@@ -80,8 +80,12 @@ class CoreContext:
 
     def truncated(self, step: Step) -> bool:
         """Whether ``step``'s updates are constants for autograd (truncated backprop through depth)."""
-        return (self.backprop_depth is not None and self.training and torch.is_grad_enabled()
-                and step.depth <= self.depth - self.backprop_depth)
+        return (
+            self.backprop_depth is not None
+            and self.training
+            and torch.is_grad_enabled()
+            and step.depth <= self.depth - self.backprop_depth
+        )
 
 
 @dataclass
@@ -163,21 +167,31 @@ class RoutedStep(CoreStep):
             if core.balancer is not None:
                 core.balancer.record(step.depth, decision.choice)
             if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                state.aux_terms.append(cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision)
-                                       / max(1, windows.num_docs))
+                state.aux_terms.append(
+                    cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision) / max(1, windows.num_docs)
+                )
             elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
                 state.aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
         L = core.plan.num_stored_blocks
         state.loads.append((step.depth, torch.bincount(decision.choice.detach(), minlength=L)))
         if ctx.record:
-            state.records.append(DepthRecord(step.depth, decision.choice.detach(), decision.gate.detach(),
-                                             decision.probs.detach(), windows.window_doc, windows.window_ordinal))
+            state.records.append(
+                DepthRecord(
+                    step.depth,
+                    decision.choice.detach(),
+                    decision.gate.detach(),
+                    decision.probs.detach(),
+                    windows.window_doc,
+                    windows.window_ordinal,
+                )
+            )
         with trace_range("dispatch"):
             state.flat = self.update(state.flat, windows, decision, ctx)
         return state
 
-    def update(self, flat: torch.Tensor, windows: WindowLayout, decision: RoutingDecision,
-               ctx: CoreContext) -> torch.Tensor:
+    def update(
+        self, flat: torch.Tensor, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext
+    ) -> torch.Tensor:
         """``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` for every window ``I`` of this depth."""
         core, step = self.core, self.step
         L, W = core.plan.num_stored_blocks, core.cfg.window_size
@@ -189,12 +203,16 @@ class RoutedStep(CoreStep):
                 # token_index: flat token index or row position (< row_length); the row-major token_rope
                 # holds row position t mod row_length at flat index t, so both index it directly.
                 # Packed (THD) attention restarts positions per window itself: it takes the table.
-                rope = ctx.rope if core.packed else (
-                    ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None)
-                mask = SegmentMask(segments=segments.view(1, -1), chunk=W,
-                                   bias=None if biases is None else biases.get(block))
-                return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx,
-                                 pad_to=core.row_multiple).squeeze(1)
+                rope = (
+                    ctx.rope
+                    if core.packed
+                    else (ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None)
+                )
+                mask = SegmentMask(
+                    segments=segments.view(1, -1), chunk=W, bias=None if biases is None else biases.get(block)
+                )
+                return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx, pad_to=core.row_multiple).squeeze(1)
+
             return run_block
 
         def updates(grouping):

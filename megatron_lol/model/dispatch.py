@@ -57,42 +57,48 @@ class WindowGrouping:
             out, at = {}, 0
             for block, lo, hi in spans:
                 n = -(-(hi - lo) // chunk)
-                out[block] = bias[at:at + n]
+                out[block] = bias[at : at + n]
                 at += n
             self._biases[chunk] = out
         return self._biases[chunk]
 
 
-def group_by_block(token_choice: torch.Tensor, token_window: torch.Tensor, num_blocks: int,
-                   subset: Optional[torch.Tensor] = None) -> WindowGrouping:
+def group_by_block(
+    token_choice: torch.Tensor, token_window: torch.Tensor, num_blocks: int, subset: Optional[torch.Tensor] = None
+) -> WindowGrouping:
     """Group the tokens (all, or the flat indices in ``subset``) by their chosen block."""
     choice = token_choice if subset is None else token_choice[subset]
     sorted_choice, perm = torch.sort(choice, stable=True)
     order = perm if subset is None else subset[perm]
     counts = torch.bincount(sorted_choice, minlength=num_blocks).tolist()
-    return WindowGrouping(order=order, counts=counts, segments=token_window.index_select(0, order),
-                          covers_all=subset is None)
+    return WindowGrouping(
+        order=order, counts=counts, segments=token_window.index_select(0, order), covers_all=subset is None
+    )
 
 
 def block_updates(grouping: WindowGrouping, states: torch.Tensor, run_block: BlockRunner) -> torch.Tensor:
     """``E(s) - s`` of every grouped token, in ``grouping.order`` order; each block runs once."""
     packed = states.index_select(0, grouping.order)
     pieces = packed.split(grouping.counts, dim=0)  # views; their backward is one cat
-    outputs = [run_block(block, pieces[block], grouping.segments[lo:hi], grouping.order[lo:hi])
-               for block, lo, hi in grouping.slices()]
+    outputs = [
+        run_block(block, pieces[block], grouping.segments[lo:hi], grouping.order[lo:hi])
+        for block, lo, hi in grouping.slices()
+    ]
     if not outputs:
         return torch.zeros_like(packed)
     return torch.cat(outputs, dim=0) - packed
 
 
-def apply_gated_updates(states: torch.Tensor, grouping: WindowGrouping, updates: torch.Tensor,
-                        window_gate: torch.Tensor) -> torch.Tensor:
+def apply_gated_updates(
+    states: torch.Tensor, grouping: WindowGrouping, updates: torch.Tensor, window_gate: torch.Tensor
+) -> torch.Tensor:
     """``s + alpha * update`` for the grouped tokens (``alpha`` of their window), ``s`` elsewhere."""
     gate = window_gate.index_select(0, grouping.segments).unsqueeze(1).to(states.dtype)
     return states.index_add(0, grouping.order, gate * updates)
 
 
-def gated_update(states: torch.Tensor, grouping: WindowGrouping, window_gate: torch.Tensor,
-                 run_block: BlockRunner) -> torch.Tensor:
+def gated_update(
+    states: torch.Tensor, grouping: WindowGrouping, window_gate: torch.Tensor, run_block: BlockRunner
+) -> torch.Tensor:
     """The routed depth's new states ``s + alpha (E(s) - s)`` for the grouped tokens (the reference)."""
     return apply_gated_updates(states, grouping, block_updates(grouping, states, run_block), window_gate)

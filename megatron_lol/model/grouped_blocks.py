@@ -75,11 +75,14 @@ class StackedLibrary:
 def _hooked(modules) -> bool:
     from torch.nn.modules import module as nn_module
 
-    if (nn_module._global_forward_hooks or nn_module._global_forward_pre_hooks
-            or nn_module._global_backward_hooks or nn_module._global_backward_pre_hooks):
+    if (
+        nn_module._global_forward_hooks
+        or nn_module._global_forward_pre_hooks
+        or nn_module._global_backward_hooks
+        or nn_module._global_backward_pre_hooks
+    ):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in modules)
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 def grouped_support(blocks) -> Optional[str]:
@@ -102,11 +105,24 @@ def grouped_support(blocks) -> Optional[str]:
         sa = block.self_attention
         if not isinstance(getattr(sa, "core_attention", None), SegmentCausalAttention):
             return "core attention is not SegmentCausalAttention"
-        if not all(isinstance(getattr(sa, name, None), (type(None), IdentityOp))
-                   for name in ("q_layernorm", "k_layernorm")):
+        if not all(
+            isinstance(getattr(sa, name, None), (type(None), IdentityOp)) for name in ("q_layernorm", "k_layernorm")
+        ):
             return "QK layernorm"
-        if _hooked([block, block.input_layernorm, block.pre_mlp_layernorm, sa, sa.linear_qkv, sa.linear_proj,
-                    sa.core_attention, block.mlp, block.mlp.linear_fc1, block.mlp.linear_fc2]):
+        if _hooked(
+            [
+                block,
+                block.input_layernorm,
+                block.pre_mlp_layernorm,
+                sa,
+                sa.linear_qkv,
+                sa.linear_proj,
+                sa.core_attention,
+                block.mlp,
+                block.mlp.linear_fc1,
+                block.mlp.linear_fc2,
+            ]
+        ):
             return "hooks on the block's modules"
     checks = [
         (c.add_bias_linear or getattr(c, "add_qkv_bias", False), "linear biases"),
@@ -116,11 +132,15 @@ def grouped_support(blocks) -> Optional[str]:
         (c.sequence_parallel, "sequence parallelism inside the core"),
         (getattr(c, "context_parallel_size", 1) != 1, "context parallelism"),
         (not (c.gated_linear_unit and c.activation_func is F.silu), "MLP is not SwiGLU"),
-        (getattr(c, "glu_linear_offset", 0.0) != 0.0 or getattr(c, "activation_func_clamp_value", None) is not None,
-         "SwiGLU offset/clamp"),
+        (
+            getattr(c, "glu_linear_offset", 0.0) != 0.0 or getattr(c, "activation_func_clamp_value", None) is not None,
+            "SwiGLU offset/clamp",
+        ),
         (c.rotary_interleaved or c.apply_rope_fusion, "interleaved or fused RoPE"),
-        (getattr(c, "multi_latent_attention", False) or getattr(c, "attention_output_gate", False),
-         "multi-latent attention / output gate"),
+        (
+            getattr(c, "multi_latent_attention", False) or getattr(c, "attention_output_gate", False),
+            "multi-latent attention / output gate",
+        ),
         (hasattr(c, "yarn_rotary_scaling_factor"), "YaRN RoPE"),
     ]
     for failed, reason in checks:
@@ -129,8 +149,13 @@ def grouped_support(blocks) -> Optional[str]:
     lib_dtype = first.self_attention.linear_qkv.weight.dtype
     unit = GROUPED_MM_ALIGNMENT_BYTES // lib_dtype.itemsize
     sa, mlp = first.self_attention, first.mlp
-    dims = {"hidden": c.hidden_size, "qkv": sa.linear_qkv.weight.shape[0], "proj": sa.linear_proj.weight.shape[1],
-            "fc1": mlp.linear_fc1.weight.shape[0], "fc2": mlp.linear_fc2.weight.shape[1]}
+    dims = {
+        "hidden": c.hidden_size,
+        "qkv": sa.linear_qkv.weight.shape[0],
+        "proj": sa.linear_proj.weight.shape[1],
+        "fc1": mlp.linear_fc1.weight.shape[0],
+        "fc2": mlp.linear_fc2.weight.shape[1],
+    }
     bad = {k: v for k, v in dims.items() if v % unit}
     if bad:
         return f"torch._grouped_mm needs dimensions that are multiples of {unit} for {lib_dtype}: {bad}"
@@ -173,8 +198,10 @@ class RowRope:
         (row positions, or positions inside the window as THD attention restarts them)."""
         angles = table.reshape(table.shape[0], -1)
         # cos of the table, then a gather: the same values as megatron's cos of gathered angles
-        return cls(cos=torch.cos(angles).to(dtype).index_select(0, positions).unsqueeze(1),
-                   sin=torch.sin(angles).to(dtype).index_select(0, positions).unsqueeze(1))
+        return cls(
+            cos=torch.cos(angles).to(dtype).index_select(0, positions).unsqueeze(1),
+            sin=torch.sin(angles).to(dtype).index_select(0, positions).unsqueeze(1),
+        )
 
 
 def _rotate_half(t: torch.Tensor) -> torch.Tensor:
@@ -237,8 +264,15 @@ def _row_output(y: torch.Tensor, lib: StackedLibrary) -> torch.Tensor:
     return reduce_from_tensor_model_parallel_region(y, group=lib.tp_group)
 
 
-def grouped_blocks(lib: StackedLibrary, x: torch.Tensor, grouping: TokenGrouping, rope: Optional[RowRope],
-                   attention_bias: torch.Tensor, chunk: int, film: Optional[tuple] = None) -> torch.Tensor:
+def grouped_blocks(
+    lib: StackedLibrary,
+    x: torch.Tensor,
+    grouping: TokenGrouping,
+    rope: Optional[RowRope],
+    attention_bias: torch.Tensor,
+    chunk: int,
+    film: Optional[tuple] = None,
+) -> torch.Tensor:
     """``E_m(x)`` of every grouped row ``x`` ``[T, h]`` (row ``r`` through block ``block_of_row[r]``).
 
     The operations of megatron-core's local layer (``block_call.reference_layer``)

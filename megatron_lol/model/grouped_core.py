@@ -29,9 +29,20 @@ from megatron_lol.model.core import CoreOutput, DepthRecord, ForcedPath
 from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, grouped_support, stack_library
 from megatron_lol.model.host_layout import HostLayout
 from megatron_lol.model.precision import fp8_disabled
-from megatron_lol.model.static_routing import (TokenGrouping, decide, gated_combine, global_aux_loss, group_tokens,
-                                               permute_rows, record_loads, router_summaries, sequence_aux_loss,
-                                               token_gates, truncation_keep, window_loads)
+from megatron_lol.model.static_routing import (
+    TokenGrouping,
+    decide,
+    gated_combine,
+    global_aux_loss,
+    group_tokens,
+    permute_rows,
+    record_loads,
+    router_summaries,
+    sequence_aux_loss,
+    token_gates,
+    truncation_keep,
+    window_loads,
+)
 
 
 def grouped_core_support(core) -> Optional[str]:
@@ -55,10 +66,20 @@ def _forced_on(forced: Optional[ForcedPath], device) -> Optional[ForcedPath]:
     return ForcedPath(ids=forced.ids.to(device, non_blocking=True), gates=forced.gates.to(device, non_blocking=True))
 
 
-def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: Optional[torch.Tensor],
-                         steps: Sequence, *, depth: int, forced: Optional[ForcedPath] = None, record: bool = False,
-                         backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
-                         routing_check=None) -> CoreOutput:
+def grouped_core_forward(
+    core,
+    states: torch.Tensor,
+    layout: HostLayout,
+    rope: Optional[torch.Tensor],
+    steps: Sequence,
+    *,
+    depth: int,
+    forced: Optional[ForcedPath] = None,
+    record: bool = False,
+    backprop_depth: Optional[int] = None,
+    first_window_full_backprop: bool = True,
+    routing_check=None,
+) -> CoreOutput:
     """:meth:`Core.forward <megatron_lol.model.core.Core.forward>` of the routed ``steps`` of ``core``.
 
     ``states``: ``[s, b, h]`` (local layout) or the packed stream ``[b*s, 1, h]``;
@@ -74,13 +95,24 @@ def grouped_core_forward(core, states: torch.Tensor, layout: HostLayout, rope: O
     backend = select_backend(states.device)
     context = backend.core_context(core) if backend is not None else contextlib.nullcontext()
     with context:
-        return _forward(core, states, layout, rope, steps, depth=depth, forced=_forced_on(forced, states.device),
-                        record=record, backprop_depth=backprop_depth, first_window_full=first_window_full_backprop,
-                        routing_check=routing_check)
+        return _forward(
+            core,
+            states,
+            layout,
+            rope,
+            steps,
+            depth=depth,
+            forced=_forced_on(forced, states.device),
+            record=record,
+            backprop_depth=backprop_depth,
+            first_window_full=first_window_full_backprop,
+            routing_check=routing_check,
+        )
 
 
-def _forward(core, states, layout, rope, steps, *, depth, forced, record, backprop_depth,
-             first_window_full, routing_check=None) -> CoreOutput:
+def _forward(
+    core, states, layout, rope, steps, *, depth, forced, record, backprop_depth, first_window_full, routing_check=None
+) -> CoreOutput:
     cfg, plan = core.cfg, core.plan
     num_blocks, window = plan.num_stored_blocks, cfg.window_size
     s_len, b, h = states.shape
@@ -97,8 +129,12 @@ def _forward(core, states, layout, rope, steps, *, depth, forced, record, backpr
         if cfg.input_injection:
             mix = torch.sigmoid(core.injection_logit)
             flat = mix * flat + (1 - mix) * injected_from
-        truncated = (backprop_depth is not None and core.training and torch.is_grad_enabled()
-                     and step.depth <= depth - backprop_depth)
+        truncated = (
+            backprop_depth is not None
+            and core.training
+            and torch.is_grad_enabled()
+            and step.depth <= depth - backprop_depth
+        )
         windows = layout.for_depth(step.depth)
         positions = windows.token_position if core.packed else row_positions
         # [2, h] per depth, [L, 2, h] per (depth, block)
@@ -116,19 +152,36 @@ def _forward(core, states, layout, rope, steps, *, depth, forced, record, backpr
             if core.balancer is not None:
                 record_loads(core.balancer, step.depth, counts)
             if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                aux_terms.append(cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision)
-                                 / layout.doc_count.clamp(min=1))
+                aux_terms.append(
+                    cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision) / layout.doc_count.clamp(min=1)
+                )
             elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
                 aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(windows, decision))
         loads.append((step.depth, counts))
         if record:
             n = windows.num_windows
-            out.records.append(DepthRecord(step.depth, decision.choice.detach()[:n], decision.gate.detach()[:n],
-                                           decision.probs.detach()[:n], windows.window_doc[:n],
-                                           windows.window_ordinal[:n]))
+            out.records.append(
+                DepthRecord(
+                    step.depth,
+                    decision.choice.detach()[:n],
+                    decision.gate.detach()[:n],
+                    decision.probs.detach()[:n],
+                    windows.window_doc[:n],
+                    windows.window_ordinal[:n],
+                )
+            )
 
-        flat = apply_routed_update(flat, windows, decision, library, rope, positions, film=film, window_size=window,
-                                   truncation=truncation_mode(truncated, first_window_full))
+        flat = apply_routed_update(
+            flat,
+            windows,
+            decision,
+            library,
+            rope,
+            positions,
+            film=film,
+            window_size=window,
+            truncation=truncation_mode(truncated, first_window_full),
+        )
     out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
     if aux_terms:
         out.aux_loss = torch.stack(aux_terms).sum()
@@ -156,19 +209,32 @@ class GroupedDepth:
     gate: torch.Tensor  # [T] every token's window gate (token order)
 
 
-def group_depth(flat: torch.Tensor, windows, decision, num_blocks: int, rope: Optional[torch.Tensor],
-                positions: torch.Tensor, window_size: int) -> GroupedDepth:
+def group_depth(
+    flat: torch.Tensor,
+    windows,
+    decision,
+    num_blocks: int,
+    rope: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    window_size: int,
+) -> GroupedDepth:
     """Group the tokens by the block their window chose (stable sort, offsets on the device)."""
     grouping = group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window, num_blocks)
-    row_rope = (RowRope.from_table(rope, positions.index_select(0, grouping.order), flat.dtype)
-                if rope is not None else None)
-    return GroupedDepth(grouping=grouping, rows=permute_rows(flat, grouping.order, grouping.inverse), rope=row_rope,
-                        attention_bias=chunk_bias(grouping.segments, window_size, [0], [flat.shape[0]]),
-                        gate=token_gates(windows, decision.gate))
+    row_rope = (
+        RowRope.from_table(rope, positions.index_select(0, grouping.order), flat.dtype) if rope is not None else None
+    )
+    return GroupedDepth(
+        grouping=grouping,
+        rows=permute_rows(flat, grouping.order, grouping.inverse),
+        rope=row_rope,
+        attention_bias=chunk_bias(grouping.segments, window_size, [0], [flat.shape[0]]),
+        gate=token_gates(windows, decision.gate),
+    )
 
 
-def combine_depth(flat: torch.Tensor, grouped_out: torch.Tensor, depth: GroupedDepth, windows,
-                  truncation: Optional[str] = None) -> torch.Tensor:
+def combine_depth(
+    flat: torch.Tensor, grouped_out: torch.Tensor, depth: GroupedDepth, windows, truncation: Optional[str] = None
+) -> torch.Tensor:
     """``s + alpha (E(s) - s)`` in token order from the blocks' grouped outputs ``E(s)``; with
     ``truncation="first"`` only window-0 tokens keep their gradients, with ``"frozen"`` none does
     (the update is a constant added to the states: :func:`truncation_mode`)."""
@@ -181,9 +247,18 @@ def combine_depth(flat: torch.Tensor, grouped_out: torch.Tensor, depth: GroupedD
     return gated_combine(flat, block_out, depth.gate, keep)
 
 
-def apply_routed_update(flat: torch.Tensor, windows, decision, library, rope: Optional[torch.Tensor],
-                        positions: torch.Tensor, *, film: Optional[tuple], window_size: int,
-                        truncation: Optional[str] = None) -> torch.Tensor:
+def apply_routed_update(
+    flat: torch.Tensor,
+    windows,
+    decision,
+    library,
+    rope: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    *,
+    film: Optional[tuple],
+    window_size: int,
+    truncation: Optional[str] = None,
+) -> torch.Tensor:
     """``s + alpha (E_rho(s) - s)`` of one depth: :func:`group_depth`, every block at once
     (:func:`~.grouped_blocks.grouped_blocks`), :func:`combine_depth`. Static shapes, no host read.
 
@@ -192,6 +267,7 @@ def apply_routed_update(flat: torch.Tensor, windows, decision, library, rope: Op
     """
     with torch.no_grad() if truncation == "frozen" else contextlib.nullcontext():
         depth = group_depth(flat, windows, decision, library.qkv.shape[0], rope, positions, window_size)
-        grouped_out = grouped_blocks(library, depth.rows, depth.grouping, depth.rope, depth.attention_bias,
-                                     window_size, film)
+        grouped_out = grouped_blocks(
+            library, depth.rows, depth.grouping, depth.rope, depth.attention_bias, window_size, film
+        )
     return combine_depth(flat, grouped_out, depth, windows, truncation)

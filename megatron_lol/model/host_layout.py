@@ -82,9 +82,16 @@ class DepthWindows:
     def as_window_layout(self, depth: int) -> WindowLayout:
         """Today's :class:`~.windows.WindowLayout` (real windows only), for the reference path."""
         n = self.num_windows
-        return WindowLayout(depth=depth, token_window=self.token_window, window_ordinal=self.window_ordinal[:n],
-                            window_doc=self.window_doc[:n], window_first_token=self.window_first_token[:n],
-                            window_length=self.window_length[:n], num_windows=n, num_docs=self.num_docs)
+        return WindowLayout(
+            depth=depth,
+            token_window=self.token_window,
+            window_ordinal=self.window_ordinal[:n],
+            window_doc=self.window_doc[:n],
+            window_first_token=self.window_first_token[:n],
+            window_length=self.window_length[:n],
+            num_windows=n,
+            num_docs=self.num_docs,
+        )
 
 
 def _depth_windows(windows: WindowLayout, capacity: int) -> DepthWindows:
@@ -98,7 +105,7 @@ def _depth_windows(windows: WindowLayout, capacity: int) -> DepthWindows:
     docs_per = torch.bincount(windows.window_doc, minlength=windows.num_docs)  # host: no device involved
     doc_offsets = torch.full((capacity + 1,), n, dtype=torch.long)
     doc_offsets[0] = 0
-    doc_offsets[1:windows.num_docs + 1] = torch.cumsum(docs_per, 0)
+    doc_offsets[1 : windows.num_docs + 1] = torch.cumsum(docs_per, 0)
     token_first = windows.window_first_token.index_select(0, windows.token_window)
     is_first = torch.zeros(t, dtype=torch.bool)
     is_first[windows.window_first_token] = True
@@ -112,8 +119,9 @@ def _depth_windows(windows: WindowLayout, capacity: int) -> DepthWindows:
         window_length=length,
         window_valid=index < n,
         window_doc_start=torch.where(index < n, index - ordinal, index),
-        window_doc_end=torch.where(index < n, doc_offsets.index_select(0, _pad(windows.window_doc, capacity, 0) + 1),
-                                   index + 1),
+        window_doc_end=torch.where(
+            index < n, doc_offsets.index_select(0, _pad(windows.window_doc, capacity, 0) + 1), index + 1
+        ),
         cu_seqlens=cu.to(torch.int32),
         doc_window_offsets=doc_offsets,
         num_windows=n,
@@ -147,8 +155,9 @@ class HostLayout:
     def for_depth(self, depth: int) -> DepthWindows:
         offset = window_offset(depth, self.window_size, self.window_shift)
         if offset not in self.windows:
-            raise KeyError(f"HostLayout: no windows for depth {depth} (offset {offset}); built for offsets "
-                           f"{sorted(self.windows)}")
+            raise KeyError(
+                f"HostLayout: no windows for depth {depth} (offset {offset}); built for offsets {sorted(self.windows)}"
+            )
         return self.windows[offset]
 
     def document_layout(self) -> DocumentLayout:
@@ -157,8 +166,9 @@ class HostLayout:
 
     def _map(self, fn) -> "HostLayout":
         def tensors(obj):
-            return replace(obj, **{f.name: fn(getattr(obj, f.name)) for f in fields(obj)
-                                   if torch.is_tensor(getattr(obj, f.name))})
+            return replace(
+                obj, **{f.name: fn(getattr(obj, f.name)) for f in fields(obj) if torch.is_tensor(getattr(obj, f.name))}
+            )
 
         out = tensors(self)
         out.windows = {k: tensors(v) for k, v in self.windows.items()}
@@ -177,9 +187,15 @@ class HostLayout:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
-def build_host_layout(tokens: torch.Tensor, eod_id: Optional[int], window_size: int, window_shift: int,
-                      depths: Iterable[int], num_blocks: Optional[int] = None,
-                      row_seeds: Optional[torch.Tensor] = None) -> HostLayout:
+def build_host_layout(
+    tokens: torch.Tensor,
+    eod_id: Optional[int],
+    window_size: int,
+    window_shift: int,
+    depths: Iterable[int],
+    num_blocks: Optional[int] = None,
+    row_seeds: Optional[torch.Tensor] = None,
+) -> HostLayout:
     """The layout of the micro-batch ``tokens`` ``[b, s]`` (on the CPU) for the routed ``depths``.
 
     ``row_seeds`` ``[b]`` (with ``num_blocks``): also draw the router noise of
@@ -187,8 +203,9 @@ def build_host_layout(tokens: torch.Tensor, eod_id: Optional[int], window_size: 
     (the trainer's seeds: ``sample_id + run_seed * 1,000,000,007``).
     """
     if tokens.device.type != "cpu":
-        raise ValueError(f"build_host_layout: tokens must be on the CPU (where the batch is built), "
-                         f"got {tokens.device}")
+        raise ValueError(
+            f"build_host_layout: tokens must be on the CPU (where the batch is built), got {tokens.device}"
+        )
     if tokens.dim() != 2:
         raise ValueError(f"build_host_layout: tokens must be [b, s], got shape {tuple(tokens.shape)}")
     if row_seeds is not None and num_blocks is None:
@@ -213,11 +230,21 @@ def build_host_layout(tokens: torch.Tensor, eod_id: Optional[int], window_size: 
     lengths = torch.bincount(docs.doc_index.reshape(-1), minlength=docs.num_docs)  # documents are contiguous
     doc_cu = torch.full((capacity + 1,), b * s, dtype=torch.long)
     doc_cu[0] = 0
-    doc_cu[1:docs.num_docs + 1] = torch.cumsum(lengths, 0)
-    return HostLayout(rows=b, row_length=s, window_size=window_size, window_shift=window_shift, capacity=capacity,
-                      positions=docs.positions, doc_index=docs.doc_index, num_docs=docs.num_docs,
-                      doc_count=torch.tensor(float(docs.num_docs)), doc_cu_seqlens=doc_cu.to(torch.int32),
-                      windows=windows, noise=noise)
+    doc_cu[1 : docs.num_docs + 1] = torch.cumsum(lengths, 0)
+    return HostLayout(
+        rows=b,
+        row_length=s,
+        window_size=window_size,
+        window_shift=window_shift,
+        capacity=capacity,
+        positions=docs.positions,
+        doc_index=docs.doc_index,
+        num_docs=docs.num_docs,
+        doc_count=torch.tensor(float(docs.num_docs)),
+        doc_cu_seqlens=doc_cu.to(torch.int32),
+        windows=windows,
+        noise=noise,
+    )
 
 
 def routed_depths(model_cfg) -> list:
@@ -233,6 +260,13 @@ def host_layout_for_batch(batch: dict, model_cfg, eod_id: Optional[int], run_see
     seeds = None
     if "sample_ids" in batch and run_seed is not None and plan.routed and model_cfg.router_noise:
         seeds = batch["sample_ids"] + run_seed * 1_000_000_007
-    layout = build_host_layout(batch["tokens"], eod_id, model_cfg.window_size, model_cfg.window_shift,
-                               routed_depths(model_cfg), num_blocks=plan.num_stored_blocks, row_seeds=seeds)
+    layout = build_host_layout(
+        batch["tokens"],
+        eod_id,
+        model_cfg.window_size,
+        model_cfg.window_shift,
+        routed_depths(model_cfg),
+        num_blocks=plan.num_stored_blocks,
+        row_seeds=seeds,
+    )
     return layout.pin_memory()

@@ -60,8 +60,13 @@ def seed_experts_by_global_index(model: nn.Module, seed: Optional[int]) -> None:
             global_index = ep_rank * module.num_local_experts + i
             sub = MLPSubmodules(linear_fc1=type(expert.linear_fc1), linear_fc2=type(expert.linear_fc2))
             with seeded(seed, f"{name}.{global_index}"):
-                fresh = MLP(module.config, sub, ffn_hidden_size=module.config.moe_ffn_hidden_size, is_expert=True,
-                            tp_group=module.tp_group)
+                fresh = MLP(
+                    module.config,
+                    sub,
+                    ffn_hidden_size=module.config.moe_ffn_hidden_size,
+                    is_expert=True,
+                    tp_group=module.tp_group,
+                )
             with torch.no_grad():
                 for (n, p), (n2, q) in zip(expert.named_parameters(), fresh.named_parameters()):
                     assert n == n2 and p.shape == q.shape, (name, n, n2)

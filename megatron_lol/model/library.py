@@ -51,8 +51,12 @@ class LocalRMSNorm(nn.Module):
         self.weight.sequence_parallel = bool(config.sequence_parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if (self.fuse_wgrad_accumulation and torch.is_grad_enabled() and self.weight.requires_grad
-                and hasattr(self.weight, "main_grad")):
+        if (
+            self.fuse_wgrad_accumulation
+            and torch.is_grad_enabled()
+            and self.weight.requires_grad
+            and hasattr(self.weight, "main_grad")
+        ):
             return _RMSNormMainGrad.apply(x, self.weight, self.eps)
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
@@ -103,9 +107,13 @@ def use_te_for(model: ModelConfig) -> bool:
     return model.use_transformer_engine
 
 
-def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = None,
-                       num_layers: Optional[int] = None, use_te: bool = False,
-                       gradient_accumulation_fusion: bool = False):
+def transformer_config(
+    model: ModelConfig,
+    parallel: Optional[ParallelConfig] = None,
+    num_layers: Optional[int] = None,
+    use_te: bool = False,
+    gradient_accumulation_fusion: bool = False,
+):
     """megatron-core ``TransformerConfig`` for the blocks and fixed layers of ``model``.
 
     ``use_te``: the layers are Transformer Engine modules (fused RoPE for THD
@@ -153,8 +161,9 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_model_parallel_size,
         # the block library's expert parallelism lives in parallel_state and the
         # core; megatron's TransformerConfig reserves this field for FFN MoE
-        expert_model_parallel_size=(parallel.expert_model_parallel_size
-                                    if model.num_experts and model.moe_layers != "none" else 1),
+        expert_model_parallel_size=(
+            parallel.expert_model_parallel_size if model.num_experts and model.moe_layers != "none" else 1
+        ),
         sequence_parallel=parallel.sequence_parallel,
         # the same seed gives the same weights whatever the layout: initialise the
         # full master weights on CPU and split them (megatron-core's own option)
@@ -176,23 +185,33 @@ def transformer_config(model: ModelConfig, parallel: Optional[ParallelConfig] = 
         # Switch load balance + optional z-loss, both per layer call; Foil averages them over
         # every MoE execution (each layer on each pass) instead of megatron's sum over layers
         scale = 1.0 / moe_executions(model) if model.moe_loss_average_over_executions else 1.0
-        kwargs.update(num_moe_experts=model.num_experts, moe_router_topk=model.moe_router_topk,
-                      moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden,
-                      moe_router_load_balancing_type="aux_loss", moe_aux_loss_coeff=model.moe_aux_loss_coeff * scale,
-                      moe_z_loss_coeff=(model.moe_z_loss_coeff * scale if model.moe_z_loss_coeff else None),
-                      moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
-                      moe_token_dispatcher_type="alltoall", moe_grouped_gemm=False,
-                      moe_router_dtype="fp32", moe_router_score_function=model.moe_router_score_function,
-                      # loss-free balancing: megatron-core's finalize_model_grads (called by the trainer's,
-                      # parallel/library_sync.py) moves each router's bias by the global batch's loads
-                      moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-                      moe_router_bias_update_rate=model.moe_router_bias_update_rate)
+        kwargs.update(
+            num_moe_experts=model.num_experts,
+            moe_router_topk=model.moe_router_topk,
+            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden,
+            moe_router_load_balancing_type="aux_loss",
+            moe_aux_loss_coeff=model.moe_aux_loss_coeff * scale,
+            moe_z_loss_coeff=(model.moe_z_loss_coeff * scale if model.moe_z_loss_coeff else None),
+            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_token_dispatcher_type="alltoall",
+            moe_grouped_gemm=False,
+            moe_router_dtype="fp32",
+            moe_router_score_function=model.moe_router_score_function,
+            # loss-free balancing: megatron-core's finalize_model_grads (called by the trainer's,
+            # parallel/library_sync.py) moves each router's bias by the global batch's loads
+            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
+            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+        )
     if model.fp8 is not None:
         # Megatron-LM's --fp8-format / --fp8-recipe / --fp8-margin / --fp8-amax-* (TransformerConfig's own fields)
         recipe = model.fp8_recipe or fp8_recipe_default(model.execution_plan())
-        kwargs.update(fp8=model.fp8, fp8_recipe=recipe, fp8_margin=model.fp8_margin,
-                      fp8_amax_history_len=model.fp8_amax_history_len,
-                      fp8_amax_compute_algo=model.fp8_amax_compute_algo)
+        kwargs.update(
+            fp8=model.fp8,
+            fp8_recipe=recipe,
+            fp8_margin=model.fp8_margin,
+            fp8_amax_history_len=model.fp8_amax_history_len,
+            fp8_amax_compute_algo=model.fp8_amax_compute_algo,
+        )
         if model.num_experts and model.moe_layers != "none":
             # experts receive any number of tokens: megatron pads the routing map to FP8's multiple
             kwargs.update(moe_router_padding_for_quantization=True)
@@ -218,8 +237,9 @@ def core_config(config, model: ModelConfig, packed: bool = False):
     return config
 
 
-def thd_params(segments: torch.Tensor, max_seqlen: int, pad_to: int = 1,
-               cu_seqlens: Optional[torch.Tensor] = None) -> tuple:
+def thd_params(
+    segments: torch.Tensor, max_seqlen: int, pad_to: int = 1, cu_seqlens: Optional[torch.Tensor] = None
+) -> tuple:
     """``(PackedSeqParams, padded length)``: THD packing of a stream of contiguous segments ``[T]``.
 
     Windows (or documents) are the packed sequences: ``cu_seqlens`` are the
@@ -250,8 +270,9 @@ def thd_params(segments: torch.Tensor, max_seqlen: int, pad_to: int = 1,
         ends = [n, padded] if padded > n else [n]
         cu = torch.cat([first, first.new_tensor(ends)]).to(torch.int32)
     longest = max(max_seqlen, padded - n)
-    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                             max_seqlen_q=longest, max_seqlen_kv=longest)
+    params = PackedSeqParams(
+        qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=longest, max_seqlen_kv=longest
+    )
     return params, padded
 
 
@@ -278,8 +299,7 @@ def block_spec(use_te: bool = False, num_experts: Optional[int] = None, film: bo
     attn = sub.self_attention
     attn_sub = dataclasses.replace(attn.submodules, core_attention=SegmentCausalAttention)
     attn = dataclasses.replace(attn, submodules=attn_sub)
-    sub = dataclasses.replace(sub, self_attention=attn, input_layernorm=LocalRMSNorm,
-                              pre_mlp_layernorm=LocalRMSNorm)
+    sub = dataclasses.replace(sub, self_attention=attn, input_layernorm=LocalRMSNorm, pre_mlp_layernorm=LocalRMSNorm)
     return dataclasses.replace(spec, module=LoLTransformerLayer, submodules=sub)
 
 
@@ -308,16 +328,18 @@ def te_block_spec(num_experts: Optional[int] = None, film: bool = False):
     if num_experts:  # MoE: the norm before the router is a separate TENorm in both layouts
         keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
     if film:
-        attn = dataclasses.replace(sub.self_attention, submodules=dataclasses.replace(
-            sub.self_attention.submodules, linear_qkv=TEColumnParallelLinear))
+        attn = dataclasses.replace(
+            sub.self_attention,
+            submodules=dataclasses.replace(sub.self_attention.submodules, linear_qkv=TEColumnParallelLinear),
+        )
         keys["input_layernorm."] = "self_attention.linear_qkv.layer_norm_"
         mlp = sub.mlp
         if not num_experts:  # a dense MLP's norm leaves its first linear
-            mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules,
-                                                                          linear_fc1=TEColumnParallelLinear))
+            mlp = dataclasses.replace(
+                mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=TEColumnParallelLinear)
+            )
             keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
-        sub = dataclasses.replace(sub, input_layernorm=TENorm, self_attention=attn, pre_mlp_layernorm=TENorm,
-                                  mlp=mlp)
+        sub = dataclasses.replace(sub, input_layernorm=TENorm, self_attention=attn, pre_mlp_layernorm=TENorm, mlp=mlp)
     sub = dataclasses.replace(sub, sharded_state_dict_keys_map=keys)
     return dataclasses.replace(spec, module=LoLTransformerLayer, submodules=sub)
 
@@ -331,8 +353,12 @@ def build_layer(spec, config, layer_number: int, vp_stage: Optional[int] = None)
     """
     from megatron.core.transformer.spec_utils import build_module
 
-    layer = build_module(spec, config=config, layer_number=layer_number,
-                         vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None)
+    layer = build_module(
+        spec,
+        config=config,
+        layer_number=layer_number,
+        vp_stage=vp_stage if config.virtual_pipeline_model_parallel_size else None,
+    )
     layer.layer_number = layer_number
     if hasattr(layer.mlp, "set_layer_number"):  # an MoE layer's router logs its losses by layer number
         layer.mlp.set_layer_number(layer_number)

@@ -36,8 +36,14 @@ from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import call_block
 from megatron_lol.model.core import Core, ForcedPath
 from megatron_lol.model.init import seed_experts_by_global_index, seeded
-from megatron_lol.model.library import (LocalRMSNorm, block_spec, build_layer, core_config, transformer_config,
-                                        use_te_for)
+from megatron_lol.model.library import (
+    LocalRMSNorm,
+    block_spec,
+    build_layer,
+    core_config,
+    transformer_config,
+    use_te_for,
+)
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
@@ -87,10 +93,20 @@ class LoLGPTModel(_language_module()):
     the tied / pipeline-shared embedding plumbing.
     """
 
-    def __init__(self, model: ModelConfig, vocab_size: int, eod_id: Optional[int], *, parallel=None,
-                 max_sequence_length: int = 4096, tconfig=None, init_seed: Optional[int] = 1234,
-                 vp_stage: Optional[int] = None, packed_sequences: Optional[bool] = None,
-                 gradient_accumulation_fusion: bool = False):
+    def __init__(
+        self,
+        model: ModelConfig,
+        vocab_size: int,
+        eod_id: Optional[int],
+        *,
+        parallel=None,
+        max_sequence_length: int = 4096,
+        tconfig=None,
+        init_seed: Optional[int] = 1234,
+        vp_stage: Optional[int] = None,
+        packed_sequences: Optional[bool] = None,
+        gradient_accumulation_fusion: bool = False,
+    ):
         """Build this rank's share of the model.
 
         Under pipeline parallelism the stage (and virtual stage ``vp_stage``) is
@@ -111,8 +127,16 @@ class LoLGPTModel(_language_module()):
         plan = model.execution_plan()
         n_layers = model.n_prelude + model.n_coda + plan.num_stored_blocks
         use_te = use_te_for(model)
-        super().__init__(config=tconfig or transformer_config(
-            model, parallel, num_layers=n_layers, use_te=use_te, gradient_accumulation_fusion=gradient_accumulation_fusion))
+        super().__init__(
+            config=tconfig
+            or transformer_config(
+                model,
+                parallel,
+                num_layers=n_layers,
+                use_te=use_te,
+                gradient_accumulation_fusion=gradient_accumulation_fusion,
+            )
+        )
         self.model_type = ModelType.encoder_or_decoder
         self.cfg = model
         self.plan = plan
@@ -122,14 +146,16 @@ class LoLGPTModel(_language_module()):
         pp = parallel_state.get_pipeline_model_parallel_world_size()
         vpp = self.config.virtual_pipeline_model_parallel_size if pp > 1 else None
         check_pipeline_layout(model, plan.depth, pp, vpp, plan.name, plan.pipeline_ok)
-        self.stage = stage_layout(model, plan.depth, pp, vpp, parallel_state.get_pipeline_model_parallel_rank(),
-                                  vp_stage)
+        self.stage = stage_layout(
+            model, plan.depth, pp, vpp, parallel_state.get_pipeline_model_parallel_rank(), vp_stage
+        )
         self.pre_process, self.post_process = self.stage.first, self.stage.last
         self.use_te = use_te
         self.packed = use_te if packed_sequences is None else packed_sequences
         if use_te and not self.packed:
-            raise ValueError("LoLGPTModel(packed_sequences=False): the Transformer Engine spec runs packed (THD) "
-                             "sequences only")
+            raise ValueError(
+                "LoLGPTModel(packed_sequences=False): the Transformer Engine spec runs packed (THD) sequences only"
+            )
         moe = model.num_experts if model.moe_layers != "none" else None
         if moe:
             # megatron-core's MoE loss logging tracker is process-global and sized by the first
@@ -140,18 +166,21 @@ class LoLGPTModel(_language_module()):
             get_moe_layer_wise_logging_tracker().clear()
         fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
         # FiLM modulates the core's blocks: under TE they get separate norm modules for it
-        spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None,
-                          film=model.film != "off")
+        spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None, film=model.film != "off")
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:
             with seeded(init_seed, "embedding"):
-                self.embedding = LanguageModelEmbedding(self.config, vocab_size, max_sequence_length,
-                                                        position_embedding_type="none")
+                self.embedding = LanguageModelEmbedding(
+                    self.config, vocab_size, max_sequence_length, position_embedding_type="none"
+                )
         self.rotary = RotaryEmbedding(
-            kv_channels=self.config.kv_channels, rotary_percent=1.0, rotary_base=float(model.rotary_base),
+            kv_channels=self.config.kv_channels,
+            rotary_percent=1.0,
+            rotary_base=float(model.rotary_base),
             seq_len_interpolation_factor=(model.rotary_scaling_factor if model.rotary_scaling_factor != 1 else None),
-            use_cpu_initialization=True)
+            use_cpu_initialization=True,
+        )
         self.prelude = nn.ModuleDict()
         for i in self.stage.prelude:
             with seeded(init_seed, f"prelude.{i}"):
@@ -163,8 +192,15 @@ class LoLGPTModel(_language_module()):
             core_cfg = core_config(self.config, model, self.packed)  # Foil: the core's own expert count
             if core_cfg.sequence_parallel and plan.gathers_sequence:
                 core_cfg = dataclasses.replace(core_cfg, sequence_parallel=False)
-            self.core = Core(model, core_cfg, spec, first_layer_number=model.n_prelude + 1,
-                             init_seed=init_seed, vp_stage=vp_stage, packed=self.packed)
+            self.core = Core(
+                model,
+                core_cfg,
+                spec,
+                first_layer_number=model.n_prelude + 1,
+                init_seed=init_seed,
+                vp_stage=vp_stage,
+                packed=self.packed,
+            )
         first_coda = model.n_prelude + plan.num_stored_blocks + 1
         self.coda = nn.ModuleDict()
         for i in self.stage.coda:
@@ -174,9 +210,15 @@ class LoLGPTModel(_language_module()):
             self.final_norm = LocalRMSNorm(self.config, model.hidden_size, eps=model.norm_epsilon)
             with seeded(init_seed, "output_layer"):
                 self.output_layer = tensor_parallel.ColumnParallelLinear(
-                    model.hidden_size, vocab_size, config=self.config, init_method=self.config.init_method,
-                    bias=False, skip_bias_add=False, gather_output=False,
-                    skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights)
+                    model.hidden_size,
+                    vocab_size,
+                    config=self.config,
+                    init_method=self.config.init_method,
+                    bias=False,
+                    skip_bias_add=False,
+                    gather_output=False,
+                    skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
+                )
         if self.share_embeddings_and_output_weights and (self.pre_process or self.post_process):
             # megatron-core's tied-embedding plumbing (copies and all-reduces across stages)
             self.setup_embeddings_and_output_layer()
@@ -185,12 +227,26 @@ class LoLGPTModel(_language_module()):
         self.input_tensor = None
 
     # ---------------------------------------------------------------- forward
-    def forward(self, input_ids: torch.Tensor, labels: Optional[torch.Tensor] = None, *,
-                docs: Optional[DocumentLayout] = None, depth: Optional[int] = None, budget: Optional[int] = None,
-                forced_path: Optional[ForcedPath] = None, record: bool = False, record_moe: bool = False,
-                backprop_depth: Optional[int] = None, first_window_full_backprop: bool = True,
-                noise_seeds: Optional[torch.Tensor] = None, aux_loss_scale: float = 1.0,
-                return_hidden: bool = False, return_core: bool = False, routing_check=None, layout=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        *,
+        docs: Optional[DocumentLayout] = None,
+        depth: Optional[int] = None,
+        budget: Optional[int] = None,
+        forced_path: Optional[ForcedPath] = None,
+        record: bool = False,
+        record_moe: bool = False,
+        backprop_depth: Optional[int] = None,
+        first_window_full_backprop: bool = True,
+        noise_seeds: Optional[torch.Tensor] = None,
+        aux_loss_scale: float = 1.0,
+        return_hidden: bool = False,
+        return_core: bool = False,
+        routing_check=None,
+        layout=None,
+    ):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
         else the logits [b, s, vocab] (this rank's vocab shard under TP). A
         pipeline stage without the head returns its output hidden states.
@@ -213,33 +269,64 @@ class LoLGPTModel(_language_module()):
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
         if self.pre_process:
             # packed: the micro-batch is one row of b*s tokens (so is the embedding's SP scatter)
-            hidden = self.embedding(input_ids=input_ids.reshape(1, b * s) if self.packed else input_ids,
-                                    position_ids=None)
+            hidden = self.embedding(
+                input_ids=input_ids.reshape(1, b * s) if self.packed else input_ids, position_ids=None
+            )
         else:
             hidden = self.input_tensor
         rope = self.rotary(s)  # [s, 1, 1, d]
         with fp8_autocast(self.config):  # FP8 (when configured) for the layers' GEMMs, not the head
-            hidden, core = self._layers(hidden, docs, rope, depth=depth, budget=budget, forced_path=forced_path,
-                                        record=record, record_moe=record_moe, backprop_depth=backprop_depth,
-                                        first_window_full_backprop=first_window_full_backprop,
-                                        noise_seeds=noise_seeds, aux_loss_scale=aux_loss_scale,
-                                        routing_check=routing_check, layout=layout)
+            hidden, core = self._layers(
+                hidden,
+                docs,
+                rope,
+                depth=depth,
+                budget=budget,
+                forced_path=forced_path,
+                record=record,
+                record_moe=record_moe,
+                backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window_full_backprop,
+                noise_seeds=noise_seeds,
+                aux_loss_scale=aux_loss_scale,
+                routing_check=routing_check,
+                layout=layout,
+            )
         out = self._head(hidden, labels, return_hidden, b, s)
         return (out, core) if return_core else out
 
-    def _layers(self, hidden, docs, rope, *, depth, budget, forced_path, record, record_moe, backprop_depth,
-                first_window_full_backprop, noise_seeds, aux_loss_scale, routing_check=None, layout=None) -> tuple:
+    def _layers(
+        self,
+        hidden,
+        docs,
+        rope,
+        *,
+        depth,
+        budget,
+        forced_path,
+        record,
+        record_moe,
+        backprop_depth,
+        first_window_full_backprop,
+        noise_seeds,
+        aux_loss_scale,
+        routing_check=None,
+        layout=None,
+    ) -> tuple:
         """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
         from megatron.core import tensor_parallel
 
         # documents as THD sequences: offsets from the host-built layout when there is one (no device read)
-        doc_mask = SegmentMask(segments=docs.doc_index, cu_seqlens=layout.doc_cu_seqlens if layout is not None else None)
+        doc_mask = SegmentMask(
+            segments=docs.doc_index, cu_seqlens=layout.doc_cu_seqlens if layout is not None else None
+        )
         backend = select_backend(hidden.device)
         recompute = self.config.recompute_granularity == "full"
         with trace_range("prelude"):
             for layer in self.prelude.values():
-                hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
-                                       backend=backend)
+                hidden, _ = call_block(
+                    layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute, backend=backend
+                )
         core = None
         if self.core is not None:
             if self.plan.has_budgets:
@@ -252,12 +339,22 @@ class LoLGPTModel(_language_module()):
             sequence_parallel = self.config.sequence_parallel and self.plan.gathers_sequence
             if sequence_parallel:
                 # router inputs (window means) need every token of the sequence
-                hidden = tensor_parallel.gather_from_sequence_parallel_region(
-                    hidden, tensor_parallel_output_grad=False)
-            core = self.core(hidden, docs, rope, steps, depth=depth, forced=forced_path, record=record,
-                             record_moe=record_moe, backprop_depth=backprop_depth,
-                             first_window_full_backprop=first_window_full_backprop, noise_seeds=noise_seeds,
-                             routing_check=routing_check, layout=layout)
+                hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
+            core = self.core(
+                hidden,
+                docs,
+                rope,
+                steps,
+                depth=depth,
+                forced=forced_path,
+                record=record,
+                record_moe=record_moe,
+                backprop_depth=backprop_depth,
+                first_window_full_backprop=first_window_full_backprop,
+                noise_seeds=noise_seeds,
+                routing_check=routing_check,
+                layout=layout,
+            )
             hidden = core.states
             if sequence_parallel:
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
@@ -265,12 +362,14 @@ class LoLGPTModel(_language_module()):
                 hidden = AuxLossAttach.apply(hidden, core.aux_loss, aux_loss_scale)
         with trace_range("coda"):
             for layer in self.coda.values():
-                hidden, _ = call_block(layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute,
-                                       backend=backend)
+                hidden, _ = call_block(
+                    layer, hidden, doc_mask, rope, packed=self.packed, recompute=recompute, backend=backend
+                )
         return hidden, core
 
-    def _head(self, hidden: torch.Tensor, labels: Optional[torch.Tensor], return_hidden: bool, b: int,
-              s: int) -> torch.Tensor:
+    def _head(
+        self, hidden: torch.Tensor, labels: Optional[torch.Tensor], return_hidden: bool, b: int, s: int
+    ) -> torch.Tensor:
         if not self.post_process:
             return hidden
         hidden = self.final_norm(hidden)

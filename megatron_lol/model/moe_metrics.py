@@ -80,8 +80,14 @@ def summarise(records, num_experts: int, topk: int) -> dict:
     by_pass = []
     for p in sorted(passes):
         rs = passes[p]
-        by_pass.append({"pass": p, "b2": sum(load_balance_b2(r.routing_map) for r in rs) / len(rs),
-                        "mmr": median_margin_ratio(r.logits for r in rs), "decisions": sum(len(r.logits) for r in rs)})
+        by_pass.append(
+            {
+                "pass": p,
+                "b2": sum(load_balance_b2(r.routing_map) for r in rs) / len(rs),
+                "mmr": median_margin_ratio(r.logits for r in rs),
+                "decisions": sum(len(r.logits) for r in rs),
+            }
+        )
     forwards, current, seen = [], [], set()
     for r in records:
         key = (r.block, r.pass_index)

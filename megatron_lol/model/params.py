@@ -202,8 +202,11 @@ class ParamCounts:
         }
 
     def to_dict(self) -> dict:
-        d = {f: getattr(self, f) for f in self.__dataclass_fields__
-             if f not in ("prelude_layer", "coda_layer", "block", "loop_accounting", "budgets")}
+        d = {
+            f: getattr(self, f)
+            for f in self.__dataclass_fields__
+            if f not in ("prelude_layer", "coda_layer", "block", "loop_accounting", "budgets")
+        }
         d["fixed_layer"] = self.prelude_layer.to_dict()
         d["block"] = self.block.to_dict()
         if self.loop_accounting is not None:
@@ -214,9 +217,23 @@ class ParamCounts:
         return d
 
 
-BREAKDOWN_KEYS = ("embedding", "output", "attention", "pass_attention", "mlp", "experts", "shared_experts",
-                  "moe_router", "second_pass_router", "loop_gates", "norms", "router", "depth_vectors", "film",
-                  "injection")
+BREAKDOWN_KEYS = (
+    "embedding",
+    "output",
+    "attention",
+    "pass_attention",
+    "mlp",
+    "experts",
+    "shared_experts",
+    "moe_router",
+    "second_pass_router",
+    "loop_gates",
+    "norms",
+    "router",
+    "depth_vectors",
+    "film",
+    "injection",
+)
 
 
 def router_parameters(hidden_size: int, num_blocks: int) -> int:
@@ -241,15 +258,23 @@ def layer_counts(model: ModelConfig, moe: bool, num_experts: Optional[int] = Non
     attn = attention_parameters(model)
     norms = 2 * d
     if not moe:
-        return LayerCounts(attention=attn, mlp=3 * d * model.ffn_hidden, experts=0, experts_active=0,
-                           moe_router=0, norms=norms)
+        return LayerCounts(
+            attention=attn, mlp=3 * d * model.ffn_hidden, experts=0, experts_active=0, moe_router=0, norms=norms
+        )
     E = num_experts if num_experts is not None else model.num_experts
     f = model.moe_ffn_hidden_size if model.moe_ffn_hidden_size is not None else model.ffn_hidden
     expert = 3 * d * f
     f_s = model.moe_shared_expert_intermediate_size
-    return LayerCounts(attention=attn, mlp=0, experts=E * expert,
-                       experts_active=min(model.moe_router_topk, E) * expert,
-                       moe_router=E * d, norms=norms, shared_expert=3 * d * f_s if f_s else 0, num_experts=E)
+    return LayerCounts(
+        attention=attn,
+        mlp=0,
+        experts=E * expert,
+        experts_active=min(model.moe_router_topk, E) * expert,
+        moe_router=E * d,
+        norms=norms,
+        shared_expert=3 * d * f_s if f_s else 0,
+        num_experts=E,
+    )
 
 
 def loop_accounting(model: ModelConfig) -> Optional[dict]:
@@ -262,8 +287,18 @@ def loop_accounting(model: ModelConfig) -> Optional[dict]:
         return None
     E, D, L = plan.core_experts, plan.num_stored_blocks, plan.loop_passes
     k = min(model.moe_router_topk, E)
-    return {"E": E, "D": D, "L": L, "k": k, "shape": f"({E},{D},{L})", "E_real": E * D, "D_eff": D * L,
-            "E_eq": E * D * L, "E_comp": k * D * L, "untie_attention": bool(model.untie_attention)}
+    return {
+        "E": E,
+        "D": D,
+        "L": L,
+        "k": k,
+        "shape": f"({E},{D},{L})",
+        "E_real": E * D,
+        "D_eff": D * L,
+        "E_eq": E * D * L,
+        "E_comp": k * D * L,
+        "untie_attention": bool(model.untie_attention),
+    }
 
 
 def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
@@ -318,8 +353,21 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     shared_experts = n_fixed * fixed.shared_expert + L * block.shared_expert
     moe_router = n_fixed * fixed.moe_router + L * block.moe_router
     norms = n_fixed * fixed.norms + L * block.norms + final_norm
-    total = (embedding + output + attention + pass_attention + mlp + experts + shared_experts + moe_router
-             + second_pass_router + loop_gates + norms + extras + film)
+    total = (
+        embedding
+        + output
+        + attention
+        + pass_attention
+        + mlp
+        + experts
+        + shared_experts
+        + moe_router
+        + second_pass_router
+        + loop_gates
+        + norms
+        + extras
+        + film
+    )
     non_embedding = total - embedding - output
 
     active_blocks = min(L, D)
@@ -334,33 +382,60 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
         # extra executions at budget k: k window layers re-run with their gates (and separate routers,
         # which replace the shared one on that pass: no extra router per execution)
         def at_budget(k: int) -> tuple[int, int]:
-            return (fixed_active + (L + k) * block.active + k * gate_each,
-                    linear_fixed + (L + k) * block.linear_active)
+            return (fixed_active + (L + k) * block.active + k * gate_each, linear_fixed + (L + k) * block.linear_active)
 
         budgets = []
         for k in plan.budgets:
             act, lin = at_budget(k)
-            budgets.append({"k": k, "layer_executions": n_fixed + plan.depth_for(k), "active_compute": act,
-                            "linear_active_compute": lin})
+            budgets.append(
+                {
+                    "k": k,
+                    "layer_executions": n_fixed + plan.depth_for(k),
+                    "active_compute": act,
+                    "linear_active_compute": lin,
+                }
+            )
         active_compute, linear_active_compute = at_budget(D - L)
         # the Accordion paper's "active": one unlooped (k = 0) forward pass
         active = fixed_active + L * block.active
         linear_active = linear_fixed + L * block.linear_active
     return ParamCounts(
-        plan=plan.name, vocab_size=vocab_size,
-        total=total, non_embedding=non_embedding,
-        active_per_token=active, active_compute=active_compute,
+        plan=plan.name,
+        vocab_size=vocab_size,
+        total=total,
+        non_embedding=non_embedding,
+        active_per_token=active,
+        active_compute=active_compute,
         active_with_embedding=active + embedding + output,
         linear_total=n_fixed * fixed.linear + L * block.linear + pass_attention_linear,
         linear_active=linear_active,
         linear_active_compute=linear_active_compute,
-        embedding=embedding, output=output, attention=attention, pass_attention=pass_attention, mlp=mlp,
-        experts=experts, shared_experts=shared_experts, moe_router=moe_router,
-        second_pass_router=second_pass_router, loop_gates=loop_gates, norms=norms, router=router,
-        depth_vectors=depth_vectors, film=film, injection=injection,
-        num_layers_fixed=n_fixed, num_blocks=L, core_depth=D, active_blocks=active_blocks,
-        num_routers=num_routers, router_each=router_each,
-        loop_passes=passes, pass_attention_sets=sets,
-        prelude_layer=fixed, coda_layer=fixed, block=block,
-        loop_accounting=loop_accounting(model), budgets=budgets,
+        embedding=embedding,
+        output=output,
+        attention=attention,
+        pass_attention=pass_attention,
+        mlp=mlp,
+        experts=experts,
+        shared_experts=shared_experts,
+        moe_router=moe_router,
+        second_pass_router=second_pass_router,
+        loop_gates=loop_gates,
+        norms=norms,
+        router=router,
+        depth_vectors=depth_vectors,
+        film=film,
+        injection=injection,
+        num_layers_fixed=n_fixed,
+        num_blocks=L,
+        core_depth=D,
+        active_blocks=active_blocks,
+        num_routers=num_routers,
+        router_each=router_each,
+        loop_passes=passes,
+        pass_attention_sets=sets,
+        prelude_layer=fixed,
+        coda_layer=fixed,
+        block=block,
+        loop_accounting=loop_accounting(model),
+        budgets=budgets,
     )

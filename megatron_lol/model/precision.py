@@ -57,8 +57,9 @@ def recompute(config, function, *args):
     if getattr(config, "fp8", None):
         from megatron.core.extensions import transformer_engine as te_ext
 
-        group = (parallel_state.get_tensor_model_parallel_group()
-                 if parallel_state.model_parallel_is_initialized() else None)
+        group = (
+            parallel_state.get_tensor_model_parallel_group() if parallel_state.model_parallel_is_initialized() else None
+        )
         return te_ext.te_checkpoint(function, False, tensor_parallel.random.get_cuda_rng_tracker, group, *args)
     return tensor_parallel.checkpoint(function, False, *args)
 

@@ -85,8 +85,9 @@ class WindowRouter(nn.Module):
         return torch.softmax(z, dim=-1)
 
 
-def window_noise(windows: WindowLayout, row_seeds: torch.Tensor, depth: int, num_blocks: int,
-                 row_length: int) -> torch.Tensor:
+def window_noise(
+    windows: WindowLayout, row_seeds: torch.Tensor, depth: int, num_blocks: int, row_length: int
+) -> torch.Tensor:
     """Router noise ``eps`` [N, L] drawn per (sample, depth) from its own seed.
 
     Each row of the micro-batch carries a seed derived from (run seed, step,
@@ -104,7 +105,7 @@ def window_noise(windows: WindowLayout, row_seeds: torch.Tensor, depth: int, num
     for seed, n in zip(row_seeds.tolist(), per_row):
         if n:
             gen.manual_seed((int(seed) * 1_000_003 + depth) % (2**63 - 1))
-            eps[start:start + n].normal_(generator=gen)
+            eps[start : start + n].normal_(generator=gen)
         start += n
     return eps.to(windows.window_first_token.device)
 
@@ -131,8 +132,9 @@ def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Te
     """
     if not (torch.is_grad_enabled() and states.requires_grad):
         return windows.window_means(states), states.index_select(0, windows.window_first_token).float()
-    return _WindowInputs.apply(states, windows.token_window, windows.window_length, windows.window_first_token,
-                               windows._max_length())
+    return _WindowInputs.apply(
+        states, windows.token_window, windows.window_length, windows.window_first_token, windows._max_length()
+    )
 
 
 class _WindowInputs(torch.autograd.Function):
@@ -150,16 +152,19 @@ class _WindowInputs(torch.autograd.Function):
     def forward(ctx, states, token_window, window_length, first_token, max_length):
         ctx.save_for_backward(token_window, window_length, first_token)
         ctx.dtype = states.dtype
-        return (segment_means(states, first_token, window_length, max_length),
-                states.index_select(0, first_token).float())
+        return (
+            segment_means(states, first_token, window_length, max_length),
+            states.index_select(0, first_token).float(),
+        )
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_means, grad_first):
         token_window, window_length, first_token = ctx.saved_tensors
         if grad_means is None:
-            grad = torch.zeros(token_window.shape[0], grad_first.shape[-1], dtype=torch.float32,
-                               device=grad_first.device)
+            grad = torch.zeros(
+                token_window.shape[0], grad_first.shape[-1], dtype=torch.float32, device=grad_first.device
+            )
         else:
             grad = (grad_means / window_length.unsqueeze(1).to(torch.float32)).index_select(0, token_window)
         if grad_first is not None:

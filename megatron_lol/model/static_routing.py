@@ -116,8 +116,14 @@ class _WindowInputs(torch.autograd.Function):
 
 def window_inputs(windows: DepthWindows, states: torch.Tensor) -> tuple:
     """Window means ``mu_j`` and first-token rows of the depth's input ``states`` ``[T, h]``, fp32 ``[C, h]``."""
-    return _WindowInputs.apply(states, windows.window_length, windows.window_first_token, windows.token_window,
-                               windows.token_is_first, windows.max_length)
+    return _WindowInputs.apply(
+        states,
+        windows.window_length,
+        windows.window_first_token,
+        windows.token_window,
+        windows.token_is_first,
+        windows.max_length,
+    )
 
 
 class _PrefixMeans(torch.autograd.Function):
@@ -170,8 +176,15 @@ class Decision:
     gate: torch.Tensor  # [C] fp32, carries the router's gradient
 
 
-def decide(router, summaries: torch.Tensor, eps: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-           forced=None, depth: Optional[int] = None, windows: Optional[DepthWindows] = None) -> Decision:
+def decide(
+    router,
+    summaries: torch.Tensor,
+    eps: Optional[torch.Tensor],
+    bias: Optional[torch.Tensor],
+    forced=None,
+    depth: Optional[int] = None,
+    windows: Optional[DepthWindows] = None,
+) -> Decision:
     """Probabilities, top-1 choice and gate (:func:`~.router.choose_blocks`), then a forced path.
 
     ``eps`` ``[C, L]``: the layout's noise (None: the router draws it, training only).
@@ -210,9 +223,14 @@ def group_tokens(token_choice: torch.Tensor, token_window: torch.Tensor, num_blo
     rows = torch.arange(t, device=order.device)
     inverse = torch.empty_like(order).scatter_(0, order, rows)  # a permutation: every slot written once
     ends = torch.searchsorted(block_of_row, torch.arange(num_blocks, device=order.device), right=True)
-    return TokenGrouping(order=order, inverse=inverse, block_of_row=block_of_row,
-                         segments=token_window.index_select(0, order), group_ends=ends.to(torch.int32),
-                         group_offsets=torch.cat([ends.new_zeros(1), ends]))
+    return TokenGrouping(
+        order=order,
+        inverse=inverse,
+        block_of_row=block_of_row,
+        segments=token_window.index_select(0, order),
+        group_ends=ends.to(torch.int32),
+        group_offsets=torch.cat([ends.new_zeros(1), ends]),
+    )
 
 
 def grouped_cu_seqlens(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
@@ -245,8 +263,9 @@ def token_gates(windows: DepthWindows, window_gate: torch.Tensor) -> torch.Tenso
     return _ExpandWindows.apply(window_gate, windows.token_window, windows.cu_seqlens)
 
 
-def gated_combine(states: torch.Tensor, block_out: torch.Tensor, gate: torch.Tensor,
-                  keep: Optional[torch.Tensor] = None) -> torch.Tensor:
+def gated_combine(
+    states: torch.Tensor, block_out: torch.Tensor, gate: torch.Tensor, keep: Optional[torch.Tensor] = None
+) -> torch.Tensor:
     """``s + alpha (E(s) - s)`` in token order (``block_out`` = ``E(s)`` ``[T, h]``, ``gate`` ``[T]``).
 
     ``keep`` ``[T]`` bool (truncated backprop): elsewhere the update and the

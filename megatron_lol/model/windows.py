@@ -23,8 +23,7 @@ from megatron_lol.model.window_math import causal_pairs, window_offset, windowed
 
 def window_ordinals(positions: torch.Tensor, depth: int, window_size: int, window_shift: int) -> torch.Tensor:
     """``w_l(i)`` for document positions ``i``."""
-    return torch.div(positions + window_offset(depth, window_size, window_shift), window_size,
-                     rounding_mode="floor")
+    return torch.div(positions + window_offset(depth, window_size, window_shift), window_size, rounding_mode="floor")
 
 
 def window_groups(n: int, depth: int, window_size: int, window_shift: int) -> list[tuple[int, int]]:
@@ -111,8 +110,9 @@ class DocumentLayout:
         return cls.from_starts(torch.zeros(b, s, dtype=torch.bool, device=device))
 
 
-def segment_means(states: torch.Tensor, first_row: torch.Tensor, segment_length: torch.Tensor,
-                  max_length: int) -> torch.Tensor:
+def segment_means(
+    states: torch.Tensor, first_row: torch.Tensor, segment_length: torch.Tensor, max_length: int
+) -> torch.Tensor:
     """Mean of the rows of ``states`` [T, h] in each segment, fp32 [N, h] (``N = len(segment_length)``).
 
     Segments are contiguous runs of rows (segment ``j``: ``first_row[j]`` and the
@@ -133,7 +133,7 @@ def segment_means(states: torch.Tensor, first_row: torch.Tensor, segment_length:
     per_chunk = max(1, total // max_length)
     sums = []
     for start in range(0, n, per_chunk):
-        first, length = first_row[start:start + per_chunk], segment_length[start:start + per_chunk]
+        first, length = first_row[start : start + per_chunk], segment_length[start : start + per_chunk]
         rows = (first.unsqueeze(1) + slots).clamp_(max=total - 1)  # [c, max_length] row of each slot
         valid = (slots < length.unsqueeze(1)).unsqueeze(2)
         gathered = states.index_select(0, rows.reshape(-1)).view(rows.shape[0], max_length, h)
@@ -155,7 +155,7 @@ def segmented_inclusive_sum(values: torch.Tensor, ordinal: torch.Tensor, bound: 
     shape = (n,) + (1,) * (values.dim() - 1)
     step = 1
     while step < bound:
-        shifted = torch.cat([out.new_zeros((min(step, n),) + tuple(out.shape[1:])), out[:max(0, n - step)]])
+        shifted = torch.cat([out.new_zeros((min(step, n),) + tuple(out.shape[1:])), out[: max(0, n - step)]])
         out = out + torch.where((ordinal >= step).view(shape), shifted, 0)
         step *= 2
     return out
@@ -191,10 +191,18 @@ class WindowLayout:
         ordinal = torch.div(pos[first] + delta, window_size, rounding_mode="floor")
         length = torch.bincount(token_window, minlength=num_windows)
         row_length = docs.shape[1]
-        return cls(depth=depth, token_window=token_window, window_ordinal=ordinal,
-                   window_doc=docs.doc_index.reshape(-1)[first], window_first_token=first,
-                   window_length=length, num_windows=num_windows, num_docs=docs.num_docs,
-                   window_size=window_size, max_windows_per_doc=-(-(row_length + delta) // window_size))
+        return cls(
+            depth=depth,
+            token_window=token_window,
+            window_ordinal=ordinal,
+            window_doc=docs.doc_index.reshape(-1)[first],
+            window_first_token=first,
+            window_length=length,
+            num_windows=num_windows,
+            num_docs=docs.num_docs,
+            window_size=window_size,
+            max_windows_per_doc=-(-(row_length + delta) // window_size),
+        )
 
     def _max_length(self) -> int:
         return self.window_size if self.window_size is not None else int(self.window_length.max())
@@ -222,6 +230,6 @@ class WindowLayout:
         n = window_means.shape[0]
         ordinal = self.window_ordinal
         inclusive = segmented_inclusive_sum(window_means, ordinal, self._ordinal_bound())
-        before = torch.cat([inclusive.new_zeros((min(1, n),) + tuple(inclusive.shape[1:])), inclusive[:n - 1]])
+        before = torch.cat([inclusive.new_zeros((min(1, n),) + tuple(inclusive.shape[1:])), inclusive[: n - 1]])
         exclusive = torch.where((ordinal >= 1).unsqueeze(1), before, 0)
         return exclusive / ordinal.clamp(min=1).unsqueeze(1).to(exclusive.dtype)

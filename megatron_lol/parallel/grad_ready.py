@@ -76,8 +76,10 @@ class _ChunkEntry:
         if param.grad is None:
             return
         if self.groups[param].grad_reduce_handle is not None:
-            raise RuntimeError("overlap_grad_reduce: a core parameter's gradient arrived after its bucket's "
-                               "reduction was launched (parallel/grad_ready.py)")
+            raise RuntimeError(
+                "overlap_grad_reduce: a core parameter's gradient arrived after its bucket's "
+                "reduction was launched (parallel/grad_ready.py)"
+            )
         if not getattr(param, "grad_added_to_main_grad", False) or getattr(param, "zero_out_wgrad", False):
             param.main_grad.add_(param.grad.data)
         param.grad = None
@@ -92,8 +94,10 @@ class _ChunkEntry:
         if not (module.training and torch.is_grad_enabled()):
             return None
         if not states.requires_grad:
-            raise RuntimeError("overlap_grad_reduce: the core's input does not require grad, so the core's "
-                               "gradients could never be declared ready")
+            raise RuntimeError(
+                "overlap_grad_reduce: the core's input does not require grad, so the core's "
+                "gradients could never be declared ready"
+            )
         return (_ReadyAtCoreInput.apply(states, self),) + tuple(args[1:])
 
 

@@ -83,7 +83,7 @@ class LibrarySync:
             offset = 0
             for p in params:
                 g = _grad(p)
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
                 offset += g.numel()
 
     def reduce_loads(self, loads: torch.Tensor) -> torch.Tensor:

@@ -71,16 +71,20 @@ class RoutingAgreement:
         digest = routing_digest(decision.choice, decision.gate, self.num_blocks)
         both = torch.cat([digest, -digest])
         torch.distributed.all_reduce(both, op=torch.distributed.ReduceOp.MAX, group=self.group)
-        high, low = both[:digest.numel()], -both[digest.numel():]
+        high, low = both[: digest.numel()], -both[digest.numel() :]
         self.checked_depths.append(depth)
         if not torch.equal(high, low):  # a device-to-host read, on checked steps only
             ranks = torch.distributed.get_world_size(self.group)
-            what = "window counts" if high[0] != low[0] else (
-                "blocks" if high[1] != low[1] or not torch.equal(high[3:], low[3:]) else "gates")
+            what = (
+                "window counts"
+                if high[0] != low[0]
+                else ("blocks" if high[1] != low[1] or not torch.equal(high[3:], low[3:]) else "gates")
+            )
             raise RoutingDisagreement(
                 f"routing disagreement at iteration {self.step}, depth {depth}: the {ranks} tensor-parallel ranks "
                 f"chose different {what} for the same windows (their next collectives would not match); "
-                f"see docs/gpu.md, 'Routing on every rank'")
+                f"see docs/gpu.md, 'Routing on every rank'"
+            )
 
 
 def tensor_parallel_check(step: int, num_blocks: int, interval: Optional[int]) -> Optional[RoutingAgreement]:
@@ -145,5 +149,5 @@ def average_routing_grads(model_chunks: list) -> None:
     flat.div_(tp)
     offset = 0
     for grad in grads:
-        grad.copy_(flat[offset:offset + grad.numel()].view_as(grad))
+        grad.copy_(flat[offset : offset + grad.numel()].view_as(grad))
         offset += grad.numel()

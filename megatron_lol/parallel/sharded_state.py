@@ -38,10 +38,8 @@ def lol_sharded_state_dict(model, prefix: str = "", metadata: Optional[dict] = N
     metadata = ensure_metadata_has_dp_cp_group(metadata)
     tp_group = ps.get_tensor_model_parallel_group()
     core = getattr(model, "core", None)
-    expert_sharded = (core is not None and core.plan.shards_library
-                      and ps.get_expert_model_parallel_world_size() > 1)
-    block_metadata = (dict(metadata, dp_cp_group=ps.get_expert_data_parallel_group())
-                      if expert_sharded else metadata)
+    expert_sharded = core is not None and core.plan.shards_library and ps.get_expert_model_parallel_world_size() > 1
+    block_metadata = dict(metadata, dp_cp_group=ps.get_expert_data_parallel_group()) if expert_sharded else metadata
 
     def walk(module, pfx: str, md: dict) -> dict:
         fn = getattr(type(module), "sharded_state_dict", None)
@@ -49,8 +47,9 @@ def lol_sharded_state_dict(model, prefix: str = "", metadata: Optional[dict] = N
             return module.sharded_state_dict(pfx, (), md)
         own: dict = {}
         module._save_to_state_dict(own, "", keep_vars=True)
-        out = make_sharded_tensors_for_checkpoint(own, pfx, sharded_offsets=(), tp_group=tp_group,
-                                                  dp_cp_group=md["dp_cp_group"])
+        out = make_sharded_tensors_for_checkpoint(
+            own, pfx, sharded_offsets=(), tp_group=tp_group, dp_cp_group=md["dp_cp_group"]
+        )
         for name, child in module.named_children():
             child_pfx = f"{pfx}{name}."
             out.update(walk(child, child_pfx, block_metadata if child_pfx == f"{prefix}core.blocks." else md))

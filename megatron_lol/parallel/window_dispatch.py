@@ -22,8 +22,9 @@ from __future__ import annotations
 import torch
 
 
-def run_grouped_expert_parallel(grouping, states: torch.Tensor, run_block, rope_index: torch.Tensor,
-                                group) -> torch.Tensor:
+def run_grouped_expert_parallel(
+    grouping, states: torch.Tensor, run_block, rope_index: torch.Tensor, group
+) -> torch.Tensor:
     """Block updates ``E(s) - s`` of the grouped tokens, in ``grouping.order`` order.
 
     ``grouping``: a ``megatron_lol.model.dispatch.WindowGrouping`` (``order``,
@@ -52,15 +53,21 @@ def run_grouped_expert_parallel(grouping, states: torch.Tensor, run_block, rope_
     received = all_to_all(group, packed, recv_splits, send_splits)
     meta_in = torch.empty(sum(recv_splits), 2, dtype=torch.long, device=dev)
     dist.all_to_all_single(meta_in, meta.contiguous(), recv_splits, send_splits, group=group)
-    source = torch.repeat_interleave(torch.arange(ep, device=dev),
-                                     torch.tensor(recv_splits, dtype=torch.long, device=dev),
-                                     output_size=sum(recv_splits))
+    source = torch.repeat_interleave(
+        torch.arange(ep, device=dev),
+        torch.tensor(recv_splits, dtype=torch.long, device=dev),
+        output_size=sum(recv_splits),
+    )
 
     # group what arrived by local block; (source, window) pairs stay contiguous and ordered
     local_counts = table[:, rank]  # [source, local block], host
     block_ids = torch.arange(per_rank, device=dev)
-    block_of = torch.cat([torch.repeat_interleave(block_ids, local_counts[s].to(dev),
-                                                  output_size=int(local_counts[s].sum())) for s in range(ep)])
+    block_of = torch.cat(
+        [
+            torch.repeat_interleave(block_ids, local_counts[s].to(dev), output_size=int(local_counts[s].sum()))
+            for s in range(ep)
+        ]
+    )
     by_block, perm = torch.sort(block_of, stable=True)
     x = received.index_select(0, perm)
     window = meta_in[perm, 0] * ep + source[perm]  # unique window key across sources
@@ -69,9 +76,9 @@ def run_grouped_expert_parallel(grouping, states: torch.Tensor, run_block, rope_
     start = 0
     for local, count in enumerate(local_counts.sum(dim=0).tolist()):
         if count:
-            chunk = x[start:start + count]
-            seg = window[start:start + count]
-            outputs.append(run_block(rank * per_rank + local, chunk, seg, positions[start:start + count]) - chunk)
+            chunk = x[start : start + count]
+            seg = window[start : start + count]
+            outputs.append(run_block(rank * per_rank + local, chunk, seg, positions[start : start + count]) - chunk)
         start += count
     updates = torch.cat(outputs, dim=0) if outputs else x.new_zeros(x.shape)
     unpermuted = updates.new_zeros(updates.shape).index_copy(0, perm, updates)

@@ -31,8 +31,10 @@ from megatron_lol.plan.curriculum import steps_per_depth
 def _global_batch(cfg) -> int:
     tr = cfg.training
     if tr.global_batch_size is None:
-        raise ConfigError("training.global_batch_size: must be set to count a run's FLOPs (training.train_flops "
-                          "or the params verb's training row); otherwise the data-parallel size sets it")
+        raise ConfigError(
+            "training.global_batch_size: must be set to count a run's FLOPs (training.train_flops "
+            "or the params verb's training row); otherwise the data-parallel size sets it"
+        )
     return tr.global_batch_size
 
 
@@ -68,8 +70,10 @@ class RunFlops:
         """The largest ``N`` with ``F(N) <= budget`` (ConfigError when one step is over it)."""
         first = self(1)
         if first > budget:
-            raise ConfigError(f"training.train_flops: {budget:.4g} is less than one iteration "
-                              f"({first:.4g} FLOPs at global batch {self.batch} x {self.seq} tokens)")
+            raise ConfigError(
+                f"training.train_flops: {budget:.4g} is less than one iteration "
+                f"({first:.4g} FLOPs at global batch {self.batch} x {self.seq} tokens)"
+            )
         lo, hi = 1, 2
         while self(hi) <= budget:
             lo, hi = hi, hi * 2
@@ -103,11 +107,15 @@ def apply_flop_budget(cfg, vocab_size: int) -> Optional[str]:
     run = RunFlops(cfg, vocab_size)
     n = run.iterations_for(budget)
     cfg.training.train_iters = n
-    grows = "" if run.initial_depth is None else (
-        f", growing depth {run.initial_depth} -> {run.full_depth} over the first "
-        f"{run.growth_fraction:g} of them")
-    return (f"training.train_flops {budget:.4g}: {n} iterations of {run.batch} x {run.seq} tokens "
-            f"= {run(n):.4g} training FLOPs (FLOP model{grows}; vocabulary {vocab_size})")
+    grows = (
+        ""
+        if run.initial_depth is None
+        else (f", growing depth {run.initial_depth} -> {run.full_depth} over the first {run.growth_fraction:g} of them")
+    )
+    return (
+        f"training.train_flops {budget:.4g}: {n} iterations of {run.batch} x {run.seq} tokens "
+        f"= {run(n):.4g} training FLOPs (FLOP model{grows}; vocabulary {vocab_size})"
+    )
 
 
 __all__ = ["RunFlops", "run_training_flops", "iterations_for_flops", "apply_flop_budget"]

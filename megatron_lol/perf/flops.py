@@ -110,8 +110,7 @@ class Flops:
 
     @property
     def total(self) -> float:
-        return (self.attention_proj + self.attention_scores + self.mlp + self.moe_router
-                + self.router + self.lm_head)
+        return self.attention_proj + self.attention_scores + self.mlp + self.moe_router + self.router + self.lm_head
 
     def __add__(self, other: "Flops") -> "Flops":
         return Flops(**{k: getattr(self, k) + getattr(other, k) for k in _FLOP_KEYS})
@@ -148,11 +147,16 @@ class StepFlops:
 
     def to_dict(self) -> dict:
         return {
-            "total": self.total, "forward": self.forward.to_dict(), "backward": self.backward.to_dict(),
-            "per_token": self.per_token(), "tokens": self.tokens, "depth": self.depth,
+            "total": self.total,
+            "forward": self.forward.to_dict(),
+            "backward": self.backward.to_dict(),
+            "per_token": self.per_token(),
+            "tokens": self.tokens,
+            "depth": self.depth,
             "attention_pairs": self.attention_pairs,
-            "parts": {k: {"forward": v["forward"].total, "backward": v["backward"].total}
-                      for k, v in self.parts.items()},
+            "parts": {
+                k: {"forward": v["forward"].total, "backward": v["backward"].total} for k, v in self.parts.items()
+            },
         }
 
 
@@ -206,26 +210,69 @@ def score_flops(model: ModelConfig, pairs: int) -> Flops:
     return Flops(attention_scores=4 * pairs * nq * c)
 
 
-def forward_flops(model: ModelConfig, vocab_size: int, seq: int, batch: int = 1, depth: Optional[int] = None,
-                  attention_pairs: str = "allowed", training: bool = False,
-                  streams_per_depth: int = 1) -> StepFlops:
+def forward_flops(
+    model: ModelConfig,
+    vocab_size: int,
+    seq: int,
+    batch: int = 1,
+    depth: Optional[int] = None,
+    attention_pairs: str = "allowed",
+    training: bool = False,
+    streams_per_depth: int = 1,
+) -> StepFlops:
     """Forward FLOPs of a micro-batch ``[batch, seq]`` (no backward)."""
-    return _flops(model, vocab_size, seq, batch, depth=depth, mode=attention_pairs, training=training, backward=False,
-                  backprop_depth=None, first_window_full_backprop=True, streams_per_depth=streams_per_depth)
+    return _flops(
+        model,
+        vocab_size,
+        seq,
+        batch,
+        depth=depth,
+        mode=attention_pairs,
+        training=training,
+        backward=False,
+        backprop_depth=None,
+        first_window_full_backprop=True,
+        streams_per_depth=streams_per_depth,
+    )
 
 
-def training_flops(model: ModelConfig, vocab_size: int, seq: int, batch: int = 1, *, depth: Optional[int] = None,
-                   attention_pairs: str = "allowed", backprop_depth: Optional[int] = None,
-                   first_window_full_backprop: bool = True, streams_per_depth: int = 1) -> StepFlops:
+def training_flops(
+    model: ModelConfig,
+    vocab_size: int,
+    seq: int,
+    batch: int = 1,
+    *,
+    depth: Optional[int] = None,
+    attention_pairs: str = "allowed",
+    backprop_depth: Optional[int] = None,
+    first_window_full_backprop: bool = True,
+    streams_per_depth: int = 1,
+) -> StepFlops:
     """Forward + backward FLOPs of ``batch`` sequences of ``seq`` tokens at core depth ``depth``."""
-    return _flops(model, vocab_size, seq, batch, depth=depth, mode=attention_pairs, training=True, backward=True,
-                  backprop_depth=backprop_depth, first_window_full_backprop=first_window_full_backprop,
-                  streams_per_depth=streams_per_depth)
+    return _flops(
+        model,
+        vocab_size,
+        seq,
+        batch,
+        depth=depth,
+        mode=attention_pairs,
+        training=True,
+        backward=True,
+        backprop_depth=backprop_depth,
+        first_window_full_backprop=first_window_full_backprop,
+        streams_per_depth=streams_per_depth,
+    )
 
 
-def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: int,
-                            vocab_size: Optional[int] = None, attention_pairs: str = "allowed",
-                            budgets: Optional[list] = None) -> float:
+def training_flops_per_step(
+    cfg,
+    depth: Optional[int],
+    global_batch: int,
+    seq: int,
+    vocab_size: Optional[int] = None,
+    attention_pairs: str = "allowed",
+    budgets: Optional[list] = None,
+) -> float:
     """Model FLOPs of one optimizer step of an :class:`ExperimentConfig` (all ranks together).
 
     What the trainer's log line divides by step time and device count for
@@ -246,9 +293,19 @@ def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: i
     cur, m = cfg.curriculum, cfg.model
 
     def at(d: Optional[int], batch: float) -> float:
-        return training_flops(m, vocab, seq, 1, depth=d, attention_pairs=attention_pairs,
-                              backprop_depth=cur.backprop_depth,
-                              first_window_full_backprop=cur.first_window_full_backprop).total * batch
+        return (
+            training_flops(
+                m,
+                vocab,
+                seq,
+                1,
+                depth=d,
+                attention_pairs=attention_pairs,
+                backprop_depth=cur.backprop_depth,
+                first_window_full_backprop=cur.first_window_full_backprop,
+            ).total
+            * batch
+        )
 
     plan = m.execution_plan()
     if plan.has_budgets and depth is None:
@@ -257,14 +314,32 @@ def training_flops_per_step(cfg, depth: Optional[int], global_batch: int, seq: i
             return sum(at(plan.depth_for(k), per) for k in budgets)
         if m.loop_budget is None:
             return sum(at(plan.depth_for(k), global_batch) for k in plan.budgets) / len(plan.budgets)
-    return training_flops(m, vocab, seq, global_batch, depth=depth, attention_pairs=attention_pairs,
-                          backprop_depth=cur.backprop_depth,
-                          first_window_full_backprop=cur.first_window_full_backprop).total
+    return training_flops(
+        m,
+        vocab,
+        seq,
+        global_batch,
+        depth=depth,
+        attention_pairs=attention_pairs,
+        backprop_depth=cur.backprop_depth,
+        first_window_full_backprop=cur.first_window_full_backprop,
+    ).total
 
 
-def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, *, depth: Optional[int], mode: str,
-           training: bool, backward: bool, backprop_depth: Optional[int], first_window_full_backprop: bool,
-           streams_per_depth: int) -> StepFlops:
+def _flops(
+    model: ModelConfig,
+    vocab: int,
+    seq: int,
+    batch: int,
+    *,
+    depth: Optional[int],
+    mode: str,
+    training: bool,
+    backward: bool,
+    backprop_depth: Optional[int],
+    first_window_full_backprop: bool,
+    streams_per_depth: int,
+) -> StepFlops:
     if mode not in PAIR_MODES:
         raise ValueError(f"attention_pairs must be one of {PAIR_MODES} (got {mode!r})")
     plan = model.execution_plan()
@@ -284,10 +359,14 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, *, depth: Optio
     parts: dict = {}
     # prelude / coda: full causal attention inside documents
     fixed_fwd = layer_token_flops(model, T, "fixed") + score_flops(model, fixed_layer_scores())
-    parts["prelude"] = {"forward": fixed_fwd.scaled(model.n_prelude),
-                        "backward": fixed_fwd.scaled(2 * model.n_prelude if backward else 0)}
-    parts["coda"] = {"forward": fixed_fwd.scaled(model.n_coda),
-                     "backward": fixed_fwd.scaled(2 * model.n_coda if backward else 0)}
+    parts["prelude"] = {
+        "forward": fixed_fwd.scaled(model.n_prelude),
+        "backward": fixed_fwd.scaled(2 * model.n_prelude if backward else 0),
+    }
+    parts["coda"] = {
+        "forward": fixed_fwd.scaled(model.n_coda),
+        "backward": fixed_fwd.scaled(2 * model.n_coda if backward else 0),
+    }
     head = Flops(lm_head=2 * T * d * vocab)
     parts["head"] = {"forward": head, "backward": head.scaled(2 if backward else 0)}
 
@@ -336,8 +415,11 @@ def _flops(model: ModelConfig, vocab: int, seq: int, batch: int, *, depth: Optio
             grad_pairs = fwd_pairs if grad_tokens else 0
         core_f = core_f + proj + score_flops(model, fwd_pairs)
         if grad_tokens:
-            core_b = core_b + layer_token_flops(model, grad_tokens, "block").scaled(2) \
+            core_b = (
+                core_b
+                + layer_token_flops(model, grad_tokens, "block").scaled(2)
                 + score_flops(model, grad_pairs).scaled(2)
+            )
         if routed:
             n_windows = batch * len(window_lengths(seq, W, delta))
             r = 2 * n_windows * d * L
@@ -363,11 +445,30 @@ def dense_equivalent(model: ModelConfig, depth: Optional[int] = None) -> ModelCo
 
     plan = model.execution_plan()
     depth = plan.depth_for(None) if depth is None else depth
-    shape = {key: None for key in ("num_blocks", "routed_depth", "loop_layers", "loop_count", "foil_experts",
-                                   "foil_layers", "foil_loops", "loop_window")}
-    over = dict(shape, plan="dense", core_layers=depth, dense_attention="full", untie_attention=None,
-                core_num_experts=plan.core_experts if model.moe_layers == "all" else None,
-                loop_budgets=[0], loop_budget=None, second_pass_router="shared")
+    shape = {
+        key: None
+        for key in (
+            "num_blocks",
+            "routed_depth",
+            "loop_layers",
+            "loop_count",
+            "foil_experts",
+            "foil_layers",
+            "foil_loops",
+            "loop_window",
+        )
+    }
+    over = dict(
+        shape,
+        plan="dense",
+        core_layers=depth,
+        dense_attention="full",
+        untie_attention=None,
+        core_num_experts=plan.core_experts if model.moe_layers == "all" else None,
+        loop_budgets=[0],
+        loop_budget=None,
+        second_pass_router="shared",
+    )
     return dataclasses.replace(model, **over)
 
 
@@ -392,9 +493,19 @@ class MemoryEstimate:
         return d
 
 
-def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int, *, depth: Optional[int] = None,
-                 data_parallel: int = 1, tensor_parallel: int = 1, distributed_optimizer: bool = False,
-                 recompute: Optional[str] = None, backprop_depth: Optional[int] = None) -> MemoryEstimate:
+def memory_model(
+    model: ModelConfig,
+    vocab_size: int,
+    seq: int,
+    micro_batch: int,
+    *,
+    depth: Optional[int] = None,
+    data_parallel: int = 1,
+    tensor_parallel: int = 1,
+    distributed_optimizer: bool = False,
+    recompute: Optional[str] = None,
+    backprop_depth: Optional[int] = None,
+) -> MemoryEstimate:
     """Per-device bytes of a training step (TP divides weights and activations evenly; PP ignored).
 
     Activations are those the local implementation saves for backward, per
@@ -404,8 +515,9 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
     shared expert's) plus, per executed score entry and head, the
     fp32 softmax output, its cast copy and the boolean mask. A routed (LoL)
     depth's gated combine also keeps its input and the block outputs (``2 d``;
-    the CPU backend's fused combine; the reference keeps about as much). Truncated depths save nothing (their update runs without
-    autograd); ``recompute: full`` keeps one ``d``-vector per layer and token.
+    the CPU backend's fused combine; the reference keeps about as much). Truncated depths save
+    nothing (their update runs without autograd); ``recompute: full`` keeps one ``d``-vector per
+    layer and token.
     """
     from megatron_lol.model.params import count_parameters
 
@@ -437,8 +549,9 @@ def memory_model(model: ModelConfig, vocab_size: int, seq: int, micro_batch: int
         acts = (n_fixed + grad_depths) * T * d * pbytes
     else:
         combine = 2 * d * pbytes / tensor_parallel if plan.routed else 0
-        acts = n_fixed * (T * per_token + exec_fixed * score_bytes) \
-            + grad_depths * (T * (per_token + combine) + exec_core * score_bytes)
+        acts = n_fixed * (T * per_token + exec_fixed * score_bytes) + grad_depths * (
+            T * (per_token + combine) + exec_core * score_bytes
+        )
     logits = T * vocab_size / tensor_parallel * (pbytes + 4 + 4)  # logits, fp32 copy, softmax grad
     return MemoryEstimate(weights=weights, gradients=gradients, optimizer=opt, activations=acts, logits=logits)
 
@@ -451,8 +564,24 @@ def format_flops(x: float) -> str:
 
 
 __all__ = [
-    "Flops", "StepFlops", "MemoryEstimate", "PAIR_MODES", "causal_pairs", "windowed_pairs", "sliding_pairs",
-    "chunked_pairs", "window_lengths", "window_offset", "first_window_tokens", "layer_token_flops",
-    "score_flops", "default_depth", "forward_flops", "training_flops", "training_flops_per_step", "dense_equivalent",
-    "memory_model", "format_flops",
+    "Flops",
+    "StepFlops",
+    "MemoryEstimate",
+    "PAIR_MODES",
+    "causal_pairs",
+    "windowed_pairs",
+    "sliding_pairs",
+    "chunked_pairs",
+    "window_lengths",
+    "window_offset",
+    "first_window_tokens",
+    "layer_token_flops",
+    "score_flops",
+    "default_depth",
+    "forward_flops",
+    "training_flops",
+    "training_flops_per_step",
+    "dense_equivalent",
+    "memory_model",
+    "format_flops",
 ]

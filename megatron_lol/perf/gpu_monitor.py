@@ -72,15 +72,17 @@ class GpuSampler:
         for k, h in enumerate(self.handles):
             util = nv.nvmlDeviceGetUtilizationRates(h)
             mem = nv.nvmlDeviceGetMemoryInfo(h)
-            self.samples[k].append({
-                "time": now,
-                "utilization_pct": float(util.gpu),
-                "memory_used_bytes": float(mem.used),
-                "memory_total_bytes": float(mem.total),
-                "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,  # mW -> W
-                "sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, getattr(nv, "NVML_CLOCK_SM", NVML_CLOCK_SM))),
-                "throttle_mask": self._throttle(h),
-            })
+            self.samples[k].append(
+                {
+                    "time": now,
+                    "utilization_pct": float(util.gpu),
+                    "memory_used_bytes": float(mem.used),
+                    "memory_total_bytes": float(mem.total),
+                    "power_w": nv.nvmlDeviceGetPowerUsage(h) / 1000.0,  # mW -> W
+                    "sm_clock_mhz": float(nv.nvmlDeviceGetClockInfo(h, getattr(nv, "NVML_CLOCK_SM", NVML_CLOCK_SM))),
+                    "throttle_mask": self._throttle(h),
+                }
+            )
 
     def _loop(self) -> None:
         while not self._stop.is_set():

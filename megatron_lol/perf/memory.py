@@ -67,20 +67,33 @@ class Layout:
         """The layout of ``cfg`` on ``world_size`` ranks (default: the smallest world the layout needs)."""
         par, tr = cfg.parallel, cfg.training
         mp = par.tensor_model_parallel_size * par.pipeline_model_parallel_size
-        world = world_size if world_size is not None else mp * max(1, math.ceil(
-            par.expert_model_parallel_size / par.tensor_model_parallel_size))
+        world = (
+            world_size
+            if world_size is not None
+            else mp * max(1, math.ceil(par.expert_model_parallel_size / par.tensor_model_parallel_size))
+        )
         dp = par.data_parallel_size(world)
         gbs = tr.global_batch_size or tr.micro_batch_size * dp
         if gbs % (tr.micro_batch_size * dp):
             from megatron_lol.errors import ConfigError
 
-            raise ConfigError(f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
-                              f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})")
-        return cls(tp=par.tensor_model_parallel_size, pp=par.pipeline_model_parallel_size,
-                   vpp=par.virtual_pipeline_model_parallel_size, ep=par.expert_model_parallel_size, dp=dp,
-                   sequence_parallel=par.sequence_parallel, distributed_optimizer=par.use_distributed_optimizer,
-                   recompute=par.recompute_granularity, micro_batch=tr.micro_batch_size, seq=tr.seq_length,
-                   num_microbatches=max(1, gbs // (tr.micro_batch_size * dp)))
+            raise ConfigError(
+                f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
+                f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})"
+            )
+        return cls(
+            tp=par.tensor_model_parallel_size,
+            pp=par.pipeline_model_parallel_size,
+            vpp=par.virtual_pipeline_model_parallel_size,
+            ep=par.expert_model_parallel_size,
+            dp=dp,
+            sequence_parallel=par.sequence_parallel,
+            distributed_optimizer=par.use_distributed_optimizer,
+            recompute=par.recompute_granularity,
+            micro_batch=tr.micro_batch_size,
+            seq=tr.seq_length,
+            num_microbatches=max(1, gbs // (tr.micro_batch_size * dp)),
+        )
 
     @property
     def world(self) -> int:
@@ -131,8 +144,9 @@ def _stage_items(cfg: ExperimentConfig, layout: Layout, pp_rank: int) -> list:
 
     depth = cfg.model.execution_plan().depth
     vpp = layout.vpp if layout.pp > 1 else None
-    return [stage_layout(cfg.model, depth, layout.pp, vpp, pp_rank, chunk if vpp else None)
-            for chunk in range(vpp or 1)]
+    return [
+        stage_layout(cfg.model, depth, layout.pp, vpp, pp_rank, chunk if vpp else None) for chunk in range(vpp or 1)
+    ]
 
 
 def rank_parameters(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_rank: int = 0) -> RankParameters:
@@ -170,14 +184,21 @@ def rank_parameters(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_r
         sets = counts.pass_attention_sets  # Foil's per-pass attention: projections and an input norm each
         out.muon += sets * counts.block.attention / tp
         out.other += sets * d
-        out.other += (counts.router + counts.depth_vectors + counts.film + counts.injection + counts.loop_gates
-                      + counts.second_pass_router)
+        out.other += (
+            counts.router
+            + counts.depth_vectors
+            + counts.film
+            + counts.injection
+            + counts.loop_gates
+            + counts.second_pass_router
+        )
     return out
 
 
 # ------------------------------------------------------------------ activations
-def layer_activation_bytes(cfg: ExperimentConfig, layout: Layout, where: str, tokens: int,
-                           score_entries: float, attention: str) -> float:
+def layer_activation_bytes(
+    cfg: ExperimentConfig, layout: Layout, where: str, tokens: int, score_entries: float, attention: str
+) -> float:
     """Bytes one layer execution saves for backward over ``tokens`` tokens of one micro-batch.
 
     ``where``: ``fixed`` (prelude / coda, sequence-parallel under SP) or ``block`` (the core).
@@ -284,9 +305,18 @@ def rank_memory(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_rank:
     # the peak beyond the saved activations: the head's cross entropy on the last stage, else the backward
     # of one layer, whose activation gradients exist while its saved tensors are still held
     backward = 0.0 if last or layout.recompute == "full" else parts["largest_layer"]
-    return RankMemory(pp_rank=pp_rank, params=params.total, weights=weights, gradients=gradients,
-                      optimizer=state, activations=per * chunks, logits=logits, backward=backward,
-                      in_flight=chunks, parts=parts)
+    return RankMemory(
+        pp_rank=pp_rank,
+        params=params.total,
+        weights=weights,
+        gradients=gradients,
+        optimizer=state,
+        activations=per * chunks,
+        logits=logits,
+        backward=backward,
+        in_flight=chunks,
+        parts=parts,
+    )
 
 
 def estimate(cfg: ExperimentConfig, vocab_size: int, world_size: Optional[int] = None) -> list:
@@ -298,9 +328,14 @@ def estimate(cfg: ExperimentConfig, vocab_size: int, world_size: Optional[int] =
 def layout_given(cfg: ExperimentConfig) -> bool:
     """Whether ``cfg`` asks for more than one process's layout (``params`` then adds the per-rank section)."""
     par = cfg.parallel
-    return (par.tensor_model_parallel_size > 1 or par.pipeline_model_parallel_size > 1
-            or par.expert_model_parallel_size > 1 or par.use_distributed_optimizer or par.sequence_parallel
-            or par.recompute_granularity is not None)
+    return (
+        par.tensor_model_parallel_size > 1
+        or par.pipeline_model_parallel_size > 1
+        or par.expert_model_parallel_size > 1
+        or par.use_distributed_optimizer
+        or par.sequence_parallel
+        or par.recompute_granularity is not None
+    )
 
 
 def per_rank_section(cfg: ExperimentConfig, vocab_size: int) -> tuple[str, list]:
@@ -308,13 +343,19 @@ def per_rank_section(cfg: ExperimentConfig, vocab_size: int) -> tuple[str, list]
     stage at the smallest world the layout needs (``megatron-lol memory --world-size`` for others)."""
     layout = Layout.of(cfg)
     ranks = [rank_memory(cfg, vocab_size, layout, r) for r in range(layout.pp)]
-    lines = ["", f"  per rank (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
-                 + (f", EP {layout.ep}" if layout.ep > 1 else "") + "; megatron-lol memory for other world sizes)"]
+    lines = [
+        "",
+        f"  per rank (TP {layout.tp} x PP {layout.pp} x DP {layout.dp}"
+        + (f", EP {layout.ep}" if layout.ep > 1 else "")
+        + "; megatron-lol memory for other world sizes)",
+    ]
     for r in ranks:
-        lines.append(f"    stage {r.pp_rank}: {r.params:>14,.0f} parameters, weights {_gib(r.weights)}, gradients "
-                     f"{_gib(r.gradients)}, optimizer state {_gib(r.optimizer)}, activations {_gib(r.activations)}"
-                     + (f", logits {_gib(r.logits)}" if r.logits else f", one layer's backward {_gib(r.backward)}")
-                     + f"; total {_gib(r.total)}")
+        lines.append(
+            f"    stage {r.pp_rank}: {r.params:>14,.0f} parameters, weights {_gib(r.weights)}, gradients "
+            f"{_gib(r.gradients)}, optimizer state {_gib(r.optimizer)}, activations {_gib(r.activations)}"
+            + (f", logits {_gib(r.logits)}" if r.logits else f", one layer's backward {_gib(r.backward)}")
+            + f"; total {_gib(r.total)}"
+        )
     return "\n".join(lines), [r.to_dict() for r in ranks]
 
 
@@ -337,25 +378,34 @@ def device_memory_bytes() -> tuple[Optional[int], str]:
         return None, "unknown"
 
 
-def format_estimate(cfg: ExperimentConfig, ranks: list, layout: Layout, device_bytes: Optional[float],
-                    device_name: str) -> str:
+def format_estimate(
+    cfg: ExperimentConfig, ranks: list, layout: Layout, device_bytes: Optional[float], device_name: str
+) -> str:
     """The table ``megatron-lol memory`` prints: one column per pipeline stage."""
-    par = (f"TP {layout.tp} x PP {layout.pp}" + (f" (virtual {layout.vpp})" if layout.vpp else "")
-           + f" x DP {layout.dp}" + (f", EP {layout.ep}" if layout.ep > 1 else "")
-           + (", SP" if layout.sequence_parallel else "")
-           + (", distributed optimizer" if layout.distributed_optimizer else "")
-           + (f", recompute {layout.recompute}" if layout.recompute else ""))
-    head = (f"per-rank memory estimate: {par}; micro-batch {layout.micro_batch} x {layout.seq} tokens, "
-            f"{layout.num_microbatches} micro-batch(es) per step, {cfg.model.params_dtype}, "
-            f"optimizer {cfg.optimizer.name}")
-    rows = [("parameters", lambda r: f"{r.params / 1e6:,.2f}M"),
-            ("weights", lambda r: _gib(r.weights)),
-            ("gradients (fp32)", lambda r: _gib(r.gradients)),
-            ("optimizer state", lambda r: _gib(r.optimizer)),
-            ("activations", lambda r: f"{_gib(r.activations)} ({r.in_flight} in flight)"),
-            ("logits (head)", lambda r: _gib(r.logits)),
-            ("one layer's backward", lambda r: _gib(r.backward)),
-            ("total", lambda r: _gib(r.total))]
+    par = (
+        f"TP {layout.tp} x PP {layout.pp}"
+        + (f" (virtual {layout.vpp})" if layout.vpp else "")
+        + f" x DP {layout.dp}"
+        + (f", EP {layout.ep}" if layout.ep > 1 else "")
+        + (", SP" if layout.sequence_parallel else "")
+        + (", distributed optimizer" if layout.distributed_optimizer else "")
+        + (f", recompute {layout.recompute}" if layout.recompute else "")
+    )
+    head = (
+        f"per-rank memory estimate: {par}; micro-batch {layout.micro_batch} x {layout.seq} tokens, "
+        f"{layout.num_microbatches} micro-batch(es) per step, {cfg.model.params_dtype}, "
+        f"optimizer {cfg.optimizer.name}"
+    )
+    rows = [
+        ("parameters", lambda r: f"{r.params / 1e6:,.2f}M"),
+        ("weights", lambda r: _gib(r.weights)),
+        ("gradients (fp32)", lambda r: _gib(r.gradients)),
+        ("optimizer state", lambda r: _gib(r.optimizer)),
+        ("activations", lambda r: f"{_gib(r.activations)} ({r.in_flight} in flight)"),
+        ("logits (head)", lambda r: _gib(r.logits)),
+        ("one layer's backward", lambda r: _gib(r.backward)),
+        ("total", lambda r: _gib(r.total)),
+    ]
     if device_bytes:
         rows.append((f"of {device_name} ({_gib(device_bytes)})", lambda r: f"{100 * r.total / device_bytes:.1f}%"))
     names = [f"stage {r.pp_rank}" if len(ranks) > 1 else "each rank" for r in ranks]

@@ -23,12 +23,27 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_config_arguments(parser, groups=MEMORY_GROUPS)
     group = parser.add_argument_group("estimate")
-    group.add_argument("--world-size", type=int, default=None, metavar="N",
-                       help="ranks of the run (default: WORLD_SIZE, else the smallest the layout needs)")
-    group.add_argument("--device-memory", type=float, default=None, metavar="GIB",
-                       help="memory per device in GiB to compare with (default: the CUDA device's, else RAM)")
-    group.add_argument("--vocab-size", type=int, default=None, metavar="N",
-                       help="vocabulary size (default: model.vocab_size, else the config's tokenizer)")
+    group.add_argument(
+        "--world-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="ranks of the run (default: WORLD_SIZE, else the smallest the layout needs)",
+    )
+    group.add_argument(
+        "--device-memory",
+        type=float,
+        default=None,
+        metavar="GIB",
+        help="memory per device in GiB to compare with (default: the CUDA device's, else RAM)",
+    )
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vocabulary size (default: model.vocab_size, else the config's tokenizer)",
+    )
     group.add_argument("--json", action="store_true", help="print the estimate as one JSON object")
 
 
@@ -38,8 +53,11 @@ def run(args: argparse.Namespace) -> int:
     from megatron_lol.perf.params_cli import resolve_vocab
 
     cfg = config_from_args(args, check_data=False)
-    world = args.world_size if args.world_size is not None else (
-        int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    world = (
+        args.world_size
+        if args.world_size is not None
+        else (int(os.environ["WORLD_SIZE"]) if "WORLD_SIZE" in os.environ else None)
+    )
     if world is not None and world < 1:
         raise CliError(f"--world-size: must be >= 1 (got {world})")
     args.no_pad_vocab = False
@@ -53,9 +71,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         device, name = device_memory_bytes()
     if args.json:
-        print(json.dumps({"config": args.config, "layout": vars(layout), "world_size": layout.world,
-                          "vocab_size": vocab, "device_memory_bytes": device,
-                          "ranks": [r.to_dict() for r in ranks]}))
+        print(
+            json.dumps(
+                {
+                    "config": args.config,
+                    "layout": vars(layout),
+                    "world_size": layout.world,
+                    "vocab_size": vocab,
+                    "device_memory_bytes": device,
+                    "ranks": [r.to_dict() for r in ranks],
+                }
+            )
+        )
     else:
         print(format_estimate(cfg, ranks, layout, device, name))
     return 0

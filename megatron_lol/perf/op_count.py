@@ -30,10 +30,20 @@ from torch.utils._python_dispatch import TorchDispatchMode
 _aten = torch.ops.aten
 
 #: ATen packets that always read a value back or size their output from values
-SYNC_PACKETS = frozenset({
-    _aten._local_scalar_dense, _aten.nonzero, _aten.bincount, _aten.masked_select, _aten.equal,
-    _aten._unique, _aten._unique2, _aten.unique_consecutive, _aten.unique_dim, _aten.unique_dim_consecutive,
-})
+SYNC_PACKETS = frozenset(
+    {
+        _aten._local_scalar_dense,
+        _aten.nonzero,
+        _aten.bincount,
+        _aten.masked_select,
+        _aten.equal,
+        _aten._unique,
+        _aten._unique2,
+        _aten.unique_consecutive,
+        _aten.unique_dim,
+        _aten.unique_dim_consecutive,
+    }
+)
 
 #: Python-level reads that do not dispatch an ATen operation on the CPU
 SYNC_METHODS = {torch.Tensor.tolist: "tolist", torch.Tensor.cpu: "cpu", torch.Tensor.numpy: "numpy"}
@@ -43,8 +53,7 @@ _INDEX_PACKETS = frozenset({_aten.index, _aten.index_put, _aten.index_put_, _ate
 
 def _has_bool_index(args) -> bool:
     indices = args[1] if len(args) > 1 else None
-    return any(t is not None and torch.is_tensor(t) and t.dtype in (torch.bool, torch.uint8)
-               for t in (indices or ()))
+    return any(t is not None and torch.is_tensor(t) and t.dtype in (torch.bool, torch.uint8) for t in (indices or ()))
 
 
 def sync_name(func, args, kwargs) -> Optional[str]:
@@ -54,8 +63,10 @@ def sync_name(func, args, kwargs) -> Optional[str]:
         return packet.__name__
     if packet in _INDEX_PACKETS and _has_bool_index(args):
         return f"{packet.__name__} (boolean mask)"
-    if func in (_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor) and \
-            kwargs.get("output_size") is None:
+    if (
+        func in (_aten.repeat_interleave.Tensor, _aten.repeat_interleave.self_Tensor)
+        and kwargs.get("output_size") is None
+    ):
         return "repeat_interleave (no output_size)"
     return None
 

@@ -34,10 +34,16 @@ from megatron_lol.perf.budget import RunFlops
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser, groups=PARAMS_GROUPS)
     group = parser.add_argument_group("counting")
-    group.add_argument("--vocab-size", type=int, default=None, metavar="N",
-                       help="vocabulary size (default: model.vocab_size, else the config's tokenizer)")
-    group.add_argument("--no-pad-vocab", action="store_true",
-                       help="count the vocabulary as given, without the trainer's padding")
+    group.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        metavar="N",
+        help="vocabulary size (default: model.vocab_size, else the config's tokenizer)",
+    )
+    group.add_argument(
+        "--no-pad-vocab", action="store_true", help="count the vocabulary as given, without the trainer's padding"
+    )
     group.add_argument("--json", action="store_true", help="print the counts as one JSON object")
 
 
@@ -51,25 +57,36 @@ def tokenizer_vocab(cfg) -> int | None:
     import os
 
     d = cfg.data
-    named = (("data.tokenizer_model", d.tokenizer_model), ("data.vocab_file", d.vocab_file),
-             ("data.merge_file", d.merge_file))
+    named = (
+        ("data.tokenizer_model", d.tokenizer_model),
+        ("data.vocab_file", d.vocab_file),
+        ("data.merge_file", d.merge_file),
+    )
     files = [(key, path) for key, path in named if path]
     if not files:
         return None
     for key, path in files:
         if not os.path.exists(path) and not (key == "data.tokenizer_model" and d.tokenizer_on_hub()):
-            hint = (" (the quickstart's tokenizer is built by `megatron-lol prepare-quickstart`)"
-                    if "quickstart" in path else "")
-            raise CliError(f"model.vocab_size: not set, and {key} {path} does not exist{hint}; "
-                           f"set model.vocab_size or pass --vocab-size N")
+            hint = (
+                " (the quickstart's tokenizer is built by `megatron-lol prepare-quickstart`)"
+                if "quickstart" in path
+                else ""
+            )
+            raise CliError(
+                f"model.vocab_size: not set, and {key} {path} does not exist{hint}; "
+                f"set model.vocab_size or pass --vocab-size N"
+            )
     from megatron_lol.data.tokenizers import build_tokenizer
 
     try:
-        tok = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file,
-                              merge_file=d.merge_file)
+        tok = build_tokenizer(
+            d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file, merge_file=d.merge_file
+        )
     except (ValueError, OSError, RuntimeError) as err:
-        raise CliError(f"data.tokenizer_type {d.tokenizer_type}: cannot read the tokenizer ({err}); "
-                       f"set model.vocab_size or pass --vocab-size N") from None
+        raise CliError(
+            f"data.tokenizer_type {d.tokenizer_type}: cannot read the tokenizer ({err}); "
+            f"set model.vocab_size or pass --vocab-size N"
+        ) from None
     return int(tok.vocab_size)
 
 
@@ -90,20 +107,33 @@ def training_section(cfg, vocab: int) -> dict | None:
         return None
     run = RunFlops(cfg, vocab)
     iters = run.iterations_for(tr.train_flops) if tr.train_flops is not None else tr.train_iters
-    return {"train_iters": iters, "train_flops_budget": tr.train_flops, "global_batch_size": run.batch,
-            "seq_length": run.seq, "tokens": iters * run.batch * run.seq, "training_flops": run(iters),
-            "steps_per_depth": {str(d): n for d, n in run.depths(iters).items() if d is not None}}
+    return {
+        "train_iters": iters,
+        "train_flops_budget": tr.train_flops,
+        "global_batch_size": run.batch,
+        "seq_length": run.seq,
+        "tokens": iters * run.batch * run.seq,
+        "training_flops": run(iters),
+        "steps_per_depth": {str(d): n for d, n in run.depths(iters).items() if d is not None},
+    }
 
 
 def format_training(section: dict | None, width: int) -> list:
     if section is None:
         return ["", "  training FLOPs: set training.global_batch_size to count them"]
-    how = (f"from the budget training.train_flops {section['train_flops_budget']:.4g}"
-           if section["train_flops_budget"] is not None else "training.train_iters")
-    rows = [("iterations (" + how + ")", f"{section['train_iters']:,}"),
-            ("tokens", f"{section['tokens']:,}"),
-            ("training FLOPs (FLOP model, growth included)",
-             f"{section['training_flops']:.6g} = {section['training_flops'] / 1e18:,.2f} EFLOP")]
+    how = (
+        f"from the budget training.train_flops {section['train_flops_budget']:.4g}"
+        if section["train_flops_budget"] is not None
+        else "training.train_iters"
+    )
+    rows = [
+        ("iterations (" + how + ")", f"{section['train_iters']:,}"),
+        ("tokens", f"{section['tokens']:,}"),
+        (
+            "training FLOPs (FLOP model, growth included)",
+            f"{section['training_flops']:.6g} = {section['training_flops'] / 1e18:,.2f} EFLOP",
+        ),
+    ]
     width = max(width, max(len(r[0]) for r in rows) + 2)
     out = ["", f"  training run (global batch {section['global_batch_size']} x {section['seq_length']} tokens)"]
     out += [f"    {name:<{width - 2}}{value:>30}" for name, value in rows]
@@ -116,8 +146,10 @@ def resolve_vocab(args, cfg) -> tuple[int, int]:
     if vocab is None:
         vocab = tokenizer_vocab(cfg)
     if vocab is None:
-        raise CliError("model.vocab_size: not set in the config (and no data.tokenizer_model to take it from); "
-                       "set it or pass --vocab-size N")
+        raise CliError(
+            "model.vocab_size: not set in the config (and no data.tokenizer_model to take it from); "
+            "set it or pass --vocab-size N"
+        )
     if vocab <= 0:
         raise CliError(f"--vocab-size: must be > 0 (got {vocab})")
     if args.no_pad_vocab:
@@ -148,10 +180,18 @@ def format_table(counts, cfg, config_path: str, vocab: int, training: dict | Non
     rows = [
         ("total", counts.total),
         ("non-embedding", counts.non_embedding),
-        ("active per token (non-embedding, unlooped k=0 pass)" if accordion
-         else "active per token (non-embedding, stored once)", counts.active_per_token),
-        (f"active per token (non-embedding, per execution, k={max(plan.budgets) if accordion else 0})"
-         if accordion else "active per token (non-embedding, per execution)", counts.active_compute),
+        (
+            "active per token (non-embedding, unlooped k=0 pass)"
+            if accordion
+            else "active per token (non-embedding, stored once)",
+            counts.active_per_token,
+        ),
+        (
+            f"active per token (non-embedding, per execution, k={max(plan.budgets) if accordion else 0})"
+            if accordion
+            else "active per token (non-embedding, per execution)",
+            counts.active_compute,
+        ),
         ("active per token incl. embedding + head", counts.active_with_embedding),
         ("linear weights, stored (paper convention)", counts.linear_total),
         ("linear weights, active (paper convention)", counts.linear_active),
@@ -169,8 +209,12 @@ def format_table(counts, cfg, config_path: str, vocab: int, training: dict | Non
         per_block.append((f"one block: MoE router ({block.num_experts} experts)", block.moe_router))
     per_block.append(("one block: linear", block.linear))
     if counts.pass_attention_sets:
-        per_block.append((f"one pass attention set (norm + attention), x{counts.pass_attention_sets}",
-                          counts.pass_attention // counts.pass_attention_sets))
+        per_block.append(
+            (
+                f"one pass attention set (norm + attention), x{counts.pass_attention_sets}",
+                counts.pass_attention // counts.pass_attention_sets,
+            )
+        )
     if counts.num_routers:
         per_block.append((f"one router (d*L + L^2 + 2L), x{counts.num_routers}", counts.router_each))
     width = max(len(r[0]) for r in rows + breakdown + per_block) + 2
@@ -182,15 +226,27 @@ def format_table(counts, cfg, config_path: str, vocab: int, training: dict | Non
     out += [f"    {name:<{width - 2}}{n:>16,}  {_m(n):>10}" for name, n in per_block]
     acc = counts.loop_accounting
     if acc is not None:
-        out += ["", f"  looped MoE core (Foil paper accounting): (E, D, L) = {acc['shape']}, k = {acc['k']}, "
-                    f"attention {'untied' if acc['untie_attention'] else 'shared'} across passes"]
-        out += [f"    {name:<{width - 2}}{acc[key]:>16,}" for name, key in (
-            ("E_real = E*D (distinct core experts)", "E_real"), ("D_eff = D*L (core layer executions)", "D_eff"),
-            ("E_eq = E*D*L (unrolled experts)", "E_eq"), ("E_comp = k*D*L (expert calls per token)", "E_comp"))]
+        out += [
+            "",
+            f"  looped MoE core (Foil paper accounting): (E, D, L) = {acc['shape']}, k = {acc['k']}, "
+            f"attention {'untied' if acc['untie_attention'] else 'shared'} across passes",
+        ]
+        out += [
+            f"    {name:<{width - 2}}{acc[key]:>16,}"
+            for name, key in (
+                ("E_real = E*D (distinct core experts)", "E_real"),
+                ("D_eff = D*L (core layer executions)", "D_eff"),
+                ("E_eq = E*D*L (unrolled experts)", "E_eq"),
+                ("E_comp = k*D*L (expert calls per token)", "E_comp"),
+            )
+        ]
         out += ["", "  Foil paper Table 3 columns"]
-        names = {"core_experts_and_routers": "loop block: experts incl. routers",
-                 "core_attention": "loop block: attention", "head_and_tail": "head + tail layers",
-                 "other": "other (embedding + output)"}
+        names = {
+            "core_experts_and_routers": "loop block: experts incl. routers",
+            "core_attention": "loop block: attention",
+            "head_and_tail": "head + tail layers",
+            "other": "other (embedding + output)",
+        }
         out += [f"    {names[k]:<{width - 2}}{n:>16,}  {_m(n):>10}" for k, n in counts.seed_columns.items()]
     if counts.budgets:
         out += ["", "  budgets (active per token, non-embedding, every execution counted)"]

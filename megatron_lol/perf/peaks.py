@@ -22,8 +22,9 @@ class DevicePeak:
     fp32: float  # non-tensor-core
 
     def for_precision(self, precision: str) -> Optional[float]:
-        return {"bf16": self.bf16, "fp16": self.bf16, "fp8": self.fp8, "tf32": self.tf32,
-                "fp32": self.fp32}.get(precision)
+        return {"bf16": self.bf16, "fp16": self.bf16, "fp8": self.fp8, "tf32": self.tf32, "fp32": self.fp32}.get(
+            precision
+        )
 
 
 # ordered: the first whose keys all occur in the (lower-cased) device name wins
@@ -51,8 +52,9 @@ def lookup_peak(device_name: Optional[str]) -> Optional[DevicePeak]:
     return None
 
 
-def peak_tflops(device_name: Optional[str], precision: str = "bf16",
-                override: Optional[float] = None) -> Optional[float]:
+def peak_tflops(
+    device_name: Optional[str], precision: str = "bf16", override: Optional[float] = None
+) -> Optional[float]:
     """Peak TFLOP/s per device: ``override`` if given, else the table's figure, else None."""
     if override is not None:
         return float(override)

@@ -5,5 +5,13 @@ validates against it and every other package reads it."""
 from megatron_lol.plan.curriculum import depth_at, depth_at_step, growth_period, steps_per_depth
 from megatron_lol.plan.execution import PLANS, ExecutionPlan, Step, build_plan
 
-__all__ = ["PLANS", "ExecutionPlan", "Step", "build_plan", "depth_at", "depth_at_step", "growth_period",
-           "steps_per_depth"]
+__all__ = [
+    "PLANS",
+    "ExecutionPlan",
+    "Step",
+    "build_plan",
+    "depth_at",
+    "depth_at_step",
+    "growth_period",
+    "steps_per_depth",
+]

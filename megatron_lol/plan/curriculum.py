@@ -67,8 +67,7 @@ def growth_period(growth_fraction: Number, train_iters: int) -> int:
     return math.floor(_exact(growth_fraction) * train_iters)
 
 
-def steps_per_depth(train_iters: int, full_depth: int, initial_depth: Optional[int],
-                    growth_fraction: Number) -> dict:
+def steps_per_depth(train_iters: int, full_depth: int, initial_depth: Optional[int], growth_fraction: Number) -> dict:
     """``{depth: steps}`` of a run of ``train_iters`` steps (exact; equal to counting
     :func:`depth_at` over every step). Depths with no step are left out."""
     if train_iters <= 0:
@@ -92,8 +91,9 @@ def steps_per_depth(train_iters: int, full_depth: int, initial_depth: Optional[i
     return {d: n for d, n in counts.items() if n}
 
 
-def depth_at(step: int, full_depth: int, initial_depth: Optional[int], growth_fraction: Number,
-             train_iters: int) -> int:
+def depth_at(
+    step: int, full_depth: int, initial_depth: Optional[int], growth_fraction: Number, train_iters: int
+) -> int:
     """Core depth of a run at 0-based ``step``: ``full_depth`` without growing
     (``initial_depth`` None), else the growing schedule over :func:`growth_period`."""
     if initial_depth is None:

@@ -71,9 +71,15 @@ class Step:
         return self.attention in ("window", "strided")
 
     def to_dict(self) -> dict:
-        return {"depth": self.depth, "block": self.block, "pass": self.pass_index, "attention": self.attention,
-                "untied_attention": self.untied_attention, "gated": self.gated,
-                "separate_router": self.separate_router}
+        return {
+            "depth": self.depth,
+            "block": self.block,
+            "pass": self.pass_index,
+            "attention": self.attention,
+            "untied_attention": self.untied_attention,
+            "gated": self.gated,
+            "separate_router": self.separate_router,
+        }
 
 
 class ExecutionPlan:
@@ -89,8 +95,10 @@ class ExecutionPlan:
         self.model = model
         self.prefix = prefix
         if model.untie_attention and not isinstance(self, LoopedPlan):
-            raise ConfigError(f"{prefix}.untie_attention: only a looped plan (looped, foil) runs a block more "
-                              f"than once with its own attention (plan is {self.name})")
+            raise ConfigError(
+                f"{prefix}.untie_attention: only a looped plan (looped, foil) runs a block more "
+                f"than once with its own attention (plan is {self.name})"
+            )
         self.num_stored_blocks = self._stored_blocks()
         self._steps = tuple(self._build_steps())
 
@@ -197,8 +205,11 @@ class ExecutionPlan:
     # ----------------------------------------------------------- serialising
     def to_dict(self) -> dict:
         """The schedule as plain data (written into exported ``config.json``)."""
-        out = {"name": self.name, "num_stored_blocks": self.num_stored_blocks,
-               "steps": [s.to_dict() for s in self._steps]}
+        out = {
+            "name": self.name,
+            "num_stored_blocks": self.num_stored_blocks,
+            "steps": [s.to_dict() for s in self._steps],
+        }
         if self.has_budgets:
             out["depth_for_budget"] = {str(k): self.depth_for(k) for k in self.budgets}
         return out
@@ -222,8 +233,9 @@ class ExecutionPlan:
     def _fixed_attention(self) -> str:
         att = self.model.dense_attention
         if att not in DENSE_ATTENTION:
-            raise ConfigError(f"{self.prefix}.dense_attention: must be one of {', '.join(DENSE_ATTENTION)} "
-                              f"(got {att!r})")
+            raise ConfigError(
+                f"{self.prefix}.dense_attention: must be one of {', '.join(DENSE_ATTENTION)} (got {att!r})"
+            )
         return att
 
 
@@ -281,9 +293,16 @@ class LoopedPlan(ExecutionPlan):
     def _build_steps(self) -> list:
         att = self._fixed_attention()
         n = self.num_stored_blocks
-        return [Step(depth=d + 1, block=d % n, pass_index=d // n, attention=att,
-                     untied_attention=self.untie_attention and d >= n)
-                for d in range(n * self.loops)]
+        return [
+            Step(
+                depth=d + 1,
+                block=d % n,
+                pass_index=d // n,
+                attention=att,
+                untied_attention=self.untie_attention and d >= n,
+            )
+            for d in range(n * self.loops)
+        ]
 
     def describe(self) -> str:
         tie = ", attention untied per pass" if self.untie_attention else ""
@@ -309,8 +328,10 @@ class FoilPlan(LoopedPlan):
         n = super()._stored_blocks()
         m = self.model
         if m.moe_layers != "all":
-            raise ConfigError(f"{self.prefix}.moe_layers: plan foil loops a block of MoE layers: set moe_layers: all "
-                              f"(got {m.moe_layers})")
+            raise ConfigError(
+                f"{self.prefix}.moe_layers: plan foil loops a block of MoE layers: set moe_layers: all "
+                f"(got {m.moe_layers})"
+            )
         self._require("foil_experts", m.foil_experts)
         if m.core_num_experts is not None:
             raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from foil_experts")
@@ -335,8 +356,9 @@ class LoLPlan(ExecutionPlan):
     def _stored_blocks(self) -> int:
         self._refuse(**_others(self.model, _LOL_FIELDS))
         if self.model.dense_attention != "full":
-            raise ConfigError(f"{self.prefix}.dense_attention: plan lol attends inside its windows "
-                              f"(got {self.model.dense_attention})")
+            raise ConfigError(
+                f"{self.prefix}.dense_attention: plan lol attends inside its windows (got {self.model.dense_attention})"
+            )
         self._require("routed_depth", self.model.routed_depth)
         return self._require("num_blocks", self.model.num_blocks)
 
@@ -361,8 +383,11 @@ class AccordionPlan(ExecutionPlan):
         n = self._require("loop_window", m.loop_window)
         budgets = m.loop_budgets
         key = f"{self.prefix}.loop_budgets"
-        if (not isinstance(budgets, list) or not budgets
-                or any(not isinstance(k, int) or isinstance(k, bool) for k in budgets)):
+        if (
+            not isinstance(budgets, list)
+            or not budgets
+            or any(not isinstance(k, int) or isinstance(k, bool) for k in budgets)
+        ):
             raise ConfigError(f"{key}: must be a non-empty list of integers (got {budgets!r})")
         if len(set(budgets)) != len(budgets) or budgets != sorted(budgets):
             raise ConfigError(f"{key}: must be increasing without repeats (got {budgets})")
@@ -371,13 +396,15 @@ class AccordionPlan(ExecutionPlan):
         if m.loop_budget is not None and m.loop_budget not in budgets:
             raise ConfigError(f"{self.prefix}.loop_budget: {m.loop_budget} is not one of loop_budgets {budgets}")
         if m.second_pass_router not in ("shared", "separate"):
-            raise ConfigError(f"{self.prefix}.second_pass_router: must be one of shared, separate "
-                              f"(got {m.second_pass_router!r})")
+            raise ConfigError(
+                f"{self.prefix}.second_pass_router: must be one of shared, separate (got {m.second_pass_router!r})"
+            )
         if m.second_pass_router == "separate" and m.moe_layers != "all":
             raise ConfigError(f"{self.prefix}.second_pass_router: separate needs MoE blocks (moe_layers: all)")
         if m.dense_attention != "full":
-            raise ConfigError(f"{self.prefix}.dense_attention: accordion uses full causal attention "
-                              f"(got {m.dense_attention})")
+            raise ConfigError(
+                f"{self.prefix}.dense_attention: accordion uses full causal attention (got {m.dense_attention})"
+            )
         if m.film != "off" or m.input_injection:
             key = "film" if m.film != "off" else "input_injection"
             raise ConfigError(f"{self.prefix}.{key}: not defined for plan accordion")
@@ -387,8 +414,16 @@ class AccordionPlan(ExecutionPlan):
         m = self.model
         n, k_max = self.num_stored_blocks, max(m.loop_budgets)
         first = [Step(depth=i + 1, block=i) for i in range(n)]
-        second = [Step(depth=n + i + 1, block=i, pass_index=1, gated=bool(m.loop_gates),
-                       separate_router=m.second_pass_router == "separate") for i in range(k_max)]
+        second = [
+            Step(
+                depth=n + i + 1,
+                block=i,
+                pass_index=1,
+                gated=bool(m.loop_gates),
+                separate_router=m.second_pass_router == "separate",
+            )
+            for i in range(k_max)
+        ]
         return first + second
 
     @property

@@ -36,8 +36,7 @@ def _warn(message: str) -> None:
 
 def _move(model, old: str, new: str, value) -> None:
     if getattr(model, new) is not None and getattr(model, new) != value:
-        raise ConfigError(f"model.{old}: given together with model.{new} (plan {model.plan} reads {new}); "
-                          f"remove {old}")
+        raise ConfigError(f"model.{old}: given together with model.{new} (plan {model.plan} reads {new}); remove {old}")
     setattr(model, new, value)
     setattr(model, old, None)
 
@@ -67,11 +66,15 @@ def migrate_model_keys(model) -> None:
         _warn(f"plan accordion: model.num_blocks is now model.loop_window (={model.loop_window})")
     elif plan == "looped" and model.loop_layers is None and model.loop_count is None:
         if blocks is None or depth is None:
-            raise ConfigError(f"model.{'num_blocks' if blocks is None else 'routed_depth'}: the older looped "
-                              f"spelling needs both num_blocks and routed_depth (better: loop_layers/loop_count)")
+            raise ConfigError(
+                f"model.{'num_blocks' if blocks is None else 'routed_depth'}: the older looped "
+                f"spelling needs both num_blocks and routed_depth (better: loop_layers/loop_count)"
+            )
         if depth % blocks:
-            raise ConfigError(f"model.routed_depth: a looped plan needs routed_depth ({depth}) to be a "
-                              f"multiple of num_blocks ({blocks})")
+            raise ConfigError(
+                f"model.routed_depth: a looped plan needs routed_depth ({depth}) to be a "
+                f"multiple of num_blocks ({blocks})"
+            )
         layers, loops = "loop_layers", "loop_count"
         if model.moe_layers == "all":
             model.plan = "foil"
@@ -82,5 +85,7 @@ def migrate_model_keys(model) -> None:
                 model.untie_attention = False  # the default of the deprecated spelling
         _move(model, "num_blocks", layers, blocks)
         _move(model, "routed_depth", loops, depth // blocks)
-        _warn(f"plan looped{' with MoE blocks is now plan foil;' if model.plan == 'foil' else ':'} "
-              f"num_blocks / routed_depth are now {layers}={blocks} / {loops}={depth // blocks}")
+        _warn(
+            f"plan looped{' with MoE blocks is now plan foil;' if model.plan == 'foil' else ':'} "
+            f"num_blocks / routed_depth are now {layers}={blocks} / {loops}={depth // blocks}"
+        )

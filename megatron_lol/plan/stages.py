@@ -34,49 +34,61 @@ class StageLayout:
 
 def execution_order(model, depth: int) -> list:
     """``[("prelude", i) ..., ("depth", l) ..., ("coda", i) ...]`` for a core of ``depth`` steps."""
-    return ([("prelude", i) for i in range(model.n_prelude)]
-            + [("depth", d) for d in range(1, depth + 1)]
-            + [("coda", i) for i in range(model.n_coda)])
+    return (
+        [("prelude", i) for i in range(model.n_prelude)]
+        + [("depth", d) for d in range(1, depth + 1)]
+        + [("coda", i) for i in range(model.n_coda)]
+    )
 
 
-def check_pipeline_layout(model, depth: int, pp: int, vpp: Optional[int], plan_name: str = "",
-                          pipeline_ok: bool = True) -> None:
+def check_pipeline_layout(
+    model, depth: int, pp: int, vpp: Optional[int], plan_name: str = "", pipeline_ok: bool = True
+) -> None:
     """One-line errors for layouts that cannot be cut evenly (before any process group work)."""
     stages = pp * (vpp or 1)
     if pp > 1 and not pipeline_ok:
-        raise ConfigError(f"parallel.pipeline_model_parallel_size: plan {plan_name} (with its per-pass parts) is "
-                          f"not supported with pipeline parallelism (got {pp}); use tensor/expert/data parallelism")
+        raise ConfigError(
+            f"parallel.pipeline_model_parallel_size: plan {plan_name} (with its per-pass parts) is "
+            f"not supported with pipeline parallelism (got {pp}); use tensor/expert/data parallelism"
+        )
     n = len(execution_order(model, depth))
     if n % stages:
         raise ConfigError(
             f"parallel.pipeline_model_parallel_size: {pp} x virtual {vpp or 1} = {stages} stages do not divide "
             f"the {n} executions of the model (n_prelude {model.n_prelude} + core depth {depth} + "
-            f"n_coda {model.n_coda})")
+            f"n_coda {model.n_coda})"
+        )
     if vpp is not None and pp == 1:
         raise ConfigError("parallel.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1")
     if pp > 1 and model.input_injection:
         hosting = {v for v in range(stages) for kind, _ in stage_items(model, depth, stages, v) if kind == "depth"}
         if len(hosting) > 1:
-            raise ConfigError("model.input_injection: not supported when the core's steps span several "
-                              "pipeline stages (the injected prelude output is not sent along the pipeline)")
+            raise ConfigError(
+                "model.input_injection: not supported when the core's steps span several "
+                "pipeline stages (the injected prelude output is not sent along the pipeline)"
+            )
 
 
 def stage_items(model, depth: int, num_stages: int, virtual_stage: int) -> list:
     items = execution_order(model, depth)
     per = len(items) // num_stages
-    return items[virtual_stage * per:(virtual_stage + 1) * per]
+    return items[virtual_stage * per : (virtual_stage + 1) * per]
 
 
-def stage_layout(model, depth: int, pp: int = 1, vpp: Optional[int] = None, pp_rank: int = 0,
-                 vp_stage: Optional[int] = None) -> StageLayout:
+def stage_layout(
+    model, depth: int, pp: int = 1, vpp: Optional[int] = None, pp_rank: int = 0, vp_stage: Optional[int] = None
+) -> StageLayout:
     stages = pp * (vpp or 1)
     v = (vp_stage or 0) * pp + pp_rank
     items = stage_items(model, depth, stages, v)
     depths = [i for kind, i in items if kind == "depth"]
-    return StageLayout(prelude=[i for kind, i in items if kind == "prelude"],
-                       depths=(depths[0], depths[-1]) if depths else None,
-                       coda=[i for kind, i in items if kind == "coda"],
-                       first=v == 0, last=v == stages - 1)
+    return StageLayout(
+        prelude=[i for kind, i in items if kind == "prelude"],
+        depths=(depths[0], depths[-1]) if depths else None,
+        coda=[i for kind, i in items if kind == "coda"],
+        first=v == 0,
+        last=v == stages - 1,
+    )
 
 
 def stages_hosting_core(model, depth: int, pp: int, vpp: Optional[int]) -> list:

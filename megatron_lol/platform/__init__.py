@@ -86,8 +86,12 @@ from typing import Any
 
 import torch
 
-from megatron_lol.platform._common import MEGATRON_CORE_PIN, PlatformPatchError, applied_patches
-from megatron_lol.platform._common import _require  # noqa: F401  (tests/test_platform.py calls plat._require)
+from megatron_lol.platform._common import (
+    MEGATRON_CORE_PIN,
+    PlatformPatchError,
+    _require,  # noqa: F401  (tests/test_platform.py calls plat._require)
+    applied_patches,
+)
 from megatron_lol.platform.device_mode import _enter_global_cpu_mode, cpu_device_mode, device_mode_suspended
 
 __all__ = [
@@ -201,8 +205,10 @@ def _local_rank() -> int:
         if "RANK" in os.environ:
             from megatron_lol.errors import CliError
 
-            raise CliError(f"LOCAL_RANK is not set, but RANK={os.environ['RANK']} is: launch with torchrun, or srun "
-                           f"through slurm/launch_task.sh (which exports it); it picks the process's GPU")
+            raise CliError(
+                f"LOCAL_RANK is not set, but RANK={os.environ['RANK']} is: launch with torchrun, or srun "
+                f"through slurm/launch_task.sh (which exports it); it picks the process's GPU"
+            )
         return 0
     return int(value)
 

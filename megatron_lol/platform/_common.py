@@ -63,4 +63,3 @@ def _mark(name: str) -> bool:
 def applied_patches() -> list[str]:
     """Names of the patches applied so far in this process."""
     return list(_APPLIED)
-

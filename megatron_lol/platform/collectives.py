@@ -9,6 +9,7 @@ import torch
 
 from megatron_lol.platform._common import _mark, _require, _require_source
 
+
 def _patch_moe_split_sizes() -> None:
     """Item 3: ``moe_utils.maybe_move_tensor_to_cpu`` on CPU tensors.
 
@@ -64,4 +65,3 @@ def _patch_gloo_batched_p2p() -> None:
         return orig_batched(group=group, **kwargs)
 
     p2p._batched_p2p_ops = _batched_p2p_ops
-

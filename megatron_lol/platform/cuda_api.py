@@ -16,6 +16,7 @@ import torch
 
 from megatron_lol.platform._common import _mark, _require
 
+
 class _CpuEvent:
     """Stand-in for ``torch.cuda.Event``: records wall time, never blocks."""
 
@@ -211,4 +212,3 @@ def _patch_cuda_rng() -> None:
             return "CPU RNG state changed within GPU RNG context" not in record.getMessage()
 
     logging.getLogger(mrandom.__name__).addFilter(_DropForkWarning())
-

@@ -116,7 +116,7 @@ class _CudaToCpuMode(torch.overrides.TorchFunctionMode):
         elif func in _TYPE_FUNCS and len(args) == 1 and not kwargs:
             name = func(*args)
             if isinstance(name, str) and name.startswith("torch.") and not name.startswith("torch.cuda."):
-                return "torch.cuda." + name[len("torch."):]
+                return "torch.cuda." + name[len("torch.") :]
             return name
         elif func in _PIN_FUNCS:
             return args[0]
@@ -231,4 +231,3 @@ def _patch_cuda_tensors() -> None:
         torch.Tensor.cuda = tensor_cuda
         torch.nn.Module.cuda = module_cuda
     _enter_global_cpu_mode()
-

@@ -64,19 +64,26 @@ def _patch_float16_optimizer_fp32_params() -> None:
         if is_loading:
             self.init_state_fn(self.optimizer, self.config)
         state_dict = self.state_dict()
-        model_of_main = {id(main): model
-                         for models, mains in zip(self.float16_groups, self.fp32_from_float16_groups)
-                         for model, main in zip(models, mains)}
-        in_optimizer_order = [model_of_main.get(id(p), p) for group in self.optimizer.param_groups
-                              for p in group["params"]]
+        model_of_main = {
+            id(main): model
+            for models, mains in zip(self.float16_groups, self.fp32_from_float16_groups)
+            for model, main in zip(models, mains)
+        }
+        in_optimizer_order = [
+            model_of_main.get(id(p), p) for group in self.optimizer.param_groups for p in group["params"]
+        ]
         id_to_sharded_param = get_param_id_to_sharded_param_map(model_sharded_state_dict, in_optimizer_order)
         fp32_from_fp16 = []
-        for mains, group, saved_group in zip(state_dict["fp32_from_fp16_params"], self.optimizer.param_groups,
-                                             state_dict["optimizer"]["param_groups"]):
+        for mains, group, saved_group in zip(
+            state_dict["fp32_from_fp16_params"], self.optimizer.param_groups, state_dict["optimizer"]["param_groups"]
+        ):
             main_ids = [pid for pid, p in zip(saved_group["params"], group["params"]) if id(p) in model_of_main]
-            fp32_from_fp16.append([
-                make_sharded_optimizer_tensor(id_to_sharded_param[pid], main, prefix="optimizer.state.fp32_param")
-                for pid, main in zip(main_ids, mains)])
+            fp32_from_fp16.append(
+                [
+                    make_sharded_optimizer_tensor(id_to_sharded_param[pid], main, prefix="optimizer.state.fp32_param")
+                    for pid, main in zip(main_ids, mains)
+                ]
+            )
         state_dict["fp32_from_fp16_params"] = fp32_from_fp16
         step = self._extract_common_per_param_step(state_dict["optimizer"])
         optim_state_to_sharding_state(state_dict["optimizer"], id_to_sharded_param, exclude_keys="step")
@@ -115,6 +122,7 @@ def _patch_distributed_optimizer_fp32_params() -> None:
         self.model_param_group_index_map = {
             param: (group_index, order)
             for group_index, (fp32, float16) in enumerate(zip(self.model_fp32_groups, self.model_float16_groups))
-            for order, param in enumerate([*fp32, *float16])}
+            for order, param in enumerate([*fp32, *float16])
+        }
 
     cls.__init__ = __init__

@@ -9,6 +9,7 @@ import torch
 
 from megatron_lol.platform._common import _mark, _require, _require_source
 
+
 def _patch_te_general_gemm() -> None:
     """Item 6a: define ``moe_utils.te_general_gemm = None`` when TE is absent.
 
@@ -115,7 +116,9 @@ def _patch_distrib_optimizer_torch_adam_step() -> None:
         result = orig_load_state_dict(self, state_dict)
         if getattr(self.ddp_config, "use_megatron_fsdp", False) or "optimizer" not in state_dict:
             return result
-        steps = {_as_float(g["step"]) for g in state_dict["optimizer"].get("param_groups", []) if g.get("step") is not None}
+        steps = {
+            _as_float(g["step"]) for g in state_dict["optimizer"].get("param_groups", []) if g.get("step") is not None
+        }
         if len(steps) == 1:
             step = next(iter(steps))
             for st in self.optimizer.state.values():
@@ -127,8 +130,6 @@ def _patch_distrib_optimizer_torch_adam_step() -> None:
     cls.state_dict = state_dict
     cls.load_state_dict = load_state_dict
     cls._set_main_param_and_optimizer_states = _set_main_param_and_optimizer_states
-
-
 
 
 class TorchWgradAccumulation:
@@ -175,7 +176,10 @@ def _patch_wgrad_accumulation_fusion() -> None:
     name = "wgrad_accumulation_fusion"
     if _require(layers, "_grad_accum_fusion_available", name):
         return  # apex's extension is there
-    _require_source(layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
-                    "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32", name)
+    _require_source(
+        layers.LinearWithGradAccumulationAndAsyncCommunication.backward,
+        "fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32",
+        name,
+    )
     layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
     layers._grad_accum_fusion_available = True

@@ -54,8 +54,10 @@ def checkpoint_iteration_dir(overrides: list, raw: dict) -> tuple[str, str]:
         if iteration is not None:
             return checkpoint_dir(str(load), iteration), "--load"
     named = ", ".join(f"{flag} {value}" for flag, value in (("--save", save), ("--load", load)) if value)
-    raise ConfigError(f"--use-checkpoint-args: no checkpoint to take the arguments from "
-                      f"({named or 'neither --save nor --load is given'})")
+    raise ConfigError(
+        f"--use-checkpoint-args: no checkpoint to take the arguments from "
+        f"({named or 'neither --save nor --load is given'})"
+    )
 
 
 def read_checkpoint_config(directory: str) -> tuple[dict, dict]:
@@ -74,8 +76,7 @@ def read_checkpoint_config(directory: str) -> tuple[dict, dict]:
     return without_checkpoint_record(raw, path), record
 
 
-def config_with_checkpoint_args(config: Optional[str], overrides: list, check_data: bool = True
-                                ) -> ExperimentConfig:
+def config_with_checkpoint_args(config: Optional[str], overrides: list, check_data: bool = True) -> ExperimentConfig:
     """The validated config of a run started with ``--use-checkpoint-args`` (see the module docstring)."""
     raw: dict = {}
     if config:

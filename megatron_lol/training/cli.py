@@ -30,9 +30,15 @@ from megatron_lol.training.runtime import STALL_EXIT
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_threads_argument(parser)
-    parser.add_argument("--dry-run", nargs="?", const="all", default=None, choices=("all", "config"),
-                        help="validate and exit: the config, the layout against WORLD_SIZE, data and tokenizer "
-                             "files (=config: not the data files)")
+    parser.add_argument(
+        "--dry-run",
+        nargs="?",
+        const="all",
+        default=None,
+        choices=("all", "config"),
+        help="validate and exit: the config, the layout against WORLD_SIZE, data and tokenizer "
+        "files (=config: not the data files)",
+    )
 
 
 def _rank0() -> bool:
@@ -115,8 +121,10 @@ def train_to_exit(trainer) -> tuple[int, str]:
         print(line, file=sys.stderr, flush=True)
         return STALL_EXIT, line
     if outcome.exit_code:
-        return outcome.exit_code, (f"megatron-lol train: saved iteration {trainer.iteration} before stopping "
-                                   f"({outcome.reason}, status {outcome.exit_code}): relaunch to continue")
+        return outcome.exit_code, (
+            f"megatron-lol train: saved iteration {trainer.iteration} before stopping "
+            f"({outcome.reason}, status {outcome.exit_code}): relaunch to continue"
+        )
     return 0, ""
 
 
@@ -130,8 +138,7 @@ def _lost_peer(trainer, err: RuntimeError) -> str | None:
     if lost is None:
         return None
     first = (str(err).strip().splitlines() or [""])[0]
-    return (f"megatron-lol train: error: {lost} ({first[:160]}); rank {heartbeat.rank} stops "
-            f"(status {STALL_EXIT})")
+    return f"megatron-lol train: error: {lost} ({first[:160]}); rank {heartbeat.rank} stops (status {STALL_EXIT})"
 
 
 def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
@@ -142,22 +149,28 @@ def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
             raise ConfigError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
     gbs = tr.global_batch_size or tr.micro_batch_size * dp
     if gbs % (tr.micro_batch_size * dp):
-        raise ConfigError(f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
-                          f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})")
+        raise ConfigError(
+            f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
+            f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})"
+        )
     if tr.train_flops is not None:
         from megatron_lol.perf.budget import apply_flop_budget
         from megatron_lol.perf.params_cli import padded_vocab
 
         vocab = padded_vocab(cfg)
         if vocab is None:
-            raise ConfigError("model.vocab_size: training.train_flops needs the vocabulary: set model.vocab_size "
-                              "or data.tokenizer_model")
+            raise ConfigError(
+                "model.vocab_size: training.train_flops needs the vocabulary: set model.vocab_size "
+                "or data.tokenizer_model"
+            )
         apply_flop_budget(cfg, vocab)
     if _rank0():
         par = cfg.parallel
-        print(f"megatron-lol train: config OK: {cfg.model.execution_plan().name} model, world size {world} = TP "
-              f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x DP {dp}, "
-              f"{tr.train_iters} iterations of {gbs} x {tr.seq_length} tokens"
-              f"{'' if check_data else ' (data files not checked)'}", flush=True)
+        print(
+            f"megatron-lol train: config OK: {cfg.model.execution_plan().name} model, world size {world} = TP "
+            f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x DP {dp}, "
+            f"{tr.train_iters} iterations of {gbs} x {tr.seq_length} tokens"
+            f"{'' if check_data else ' (data files not checked)'}",
+            flush=True,
+        )
     return 0
-

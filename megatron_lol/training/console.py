@@ -78,10 +78,15 @@ def startup_line(cfg, config_path: str, world_size: int) -> str:
     if m.fp8:
         shape += f" + FP8 {m.fp8} ({m.fp8_recipe})"
     sinks = [name for name, on in (("TensorBoard", tr.tensorboard_dir), ("W&B", tr.wandb_project)) if on]
-    iters = (f"{tr.train_iters} iterations" if tr.train_iters is not None
-             else f"a budget of {tr.train_flops:.4g} training FLOPs")
-    line = (f"megatron-lol {__version__} train: {config_path} ({shape}), {iters}, "
-            f"{world_size} process{'es' if world_size != 1 else ''}")
+    iters = (
+        f"{tr.train_iters} iterations"
+        if tr.train_iters is not None
+        else f"a budget of {tr.train_flops:.4g} training FLOPs"
+    )
+    line = (
+        f"megatron-lol {__version__} train: {config_path} ({shape}), {iters}, "
+        f"{world_size} process{'es' if world_size != 1 else ''}"
+    )
     if sinks:
         line += f", logging to metrics.jsonl + {' + '.join(sinks)}"
     return line + "; importing megatron-core and building the model ..."
@@ -102,9 +107,11 @@ def layout_dependence_note(cfg) -> Optional[str]:
     losses as one process otherwise): Muon's ``blockwise`` TP mode under tensor parallelism."""
     o, tp = cfg.optimizer, cfg.parallel.tensor_model_parallel_size
     if o.name == "muon" and o.muon_tp_mode == "blockwise" and tp > 1:
-        return (f"note: optimizer.muon_tp_mode blockwise (--muon-tp-mode) orthogonalises each of the {tp} "
-                f"tensor-parallel shards of a matrix on its own: the updates, and so the losses, depend on the "
-                f"tensor-parallel size (duplicated, the default, gives one process's)")
+        return (
+            f"note: optimizer.muon_tp_mode blockwise (--muon-tp-mode) orthogonalises each of the {tp} "
+            f"tensor-parallel shards of a matrix on its own: the updates, and so the losses, depend on the "
+            f"tensor-parallel size (duplicated, the default, gives one process's)"
+        )
     return None
 
 
@@ -166,27 +173,43 @@ def format_duration(seconds: Optional[float]) -> str:
 def format_line(record: dict, train_iters: int) -> str:
     """The console line of one ``metrics.jsonl`` record."""
     r = record
-    parts = [f" iteration {r['step']:6d}/{train_iters}", f"samples {r['consumed_samples']:,}",
-             f"tokens {format_count(r['consumed_tokens'])}", f"ms/iter {r['ms_per_iteration']:.1f}"]
+    parts = [
+        f" iteration {r['step']:6d}/{train_iters}",
+        f"samples {r['consumed_samples']:,}",
+        f"tokens {format_count(r['consumed_tokens'])}",
+        f"ms/iter {r['ms_per_iteration']:.1f}",
+    ]
     if r.get("max_ms_per_iteration") is not None:
-        parts.append(f"min/max ms/iter {r['min_ms_per_iteration']:.1f} (rank {r['min_ms_rank']})/"
-                     f"{r['max_ms_per_iteration']:.1f} (rank {r['max_ms_rank']})")
-    parts += [f"loss {r['loss']:.4f}", f"lr {r['lr']:.3e}", f"grad norm {r['grad_norm']:.3f}",
-              f"depth {r['depth']}", f"tokens/s {r['tokens_per_s']:,.0f}",
-              f"TFLOP/s/device {r['tflops_per_device']:.3f}"]
+        parts.append(
+            f"min/max ms/iter {r['min_ms_per_iteration']:.1f} (rank {r['min_ms_rank']})/"
+            f"{r['max_ms_per_iteration']:.1f} (rank {r['max_ms_rank']})"
+        )
+    parts += [
+        f"loss {r['loss']:.4f}",
+        f"lr {r['lr']:.3e}",
+        f"grad norm {r['grad_norm']:.3f}",
+        f"depth {r['depth']}",
+        f"tokens/s {r['tokens_per_s']:,.0f}",
+        f"TFLOP/s/device {r['tflops_per_device']:.3f}",
+    ]
     if r.get("mfu") is not None:
         parts.append(f"MFU {100 * r['mfu']:.1f}%")
     if r.get("aux_loss"):
         parts.append(f"balance loss {r['aux_loss']:.2e}")
-    parts += [f"skipped {r['skipped_iterations']}", f"nan {r['nan_iterations']}",
-              f"peak mem {format_bytes(r['peak_memory_bytes'])}", f"ETA {format_duration(r.get('eta_s'))}"]
+    parts += [
+        f"skipped {r['skipped_iterations']}",
+        f"nan {r['nan_iterations']}",
+        f"peak mem {format_bytes(r['peak_memory_bytes'])}",
+        f"ETA {format_duration(r.get('eta_s'))}",
+    ]
     if r.get("skipped"):
         parts.append("SKIPPED (non-finite)")
     if "eval_loss" in r:
         parts.append(f"eval loss {r['eval_loss']:.4f}")
     if r.get("block_utilisation"):
-        parts.append("blocks " + " ".join("[" + ",".join(f"{u:.2f}" for u in row) + "]"
-                                          for row in r["block_utilisation"]))
+        parts.append(
+            "blocks " + " ".join("[" + ",".join(f"{u:.2f}" for u in row) + "]" for row in r["block_utilisation"])
+        )
     if r.get("budgets"):
         parts.append(f"budgets {r['budgets']}")
     if r.get("eval_loss_by_budget"):
@@ -201,8 +224,14 @@ def format_line(record: dict, train_iters: int) -> str:
 
 def step_scalars(res, global_batch_size: int, world_size: int) -> dict:
     """The scalars of one training iteration (written every ``tensorboard_log_interval``)."""
-    out = {"lm loss": res.loss, "learning-rate": res.lr, "grad-norm": res.grad_norm,
-           "batch-size": global_batch_size, "world-size": world_size, "depth": res.depth}
+    out = {
+        "lm loss": res.loss,
+        "learning-rate": res.lr,
+        "grad-norm": res.grad_norm,
+        "batch-size": global_batch_size,
+        "world-size": world_size,
+        "depth": res.depth,
+    }
     if res.aux_loss:
         out["balance-loss"] = res.aux_loss
     if res.utilisation:
@@ -226,8 +255,10 @@ def endpoint_mean(by_budget: Optional[dict]) -> Optional[float]:
 
 
 def validation_scalars(eval_loss: float, by_budget: Optional[dict]) -> dict:
-    out = {"lm loss validation": eval_loss,
-           "lm loss validation ppl": math.exp(min(eval_loss, 20.0)) if math.isfinite(eval_loss) else eval_loss}
+    out = {
+        "lm loss validation": eval_loss,
+        "lm loss validation ppl": math.exp(min(eval_loss, 20.0)) if math.isfinite(eval_loss) else eval_loss,
+    }
     for k, v in (by_budget or {}).items():
         out[f"lm loss validation k={k}"] = v
     if endpoint_mean(by_budget) is not None:
@@ -237,11 +268,17 @@ def validation_scalars(eval_loss: float, by_budget: Optional[dict]) -> dict:
 
 def log_scalars(record: dict) -> dict:
     """The scalars written at console lines (window averages, memory, validation, routing bias)."""
-    out = {"iteration-time": record["ms_per_iteration"] / 1000.0, "throughput": record["tflops_per_device"],
-           "tokens-per-sec": record["tokens_per_s"], "consumed-tokens": record["consumed_tokens"],
-           "skipped-iterations": record["skipped_iterations"], "nan-iterations": record["nan_iterations"],
-           ("mem-max-allocated-bytes" if record["peak_memory_kind"] == "cuda" else "mem-peak-rss-bytes"):
-               record["peak_memory_bytes"]}
+    out = {
+        "iteration-time": record["ms_per_iteration"] / 1000.0,
+        "throughput": record["tflops_per_device"],
+        "tokens-per-sec": record["tokens_per_s"],
+        "consumed-tokens": record["consumed_tokens"],
+        "skipped-iterations": record["skipped_iterations"],
+        "nan-iterations": record["nan_iterations"],
+        ("mem-max-allocated-bytes" if record["peak_memory_kind"] == "cuda" else "mem-peak-rss-bytes"): record[
+            "peak_memory_bytes"
+        ],
+    }
     if record.get("mfu") is not None:
         out["mfu"] = record["mfu"]
     if record.get("bias_spread") is not None:
@@ -250,8 +287,13 @@ def log_scalars(record: dict) -> dict:
         out.update(validation_scalars(record["eval_loss"], record.get("eval_loss_by_budget")))
     moe = record.get("moe_routing")
     if moe:
-        out.update({"moe/distinct-experts-per-token": moe["distinct_experts_per_token"], "moe/b2": moe["b2"],
-                    "moe/mmr": moe["mmr"]})
+        out.update(
+            {
+                "moe/distinct-experts-per-token": moe["distinct_experts_per_token"],
+                "moe/b2": moe["b2"],
+                "moe/mmr": moe["mmr"],
+            }
+        )
     return out
 
 
@@ -280,20 +322,25 @@ class MetricSinks:
                 raise CliError(f"--tensorboard-dir {tr.tensorboard_dir}: cannot create it ({err.strerror})") from None
             self.tensorboard = SummaryWriter(log_dir=tr.tensorboard_dir)
             self.tensorboard.add_text("config", "```\n" + json.dumps(cfg.to_dict(), indent=1) + "\n```", 0)
-            print(f" tensorboard: writing to {tr.tensorboard_dir} (view: tensorboard --logdir "
-                  f"{tr.tensorboard_dir})", flush=True)
+            print(
+                f" tensorboard: writing to {tr.tensorboard_dir} (view: tensorboard --logdir {tr.tensorboard_dir})",
+                flush=True,
+            )
         if tr.wandb_project:
             import wandb
 
             save_dir = tr.wandb_save_dir or (os.path.join(tr.save, "wandb") if tr.save else "wandb")
             try:
                 os.makedirs(save_dir, exist_ok=True)
-                self.wandb = wandb.init(project=tr.wandb_project, name=tr.wandb_exp_name, dir=save_dir,
-                                        config=cfg.to_dict())
+                self.wandb = wandb.init(
+                    project=tr.wandb_project, name=tr.wandb_exp_name, dir=save_dir, config=cfg.to_dict()
+                )
             except (OSError, wandb.errors.Error) as err:
                 self.close()
-                raise CliError(f"--wandb-project {tr.wandb_project}: W&B did not start ({err}); log in with "
-                               f"`wandb login`, or set WANDB_MODE=offline to keep the run on disk") from None
+                raise CliError(
+                    f"--wandb-project {tr.wandb_project}: W&B did not start ({err}); log in with "
+                    f"`wandb login`, or set WANDB_MODE=offline to keep the run on disk"
+                ) from None
 
     @property
     def active(self) -> bool:
@@ -335,8 +382,7 @@ class TrainingConsole(Hook):
     values (``Trainer._log``), which calls :meth:`log_step` with plain values.
     """
 
-    def __init__(self, cfg, metrics_path: Optional[str], global_batch_size: int, world_size: int,
-                 rank0: bool):
+    def __init__(self, cfg, metrics_path: Optional[str], global_batch_size: int, world_size: int, rank0: bool):
         self.cfg = cfg
         self.metrics_path = metrics_path
         self.global_batch_size = global_batch_size
@@ -367,9 +413,13 @@ class TrainingConsole(Hook):
         if result.step % tr.log_interval == 0 or result.step == tr.train_iters or result.eval_loss is not None:
             tokens, seconds, flops = self._window
             compute, n = self._compute
-            trainer._log(result, tokens / max(seconds, 1e-9), result.eval_loss,
-                         flops / max(seconds, 1e-9) / self.world_size / 1e12,
-                         compute_ms=1000.0 * compute / n if n else None)
+            trainer._log(
+                result,
+                tokens / max(seconds, 1e-9),
+                result.eval_loss,
+                flops / max(seconds, 1e-9) / self.world_size / 1e12,
+                compute_ms=1000.0 * compute / n if n else None,
+            )
             self._window = [0, 0.0, 0.0]
             self._compute = [0.0, 0]
         return None
@@ -394,8 +444,7 @@ class TrainingConsole(Hook):
         if self.rank0 and res.step % self.cfg.training.tensorboard_log_interval == 0:
             self._open_sinks()
             if self.sinks is not None:
-                self.sinks.write(step_scalars(res, self.global_batch_size, self.world_size), res.step,
-                                 consumed_samples)
+                self.sinks.write(step_scalars(res, self.global_batch_size, self.world_size), res.step, consumed_samples)
 
     def _eta(self, step: int, ms_per_iteration: float) -> Optional[float]:
         remaining = self.cfg.training.train_iters - step
@@ -405,9 +454,19 @@ class TrainingConsole(Hook):
             per_iter = ms_per_iteration / 1000.0
         return remaining * per_iter if math.isfinite(per_iter) else None
 
-    def log_step(self, res, *, tokens_per_s: float, tflops_per_device: float, mfu: Optional[float],
-                 eval_loss: Optional[float], eval_by_budget: Optional[dict], consumed_samples: int,
-                 bias_spread: Optional[float] = None, stragglers: Optional[dict] = None) -> Optional[dict]:
+    def log_step(
+        self,
+        res,
+        *,
+        tokens_per_s: float,
+        tflops_per_device: float,
+        mfu: Optional[float],
+        eval_loss: Optional[float],
+        eval_by_budget: Optional[dict],
+        consumed_samples: int,
+        bias_spread: Optional[float] = None,
+        stragglers: Optional[dict] = None,
+    ) -> Optional[dict]:
         """One console line (rank 0): ``metrics.jsonl`` record, printed line, sink scalars. ``stragglers``:
         the fastest and slowest data-parallel rank's compute ms/iter (``Trainer._stragglers``)."""
         self.observe(res, consumed_samples)
@@ -417,20 +476,38 @@ class TrainingConsole(Hook):
             return None
         ms = 1000.0 * res.tokens / tokens_per_s if tokens_per_s > 0 else float("nan")
         memory, kind = peak_memory()
-        record = {"step": res.step, "loss": res.loss, "lr": res.lr, "grad_norm": res.grad_norm,
-                  "tokens_per_s": tokens_per_s, "tflops_per_device": tflops_per_device, "mfu": mfu,
-                  "depth": res.depth, "aux_loss": res.aux_loss, "block_utilisation": res.utilisation,
-                  "skipped": res.skipped, "consumed_samples": consumed_samples,
-                  "consumed_tokens": consumed_samples * self.cfg.training.seq_length,
-                  "ms_per_iteration": ms, "skipped_iterations": skipped, "nan_iterations": nan,
-                  "peak_memory_bytes": memory, "peak_memory_kind": kind, "eta_s": self._eta(res.step, ms)}
+        record = {
+            "step": res.step,
+            "loss": res.loss,
+            "lr": res.lr,
+            "grad_norm": res.grad_norm,
+            "tokens_per_s": tokens_per_s,
+            "tflops_per_device": tflops_per_device,
+            "mfu": mfu,
+            "depth": res.depth,
+            "aux_loss": res.aux_loss,
+            "block_utilisation": res.utilisation,
+            "skipped": res.skipped,
+            "consumed_samples": consumed_samples,
+            "consumed_tokens": consumed_samples * self.cfg.training.seq_length,
+            "ms_per_iteration": ms,
+            "skipped_iterations": skipped,
+            "nan_iterations": nan,
+            "peak_memory_bytes": memory,
+            "peak_memory_kind": kind,
+            "eta_s": self._eta(res.step, ms),
+        }
         if res.utilisation:
             record["routing_entropy"] = routing_entropy(res.utilisation)
         if bias_spread is not None:
             record["bias_spread"] = bias_spread
         if stragglers is not None:
-            record.update(min_ms_per_iteration=stragglers["min_ms"], min_ms_rank=stragglers["min_rank"],
-                          max_ms_per_iteration=stragglers["max_ms"], max_ms_rank=stragglers["max_rank"])
+            record.update(
+                min_ms_per_iteration=stragglers["min_ms"],
+                min_ms_rank=stragglers["min_rank"],
+                max_ms_per_iteration=stragglers["max_ms"],
+                max_ms_rank=stragglers["max_rank"],
+            )
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
             if eval_by_budget:
@@ -448,13 +525,21 @@ class TrainingConsole(Hook):
             self.sinks.flush()
         return record
 
-    def log_eval(self, eval_loss: float, depth: int, eval_by_budget: Optional[dict] = None,
-                 step: int = 0, consumed_samples: int = 0) -> None:
+    def log_eval(
+        self,
+        eval_loss: float,
+        depth: int,
+        eval_by_budget: Optional[dict] = None,
+        step: int = 0,
+        consumed_samples: int = 0,
+    ) -> None:
         """An evaluation outside a training line: the initial model's (``training.eval_at_start``)."""
         if not self.rank0:
             return
-        print(f" iteration {step:6d}/{self.cfg.training.train_iters} | eval loss {eval_loss:.4f} "
-              f"(initial model)", flush=True)
+        print(
+            f" iteration {step:6d}/{self.cfg.training.train_iters} | eval loss {eval_loss:.4f} (initial model)",
+            flush=True,
+        )
         record = {"step": step, "eval_loss": eval_loss, "depth": depth, "consumed_samples": consumed_samples}
         if eval_by_budget:
             record["eval_loss_by_budget"] = {str(k): v for k, v in eval_by_budget.items()}

@@ -46,6 +46,7 @@ from typing import Optional
 import torch
 
 from megatron_lol.training.runtime import STALL_EXIT, record_exit  # noqa: F401 - STALL_EXIT: defined there (no torch)
+
 DONE = 1 << 40  # added to a rank's counter when it finishes normally
 
 
@@ -81,9 +82,12 @@ class Heartbeat:
         """A client of the rendezvous store of its own, with a short timeout: a store op on a stopped
         store host fails after about one period instead of the process group's minutes."""
         return torch.distributed.TCPStore(
-            os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
             timeout=datetime.timedelta(seconds=max(1.0, min(self.interval, self.timeout / 2))),
-            wait_for_workers=False)
+            wait_for_workers=False,
+        )
 
     def start(self) -> "Heartbeat":
         """Register this rank (host, pid, counter), wait for every rank to have done so, start the thread."""
@@ -142,8 +146,10 @@ class Heartbeat:
             elif value != last_value:
                 last_value, last_change = value, now
             elif now - last_change > self.timeout:
-                line = (f"{self.describe(self.neighbour)} stopped answering: no heartbeat for "
-                        f"{now - last_change:.0f} s (heartbeat timeout {self.timeout:g} s)")
+                line = (
+                    f"{self.describe(self.neighbour)} stopped answering: no heartbeat for "
+                    f"{now - last_change:.0f} s (heartbeat timeout {self.timeout:g} s)"
+                )
                 try:
                     self.store.set(stalled, line)  # every other rank reads it at its next period
                 except Exception:  # noqa: BLE001 - this rank stops anyway
@@ -163,10 +169,16 @@ class Heartbeat:
             silent = time.monotonic() - self._last_contact
             if silent > self.timeout:
                 where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-                host = "" if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" else \
-                    f", served by {self.describe(0)},"
-                return self._found(f"the rendezvous store at {where}{host} stopped answering: no reply for "
-                                   f"{silent:.0f} s (heartbeat timeout {self.timeout:g} s)", store_answers=False)
+                host = (
+                    ""
+                    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                    else f", served by {self.describe(0)},"
+                )
+                return self._found(
+                    f"the rendezvous store at {where}{host} stopped answering: no reply for "
+                    f"{silent:.0f} s (heartbeat timeout {self.timeout:g} s)",
+                    store_answers=False,
+                )
 
     def _found(self, line: str, store_answers: bool = True) -> None:
         with self._lock:  # the first finding wins; the other thread's would be the same stall
@@ -197,7 +209,6 @@ class Heartbeat:
         except Exception:  # noqa: BLE001 - the store's host left: nobody is left to wait for
             pass
 
-
     def lost_ranks(self) -> Optional[str]:
         """After a collective failed because a peer closed its connection (a rank died: gloo reports it at once,
         long before the heartbeat timeout): which ranks' counters stand still over 2.5 periods, named in one
@@ -227,7 +238,11 @@ class Heartbeat:
 
 def start_heartbeat(interval: float, timeout: float) -> Optional[Heartbeat]:
     """The heartbeat of this rank (every rank calls this together), or None: one process, or ``interval`` 0."""
-    if not interval or not torch.distributed.is_initialized() or torch.distributed.get_world_size() < 2 \
-            or "MASTER_PORT" not in os.environ:
+    if (
+        not interval
+        or not torch.distributed.is_initialized()
+        or torch.distributed.get_world_size() < 2
+        or "MASTER_PORT" not in os.environ
+    ):
         return None
     return Heartbeat(interval, timeout).start()

@@ -51,9 +51,11 @@ class Hook:
 class NonFiniteReportHook(Hook):
     def on_step_end(self, trainer, result) -> Optional[Stop]:
         if getattr(result, "skipped", False):
-            log_rank0(f" non-finite: loss {result.loss} / grad norm {result.grad_norm} at iteration "
-                       f"{result.step}: step skipped ({trainer.nonfinite_skipped} of at most "
-                       f"{trainer.cfg.training.skip_nonfinite_steps} allowed)")
+            log_rank0(
+                f" non-finite: loss {result.loss} / grad norm {result.grad_norm} at iteration "
+                f"{result.step}: step skipped ({trainer.nonfinite_skipped} of at most "
+                f"{trainer.cfg.training.skip_nonfinite_steps} allowed)"
+            )
         return None
 
 

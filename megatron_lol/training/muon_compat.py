@@ -61,8 +61,10 @@ from typing import Optional
 from megatron_lol.errors import CliError
 
 PINNED_VERSION = "0.3.0"
-INSTALL_HINT = ("bash tools/setup_env.sh, or: pip install --no-deps --ignore-requires-python --require-hashes "
-                "-r tools/requirements-muon.txt && pip install absl-py")
+INSTALL_HINT = (
+    "bash tools/setup_env.sh, or: pip install --no-deps --ignore-requires-python --require-hashes "
+    "-r tools/requirements-muon.txt && pip install absl-py"
+)
 _LOADED: Optional[types.ModuleType] = None
 
 
@@ -82,8 +84,10 @@ def unavailable_reason() -> Optional[str]:
     if version is None or importlib.util.find_spec("emerging_optimizers") is None:
         return f"emerging-optimizers {PINNED_VERSION} is not installed ({INSTALL_HINT})"
     if version.startswith("999"):
-        return (f"the installed emerging-optimizers {version} is PyPI's placeholder, not the project: "
-                f"pip uninstall emerging-optimizers, then {INSTALL_HINT}")
+        return (
+            f"the installed emerging-optimizers {version} is PyPI's placeholder, not the project: "
+            f"pip uninstall emerging-optimizers, then {INSTALL_HINT}"
+        )
     if importlib.util.find_spec("absl") is None:
         return "emerging-optimizers needs absl-py (pip install absl-py)"
     return None
@@ -119,9 +123,11 @@ def _accept_use_nesterov() -> None:
     if "use_nesterov" in params or getattr(cls.__init__, "_megatron_lol_adapter", False):
         return
     if "nesterov" not in params:
-        raise CliError(f"emerging-optimizers {installed_version()}: OrthogonalizedOptimizer takes neither "
-                       f"use_nesterov nor nesterov; megatron-core 0.16.1's Muon is tested with "
-                       f"{PINNED_VERSION} and v0.1.0")
+        raise CliError(
+            f"emerging-optimizers {installed_version()}: OrthogonalizedOptimizer takes neither "
+            f"use_nesterov nor nesterov; megatron-core 0.16.1's Muon is tested with "
+            f"{PINNED_VERSION} and v0.1.0"
+        )
     original = cls.__init__
 
     @functools.wraps(original)
@@ -141,8 +147,10 @@ def _accept_mode(muon_module: types.ModuleType) -> None:
     if "mode" in params or getattr(fn, "_megatron_lol_adapter", False):
         return
     if "tp_mode" not in params:
-        raise CliError(f"emerging-optimizers {installed_version()}: newton_schulz_tp takes neither mode nor "
-                       f"tp_mode; megatron-core 0.16.1's Muon is tested with {PINNED_VERSION} and v0.1.0")
+        raise CliError(
+            f"emerging-optimizers {installed_version()}: newton_schulz_tp takes neither mode nor "
+            f"tp_mode; megatron-core 0.16.1's Muon is tested with {PINNED_VERSION} and v0.1.0"
+        )
 
     @functools.wraps(fn)
     def newton_schulz_tp(*args, mode: Optional[str] = None, **kwargs):
@@ -238,8 +246,10 @@ def load_megatron_muon() -> types.ModuleType:
     try:
         importlib.import_module("emerging_optimizers.orthogonalized_optimizers")
     except ImportError as err:
-        raise CliError(f"optimizer.name: muon: emerging-optimizers {installed_version()} does not import "
-                       f"({type(err).__name__}: {err})") from None
+        raise CliError(
+            f"optimizer.name: muon: emerging-optimizers {installed_version()} does not import "
+            f"({type(err).__name__}: {err})"
+        ) from None
     _accept_use_nesterov()
     module = importlib.import_module("megatron.core.optimizer.muon")
     if not module.HAVE_EMERGING_OPTIMIZERS:

@@ -63,8 +63,11 @@ def is_muon_matrix(name: str, param: torch.Tensor) -> bool:
     if param.dim() != 2:
         return False
     parts = name.split(".")
-    return (bool(_WEIGHT.fullmatch(parts[-1])) and "router" not in parts
-            and any(part in MUON_MODULES for part in parts[:-1]))
+    return (
+        bool(_WEIGHT.fullmatch(parts[-1]))
+        and "router" not in parts
+        and any(part in MUON_MODULES for part in parts[:-1])
+    )
 
 
 def split_parameters(model: torch.nn.Module) -> tuple[list[str], list[str]]:
@@ -99,14 +102,26 @@ def megatron_optimizer_config(cfg: ExperimentConfig):
     o = cfg.optimizer
     bf16 = cfg.model.params_dtype == "bf16"
     return MegatronOptimizerConfig(
-        optimizer="adam", lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
-        adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2, adam_eps=o.adam_eps, clip_grad=o.clip_grad,
-        bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        optimizer="adam",
+        lr=o.lr,
+        min_lr=o.min_lr,
+        weight_decay=o.weight_decay,
+        adam_beta1=o.adam_beta1,
+        adam_beta2=o.adam_beta2,
+        adam_eps=o.adam_eps,
+        clip_grad=o.clip_grad,
+        bf16=bf16,
+        params_dtype=torch.bfloat16 if bf16 else torch.float32,
         use_distributed_optimizer=ddp_uses_distributed_optimizer(cfg),
-        muon_momentum=o.muon_momentum, muon_split_qkv=o.muon_split_qkv, muon_use_nesterov=o.muon_use_nesterov,
-        muon_scale_mode=o.muon_scale_mode, muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
-        muon_num_ns_steps=o.muon_num_ns_steps, muon_tp_mode=o.muon_tp_mode,
-        muon_extra_scale_factor=o.muon_extra_scale_factor)
+        muon_momentum=o.muon_momentum,
+        muon_split_qkv=o.muon_split_qkv,
+        muon_use_nesterov=o.muon_use_nesterov,
+        muon_scale_mode=o.muon_scale_mode,
+        muon_fp32_matmul_prec=o.muon_fp32_matmul_prec,
+        muon_num_ns_steps=o.muon_num_ns_steps,
+        muon_tp_mode=o.muon_tp_mode,
+        muon_extra_scale_factor=o.muon_extra_scale_factor,
+    )
 
 
 def adamw_learning_rates(cfg: ExperimentConfig) -> tuple[float, float]:
@@ -146,7 +161,8 @@ def _build_muon(cfg: ExperimentConfig, mcfg, model_chunks: list):
     layer_wise = cfg.parallel.use_distributed_optimizer
     with _kept_on_adamw(p for p in on_adamw if p.dim() == 2):
         optimizer = muon.get_megatron_muon_optimizer(
-            mcfg, model_chunks, config_overrides=overrides, layer_wise_distributed_optimizer=layer_wise)
+            mcfg, model_chunks, config_overrides=overrides, layer_wise_distributed_optimizer=layer_wise
+        )
     if layer_wise:
         nest_fp32_member_states(optimizer)
         if _data_parallel_backend() == "gloo":
@@ -154,11 +170,14 @@ def _build_muon(cfg: ExperimentConfig, mcfg, model_chunks: list):
             # sizes per group, which gloo refuses; its own per-tensor broadcasts do the same job
             optimizer.allgather_params = optimizer.broadcast_params
     o = cfg.optimizer
-    log_rank0(f" optimizer: megatron-core Muon (TensorParallelMuon, tp mode {o.muon_tp_mode}, momentum "
-              f"{o.muon_momentum}, {o.muon_num_ns_steps} Newton-Schulz steps, scale {o.muon_scale_mode}) for "
-              f"{len(on_muon)} matrices ({_numel(on_muon):,} params), lr {mcfg.lr:g} -> {mcfg.min_lr:g}; AdamW for "
-              f"{len(on_adamw)} tensors ({_numel(on_adamw):,} params), lr {peak:g} -> {low:g}"
-              + ("; layer-wise distributed optimizer" if layer_wise else "") + " (this rank)")
+    log_rank0(
+        f" optimizer: megatron-core Muon (TensorParallelMuon, tp mode {o.muon_tp_mode}, momentum "
+        f"{o.muon_momentum}, {o.muon_num_ns_steps} Newton-Schulz steps, scale {o.muon_scale_mode}) for "
+        f"{len(on_muon)} matrices ({_numel(on_muon):,} params), lr {mcfg.lr:g} -> {mcfg.min_lr:g}; AdamW for "
+        f"{len(on_adamw)} tensors ({_numel(on_adamw):,} params), lr {peak:g} -> {low:g}"
+        + ("; layer-wise distributed optimizer" if layer_wise else "")
+        + " (this rank)"
+    )
     return optimizer
 
 
@@ -223,12 +242,23 @@ def build_scheduler(cfg: ExperimentConfig, optimizer):
         # a smoke run of a long config: the run ends inside the warm-up (megatron-core's scheduler needs
         # the decay to end after the warm-up; no step of this run reaches it)
         decay_steps = o.lr_warmup_iters + 1
-        log_rank0(f"note: optimizer.lr_warmup_iters (--lr-warmup-iters) {o.lr_warmup_iters} is not smaller than "
-                  f"training.train_iters (--train-iters) {tr.train_iters}: the run ends inside the warm-up, at lr "
-                  f"{o.lr * tr.train_iters / o.lr_warmup_iters:.3g} of {o.lr:g}")
+        log_rank0(
+            f"note: optimizer.lr_warmup_iters (--lr-warmup-iters) {o.lr_warmup_iters} is not smaller than "
+            f"training.train_iters (--train-iters) {tr.train_iters}: the run ends inside the warm-up, at lr "
+            f"{o.lr * tr.train_iters / o.lr_warmup_iters:.3g} of {o.lr:g}"
+        )
     return OptimizerParamScheduler(
-        optimizer, init_lr=0.0 if o.lr_warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
-        lr_warmup_steps=o.lr_warmup_iters, lr_decay_steps=decay_steps,
-        lr_decay_style=o.lr_decay_style, start_wd=o.weight_decay, end_wd=o.weight_decay,
-        wd_incr_steps=tr.train_iters, wd_incr_style="constant", wsd_decay_steps=wsd,
-        lr_wsd_decay_style=o.lr_wsd_decay_style)
+        optimizer,
+        init_lr=0.0 if o.lr_warmup_iters else o.lr,
+        max_lr=o.lr,
+        min_lr=o.min_lr,
+        lr_warmup_steps=o.lr_warmup_iters,
+        lr_decay_steps=decay_steps,
+        lr_decay_style=o.lr_decay_style,
+        start_wd=o.weight_decay,
+        end_wd=o.weight_decay,
+        wd_incr_steps=tr.train_iters,
+        wd_incr_style="constant",
+        wsd_decay_steps=wsd,
+        lr_wsd_decay_style=o.lr_wsd_decay_style,
+    )

@@ -57,7 +57,6 @@ from typing import Optional
 
 from megatron_lol.errors import CliError
 from megatron_lol.perf.timing import StepTimer
-from megatron_lol.training.step_sections import RoutingStats, SectionTimer, TimedIterator, module_list
 from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
     format_nodes,
     format_report,
@@ -68,9 +67,21 @@ from megatron_lol.training.profile_report import (  # noqa: F401 - the report AP
     stragglers,
     write_json,
 )
+from megatron_lol.training.step_sections import RoutingStats, SectionTimer, TimedIterator, module_list
 
-SECTION_KEYS = ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head",
-                "forward_other", "backward", "optimizer", "data", "other")
+SECTION_KEYS = (
+    "prelude",
+    "core",
+    "core.blocks",
+    "core.dispatch",
+    "core.routing",
+    "coda_head",
+    "forward_other",
+    "backward",
+    "optimizer",
+    "data",
+    "other",
+)
 
 
 # ----------------------------------------------------------------------- arguments
@@ -87,18 +98,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (default 2)")
     parser.add_argument("--depth", type=int, default=None, help="core depth to run (default: the full depth)")
     parser.add_argument("--json", dest="json_out", default=None, metavar="OUT", help="write the report here")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="peak TFLOP/s per device for MFU (default: from the device table)")
-    parser.add_argument("--precision", default=None, choices=("bf16", "fp16", "fp8", "tf32", "fp32"),
-                        help="which peak to use (default: bf16 for bf16 models, fp8 with FP8, else tf32)")
-    parser.add_argument("--synthetic-data", action="store_true",
-                        help="random tokens (with EOD-separated documents) instead of data.paths")
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="peak TFLOP/s per device for MFU (default: from the device table)",
+    )
+    parser.add_argument(
+        "--precision",
+        default=None,
+        choices=("bf16", "fp16", "fp8", "tf32", "fp32"),
+        help="which peak to use (default: bf16 for bf16 models, fp8 with FP8, else tf32)",
+    )
+    parser.add_argument(
+        "--synthetic-data",
+        action="store_true",
+        help="random tokens (with EOD-separated documents) instead of data.paths",
+    )
     parser.add_argument("--no-sync", action="store_true", help="do not synchronise the GPU in section timers")
-    parser.add_argument("--no-breakdown", action="store_true",
-                        help="no section timers: whole-step times only (what throughput should be read from)")
+    parser.add_argument(
+        "--no-breakdown",
+        action="store_true",
+        help="no section timers: whole-step times only (what throughput should be read from)",
+    )
     parser.add_argument("--sample-interval", type=float, default=0.5, help="NVML sampling period in seconds")
-    parser.add_argument("--merge", nargs="+", default=None, metavar="REPORT",
-                        help="merge these profile reports (JSON) into one; no training")
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        default=None,
+        metavar="REPORT",
+        help="merge these profile reports (JSON) into one; no training",
+    )
 
 
 SPREAD_WARNING = 2.0  # slowest / fastest timed step above which the figures are flagged
@@ -110,9 +140,11 @@ def step_time_warning(step_times: list) -> Optional[str]:
     fastest, slowest = min(step_times), max(step_times)
     if fastest <= 0 or slowest / fastest <= SPREAD_WARNING:
         return None
-    return (f"warning: the timed step times vary {slowest / fastest:.1f}x ({fastest:.3f} s to {slowest:.3f} s): "
-            f"another load on the machine, or steps doing different work; the figures use the median "
-            f"(rerun with more --steps / --warmup on an idle machine)")
+    return (
+        f"warning: the timed step times vary {slowest / fastest:.1f}x ({fastest:.3f} s to {slowest:.3f} s): "
+        f"another load on the machine, or steps doing different work; the figures use the median "
+        f"(rerun with more --steps / --warmup on an idle machine)"
+    )
 
 
 # --------------------------------------------------------------------- data / setup
@@ -138,8 +170,11 @@ class SyntheticDataset:
                 if pos >= self.seq:
                     break
                 tokens[pos] = self.eod
-        return {"tokens": tokens[:-1].clone(), "labels": tokens[1:].clone(),
-                "loss_mask": torch.ones(self.seq, dtype=torch.float32)}
+        return {
+            "tokens": tokens[:-1].clone(),
+            "labels": tokens[1:].clone(),
+            "loss_mask": torch.ones(self.seq, dtype=torch.float32),
+        }
 
 
 class _StubTokenizer:
@@ -158,8 +193,9 @@ def build_trainer(cfg, synthetic: bool):
         from megatron_lol.data.tokenizers import build_tokenizer
 
         d = cfg.data
-        tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
-                                    vocab_file=d.vocab_file, merge_file=d.merge_file)
+        tokenizer = build_tokenizer(
+            d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file, merge_file=d.merge_file
+        )
     elif cfg.model.vocab_size is None:
         raise CliError("--synthetic-data needs model.vocab_size or data.tokenizer_model")
     else:
@@ -182,8 +218,11 @@ def _peak_memory_bytes() -> dict:
     import torch
 
     if torch.cuda.is_available():
-        return {"kind": "cuda_max_allocated", "bytes": int(torch.cuda.max_memory_allocated()),
-                "reserved_bytes": int(torch.cuda.max_memory_reserved())}
+        return {
+            "kind": "cuda_max_allocated",
+            "bytes": int(torch.cuda.max_memory_allocated()),
+            "reserved_bytes": int(torch.cuda.max_memory_reserved()),
+        }
     import resource
 
     return {"kind": "cpu_peak_rss", "bytes": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
@@ -197,9 +236,19 @@ def _precision(cfg, override: Optional[str]) -> str:
     return "bf16" if cfg.model.params_dtype == "bf16" else "tf32"
 
 
-def profile_trainer(trainer, steps: int, warmup: int, *, depth: Optional[int] = None, sync: bool = True,
-                    sample_interval: float = 0.5, peak_override: Optional[float] = None,
-                    precision: Optional[str] = None, sampler=None, breakdown: bool = True) -> dict:
+def profile_trainer(
+    trainer,
+    steps: int,
+    warmup: int,
+    *,
+    depth: Optional[int] = None,
+    sync: bool = True,
+    sample_interval: float = 0.5,
+    peak_override: Optional[float] = None,
+    precision: Optional[str] = None,
+    sampler=None,
+    breakdown: bool = True,
+) -> dict:
     """Run ``warmup`` + ``steps`` training steps of a set-up trainer; return this rank's report.
 
     ``breakdown``: time sections with module hooks too (synchronised on GPUs when ``sync``); without it the
@@ -253,9 +302,22 @@ def profile_trainer(trainer, steps: int, warmup: int, *, depth: Optional[int] = 
         timer.remove()
         if routing is not None:
             routing.remove()
-    return _report(trainer, timer, routing, results, step_times, method=steps_timer.method, breakdown=breakdown,
-                   depth=depth, full=full, precision=precision, peak_override=peak_override,
-                   sampler=sampler if own_sampler else None, warmup=warmup, synced=sync and cuda)
+    return _report(
+        trainer,
+        timer,
+        routing,
+        results,
+        step_times,
+        method=steps_timer.method,
+        breakdown=breakdown,
+        depth=depth,
+        full=full,
+        precision=precision,
+        peak_override=peak_override,
+        sampler=sampler if own_sampler else None,
+        warmup=warmup,
+        synced=sync and cuda,
+    )
 
 
 def _hook_sections(timer: SectionTimer, trainer, core) -> None:
@@ -277,8 +339,23 @@ def _hook_sections(timer: SectionTimer, trainer, core) -> None:
     timer.wrap(trainer.optimizer, "step", "optimizer")
 
 
-def _report(trainer, timer, routing, results, step_times, *, method, breakdown, depth, full, precision,
-            peak_override, sampler, warmup, synced) -> dict:
+def _report(
+    trainer,
+    timer,
+    routing,
+    results,
+    step_times,
+    *,
+    method,
+    breakdown,
+    depth,
+    full,
+    precision,
+    peak_override,
+    sampler,
+    warmup,
+    synced,
+) -> dict:
     import torch
 
     from megatron_lol.perf import flops as fl
@@ -294,10 +371,17 @@ def _report(trainer, timer, routing, results, step_times, *, method, breakdown, 
     step_mean = sum(step_times) / len(step_times)
     step_median = statistics.median(step_times)
     model_flops = fl.training_flops_per_step(cfg, depth, gbs, seq, vocab_size=trainer.vocab_size)
-    exec_flops = fl.training_flops(cfg.model, trainer.vocab_size, seq, gbs, depth=depth, attention_pairs="executed",
-                                   backprop_depth=cfg.curriculum.backprop_depth,
-                                   first_window_full_backprop=cfg.curriculum.first_window_full_backprop,
-                                   streams_per_depth=plan.num_stored_blocks if plan.routed else 1).total
+    exec_flops = fl.training_flops(
+        cfg.model,
+        trainer.vocab_size,
+        seq,
+        gbs,
+        depth=depth,
+        attention_pairs="executed",
+        backprop_depth=cfg.curriculum.backprop_depth,
+        first_window_full_backprop=cfg.curriculum.first_window_full_backprop,
+        streams_per_depth=plan.num_stored_blocks if plan.routed else 1,
+    ).total
     dev = _device_info()
     prec = _precision(cfg, precision)
     peak = peak_tflops(dev["name"] if dev["kind"] == "cuda" else None, prec, peak_override)
@@ -330,13 +414,16 @@ def _report(trainer, timer, routing, results, step_times, *, method, breakdown, 
     from megatron_lol.perf.memory import Layout, rank_memory
 
     # the per-rank estimate of `megatron-lol memory` for this rank's pipeline stage (full depth)
-    mem_model = rank_memory(cfg, trainer.vocab_size, Layout.of(cfg, world),
-                            parallel_state.get_pipeline_model_parallel_rank())
+    mem_model = rank_memory(
+        cfg, trainer.vocab_size, Layout.of(cfg, world), parallel_state.get_pipeline_model_parallel_rank()
+    )
     util_steps = [r.utilisation for r in results if r.utilisation]
     utilisation = None
     if util_steps:
-        utilisation = [[sum(s[d][b] for s in util_steps) / len(util_steps) for b in range(len(util_steps[0][d]))]
-                       for d in range(len(util_steps[0]))]
+        utilisation = [
+            [sum(s[d][b] for s in util_steps) / len(util_steps) for b in range(len(util_steps[0][d]))]
+            for d in range(len(util_steps[0]))
+        ]
     node, host = node_identity()
     report = {
         "host": host,
@@ -345,14 +432,29 @@ def _report(trainer, timer, routing, results, step_times, *, method, breakdown, 
         "world_size": world,
         "devices_per_node": local,
         "device": dev,
-        "config": {"plan": cfg.model.plan, "hidden_size": cfg.model.hidden_size,
-                   "num_blocks": plan.num_stored_blocks, "core_depth": full, "depth": depth,
-                   "window_size": cfg.model.window_size, "window_shift": cfg.model.window_shift,
-                   "seq_length": seq, "global_batch_size": gbs, "micro_batch_size": cfg.training.micro_batch_size,
-                   "params_dtype": cfg.model.params_dtype, "vocab_size": trainer.vocab_size},
-        "steps": n, "warmup": 0 if warmup is None else warmup,
-        "step_time_s": {"mean": step_mean, "median": step_median, "min": min(step_times), "max": max(step_times),
-                        "all": step_times},
+        "config": {
+            "plan": cfg.model.plan,
+            "hidden_size": cfg.model.hidden_size,
+            "num_blocks": plan.num_stored_blocks,
+            "core_depth": full,
+            "depth": depth,
+            "window_size": cfg.model.window_size,
+            "window_shift": cfg.model.window_shift,
+            "seq_length": seq,
+            "global_batch_size": gbs,
+            "micro_batch_size": cfg.training.micro_batch_size,
+            "params_dtype": cfg.model.params_dtype,
+            "vocab_size": trainer.vocab_size,
+        },
+        "steps": n,
+        "warmup": 0 if warmup is None else warmup,
+        "step_time_s": {
+            "mean": step_mean,
+            "median": step_median,
+            "min": min(step_times),
+            "max": max(step_times),
+            "all": step_times,
+        },
         "tokens_per_step": tokens,
         "tokens_per_s": tokens / step_median,
         "tokens_per_s_per_device": tokens / step_median / world,
@@ -409,9 +511,17 @@ def run(args: argparse.Namespace) -> int:
     if cfg.training.train_flops is None:
         cfg.training.train_iters = max(cfg.training.train_iters, args.warmup + args.steps)
     trainer = build_trainer(cfg, args.synthetic_data)
-    local = profile_trainer(trainer, args.steps, args.warmup, depth=args.depth, sync=not args.no_sync,
-                            sample_interval=args.sample_interval, peak_override=args.peak_tflops,
-                            precision=args.precision, breakdown=not args.no_breakdown)
+    local = profile_trainer(
+        trainer,
+        args.steps,
+        args.warmup,
+        depth=args.depth,
+        sync=not args.no_sync,
+        sample_interval=args.sample_interval,
+        peak_override=args.peak_tflops,
+        precision=args.precision,
+        breakdown=not args.no_breakdown,
+    )
     import torch
 
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
@@ -423,9 +533,22 @@ def run(args: argparse.Namespace) -> int:
         return 0
     report = dict(local)
     report["nodes"] = node_rows(gathered)
-    report["ranks"] = [{k: r.get(k) for k in ("host", "node", "rank", "step_time_s", "compute_time_s",
-                                              "tokens_per_s_per_device", "tflops_per_device", "peak_memory")}
-                       for r in gathered]
+    report["ranks"] = [
+        {
+            k: r.get(k)
+            for k in (
+                "host",
+                "node",
+                "rank",
+                "step_time_s",
+                "compute_time_s",
+                "tokens_per_s_per_device",
+                "tflops_per_device",
+                "peak_memory",
+            )
+        }
+        for r in gathered
+    ]
     report["stragglers"] = stragglers(report["ranks"])
     print(format_report(report))
     spread = step_time_warning(report["step_time_s"]["all"])
@@ -436,5 +559,3 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out:
         write_json(args.json_out, report)
     return 0
-
-

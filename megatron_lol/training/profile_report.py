@@ -46,17 +46,23 @@ def node_rows(rank_reports: list) -> list:
         first = min(reps, key=lambda r: r["rank"])
         slowest = max(r["step_time_s"]["median"] for r in reps)
         gpus = [g for r in reps if r.get("gpu") for g in r["gpu"]["gpus"]]
-        rows.append({
-            "host": first["host"], "node": node, "ranks": sorted(r["rank"] for r in reps),
-            "devices": first["devices_per_node"],
-            "step_time_s": slowest,
-            "tokens_per_s_per_node": first["tokens_per_s_per_device"] * first["devices_per_node"]
-            * first["step_time_s"]["median"] / slowest,
-            "tflops_per_device": first["tflops_per_device"] * first["step_time_s"]["median"] / slowest,
-            "mfu": (first["mfu"] * first["step_time_s"]["median"] / slowest) if first["mfu"] is not None else None,
-            "peak_memory_bytes": max(r["peak_memory"]["bytes"] for r in reps),
-            "gpus": gpus,
-        })
+        rows.append(
+            {
+                "host": first["host"],
+                "node": node,
+                "ranks": sorted(r["rank"] for r in reps),
+                "devices": first["devices_per_node"],
+                "step_time_s": slowest,
+                "tokens_per_s_per_node": first["tokens_per_s_per_device"]
+                * first["devices_per_node"]
+                * first["step_time_s"]["median"]
+                / slowest,
+                "tflops_per_device": first["tflops_per_device"] * first["step_time_s"]["median"] / slowest,
+                "mfu": (first["mfu"] * first["step_time_s"]["median"] / slowest) if first["mfu"] is not None else None,
+                "peak_memory_bytes": max(r["peak_memory"]["bytes"] for r in reps),
+                "gpus": gpus,
+            }
+        )
     return rows
 
 
@@ -116,27 +122,38 @@ def stragglers(ranks: list) -> Optional[dict]:
         return None
     slow = max(timed, key=lambda r: r["compute_time_s"])
     fast = min(timed, key=lambda r: r["compute_time_s"])
-    return {"slowest": {k: slow[k] for k in ("rank", "host", "compute_time_s")},
-            "fastest": {k: fast[k] for k in ("rank", "host", "compute_time_s")}}
+    return {
+        "slowest": {k: slow[k] for k in ("rank", "host", "compute_time_s")},
+        "fastest": {k: fast[k] for k in ("rank", "host", "compute_time_s")},
+    }
 
 
 def format_report(rep: dict) -> str:
     lines = []
     c = rep["config"]
-    lines.append(f"profile: plan {c['plan']}, width {c['hidden_size']}, L={c['num_blocks']}, depth {c['depth']}"
-                 f"/{c['core_depth']}, W={c['window_size']}, S={c['window_shift']}, "
-                 f"{c['global_batch_size']} x {c['seq_length']} tokens per step, {rep['world_size']} device(s) "
-                 f"[{rep['device']['name']}], {rep['steps']} steps")
+    lines.append(
+        f"profile: plan {c['plan']}, width {c['hidden_size']}, L={c['num_blocks']}, depth {c['depth']}"
+        f"/{c['core_depth']}, W={c['window_size']}, S={c['window_shift']}, "
+        f"{c['global_batch_size']} x {c['seq_length']} tokens per step, {rep['world_size']} device(s) "
+        f"[{rep['device']['name']}], {rep['steps']} steps"
+    )
     st = rep["step_time_s"]
-    lines.append(f"  step time        median {st['median'] * 1e3:.1f} ms  (mean {st['mean'] * 1e3:.1f}, "
-                 f"min {st['min'] * 1e3:.1f}, max {st['max'] * 1e3:.1f})")
-    lines.append(f"  tokens/s         {rep['tokens_per_s_per_device']:,.0f} per device, "
-                 f"{rep['tokens_per_s_per_node']:,.0f} per node")
-    lines.append(f"  TFLOP/s/device   {rep['tflops_per_device']:.4g} model (allowed pairs), "
-                 f"{rep['tflops_per_device_executed']:.4g} executed")
+    lines.append(
+        f"  step time        median {st['median'] * 1e3:.1f} ms  (mean {st['mean'] * 1e3:.1f}, "
+        f"min {st['min'] * 1e3:.1f}, max {st['max'] * 1e3:.1f})"
+    )
+    lines.append(
+        f"  tokens/s         {rep['tokens_per_s_per_device']:,.0f} per device, "
+        f"{rep['tokens_per_s_per_node']:,.0f} per node"
+    )
+    lines.append(
+        f"  TFLOP/s/device   {rep['tflops_per_device']:.4g} model (allowed pairs), "
+        f"{rep['tflops_per_device_executed']:.4g} executed"
+    )
     if rep["mfu"] is not None:
-        lines.append(f"  MFU              {100 * rep['mfu']:.1f}% of {rep['peak_tflops']:.0f} TFLOP/s "
-                     f"({rep['precision']})")
+        lines.append(
+            f"  MFU              {100 * rep['mfu']:.1f}% of {rep['peak_tflops']:.0f} TFLOP/s ({rep['precision']})"
+        )
     else:
         lines.append("  MFU              - (no peak for this device; --peak-tflops sets one)")
     timing = rep.get("timing") or {}
@@ -146,23 +163,39 @@ def format_report(rep: dict) -> str:
     else:
         synced = " synchronised at every timed module" if timing.get("synchronised_sections") else ""
         lines.append(f"  breakdown per step (section timers{synced}; read throughput from a --no-breakdown run):")
-        for key in ("prelude", "core", "core.blocks", "core.dispatch", "core.routing", "coda_head", "forward_other",
-                    "backward", "optimizer", "data"):
+        for key in (
+            "prelude",
+            "core",
+            "core.blocks",
+            "core.dispatch",
+            "core.routing",
+            "coda_head",
+            "forward_other",
+            "backward",
+            "optimizer",
+            "data",
+        ):
             label = ("    " + key.split(".", 1)[1]) if "." in key else key
             lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
     sg = rep.get("stragglers")
     if sg:
         slow, fast = sg["slowest"], sg["fastest"]
-        lines.append(f"  slowest rank     {slow['rank']} (host {slow['host']}): {slow['compute_time_s'] * 1e3:.1f} "
-                     f"ms to the gradient reduction per step; fastest rank {fast['rank']} (host {fast['host']}): "
-                     f"{fast['compute_time_s'] * 1e3:.1f} ms")
+        lines.append(
+            f"  slowest rank     {slow['rank']} (host {slow['host']}): {slow['compute_time_s'] * 1e3:.1f} "
+            f"ms to the gradient reduction per step; fastest rank {fast['rank']} (host {fast['host']}): "
+            f"{fast['compute_time_s'] * 1e3:.1f} ms"
+        )
     m = rep["peak_memory"]
-    lines.append(f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
-                 f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB")
+    lines.append(
+        f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
+        f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB"
+    )
     r = rep.get("routing")
     if r:
-        lines.append(f"  distinct blocks per path {r['distinct_blocks_per_path']:.2f} "
-                     f"(uniform routing: {r['distinct_blocks_uniform_expectation']:.2f})")
+        lines.append(
+            f"  distinct blocks per path {r['distinct_blocks_per_path']:.2f} "
+            f"(uniform routing: {r['distinct_blocks_uniform_expectation']:.2f})"
+        )
         for d, row in enumerate(r["block_utilisation"], 1):
             lines.append(f"    depth {d:2d} utilisation " + " ".join(f"{x:.2f}" for x in row))
     g = rep.get("gpu")
@@ -170,12 +203,14 @@ def format_report(rep: dict) -> str:
         for gpu in g["gpus"]:
             if not gpu.get("samples"):
                 continue
-            lines.append(f"  GPU {gpu['index']} {gpu['name']}: util {gpu['utilization_pct']['mean']:.0f}% "
-                         f"(min {gpu['utilization_pct']['min']:.0f}), power {gpu['power_w']['mean']:.0f} W "
-                         f"(min {gpu['power_w']['min']:.0f}), SM clock {gpu['sm_clock_mhz']['mean']:.0f} MHz "
-                         f"(min {gpu['sm_clock_mhz']['min']:.0f}), memory "
-                         f"{gpu['memory_used_bytes']['max'] / 2**30:.1f} GiB, throttle "
-                         f"{gpu['throttle_reasons'] or 'none'}")
+            lines.append(
+                f"  GPU {gpu['index']} {gpu['name']}: util {gpu['utilization_pct']['mean']:.0f}% "
+                f"(min {gpu['utilization_pct']['min']:.0f}), power {gpu['power_w']['mean']:.0f} W "
+                f"(min {gpu['power_w']['min']:.0f}), SM clock {gpu['sm_clock_mhz']['mean']:.0f} MHz "
+                f"(min {gpu['sm_clock_mhz']['min']:.0f}), memory "
+                f"{gpu['memory_used_bytes']['max'] / 2**30:.1f} GiB, throttle "
+                f"{gpu['throttle_reasons'] or 'none'}"
+            )
     return "\n".join(lines)
 
 
@@ -186,20 +221,26 @@ def node_label(node: dict, nodes: list) -> str:
 
 
 def format_nodes(merged: dict) -> str:
-    lines = [f"{'host':24s} {'step ms':>9s} {'tokens/s/node':>14s} {'TFLOP/s/dev':>12s} {'MFU':>6s} "
-             f"{'peak mem MiB':>13s} {'min SM MHz':>11s}"]
+    lines = [
+        f"{'host':24s} {'step ms':>9s} {'tokens/s/node':>14s} {'TFLOP/s/dev':>12s} {'MFU':>6s} "
+        f"{'peak mem MiB':>13s} {'min SM MHz':>11s}"
+    ]
     for n in merged["nodes"]:
         mfu_txt = "-" if n["mfu"] is None else f"{100 * n['mfu']:.1f}%"
         clock = min((g["sm_clock_mhz"]["min"] for g in n.get("gpus", []) if g.get("samples")), default=None)
-        lines.append(f"{node_label(n, merged['nodes'])[:24]:24s} {n['step_time_s'] * 1e3:9.1f} "
-                     f"{n['tokens_per_s_per_node']:14,.0f} "
-                     f"{n['tflops_per_device']:12.3f} "
-                     f"{mfu_txt:>6s} {n['peak_memory_bytes'] / 2**20:13,.0f} "
-                     f"{'-' if clock is None else format(clock, '.0f'):>11s}")
+        lines.append(
+            f"{node_label(n, merged['nodes'])[:24]:24s} {n['step_time_s'] * 1e3:9.1f} "
+            f"{n['tokens_per_s_per_node']:14,.0f} "
+            f"{n['tflops_per_device']:12.3f} "
+            f"{mfu_txt:>6s} {n['peak_memory_bytes'] / 2**20:13,.0f} "
+            f"{'-' if clock is None else format(clock, '.0f'):>11s}"
+        )
     s = merged["summary"]
-    lines.append(f"{s['nodes']} node(s): {s['tokens_per_s_total']:,.0f} tokens/s in all; TFLOP/s per device mean "
-                 f"{s['tflops_per_device_mean']:.3f}, min {s['tflops_per_device_min']:.3f}; slowest node "
-                 f"{s['slowest_node']} ({s['slowest_step_time_s'] * 1e3:.1f} ms per step)")
+    lines.append(
+        f"{s['nodes']} node(s): {s['tokens_per_s_total']:,.0f} tokens/s in all; TFLOP/s per device mean "
+        f"{s['tflops_per_device_mean']:.3f}, min {s['tflops_per_device_min']:.3f}; slowest node "
+        f"{s['slowest_node']} ({s['slowest_step_time_s'] * 1e3:.1f} ms per step)"
+    )
     return "\n".join(lines)
 
 

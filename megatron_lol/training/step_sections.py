@@ -13,6 +13,7 @@ from typing import Optional
 
 from megatron_lol.platform.trace_ranges import add_listener, remove_listener
 
+
 class SectionTimer:
     """Accumulates seconds per section from module hooks (synchronising CUDA when asked)."""
 
@@ -120,8 +121,10 @@ class RoutingStats:
         self.distinct_sum = 0.0
         self.tokens = 0
         self.depth = 0
-        self.handles = [core.register_forward_pre_hook(self._pre, with_kwargs=True),
-                        core.register_forward_hook(self._post, with_kwargs=True)]
+        self.handles = [
+            core.register_forward_pre_hook(self._pre, with_kwargs=True),
+            core.register_forward_hook(self._post, with_kwargs=True),
+        ]
         self._docs = None
 
     def _pre(self, module, args, kwargs):

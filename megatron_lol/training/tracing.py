@@ -31,6 +31,7 @@ from megatron_lol.log import log_rank0
 from megatron_lol.platform.trace_ranges import enable_ranges
 from megatron_lol.training.hooks import Hook, Stop
 
+
 def profile_dir(training_cfg) -> str:
     tr = training_cfg
     if tr.profile_dir:
@@ -67,8 +68,11 @@ class ProfilerHook(Hook):
         cuda = trainer.device.type == "cuda"
         self.mode = "torch" if tr.use_pytorch_profiler or not cuda else "nsys"
         if self.mode == "nsys":
-            print(f" profile: rank {rank}: nsys capture range over iterations {start}-{end - 1} "
-                  f"(run under nsys profile --capture-range=cudaProfilerApi)", flush=True)
+            print(
+                f" profile: rank {rank}: nsys capture range over iterations {start}-{end - 1} "
+                f"(run under nsys profile --capture-range=cudaProfilerApi)",
+                flush=True,
+            )
             if now >= start:
                 self._nsys(True)
             return
@@ -78,15 +82,16 @@ class ProfilerHook(Hook):
         self.path = trace_path(profile_dir(tr), rank, first, end)
         ahead = first - now  # steps before the first profiled one
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        self.prof = profile(activities=activities, record_shapes=True,
-                            schedule=schedule(wait=max(ahead - 1, 0), warmup=1 if ahead else 0,
-                                              active=end - first, repeat=1),
-                            on_trace_ready=self._write)
+        self.prof = profile(
+            activities=activities,
+            record_shapes=True,
+            schedule=schedule(wait=max(ahead - 1, 0), warmup=1 if ahead else 0, active=end - first, repeat=1),
+            on_trace_ready=self._write,
+        )
         self.prof.start()
         enable_ranges(True, nvtx=cuda)
         if not tr.use_pytorch_profiler:
-            print(f" profile: rank {rank}: no CUDA, so a torch.profiler trace (as --use-pytorch-profiler)",
-                  flush=True)
+            print(f" profile: rank {rank}: no CUDA, so a torch.profiler trace (as --use-pytorch-profiler)", flush=True)
         print(f" profile: rank {rank}: torch.profiler over iterations {first}-{end - 1} -> {self.path}", flush=True)
 
     def _write(self, prof) -> None:

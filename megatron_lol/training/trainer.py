@@ -145,11 +145,14 @@ class Trainer:
         if self.global_batch_size % (tr.micro_batch_size * self.dp_size):
             raise ConfigError(
                 f"training.global_batch_size: {self.global_batch_size} is not a multiple of "
-                f"micro_batch_size x data_parallel_size = {tr.micro_batch_size * self.dp_size}")
+                f"micro_batch_size x data_parallel_size = {tr.micro_batch_size * self.dp_size}"
+            )
         self.num_microbatches = self.global_batch_size // (tr.micro_batch_size * self.dp_size)
 
         self._build_tokenizer()
-        self.vocab_size = resolve_vocab_size(cfg, self.tokenizer.vocab_size)  # the same at every TP; a checkpoint's wins
+        self.vocab_size = resolve_vocab_size(
+            cfg, self.tokenizer.vocab_size
+        )  # the same at every TP; a checkpoint's wins
         self._apply_flop_budget()
         self._build_model()
         self._build_optimizer()
@@ -164,8 +167,9 @@ class Trainer:
             return
         from megatron_lol.data.tokenizers import build_tokenizer
 
-        self.tokenizer = build_tokenizer(d.tokenizer_type, tokenizer_model=d.tokenizer_model,
-                                         vocab_file=d.vocab_file, merge_file=d.merge_file)
+        self.tokenizer = build_tokenizer(
+            d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file, merge_file=d.merge_file
+        )
         self.eod_id = self.tokenizer.eod
 
     def _apply_flop_budget(self) -> None:
@@ -188,17 +192,29 @@ class Trainer:
         chunks = []
         for vp_stage in range(vpp or 1):
             # BF16: each layer call adds its weight gradients to DDP's FP32 main_grad (library.transformer_config)
-            model = LoLGPTModel(cfg.model, vocab_size=vocab, eod_id=self.eod_id, parallel=cfg.parallel,
-                                max_sequence_length=cfg.training.seq_length, init_seed=cfg.training.seed,
-                                vp_stage=vp_stage if vpp else None, gradient_accumulation_fusion=True)
+            model = LoLGPTModel(
+                cfg.model,
+                vocab_size=vocab,
+                eod_id=self.eod_id,
+                parallel=cfg.parallel,
+                max_sequence_length=cfg.training.seq_length,
+                init_seed=cfg.training.seed,
+                vp_stage=vp_stage if vpp else None,
+                gradient_accumulation_fusion=True,
+            )
             # built on the CPU (the same master weights for every layout), moved before DDP allocates
             # its gradient buffers on the device, as Megatron-LM's get_model does; a no-op on CPU
             model.to(self.device)
             ddp_config = DistributedDataParallelConfig(
-                grad_reduce_in_fp32=True, overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-                use_distributed_optimizer=ddp_uses_distributed_optimizer(cfg))
-            chunks.append(DistributedDataParallel(config=model.config, ddp_config=ddp_config, module=model,
-                                                  disable_bucketing=vp_stage > 0))
+                grad_reduce_in_fp32=True,
+                overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+                use_distributed_optimizer=ddp_uses_distributed_optimizer(cfg),
+            )
+            chunks.append(
+                DistributedDataParallel(
+                    config=model.config, ddp_config=ddp_config, module=model, disable_bucketing=vp_stage > 0
+                )
+            )
         self.model_chunks = chunks
         self.ddp = chunks[0]
         self.model = chunks[0].module  # the first (virtual) stage's model
@@ -217,8 +233,9 @@ class Trainer:
 
             self.grad_readiness = CoreGradReadiness(chunks)
             for chunk in chunks:  # gradients of earlier micro-batches are not reduced (Megatron-LM's no_sync_func)
-                chunk.module.config.no_sync_func = chunks[0].no_sync if len(chunks) == 1 else [
-                    c.no_sync for c in chunks]
+                chunk.module.config.no_sync_func = (
+                    chunks[0].no_sync if len(chunks) == 1 else [c.no_sync for c in chunks]
+                )
 
     def _grouped_core(self) -> bool:
         """Whether the routed depths run grouped on host-built layouts (``model.routed_core``; docs/gpu.md,
@@ -229,8 +246,10 @@ class Trainer:
             return False
         if not self.plan.routed:
             if mode == "grouped":
-                raise ConfigError(f"model.routed_core: grouped runs routed depths, and plan {self.plan.name!r} "
-                                  f"has none (use auto or reference)")
+                raise ConfigError(
+                    f"model.routed_core: grouped runs routed depths, and plan {self.plan.name!r} "
+                    f"has none (use auto or reference)"
+                )
             return False
         from megatron_lol.model.grouped_core import grouped_core_support
 
@@ -239,8 +258,9 @@ class Trainer:
             reason = grouped_core_support(core) if core is not None else None
             if reason is not None:
                 if mode == "grouped":
-                    raise ConfigError(f"model.routed_core: grouped cannot run this model: {reason} "
-                                      f"(use auto or reference)")
+                    raise ConfigError(
+                        f"model.routed_core: grouped cannot run this model: {reason} (use auto or reference)"
+                    )
                 return False
         log_rank0(" routed core: grouped (host-built window layouts, one grouped computation per depth)")
         return True
@@ -273,8 +293,15 @@ class Trainer:
         evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.global_batch_size
         num_samples = (tr.train_iters * self.global_batch_size, evals, tr.eval_iters * self.global_batch_size)
         self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
-            d.paths, d.split, tr.seq_length, tr.seed, d.cache_dir, num_samples, self.tokenizer,
-            vocab_size=self.vocab_size)  # every token id checked against the embedding once, here
+            d.paths,
+            d.split,
+            tr.seq_length,
+            tr.seed,
+            d.cache_dir,
+            num_samples,
+            self.tokenizer,
+            vocab_size=self.vocab_size,
+        )  # every token id checked against the embedding once, here
 
     # ----------------------------------------------------------------- data
     def _batches(self, dataset, start_sample: int) -> Iterator[dict]:
@@ -297,11 +324,14 @@ class Trainer:
             for m in range(self.num_microbatches):
                 idx = [(base + m * mbs + j) % n for j in range(mbs)]
                 items = [dataset[i] for i in idx]
-                batch = {k: stack_batch([torch.as_tensor(it[k]) for it in items], pin)
-                         for k in ("tokens", "labels", "loss_mask")}
+                batch = {
+                    k: stack_batch([torch.as_tensor(it[k]) for it in items], pin)
+                    for k in ("tokens", "labels", "loss_mask")
+                }
                 # global sample numbers: router noise is drawn per sample from them
-                batch["sample_ids"] = stack_batch([torch.tensor(base + m * mbs + j, dtype=torch.long)
-                                                   for j in range(mbs)], pin)
+                batch["sample_ids"] = stack_batch(
+                    [torch.tensor(base + m * mbs + j, dtype=torch.long) for j in range(mbs)], pin
+                )
                 if self.grouped_core:
                     batch["layout"] = self._host_layout(batch, pin)
                 yield batch
@@ -313,9 +343,15 @@ class Trainer:
         from megatron_lol.model.host_layout import build_host_layout
 
         m, plan = self.cfg.model, self.plan
-        layout = build_host_layout(batch["tokens"], self.eod_id, m.window_size, m.window_shift,
-                                   range(1, plan.depth + 1), plan.num_stored_blocks,
-                                   row_seeds=self._noise_seeds(batch["sample_ids"]))
+        layout = build_host_layout(
+            batch["tokens"],
+            self.eod_id,
+            m.window_size,
+            m.window_shift,
+            range(1, plan.depth + 1),
+            plan.num_stored_blocks,
+            row_seeds=self._noise_seeds(batch["sample_ids"]),
+        )
         return layout.pin_memory() if pin else layout
 
     def _noise_seeds(self, sample_ids: torch.Tensor) -> torch.Tensor:
@@ -335,8 +371,9 @@ class Trainer:
         cur = self.cfg.curriculum
         return depth_at(step, self.plan.depth, cur.initial_depth, cur.growth_fraction, self.schedule_iters)
 
-    def _forward_step(self, depth: int, stats: StepStats, budgets: Optional[list], record_moe: bool,
-                      data_iterator, model):
+    def _forward_step(
+        self, depth: int, stats: StepStats, budgets: Optional[list], record_moe: bool, data_iterator, model
+    ):
         """One micro-batch forward (megatron's ``forward_step_func``); ``budgets``: each micro-batch's
         Accordion budget in schedule order, consumed one per call."""
         from megatron_lol.platform import to_device
@@ -350,10 +387,20 @@ class Trainer:
         if budget is not None and model.training:
             stats.budgets.append(budget)
         check = self._routing_check if model.training else None
-        output, core = model(tokens, labels=labels, depth=depth, budget=budget, backprop_depth=cur.backprop_depth,
-                             first_window_full_backprop=cur.first_window_full_backprop, noise_seeds=seeds,
-                             aux_loss_scale=1.0 / self.num_microbatches, record_moe=record_moe, return_core=True,
-                             routing_check=check, layout=layout)
+        output, core = model(
+            tokens,
+            labels=labels,
+            depth=depth,
+            budget=budget,
+            backprop_depth=cur.backprop_depth,
+            first_window_full_backprop=cur.first_window_full_backprop,
+            noise_seeds=seeds,
+            aux_loss_scale=1.0 / self.num_microbatches,
+            record_moe=record_moe,
+            return_core=True,
+            routing_check=check,
+            layout=layout,
+        )
         if model.training:
             stats.add(core)
         return output, partial(self._loss_func, loss_mask)
@@ -367,17 +414,31 @@ class Trainer:
         report = torch.stack([total.detach().clone(), mask.sum().detach()])
         return total, count, {"lm loss": report}
 
-    def _run_schedule(self, data_iterator, depth: int, forward_only: bool, stats: StepStats,
-                      budgets: Optional[list] = None, record_moe: bool = False):
+    def _run_schedule(
+        self,
+        data_iterator,
+        depth: int,
+        forward_only: bool,
+        stats: StepStats,
+        budgets: Optional[list] = None,
+        record_moe: bool = False,
+    ):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         tr = self.cfg.training
         fb = get_forward_backward_func()
         step = partial(self._forward_step, depth, stats, list(budgets) if budgets else None, record_moe)
         seq, mbs = self.model.pipeline_shape(tr.seq_length, tr.micro_batch_size)  # packed: [b*s, 1, h]
-        return fb(forward_step_func=step, data_iterator=data_iterator,
-                  model=self.model_chunks, num_microbatches=self.num_microbatches,
-                  seq_length=seq, micro_batch_size=mbs, decoder_seq_length=seq, forward_only=forward_only)
+        return fb(
+            forward_step_func=step,
+            data_iterator=data_iterator,
+            model=self.model_chunks,
+            num_microbatches=self.num_microbatches,
+            seq_length=seq,
+            micro_batch_size=mbs,
+            decoder_seq_length=seq,
+            forward_only=forward_only,
+        )
 
     def _reduce_loss(self, outputs) -> float:
         """Token-mean LM loss over the global batch (summed over micro-batches and DP ranks)."""
@@ -405,8 +466,9 @@ class Trainer:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         stats = StepStats()
-        budgets = [self.plan.sample_budget(self.cfg.training.seed, self.iteration, m)
-                   for m in range(self.num_microbatches)]
+        budgets = [
+            self.plan.sample_budget(self.cfg.training.seed, self.iteration, m) for m in range(self.num_microbatches)
+        ]
         record_moe = self._records_moe() and (self.iteration + 1) % self.cfg.training.log_interval == 0
         self._routing_check = self._routing_agreement(self.iteration + 1)
         try:
@@ -430,7 +492,8 @@ class Trainer:
                 raise FloatingPointError(
                     f"non-finite loss ({loss}) or gradient norm ({grad_norm}) at iteration {self.iteration + 1}; "
                     f"{self.nonfinite_skipped - 1} step(s) already skipped, training.skip_nonfinite_steps="
-                    f"{self.cfg.training.skip_nonfinite_steps}")
+                    f"{self.cfg.training.skip_nonfinite_steps}"
+                )
         else:
             self.scheduler.step(increment=1)
             self._update_balancing_bias(self.iteration)
@@ -438,8 +501,11 @@ class Trainer:
         utilisation = []
         if self.plan.routed:
             L = self.plan.num_stored_blocks
-            loads = (stats.loads.clone() if stats.loads is not None
-                     else torch.zeros(self.plan.depth, L, dtype=torch.float64, device=self.device))
+            loads = (
+                stats.loads.clone()
+                if stats.loads is not None
+                else torch.zeros(self.plan.depth, L, dtype=torch.float64, device=self.device)
+            )
             torch.distributed.all_reduce(loads, group=parallel_state.get_data_parallel_group())
             if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # depths live on several stages
                 torch.distributed.all_reduce(loads, group=parallel_state.get_pipeline_model_parallel_group())
@@ -451,10 +517,21 @@ class Trainer:
         tokens = self.global_batch_size * self.cfg.training.seq_length
         if stats.budgets:
             depth = self.plan.depth_for(max(stats.budgets))
-        return StepResult(step=self.iteration, loss=loss, aux_loss=aux, lr=lr, grad_norm=grad_norm,
-                          depth=depth, tokens=tokens, seconds=time.perf_counter() - t0, skipped=skipped,
-                          utilisation=utilisation, budgets=list(stats.budgets), moe_routing=moe_routing,
-                          compute_seconds=self._compute_seconds)
+        return StepResult(
+            step=self.iteration,
+            loss=loss,
+            aux_loss=aux,
+            lr=lr,
+            grad_norm=grad_norm,
+            depth=depth,
+            tokens=tokens,
+            seconds=time.perf_counter() - t0,
+            skipped=skipped,
+            utilisation=utilisation,
+            budgets=list(stats.budgets),
+            moe_routing=moe_routing,
+            compute_seconds=self._compute_seconds,
+        )
 
     def _routing_agreement(self, step: int):
         """The tensor-parallel routing check of iteration ``step`` (None: not checked then, or nothing to
@@ -463,8 +540,7 @@ class Trainer:
             return None
         from megatron_lol.parallel.routing_agreement import tensor_parallel_check
 
-        return tensor_parallel_check(step, self.plan.num_stored_blocks,
-                                     self.cfg.training.routing_agreement_interval)
+        return tensor_parallel_check(step, self.plan.num_stored_blocks, self.cfg.training.routing_agreement_interval)
 
     def _records_moe(self) -> bool:
         """Whether this model's core has MoE blocks whose routing is measured (U_t, B2, MMR)."""
@@ -541,9 +617,11 @@ class Trainer:
             cb.on_start(self)
         data = self.data_iterator(self.train_ds, self.consumed_train_samples)
         outcome = TrainOutcome(results=[])
-        log_rank0(f"training: {tr.train_iters} iterations, global batch {self.global_batch_size} "
-                  f"({self.num_microbatches} micro-batches of {tr.micro_batch_size} x {tr.seq_length} tokens, "
-                  f"data parallel {self.dp_size}), starting at iteration {self.iteration}")
+        log_rank0(
+            f"training: {tr.train_iters} iterations, global batch {self.global_batch_size} "
+            f"({self.num_microbatches} micro-batches of {tr.micro_batch_size} x {tr.seq_length} tokens, "
+            f"data parallel {self.dp_size}), starting at iteration {self.iteration}"
+        )
         if tr.eval_at_start and self.iteration == 0 and tr.eval_iters > 0:
             self._log_eval_only(self.evaluate())
         stop = None
@@ -571,8 +649,13 @@ class Trainer:
         if getattr(self, "console", None) is None:
             from megatron_lol.training.console import TrainingConsole
 
-            self.console = TrainingConsole(self.cfg, self.metrics_path, self.global_batch_size,
-                                           torch.distributed.get_world_size(), torch.distributed.get_rank() == 0)
+            self.console = TrainingConsole(
+                self.cfg,
+                self.metrics_path,
+                self.global_batch_size,
+                torch.distributed.get_world_size(),
+                torch.distributed.get_rank() == 0,
+            )
         return self.console
 
     def _log_eval_only(self, eval_loss: float) -> None:
@@ -585,10 +668,17 @@ class Trainer:
         from megatron_lol.perf.flops import training_flops_per_step
 
         if res.budgets:
-            return training_flops_per_step(self.cfg, None, self.global_batch_size, self.cfg.training.seq_length,
-                                           vocab_size=self.vocab_size, budgets=res.budgets)
-        return training_flops_per_step(self.cfg, res.depth, self.global_batch_size, self.cfg.training.seq_length,
-                                       vocab_size=self.vocab_size)
+            return training_flops_per_step(
+                self.cfg,
+                None,
+                self.global_batch_size,
+                self.cfg.training.seq_length,
+                vocab_size=self.vocab_size,
+                budgets=res.budgets,
+            )
+        return training_flops_per_step(
+            self.cfg, res.depth, self.global_batch_size, self.cfg.training.seq_length, vocab_size=self.vocab_size
+        )
 
     def _device_peak_tflops(self) -> Optional[float]:
         if not torch.cuda.is_available():
@@ -599,18 +689,29 @@ class Trainer:
         precision = "fp8" if m.fp8 else "bf16" if m.params_dtype == "bf16" else "tf32"
         return peak_tflops(torch.cuda.get_device_name(), precision)
 
-    def _log(self, res: StepResult, tokens_per_s: float, eval_loss: Optional[float],
-             tflops_per_device: float = 0.0, compute_ms: Optional[float] = None) -> None:
+    def _log(
+        self,
+        res: StepResult,
+        tokens_per_s: float,
+        eval_loss: Optional[float],
+        tflops_per_device: float = 0.0,
+        compute_ms: Optional[float] = None,
+    ) -> None:
         """The console line (every rank calls this at the same steps: the straggler gather is collective)."""
         from megatron_lol.training.console import bias_spread
 
         peak = self._device_peak_tflops()
         self._console().log_step(
-            res, tokens_per_s=tokens_per_s, tflops_per_device=tflops_per_device,
-            mfu=tflops_per_device / peak if peak else None, eval_loss=eval_loss,
+            res,
+            tokens_per_s=tokens_per_s,
+            tflops_per_device=tflops_per_device,
+            mfu=tflops_per_device / peak if peak else None,
+            eval_loss=eval_loss,
             eval_by_budget=self.last_eval_by_budget if eval_loss is not None else None,
-            consumed_samples=self.consumed_train_samples, bias_spread=bias_spread(self._balancers()),
-            stragglers=self._stragglers(compute_ms))
+            consumed_samples=self.consumed_train_samples,
+            bias_spread=bias_spread(self._balancers()),
+            stragglers=self._stragglers(compute_ms),
+        )
 
     def _stragglers(self, compute_ms: Optional[float]) -> Optional[dict]:
         """The fastest and slowest data-parallel rank of the log interval, by ``compute_ms`` (each rank's mean
@@ -621,8 +722,9 @@ class Trainer:
         if self.dp_size < 2:
             return None
         group = parallel_state.get_data_parallel_group()
-        mine = torch.tensor([float("nan") if compute_ms is None else compute_ms], dtype=torch.float64,
-                            device=self.device)
+        mine = torch.tensor(
+            [float("nan") if compute_ms is None else compute_ms], dtype=torch.float64, device=self.device
+        )
         out = [torch.empty_like(mine) for _ in range(self.dp_size)]
         torch.distributed.all_gather(out, mine, group=group)
         times = [float(t) for t in out]

@@ -63,17 +63,22 @@ def resolve_vocab_size(cfg, tokenizer_vocab: int) -> int:
     if m.vocab_size:
         vocab, source = m.vocab_size, "model.vocab_size"
         if recorded is not None and recorded != vocab:
-            raise ConfigError(f"model.vocab_size: {vocab} but the checkpoint to load ({path}) has {recorded} "
-                              f"vocabulary rows; leave model.vocab_size unset to keep the checkpoint's")
+            raise ConfigError(
+                f"model.vocab_size: {vocab} but the checkpoint to load ({path}) has {recorded} "
+                f"vocabulary rows; leave model.vocab_size unset to keep the checkpoint's"
+            )
     elif recorded is not None:
         vocab, source = recorded, f"the checkpoint {path}"
     else:
         vocab = padded_vocab_size(tokenizer_vocab, m.make_vocab_size_divisible_by)
         source = f"the tokenizer's {tokenizer_vocab} padded to a multiple of model.make_vocab_size_divisible_by"
     if vocab < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size: {vocab} (from {source}) is smaller than the tokenizer's "
-                          f"{tokenizer_vocab}")
+        raise ConfigError(
+            f"model.vocab_size: {vocab} (from {source}) is smaller than the tokenizer's {tokenizer_vocab}"
+        )
     if vocab % tp:
-        raise ConfigError(f"parallel.tensor_model_parallel_size: {tp} does not divide the vocabulary of {vocab} rows "
-                          f"(from {source}); choose a model.make_vocab_size_divisible_by that it divides")
+        raise ConfigError(
+            f"parallel.tensor_model_parallel_size: {tp} does not divide the vocabulary of {vocab} rows "
+            f"(from {source}); choose a model.make_vocab_size_divisible_by that it divides"
+        )
     return vocab

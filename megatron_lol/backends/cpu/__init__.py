@@ -45,8 +45,10 @@ class CpuBackend:
             return True
         if not parallel_state.model_parallel_is_initialized():
             return False
-        return (parallel_state.get_tensor_model_parallel_world_size() > 1
-                or parallel_state.get_expert_model_parallel_world_size() > 1)
+        return (
+            parallel_state.get_tensor_model_parallel_world_size() > 1
+            or parallel_state.get_expert_model_parallel_world_size() > 1
+        )
 
     @classmethod
     def core_context(cls, core):

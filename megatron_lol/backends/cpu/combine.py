@@ -24,12 +24,17 @@ from torch.autograd.function import once_differentiable
 from megatron_lol.backends.cpu.kernels import routing_kernels
 
 
-def fused_gated_update(states: torch.Tensor, grouping, window_gate: torch.Tensor,
-                       run_block) -> Optional[torch.Tensor]:
+def fused_gated_update(states: torch.Tensor, grouping, window_gate: torch.Tensor, run_block) -> Optional[torch.Tensor]:
     """``s + alpha (E(s) - s)`` through the C kernels, or None where they do not apply."""
-    if not (states.device.type == "cpu" and states.dtype == torch.float32 and states.dim() == 2
-            and states.shape[0] > 0 and window_gate.dtype == torch.float32 and grouping.covers_all
-            and grouping.order.numel() == states.shape[0]):
+    if not (
+        states.device.type == "cpu"
+        and states.dtype == torch.float32
+        and states.dim() == 2
+        and states.shape[0] > 0
+        and window_gate.dtype == torch.float32
+        and grouping.covers_all
+        and grouping.order.numel() == states.shape[0]
+    ):
         return None
     kernels = routing_kernels()
     if kernels is None:
@@ -40,12 +45,13 @@ def fused_gated_update(states: torch.Tensor, grouping, window_gate: torch.Tensor
         pieces = list(_GatherBlocks.apply(states, grouping.order, counts))
     else:
         pieces = list(states.index_select(0, grouping.order).split(counts, dim=0))
-    outputs = [run_block(block, piece, grouping.segments[lo:hi], grouping.order[lo:hi]).contiguous()
-               for (block, lo, hi), piece in zip(spans, pieces)]
+    outputs = [
+        run_block(block, piece, grouping.segments[lo:hi], grouping.order[lo:hi]).contiguous()
+        for (block, lo, hi), piece in zip(spans, pieces)
+    ]
     if any(out.dtype != states.dtype for out in outputs):
         return None  # not expected: blocks keep the dtype (the caller then runs the reference)
-    return _FusedGatedCombine.apply(kernels, grouping, counts, states.contiguous(), window_gate.contiguous(),
-                                    *outputs)
+    return _FusedGatedCombine.apply(kernels, grouping, counts, states.contiguous(), window_gate.contiguous(), *outputs)
 
 
 class _GatherBlocks(torch.autograd.Function):
@@ -70,7 +76,7 @@ class _GatherBlocks(torch.autograd.Function):
         out = torch.empty(ctx.shape, dtype=ctx.dtype, device=order.device)
         lo = 0
         for grad, n in zip(grads, ctx.counts):
-            rows = order[lo:lo + n]
+            rows = order[lo : lo + n]
             if grad is None:
                 out.index_fill_(0, rows, 0)
             else:
@@ -91,8 +97,9 @@ class _FusedGatedCombine(torch.autograd.Function):
     @staticmethod
     def forward(ctx, kernels, grouping, counts, states, window_gate, *outputs):
         gate = window_gate.detach()
-        new = kernels.gated_combine_forward(states.detach(), [o.detach() for o in outputs], counts,
-                                            grouping.order, grouping.segments, gate)
+        new = kernels.gated_combine_forward(
+            states.detach(), [o.detach() for o in outputs], counts, grouping.order, grouping.segments, gate
+        )
         ctx.kernels, ctx.counts = kernels, counts
         ctx.num_windows = window_gate.shape[0]
         ctx.save_for_backward(grouping.order, grouping.segments, states, gate, *outputs)
@@ -103,7 +110,8 @@ class _FusedGatedCombine(torch.autograd.Function):
     def backward(ctx, grad):
         order, segments, states, gate, *outputs = ctx.saved_tensors
         grad_outs, grad_states, gate_token = ctx.kernels.gated_combine_backward(
-            grad.contiguous(), states, outputs, ctx.counts, order, segments, gate)
+            grad.contiguous(), states, outputs, ctx.counts, order, segments, gate
+        )
         grad_gate = None
         if ctx.needs_input_grad[4]:
             grad_gate = gate_token.new_zeros(ctx.num_windows).index_add_(0, segments, gate_token)

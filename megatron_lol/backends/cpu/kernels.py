@@ -85,8 +85,9 @@ def build(source: Path = SOURCE, directory: Optional[Path] = None) -> Path:
     """Compile ``source`` into the cache (if not there yet) and return the library's path."""
     cc = _compiler()
     text = source.read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), _compiler_version(cc).encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join([text, " ".join(FLAGS).encode(), _compiler_version(cc).encode(), platform.machine().encode()])
+    ).hexdigest()[:16]
     directory = cache_dir() if directory is None else directory
     target = directory / f"{source.stem}-{key}.so"
     if target.exists():
@@ -142,19 +143,42 @@ class RoutingKernels:
         for out, n in zip(outs, counts):
             assert out.dtype == torch.float32 and out.is_contiguous() and out.shape == (n, states.shape[1])
 
-    def gated_combine_forward(self, states: torch.Tensor, outs: Sequence[torch.Tensor], counts: Sequence[int],
-                              order: torch.Tensor, segments: torch.Tensor, window_gate: torch.Tensor) -> torch.Tensor:
+    def gated_combine_forward(
+        self,
+        states: torch.Tensor,
+        outs: Sequence[torch.Tensor],
+        counts: Sequence[int],
+        order: torch.Tensor,
+        segments: torch.Tensor,
+        window_gate: torch.Tensor,
+    ) -> torch.Tensor:
         """``new[order[r]] = s + gate[segments[r]] * (outs[r] - s)`` over every row (``order`` a permutation)."""
         self._check(states, outs, counts, order, segments, window_gate)
         dst = torch.empty_like(states)
         n = torch.tensor(list(counts), dtype=torch.int64)
-        self._forward(len(outs), n.data_ptr(), _pointers(outs), states.data_ptr(), order.data_ptr(),
-                      segments.data_ptr(), window_gate.data_ptr(), dst.data_ptr(), states.shape[1])
+        self._forward(
+            len(outs),
+            n.data_ptr(),
+            _pointers(outs),
+            states.data_ptr(),
+            order.data_ptr(),
+            segments.data_ptr(),
+            window_gate.data_ptr(),
+            dst.data_ptr(),
+            states.shape[1],
+        )
         return dst
 
-    def gated_combine_backward(self, grad: torch.Tensor, states: torch.Tensor, outs: Sequence[torch.Tensor],
-                               counts: Sequence[int], order: torch.Tensor, segments: torch.Tensor,
-                               window_gate: torch.Tensor):
+    def gated_combine_backward(
+        self,
+        grad: torch.Tensor,
+        states: torch.Tensor,
+        outs: Sequence[torch.Tensor],
+        counts: Sequence[int],
+        order: torch.Tensor,
+        segments: torch.Tensor,
+        window_gate: torch.Tensor,
+    ):
         """``(grad_outs, grad_states_direct, gate_per_token)`` of :meth:`gated_combine_forward`.
 
         The arguments are the ones the forward checked (saved for backward); only ``grad`` is checked here.
@@ -164,9 +188,20 @@ class RoutingKernels:
         grad_states = torch.empty_like(states)
         gate_token = torch.empty(order.numel(), dtype=torch.float32)
         n = torch.tensor(list(counts), dtype=torch.int64)
-        self._backward(len(outs), n.data_ptr(), _pointers(outs), states.data_ptr(), order.data_ptr(),
-                       segments.data_ptr(), window_gate.data_ptr(), grad.data_ptr(), _pointers(grad_outs),
-                       grad_states.data_ptr(), gate_token.data_ptr(), states.shape[1])
+        self._backward(
+            len(outs),
+            n.data_ptr(),
+            _pointers(outs),
+            states.data_ptr(),
+            order.data_ptr(),
+            segments.data_ptr(),
+            window_gate.data_ptr(),
+            grad.data_ptr(),
+            _pointers(grad_outs),
+            grad_states.data_ptr(),
+            gate_token.data_ptr(),
+            states.shape[1],
+        )
         return grad_outs, grad_states, gate_token
 
 
@@ -181,8 +216,11 @@ def routing_kernels() -> Optional[RoutingKernels]:
                 try:
                     kernels = RoutingKernels(build())
                 except (KernelBuildError, OSError) as e:
-                    logger.warning("megatron-lol: fused CPU routing kernels unavailable (%s); "
-                                   "using torch operations (same values, slower on CPU)", e)
+                    logger.warning(
+                        "megatron-lol: fused CPU routing kernels unavailable (%s); "
+                        "using torch operations (same values, slower on CPU)",
+                        e,
+                    )
             _LOADED["routing"] = kernels
     return _LOADED["routing"]
 

@@ -35,18 +35,26 @@ _MLP_OK: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def _hooked(*modules) -> bool:
-    if (_nn_module._global_forward_hooks or _nn_module._global_forward_pre_hooks
-            or _nn_module._global_backward_hooks or _nn_module._global_backward_pre_hooks):
+    if (
+        _nn_module._global_forward_hooks
+        or _nn_module._global_forward_pre_hooks
+        or _nn_module._global_backward_hooks
+        or _nn_module._global_backward_pre_hooks
+    ):
         return True
-    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks
-               for m in modules)
+    return any(m._forward_hooks or m._forward_pre_hooks or m._backward_hooks or m._backward_pre_hooks for m in modules)
 
 
 def _common_ok(config) -> bool:
-    return (config.tensor_model_parallel_size == 1 and not config.sequence_parallel
-            and not config.add_bias_linear and config.hidden_dropout == 0.0
-            and config.fp8 is None and getattr(config, "fp4", None) is None
-            and not getattr(config, "gradient_accumulation_fusion", False))
+    return (
+        config.tensor_model_parallel_size == 1
+        and not config.sequence_parallel
+        and not config.add_bias_linear
+        and config.hidden_dropout == 0.0
+        and config.fp8 is None
+        and getattr(config, "fp4", None) is None
+        and not getattr(config, "gradient_accumulation_fusion", False)
+    )
 
 
 def _attention_eligible(att) -> bool:
@@ -60,7 +68,8 @@ def _attention_eligible(att) -> bool:
         _common_ok(c)
         and getattr(c, "context_parallel_size", 1) == 1
         and not getattr(c, "add_qkv_bias", False)
-        and not c.rotary_interleaved and not c.apply_rope_fusion
+        and not c.rotary_interleaved
+        and not c.apply_rope_fusion
         and not getattr(c, "multi_latent_attention", False)
         and not getattr(c, "attention_output_gate", False)
         and not hasattr(c, "yarn_rotary_scaling_factor")  # YaRN's mscale != 1
@@ -86,7 +95,8 @@ def _mlp_eligible(layer) -> bool:
     c = mlp.config
     return (
         _common_ok(c)
-        and c.gated_linear_unit and c.activation_func is F.silu
+        and c.gated_linear_unit
+        and c.activation_func is F.silu
         and getattr(c, "glu_linear_offset", 0.0) == 0.0
         and getattr(c, "activation_func_clamp_value", None) is None
         and not getattr(layer, "recompute_mlp", False)
@@ -108,16 +118,20 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def attention_half(att, x: torch.Tensor, mask, rope: Optional[torch.Tensor],
-                   modulate: Optional[Callable]) -> Optional[torch.Tensor]:
+def attention_half(
+    att, x: torch.Tensor, mask, rope: Optional[torch.Tensor], modulate: Optional[Callable]
+) -> Optional[torch.Tensor]:
     """``x + Attn(modulate(Norm(x)))`` for ``att`` (a layer, or an attention set with
     ``input_layernorm`` and ``self_attention``); None where the short path does not apply."""
     if not _cached(_ATTENTION_OK, att, _attention_eligible):
         return None
     sa = att.self_attention
     head_dim = sa.hidden_size_per_attention_head
-    if (isinstance(rope, tuple) or (rope is not None and rope.shape[-1] != head_dim)
-            or _hooked(sa, sa.linear_qkv, sa.linear_proj)):
+    if (
+        isinstance(rope, tuple)
+        or (rope is not None and rope.shape[-1] != head_dim)
+        or _hooked(sa, sa.linear_qkv, sa.linear_proj)
+    ):
         return None
     s, b = x.shape[0], x.shape[1]
     y = att.input_layernorm(x)

@@ -155,8 +155,9 @@ class WindowLayer(CacheLayerMixin):
         self.window_sum = self.window_sum + states.float()
         self.window_count = self.window_count + 1
 
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, rows: Optional[torch.Tensor] = None,
-               **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, rows: Optional[torch.Tensor] = None, **kwargs
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Append one token's keys / values [r, kv_heads, 1, d] for ``rows`` (all rows when None);
         returns the current windows' keys / values of those rows [r, kv_heads, W, d]."""
         if not self.is_initialized:
@@ -223,7 +224,7 @@ def cache_steps(config, loop_budget: Optional[int] = None) -> tuple[Optional[int
     the core steps it holds."""
     budget = config.resolve_budget(loop_budget)
     steps = config.steps
-    return budget, steps[:config.depth_for_budget(budget)] if budget is not None else steps
+    return budget, steps[: config.depth_for_budget(budget)] if budget is not None else steps
 
 
 class LoLCache(Cache):
@@ -242,15 +243,17 @@ class LoLCache(Cache):
         layers = [DynamicLayer() for _ in range(config.n_prelude)]
         for step in steps:
             windowed = step["attention"] in ("window", "strided")
-            layers.append(WindowLayer(config.window_size, routed=step["block"] is None) if windowed
-                          else DynamicLayer())
+            layers.append(WindowLayer(config.window_size, routed=step["block"] is None) if windowed else DynamicLayer())
         layers += [DynamicLayer() for _ in range(config.n_coda)]
         super().__init__(layers=layers)
         self.docs = DocumentState()
         self.routes: Optional[list] = [] if record_routes else None
         # read once: decoding needs them for every token (config attribute reads are slow)
-        self.eod_token_id, self.window_size, self.window_shift = (config.eod_token_id, config.window_size,
-                                                                  config.window_shift)
+        self.eod_token_id, self.window_size, self.window_shift = (
+            config.eod_token_id,
+            config.window_size,
+            config.window_shift,
+        )
         self.n_prelude, self.input_injection = config.n_prelude, bool(config.input_injection)
         self.parts: dict = {}  # (layer index, block) -> a block call's keyword arguments, filled by decoding
 

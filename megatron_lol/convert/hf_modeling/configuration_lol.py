@@ -96,8 +96,9 @@ class LoLConfig(PretrainedConfig):
         self.input_injection = input_injection
         self.moe_layers = moe_layers
         self.num_experts = num_experts
-        self.core_num_experts = core_num_experts if core_num_experts is not None else (
-            num_experts if moe_layers == "all" else None)
+        self.core_num_experts = (
+            core_num_experts if core_num_experts is not None else (num_experts if moe_layers == "all" else None)
+        )
         self.num_experts_per_tok = num_experts_per_tok
         self.moe_intermediate_size = moe_intermediate_size or intermediate_size
         self.shared_expert_intermediate_size = shared_expert_intermediate_size
@@ -139,8 +140,9 @@ class LoLConfig(PretrainedConfig):
         None for the other plans, which refuse a given one."""
         if not self.has_budgets:
             if loop_budget is not None:
-                raise ValueError(f"loop_budget: only plan accordion has a loop budget (this model's plan is "
-                                 f"{self.plan})")
+                raise ValueError(
+                    f"loop_budget: only plan accordion has a loop budget (this model's plan is {self.plan})"
+                )
             return None
         k = self.loop_budget if loop_budget is None else int(loop_budget)
         if k not in self.loop_budgets:

@@ -30,8 +30,9 @@ import torch.nn.functional as F
 from .layers_lol import MLP, rotate_half
 
 
-def prefill_window(model, layer, step: dict, s: torch.Tensor, positions: torch.Tensor, window: torch.Tensor,
-                   route: Optional[dict]) -> None:
+def prefill_window(
+    model, layer, step: dict, s: torch.Tensor, positions: torch.Tensor, window: torch.Tensor, route: Optional[dict]
+) -> None:
     """Fill the window cache ``layer`` of ``step`` from the full forward: ``s`` [B, n, h] is the
     step's input, ``window`` [B, n] the window id of each token, ``route`` what the routed step
     decided (None for a fixed block with strided attention)."""
@@ -39,7 +40,7 @@ def prefill_window(model, layer, step: dict, s: torch.Tensor, positions: torch.T
     last = window[:, -1]
     length = (window == last.unsqueeze(1)).sum(dim=1)  # tokens of each row's open window
     c = int(length.max())
-    xs, pos = s[:, n - c:], positions[:, n - c:]
+    xs, pos = s[:, n - c :], positions[:, n - c :]
     if route is None:
         row_block = torch.full((b,), step["block"], dtype=torch.long, device=s.device)
     else:
@@ -48,8 +49,9 @@ def prefill_window(model, layer, step: dict, s: torch.Tensor, positions: torch.T
     for block in torch.unique(row_block).tolist():
         rows = torch.nonzero(row_block == block).squeeze(1)
         parts = model.step_parts(step, block)
-        k, v = model.blocks[block].key_values(xs.index_select(0, rows), pos.index_select(0, rows), parts["film"],
-                                              parts["attention"])
+        k, v = model.blocks[block].key_values(
+            xs.index_select(0, rows), pos.index_select(0, rows), parts["film"], parts["attention"]
+        )
         if keys is None:
             keys, values = k.new_zeros((b,) + k.shape[1:]), v.new_zeros((b,) + v.shape[1:])
         keys[rows], values[rows] = k, v
@@ -67,13 +69,21 @@ def prefill_window(model, layer, step: dict, s: torch.Tensor, positions: torch.T
         layer.closed = route["ordinal"].index_select(0, last)
 
 
-def decode_tokens(model, cache, input_ids: Optional[torch.Tensor], attention_mask: Optional[torch.Tensor],
-                  inputs_embeds: Optional[torch.Tensor], steps: list) -> torch.Tensor:
+def decode_tokens(
+    model,
+    cache,
+    input_ids: Optional[torch.Tensor],
+    attention_mask: Optional[torch.Tensor],
+    inputs_embeds: Optional[torch.Tensor],
+    steps: list,
+) -> torch.Tensor:
     """Final hidden states [B, n, h] of the next ``n`` tokens of every row, one at a time."""
     cfg = model.config
     if len(cache.layers) != cfg.n_prelude + len(steps) + cfg.n_coda:
-        raise ValueError(f"this cache has {len(cache.layers)} layers, the model runs "
-                         f"{cfg.n_prelude + len(steps) + cfg.n_coda} at this loop budget")
+        raise ValueError(
+            f"this cache has {len(cache.layers)} layers, the model runs "
+            f"{cfg.n_prelude + len(steps) + cfg.n_coda} at this loop budget"
+        )
     ref = input_ids if input_ids is not None else inputs_embeds
     b, n = ref.shape[:2]
     if attention_mask is None:
@@ -88,8 +98,9 @@ def decode_tokens(model, cache, input_ids: Optional[torch.Tensor], attention_mas
     return out[0] if n == 1 else torch.cat(out, dim=1)
 
 
-def decode_one(model, cache, ids: Optional[torch.Tensor], embeds: Optional[torch.Tensor], mask: torch.Tensor,
-               steps: list) -> torch.Tensor:
+def decode_one(
+    model, cache, ids: Optional[torch.Tensor], embeds: Optional[torch.Tensor], mask: torch.Tensor, steps: list
+) -> torch.Tensor:
     """One new token per row (``ids`` [B] or ``embeds`` [B, h]); returns its final hidden state [B, 1, h]."""
     docs = cache.docs
     position = docs.seen
@@ -114,8 +125,15 @@ def decode_one(model, cache, ids: Optional[torch.Tensor], embeds: Optional[torch
         allowed = in_document
         if step["attention"] == "sliding":
             allowed = allowed & (keys >= docs.seen - cache.window_size).view(1, 1, -1)
-        s = model.blocks[step["block"]](s, positions, allowed, **_parts(model, cache, index, step, step["block"]),
-                                        cache=cache, cache_index=index, rope=rope)
+        s = model.blocks[step["block"]](
+            s,
+            positions,
+            allowed,
+            **_parts(model, cache, index, step, step["block"]),
+            cache=cache,
+            cache_index=index,
+            rope=rope,
+        )
     first_coda = cache.n_prelude + len(steps)
     for i, layer in enumerate(model.coda):
         s = layer(s, positions, in_document, cache=cache, cache_index=first_coda + i, rope=rope)
@@ -152,8 +170,7 @@ def _groups(layer, step: dict, b: int) -> list:
     return layer.groups
 
 
-def _window_step(model, cache, index: int, step: dict, s: torch.Tensor, positions: torch.Tensor,
-                 rope) -> torch.Tensor:
+def _window_step(model, cache, index: int, step: dict, s: torch.Tensor, positions: torch.Tensor, rope) -> torch.Tensor:
     """A windowed step for one token per row: open windows where they start (and route them), then
     run each row's block with attention over its window's cached keys."""
     layer, docs = cache.layers[index], cache.docs
@@ -174,15 +191,31 @@ def _window_step(model, cache, index: int, step: dict, s: torch.Tensor, position
             if cache.routes is not None:
                 rows = torch.nonzero(opens).squeeze(1)
                 cache.routes.extend(
-                    (r, depth, int(docs.doc_count[r]) - 1, int(layer.closed[r]), docs.seen - 1, int(layer.block[r]),
-                     float(layer.gate[r])) for r in rows.tolist())
+                    (
+                        r,
+                        depth,
+                        int(docs.doc_count[r]) - 1,
+                        int(layer.closed[r]),
+                        docs.seen - 1,
+                        int(layer.block[r]),
+                        float(layer.gate[r]),
+                    )
+                    for r in rows.tolist()
+                )
     if routed:
         layer.add_inputs(flat)
     groups = _groups(layer, step, s.shape[0])
     if len(groups) == 1:
         block = groups[0][0]
-        out = model.blocks[block](s, positions, layer.next_mask(None), **_parts(model, cache, index, step, block),
-                                  cache=cache, cache_index=index, rope=rope)
+        out = model.blocks[block](
+            s,
+            positions,
+            layer.next_mask(None),
+            **_parts(model, cache, index, step, block),
+            cache=cache,
+            cache_index=index,
+            rope=rope,
+        )
         if not routed:
             return out
         update = out - s
@@ -200,11 +233,13 @@ def _block_weights(model, cache, index: int, step: dict, block: int) -> dict:
     if weights is None:
         layer = model.blocks[block]
         att, mlp = layer.self_attn, layer.mlp
-        weights = {"norms": (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
-                   "eps": layer.input_layernorm.eps, "film": _parts(model, cache, index, step, block)["film"],
-                   "qkvo": (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, att.o_proj.weight),
-                   "mlp": ((mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight)
-                           if isinstance(mlp, MLP) else mlp)}
+        weights = {
+            "norms": (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+            "eps": layer.input_layernorm.eps,
+            "film": _parts(model, cache, index, step, block)["film"],
+            "qkvo": (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, att.o_proj.weight),
+            "mlp": ((mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight) if isinstance(mlp, MLP) else mlp),
+        }
         cache.parts[key] = weights
     return weights
 

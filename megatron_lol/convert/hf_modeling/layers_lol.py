@@ -38,8 +38,9 @@ def rope_cos_sin(positions: torch.Tensor, head_dim: int, theta: float, scaling: 
     key = (head_dim, theta, positions.device)
     inv_freq = _INV_FREQ.get(key)
     if inv_freq is None:  # computed once: decoding calls this for every layer and token
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device)
-                                    / head_dim))
+        inv_freq = 1.0 / (
+            theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions.device) / head_dim)
+        )
         _INV_FREQ[key] = inv_freq
     freqs = (positions.to(torch.float32) / scaling).unsqueeze(-1) * inv_freq  # [B, n, d/2]
     emb = torch.cat((freqs, freqs), dim=-1).unsqueeze(2)
@@ -77,8 +78,16 @@ class Attention(nn.Module):
         cos, sin = rope_cos_sin(positions, self.head_dim, self.theta, self.scaling, dtype)
         return cos.transpose(1, 2), sin.transpose(1, 2)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, allowed: torch.Tensor, cache=None,
-                cache_index: Optional[int] = None, cache_kwargs: Optional[dict] = None, rope=None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        allowed: torch.Tensor,
+        cache=None,
+        cache_index: Optional[int] = None,
+        cache_kwargs: Optional[dict] = None,
+        rope=None,
+    ) -> torch.Tensor:
         """``x`` [B, n, h]; ``positions`` [B, n]; ``allowed`` [B, n, keys] (query, key) booleans;
         ``cache``: a :class:`~.cache_lol.LoLCache`: this call's keys / values go to its layer
         ``cache_index`` (``cache_kwargs`` passed on, e.g. the rows a window layer updates),
@@ -88,8 +97,9 @@ class Attention(nn.Module):
         q, k, v = self.project(x, positions, rope)
         if cache is not None:
             k, v = cache.update(k, v, cache_index, **(cache_kwargs or {}))
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed.unsqueeze(1),
-                                             enable_gqa=self.kv_heads != self.heads)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=allowed.unsqueeze(1), enable_gqa=self.kv_heads != self.heads
+        )
         return self.o_proj(out.transpose(1, 2).reshape(b, n, self.heads * self.head_dim))
 
 
@@ -144,8 +154,9 @@ class MoEMLP(nn.Module):
         self.score_function = getattr(config, "moe_router_score_function", "softmax")
         self.router = Router(config.hidden_size, num_experts, getattr(config, "moe_router_expert_bias", False))
         self.experts = nn.ModuleList(MLP(config, config.moe_intermediate_size) for _ in range(num_experts))
-        self.shared_expert = (MLP(config, config.shared_expert_intermediate_size)
-                              if config.shared_expert_intermediate_size else None)
+        self.shared_expert = (
+            MLP(config, config.shared_expert_intermediate_size) if config.shared_expert_intermediate_size else None
+        )
 
     def route(self, x: torch.Tensor, router: Optional[Router] = None):
         """``x`` [n, h] -> (weights [n, k] fp32, expert ids [n, k]); ``router``: another router's
@@ -194,9 +205,21 @@ class Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = MLP(config) if num_experts is None else MoEMLP(config, num_experts)
 
-    def forward(self, x, positions, allowed, *, film=None, attention: Optional[AttentionSet] = None, gates=None,
-                moe_router: Optional[Router] = None, cache=None, cache_index: Optional[int] = None,
-                cache_kwargs: Optional[dict] = None, rope=None):
+    def forward(
+        self,
+        x,
+        positions,
+        allowed,
+        *,
+        film=None,
+        attention: Optional[AttentionSet] = None,
+        gates=None,
+        moe_router: Optional[Router] = None,
+        cache=None,
+        cache_index: Optional[int] = None,
+        cache_kwargs: Optional[dict] = None,
+        rope=None,
+    ):
         """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;
         ``attention``: another input norm + attention to use (Foil's later passes);
         ``gates``: ``(g_attn [h], g_mlp [h])`` scaling the two residual writes (Accordion's

@@ -67,8 +67,16 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 from .cache_lol import LoLCache
 from .configuration_lol import LoLConfig
 from .decoding_lol import decode_tokens, prefill_window
-from .layers_lol import (AttentionSet, Layer, RMSNorm, Router, causal_same_segment, document_starts,
-                         positions_in_segment, segment_ids)
+from .layers_lol import (
+    AttentionSet,
+    Layer,
+    RMSNorm,
+    Router,
+    causal_same_segment,
+    document_starts,
+    positions_in_segment,
+    segment_ids,
+)
 
 # transformers 5 calls the KV cache ``cache``, earlier versions ``past_key_values``
 _CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
@@ -134,7 +142,8 @@ class LoLModel(LoLPreTrainedModel):
             self.loop_gates = nn.Parameter(torch.ones(L, 2, h))
         if any(step["separate_router"] for step in steps):
             self.second_pass_routers = nn.ModuleList(
-                Router(h, config.block_experts, getattr(config, "moe_router_expert_bias", False)) for _ in range(L))
+                Router(h, config.block_experts, getattr(config, "moe_router_expert_bias", False)) for _ in range(L)
+            )
         self.post_init()
 
     @property
@@ -149,7 +158,7 @@ class LoLModel(LoLPreTrainedModel):
         """The steps of the core a call runs (``config.execution_plan``; Accordion: its budget's prefix)."""
         budget = self.resolve_budget(loop_budget)
         steps = self.config.steps
-        return steps[:self.config.depth_for_budget(budget)] if budget is not None else steps
+        return steps[: self.config.depth_for_budget(budget)] if budget is not None else steps
 
     def get_input_embeddings(self):
         return self.embed_tokens
@@ -168,10 +177,12 @@ class LoLModel(LoLPreTrainedModel):
     def step_parts(self, step: dict, block: int) -> dict:
         """Keyword arguments of a block call at ``step`` besides the input and attention."""
         p = step["pass"]
-        return {"film": self.film(step["depth"], block),
-                "attention": self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None,
-                "gates": (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None,
-                "moe_router": self.second_pass_routers[block] if step["separate_router"] else None}
+        return {
+            "film": self.film(step["depth"], block),
+            "attention": self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None,
+            "gates": (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None,
+            "moe_router": self.second_pass_routers[block] if step["separate_router"] else None,
+        }
 
     def inject(self, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
         if not self.config.input_injection:
@@ -197,8 +208,10 @@ class LoLModel(LoLPreTrainedModel):
         """A cache must be a LoLCache, made for the call's loop budget (when one is given)."""
         # by name: an export's remote-code copy of cache_lol.py defines its own (equal) class
         if type(cache).__name__ != LoLCache.__name__ or not hasattr(cache, "docs"):
-            raise ValueError(f"a LoL model decodes with a LoLCache (got {type(cache).__name__}): pass "
-                             f"use_cache=True, or cache=LoLCache(model.config)")
+            raise ValueError(
+                f"a LoL model decodes with a LoLCache (got {type(cache).__name__}): pass "
+                f"use_cache=True, or cache=LoLCache(model.config)"
+            )
         if loop_budget is not None and self.resolve_budget(loop_budget) != cache.loop_budget:
             raise ValueError(f"this cache was filled with loop_budget={cache.loop_budget}, not {loop_budget}")
 
@@ -230,11 +243,20 @@ class LoLModel(LoLPreTrainedModel):
         grid[window_doc, ordinal + 1] = means
         before = grid.cumsum(dim=1)[window_doc, ordinal]
         k = ordinal.clamp(min=1).unsqueeze(1).to(torch.float32)
-        summary = torch.where((ordinal == 0).unsqueeze(1), self.first_window_summary(depth, flat[flat_first]),
-                              before / k)
+        summary = torch.where(
+            (ordinal == 0).unsqueeze(1), self.first_window_summary(depth, flat[flat_first]), before / k
+        )
         choice, gate = self.decide(depth, summary)
-        return {"choice": choice, "gate": gate, "sums": sums, "counts": counts, "before": before,
-                "ordinal": ordinal, "window_doc": window_doc, "flat_first": flat_first}
+        return {
+            "choice": choice,
+            "gate": gate,
+            "sums": sums,
+            "counts": counts,
+            "before": before,
+            "ordinal": ordinal,
+            "window_doc": window_doc,
+            "flat_first": flat_first,
+        }
 
     def _packed(self, window: torch.Tensor, flat_first: torch.Tensor):
         """Each window's tokens as a row of ``W`` flat token indices (``[num_windows, W]``, the
@@ -265,8 +287,17 @@ class LoLModel(LoLPreTrainedModel):
         if routes is not None:
             rows = torch.div(flat_first, n, rounding_mode="floor")
             document = route["window_doc"] - doc[:, 0].index_select(0, rows)
-            routes.extend(zip(rows.tolist(), [depth] * rows.numel(), document.tolist(), ordinal.tolist(),
-                              (flat_first % n).tolist(), route["choice"].tolist(), route["gate"].tolist()))
+            routes.extend(
+                zip(
+                    rows.tolist(),
+                    [depth] * rows.numel(),
+                    document.tolist(),
+                    ordinal.tolist(),
+                    (flat_first % n).tolist(),
+                    route["choice"].tolist(),
+                    route["gate"].tolist(),
+                )
+            )
         if cache is not None:
             prefill_window(self, cache.layers[index], step, s, positions, window, route)
         packed, valid = self._packed(window, flat_first)
@@ -298,9 +329,15 @@ class LoLModel(LoLPreTrainedModel):
             allowed = causal_same_segment(doc)
         return self.blocks[block](s, positions, allowed[:, queries], **parts, cache=cache, cache_index=index)
 
-    def forward(self, input_ids: torch.LongTensor, attention_mask: Optional[torch.Tensor] = None,
-                inputs_embeds: Optional[torch.Tensor] = None, loop_budget: Optional[int] = None,
-                cache: Optional[LoLCache] = None, routes: Optional[list] = None):
+    def forward(
+        self,
+        input_ids: torch.LongTensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        loop_budget: Optional[int] = None,
+        cache: Optional[LoLCache] = None,
+        routes: Optional[list] = None,
+    ):
         """Final hidden states [B, n, h] and the cache (None without one).
 
         ``cache``: a :class:`~.cache_lol.LoLCache`; empty, this call fills it from its tokens
@@ -381,11 +418,23 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
     def set_output_embeddings(self, value):
         self.lm_head = value
 
-    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
-                labels: Optional[torch.LongTensor] = None, inputs_embeds: Optional[torch.Tensor] = None, *,
-                return_dict: Optional[bool] = None, loop_budget: Optional[int] = None, use_cache: Optional[bool] = None,
-                cache: Optional[LoLCache] = None, past_key_values=None, context_ids: Optional[torch.LongTensor] = None,
-                routes: Optional[list] = None, logits_to_keep: int = 0, **kwargs) -> CausalLMOutputWithPast:
+    def forward(
+        self,
+        input_ids: Optional[torch.LongTensor] = None,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.LongTensor] = None,
+        inputs_embeds: Optional[torch.Tensor] = None,
+        *,
+        return_dict: Optional[bool] = None,
+        loop_budget: Optional[int] = None,
+        use_cache: Optional[bool] = None,
+        cache: Optional[LoLCache] = None,
+        past_key_values=None,
+        context_ids: Optional[torch.LongTensor] = None,
+        routes: Optional[list] = None,
+        logits_to_keep: int = 0,
+        **kwargs,
+    ) -> CausalLMOutputWithPast:
         """``loop_budget``: Accordion's budget ``k`` for this call (default ``config.loop_budget``).
         ``cache`` (or ``past_key_values``): a :class:`~.cache_lol.LoLCache`; ``use_cache=True``
         without one makes one (returned in the output). ``context_ids`` [B, past + n]: every
@@ -401,22 +450,40 @@ class LoLForCausalLM(LoLPreTrainedModel, GenerationMixin):
             past = cache.get_seq_length() if cache is not None else 0
             n = (input_ids if input_ids is not None else inputs_embeds).shape[1]
             if context_ids.shape[1] != past + n:
-                raise ValueError(f"context_ids has {context_ids.shape[1]} tokens per row; the cache holds {past} "
-                                 f"and {n} are new")
-        hidden, cache = self.model(input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
-                                   loop_budget=loop_budget, cache=cache, routes=routes)
+                raise ValueError(
+                    f"context_ids has {context_ids.shape[1]} tokens per row; the cache holds {past} and {n} are new"
+                )
+        hidden, cache = self.model(
+            input_ids,
+            attention_mask=attention_mask,
+            inputs_embeds=inputs_embeds,
+            loop_budget=loop_budget,
+            cache=cache,
+            routes=routes,
+        )
         logits = self.lm_head(hidden[:, -logits_to_keep:] if logits_to_keep and labels is None else hidden)
         loss = None
         if labels is not None:
-            loss = F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]),
-                                   labels[:, 1:].reshape(-1), ignore_index=-100)
+            loss = F.cross_entropy(
+                logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100
+            )
         if return_dict is False:
             return (loss, logits) if loss is not None else (logits,)
         return CausalLMOutputWithPast(loss=loss, logits=logits, **({_CACHE_FIELD: cache} if cache is not None else {}))
 
-    def prepare_inputs_for_generation(self, input_ids, *, next_sequence_length: Optional[int] = None, cache=None,
-                                      past_key_values=None, attention_mask=None, inputs_embeds=None, use_cache=None,
-                                      loop_budget=None, **kwargs):
+    def prepare_inputs_for_generation(
+        self,
+        input_ids,
+        *,
+        next_sequence_length: Optional[int] = None,
+        cache=None,
+        past_key_values=None,
+        attention_mask=None,
+        inputs_embeds=None,
+        use_cache=None,
+        loop_budget=None,
+        **kwargs,
+    ):
         inputs = {"attention_mask": attention_mask}
         inputs.update((k, v) for k, v in kwargs.items() if k != "is_first_iteration")  # logits_to_keep, ...
         if loop_budget is not None:

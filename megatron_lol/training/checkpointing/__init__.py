@@ -77,7 +77,8 @@ Resume rules (:meth:`Checkpointer.resolve_and_load`):
   would be overwritten.
 * Otherwise, if ``training.load`` is set, start a stage from it
   (``load_iteration``, ``reset_optimizer``, ``reset_schedule``; RNG is
-  re-seeded from ``training.seed``; the stage's own schedule settings apply). A different TP/PP/EP/DP layout reshards on load.
+  re-seeded from ``training.seed``; the stage's own schedule settings apply). A different
+  TP/PP/EP/DP layout reshards on load.
 
 Every load checks the files against ``checksums.json`` first
 (``training.verify_checksums: false`` skips that for very large checkpoints)
@@ -86,25 +87,77 @@ records of ``metrics.jsonl`` after its checkpoint's step (they are logged again)
 """
 
 from megatron_lol.training.checkpointing.checkpointer import (
-    PAUSE_ENV, CheckpointHook, Checkpointer, agree, prepare_writer_processes)
+    PAUSE_ENV,
+    Checkpointer,
+    CheckpointHook,
+    agree,
+    prepare_writer_processes,
+)
 from megatron_lol.training.checkpointing.files import (
-    MANIFEST, RUN_CONFIG, TMP_PREFIX, TRACKER, CheckpointError, CheckpointNotFoundError, checkpoint_dir,
-    iter_name, latest_checkpoint, list_checkpoints, read_tracker, resume_iteration, tmp_dir, write_tracker)
+    MANIFEST,
+    RUN_CONFIG,
+    TMP_PREFIX,
+    TRACKER,
+    CheckpointError,
+    CheckpointNotFoundError,
+    checkpoint_dir,
+    iter_name,
+    latest_checkpoint,
+    list_checkpoints,
+    read_tracker,
+    resume_iteration,
+    tmp_dir,
+    write_tracker,
+)
 from megatron_lol.training.checkpointing.lock import LOCK_FILE, SaveDirLock
-from megatron_lol.training.checkpointing.safe_load import (
-    RestrictedUnpickler, read_metadata_file, restricted_unpickling)
+from megatron_lol.training.checkpointing.safe_load import RestrictedUnpickler, read_metadata_file, restricted_unpickling
 from megatron_lol.training.checkpointing.state import (
-    DISTRIB_OPTIM_METADATA, FORMAT_VERSION, KEY_PREFIX, NonFiniteWeightsError, build_save_state,
-    model_sharded_state_dict, parallel_layout, read_run_config, run_config_dict, weights_finite)
+    DISTRIB_OPTIM_METADATA,
+    FORMAT_VERSION,
+    KEY_PREFIX,
+    NonFiniteWeightsError,
+    build_save_state,
+    model_sharded_state_dict,
+    parallel_layout,
+    read_run_config,
+    run_config_dict,
+    weights_finite,
+)
 
 # the package's interface: each name is defined in the submodule it is imported from
 __all__ = [
-    "PAUSE_ENV", "CheckpointHook", "Checkpointer", "agree", "prepare_writer_processes", "MANIFEST",
-    "RUN_CONFIG", "TMP_PREFIX", "TRACKER", "CheckpointError", "CheckpointNotFoundError",
-    "checkpoint_dir", "iter_name", "latest_checkpoint", "list_checkpoints", "read_tracker",
-    "resume_iteration", "tmp_dir", "write_tracker", "LOCK_FILE", "SaveDirLock",
-    "RestrictedUnpickler", "read_metadata_file", "restricted_unpickling", "DISTRIB_OPTIM_METADATA",
-    "FORMAT_VERSION", "KEY_PREFIX", "NonFiniteWeightsError", "build_save_state",
-    "model_sharded_state_dict", "parallel_layout", "read_run_config", "run_config_dict",
+    "PAUSE_ENV",
+    "CheckpointHook",
+    "Checkpointer",
+    "agree",
+    "prepare_writer_processes",
+    "MANIFEST",
+    "RUN_CONFIG",
+    "TMP_PREFIX",
+    "TRACKER",
+    "CheckpointError",
+    "CheckpointNotFoundError",
+    "checkpoint_dir",
+    "iter_name",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "read_tracker",
+    "resume_iteration",
+    "tmp_dir",
+    "write_tracker",
+    "LOCK_FILE",
+    "SaveDirLock",
+    "RestrictedUnpickler",
+    "read_metadata_file",
+    "restricted_unpickling",
+    "DISTRIB_OPTIM_METADATA",
+    "FORMAT_VERSION",
+    "KEY_PREFIX",
+    "NonFiniteWeightsError",
+    "build_save_state",
+    "model_sharded_state_dict",
+    "parallel_layout",
+    "read_run_config",
+    "run_config_dict",
     "weights_finite",
 ]

@@ -24,17 +24,50 @@ from torch.distributed.checkpoint.api import CheckpointException
 from megatron_lol.errors import CliError
 from megatron_lol.log import log_rank0
 from megatron_lol.training.checkpointing.files import (
-    MANIFEST, TMP_PREFIX, TRACKER, CheckpointError, CheckpointNotFoundError, checkpoint_dir, checkpoint_files,
-    digest_files, files_of_rank, fsync_dir, iter_name, latest_checkpoint, list_checkpoints, read_manifest,
-    read_tracker, resume_iteration, tmp_dir, truncate_metrics, verify_files, write_manifest, write_tracker)
+    MANIFEST,
+    TMP_PREFIX,
+    TRACKER,
+    CheckpointError,
+    CheckpointNotFoundError,
+    checkpoint_dir,
+    checkpoint_files,
+    digest_files,
+    files_of_rank,
+    fsync_dir,
+    iter_name,
+    latest_checkpoint,
+    list_checkpoints,
+    read_manifest,
+    read_tracker,
+    resume_iteration,
+    tmp_dir,
+    truncate_metrics,
+    verify_files,
+    write_manifest,
+    write_tracker,
+)
 from megatron_lol.training.checkpointing.lock import SaveDirLock
-from megatron_lol.training.checkpointing.schedule import check_schedule, load_schedule as load_schedule_state
-from megatron_lol.training.checkpointing.safe_load import (
-    describe_error, load_common, load_sharded, read_metadata_file)
+from megatron_lol.training.checkpointing.safe_load import describe_error, load_common, load_sharded, read_metadata_file
+from megatron_lol.training.checkpointing.schedule import check_schedule
+from megatron_lol.training.checkpointing.schedule import load_schedule as load_schedule_state
 from megatron_lol.training.checkpointing.state import (
-    KEY_PREFIX, NonFiniteWeightsError, barrier, build_save_state, gather_to_all, optimizer_sharded_state_dict,
-    parallel_layout, rank, rng_sharded_object, run_config_dict, set_default_rng_state, set_rng_state,
-    trainer_model_state, weights_finite, world_size, write_run_config)
+    KEY_PREFIX,
+    NonFiniteWeightsError,
+    barrier,
+    build_save_state,
+    gather_to_all,
+    optimizer_sharded_state_dict,
+    parallel_layout,
+    rank,
+    rng_sharded_object,
+    run_config_dict,
+    set_default_rng_state,
+    set_rng_state,
+    trainer_model_state,
+    weights_finite,
+    world_size,
+    write_run_config,
+)
 from megatron_lol.training.hooks import Hook, Stop
 from megatron_lol.training.optimizer import optimizer_state_kind
 
@@ -144,7 +177,8 @@ class Checkpointer:
         if not weights_finite(trainer):
             raise NonFiniteWeightsError(
                 f"refusing to save checkpoint at iteration {it}: model weights contain NaN/Inf "
-                f"(previous checkpoint kept: {read_tracker(self.save_root)})")
+                f"(previous checkpoint kept: {read_tracker(self.save_root)})"
+            )
         # one save in flight at a time: finish the previous async one first
         self.finalize(blocking=True)
         t0 = time.perf_counter()
@@ -195,8 +229,10 @@ class Checkpointer:
         its host and its shard file. Any other exception is this rank's own and is described as such."""
         where, what = pending.tmp, describe_error(err)
         if isinstance(err, CheckpointException):
-            failures = {r: describe_error(f[0] if isinstance(f, tuple) else f)
-                        for r, f in (getattr(err, "failures", None) or {}).items()}
+            failures = {
+                r: describe_error(f[0] if isinstance(f, tuple) else f)
+                for r, f in (getattr(err, "failures", None) or {}).items()
+            }
             shards = sorted(glob.glob(os.path.join(pending.tmp, f"__{rank()}_*.distcp")))
             gathered = gather_to_all((rank(), socket.gethostname(), shards[0] if shards else None, failures))
             failed = {r: e for *_, part in gathered for r, e in part.items()}
@@ -209,9 +245,11 @@ class Checkpointer:
             shutil.rmtree(pending.tmp, ignore_errors=True)
         kept = read_tracker(self.save_root) if os.path.isdir(self.save_root) else None
         self.last_saved_iteration = kept
-        return (f"saving iteration {pending.iteration} failed: writing {where}: {what}; no rank moved the "
-                f"tracker, the partial save was removed, the last complete checkpoint is "
-                f"{iter_name(kept) if kept is not None else 'none'}")
+        return (
+            f"saving iteration {pending.iteration} failed: writing {where}: {what}; no rank moved the "
+            f"tracker, the partial save was removed, the last complete checkpoint is "
+            f"{iter_name(kept) if kept is not None else 'none'}"
+        )
 
     def _commit(self, pending: _PendingSave, info: dict) -> None:
         """All ranks, after every rank's shards (and metadata) are on disk: checksums, rename, tracker."""
@@ -261,7 +299,7 @@ class Checkpointer:
         tracked = read_tracker(self.save_root)
         its = [i for i in list_checkpoints(self.save_root) if i != tracked]
         its = sorted(its + ([tracked] if tracked is not None else []))
-        for old in its[:-self.keep_last]:
+        for old in its[: -self.keep_last]:
             if old != tracked:
                 shutil.rmtree(checkpoint_dir(self.save_root, old), ignore_errors=True)
 
@@ -300,14 +338,20 @@ class Checkpointer:
             log_rank0(f" checkpoint: {path} has no {MANIFEST} (an older save): files not verified")
             return
         if problem is None:
-            problem = verify_files(path, files, sorted(files)[rank()::world_size()])
+            problem = verify_files(path, files, sorted(files)[rank() :: world_size()])
         agree(problem)
         mb = sum(v["size"] for v in files.values()) / 2**20
-        log_rank0(f" checkpoint: {len(files)} files ({mb:.1f} MB) match {MANIFEST} "
-                  f"({time.perf_counter() - t0:.2f} s)")
+        log_rank0(f" checkpoint: {len(files)} files ({mb:.1f} MB) match {MANIFEST} ({time.perf_counter() - t0:.2f} s)")
 
-    def load(self, directory: str, iteration: Optional[int] = None, *, resume: bool = True,
-             load_optimizer: bool = True, load_schedule: bool = True) -> int:
+    def load(
+        self,
+        directory: str,
+        iteration: Optional[int] = None,
+        *,
+        resume: bool = True,
+        load_optimizer: bool = True,
+        load_schedule: bool = True,
+    ) -> int:
         """Restore from ``{directory}/iter_{iteration}`` (default: the tracker's).
 
         ``resume``: same run continuing -- RNG states are restored too (when the
@@ -318,8 +362,10 @@ class Checkpointer:
         if iteration is None:
             iteration = latest_checkpoint(directory)
             if iteration is None:
-                raise CheckpointNotFoundError(f"{directory} has no {TRACKER}: no checkpoint to load "
-                                              f"(found: {list_checkpoints(directory) or 'none'})")
+                raise CheckpointNotFoundError(
+                    f"{directory} has no {TRACKER}: no checkpoint to load "
+                    f"(found: {list_checkpoints(directory) or 'none'})"
+                )
         path = checkpoint_dir(directory, iteration)
         if not os.path.exists(os.path.join(path, "metadata.json")):
             raise CheckpointNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
@@ -332,26 +378,29 @@ class Checkpointer:
         model_sd = trainer_model_state(trainer)
         request = {"model": model_sd}
         # a chain of several optimizers (Muon + AdamW, expert groups) prefixes its keys with chained_<i>.
-        has_optimizer = load_optimizer and any(k.startswith(("optimizer", "chained_"))
-                                               for k in metadata.state_dict_metadata)
+        has_optimizer = load_optimizer and any(
+            k.startswith(("optimizer", "chained_")) for k in metadata.state_dict_metadata
+        )
         if load_optimizer and not has_optimizer:
             log_rank0(f" checkpoint: {path} has no optimizer state; starting it fresh")
         saved_kind, kind = common.get("optimizer_kind", "adam"), optimizer_state_kind(trainer.cfg)
         if has_optimizer and saved_kind != kind:
-            raise CliError(f"{path}: holds the optimizer state of {saved_kind}, this run uses {kind}; to switch, "
-                           f"start a new --save from --load {directory} with training.reset_optimizer: true")
+            raise CliError(
+                f"{path}: holds the optimizer state of {saved_kind}, this run uses {kind}; to switch, "
+                f"start a new --save from --load {directory} with training.reset_optimizer: true"
+            )
         if has_optimizer:
             request["optimizer"] = optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
             _check_optimizer_fits(path, directory, request["optimizer"], metadata, common.get("layout"), layout)
         # a resume whose schedules differ from the checkpoint's stops here, before any state is read,
         # unless told which wins; a stage takes its own settings (.schedule)
-        keep_schedule = load_schedule and resume and directory == self.save_root and \
-            check_schedule(trainer, common, path)
+        keep_schedule = (
+            load_schedule and resume and directory == self.save_root and check_schedule(trainer, common, path)
+        )
         if load_rng:
             request["rng_state"] = rng_sharded_object(None)
         state = load_sharded(request, path)
-        model_state = {k[len(KEY_PREFIX):] if k.startswith(KEY_PREFIX) else k: v
-                       for k, v in state["model"].items()}
+        model_state = {k[len(KEY_PREFIX) :] if k.startswith(KEY_PREFIX) else k: v for k, v in state["model"].items()}
         trainer.model.load_state_dict(model_state, strict=True)
         if has_optimizer:
             trainer.optimizer.load_state_dict(state["optimizer"])
@@ -365,17 +414,21 @@ class Checkpointer:
         elif resume:
             if "rng_default" in common:
                 set_default_rng_state(common["rng_default"])
-            log_rank0(f" checkpoint: parallel layout changed {common.get('layout')} -> {layout}: weights and "
-                      f"optimizer resharded, default RNGs from saving rank 0, tensor-parallel RNG re-seeded")
+            log_rank0(
+                f" checkpoint: parallel layout changed {common.get('layout')} -> {layout}: weights and "
+                f"optimizer resharded, default RNGs from saving rank 0, tensor-parallel RNG re-seeded"
+            )
         barrier()
         self.loaded_from = path
         if directory == self.save_root:
             self.last_saved_iteration = int(common["iteration"])
-        log_rank0(f" checkpoint: loaded {path} (iteration {common['iteration']}, consumed samples "
-                  f"{common['consumed_train_samples']}, optimizer {'loaded' if has_optimizer else 'fresh'}, "
-                  f"schedule {'loaded' if load_schedule else 'reset'}, "
-                  f"rng {'loaded' if load_rng else 'rank-0 default' if resume else 'fresh'}) "
-                  f"in {time.perf_counter() - t0:.2f} s")
+        log_rank0(
+            f" checkpoint: loaded {path} (iteration {common['iteration']}, consumed samples "
+            f"{common['consumed_train_samples']}, optimizer {'loaded' if has_optimizer else 'fresh'}, "
+            f"schedule {'loaded' if load_schedule else 'reset'}, "
+            f"rng {'loaded' if load_rng else 'rank-0 default' if resume else 'fresh'}) "
+            f"in {time.perf_counter() - t0:.2f} s"
+        )
         return iteration
 
     def resolve_and_load(self) -> Optional[str]:
@@ -388,9 +441,11 @@ class Checkpointer:
                     log_rank0(f" checkpoint: {how}: resuming from {checkpoint_dir(tr.save, it)}")
                 newer = [i for i in list_checkpoints(tr.save) if i > it]
                 if newer:
-                    log_rank0(f" checkpoint: {', '.join(iter_name(i) for i in newer)} in {tr.save} "
-                              f"{'is' if len(newer) == 1 else 'are'} newer than {iter_name(it)} but not named "
-                              f"by {TRACKER}: a save of the same iteration replaces it")
+                    log_rank0(
+                        f" checkpoint: {', '.join(iter_name(i) for i in newer)} in {tr.save} "
+                        f"{'is' if len(newer) == 1 else 'are'} newer than {iter_name(it)} but not named "
+                        f"by {TRACKER}: a save of the same iteration replaces it"
+                    )
                 self.load(tr.save, it, resume=True)
                 self.resumed = True
                 if how != "tracker" and rank() == 0:
@@ -398,15 +453,22 @@ class Checkpointer:
                 return self.loaded_from
         elif tr.save and (list_checkpoints(tr.save) or read_tracker(tr.save) is not None):
             found = ", ".join(iter_name(i) for i in list_checkpoints(tr.save)) or TRACKER
-            raise CheckpointError(f"{tr.save} already holds checkpoints ({found}); --no-resume would train "
-                                  f"from scratch and replace them: pass another --save, or remove them")
+            raise CheckpointError(
+                f"{tr.save} already holds checkpoints ({found}); --no-resume would train "
+                f"from scratch and replace them: pass another --save, or remove them"
+            )
         if tr.load:
             same = tr.save and os.path.abspath(tr.load) == os.path.abspath(tr.save)
             if same and not tr.resume:
                 log_rank0(f" checkpoint: --no-resume: not loading {tr.load}")
                 return None
-            self.load(tr.load, tr.load_iteration, resume=False,
-                      load_optimizer=not tr.reset_optimizer, load_schedule=not tr.reset_schedule)
+            self.load(
+                tr.load,
+                tr.load_iteration,
+                resume=False,
+                load_optimizer=not tr.reset_optimizer,
+                load_schedule=not tr.reset_schedule,
+            )
             return self.loaded_from
         return None
 
@@ -425,8 +487,10 @@ class Checkpointer:
             return
         dropped = truncate_metrics(path, int(trainer.iteration))
         if dropped:
-            log_rank0(f" checkpoint: {path}: dropped {dropped} record(s) after step {trainer.iteration} "
-                      f"(logged by the interrupted run; this run logs them again)")
+            log_rank0(
+                f" checkpoint: {path}: dropped {dropped} record(s) after step {trainer.iteration} "
+                f"(logged by the interrupted run; this run logs them again)"
+            )
 
 
 # ------------------------------------------------------------------ hook
@@ -465,8 +529,10 @@ class CheckpointHook(Hook):
         if reason is not None:
             if trainer.iteration >= tr.train_iters:
                 return None  # finished anyway; on_end saves
-            log_rank0(f" preemption: {reason} at iteration {trainer.iteration}: saving and exiting "
-                      f"with status {signals.EXIT_REQUEUE}")
+            log_rank0(
+                f" preemption: {reason} at iteration {trainer.iteration}: saving and exiting "
+                f"with status {signals.EXIT_REQUEUE}"
+            )
             if tr.save:
                 self.ckpt.save(blocking=True)
                 if rank() == 0:
@@ -479,8 +545,10 @@ class CheckpointHook(Hook):
             return Stop(signals.EXIT_REQUEUE, reason)
         if tr.exit_interval and trainer.iteration % tr.exit_interval == 0 and trainer.iteration < tr.train_iters:
             # Megatron-LM's --exit-interval: a planned stop (status 0) with a checkpoint to continue from
-            log_rank0(f" exit interval: stopping at iteration {trainer.iteration} (--exit-interval "
-                      f"{tr.exit_interval})" + (", after saving it" if tr.save else ""))
+            log_rank0(
+                f" exit interval: stopping at iteration {trainer.iteration} (--exit-interval "
+                f"{tr.exit_interval})" + (", after saving it" if tr.save else "")
+            )
             if tr.save:
                 self.ckpt.save(blocking=True)
                 barrier()
@@ -531,15 +599,19 @@ def _check_optimizer_fits(path: str, directory: str, optimizer_request, metadata
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     saved = metadata.state_dict_metadata
-    missing = sorted({t.key for t in nested_values(optimizer_request)
-                      if isinstance(t, ShardedTensor) and t.key not in saved})
+    missing = sorted(
+        {t.key for t in nested_values(optimizer_request) if isinstance(t, ShardedTensor) and t.key not in saved}
+    )
     if not missing:
         return
     why = ""
     if saved_layout and (saved_layout.get("ep", 1) > 1) != (layout["ep"] > 1):
-        why = (f" (saved at expert-model-parallel-size {saved_layout.get('ep', 1)}, now {layout['ep']}: megatron-core "
-               f"keeps expert parameters in an optimizer of their own only when it is > 1)")
-    raise CliError(f"{path}: its optimizer state does not fit this run's optimizer{why}: {len(missing)} of this "
-                   f"run's optimizer tensors are not in it, e.g. {missing[0]}; load its weights into a new --save "
-                   f"(--load {directory}) with training.reset_optimizer: true")
-
+        why = (
+            f" (saved at expert-model-parallel-size {saved_layout.get('ep', 1)}, now {layout['ep']}: megatron-core "
+            f"keeps expert parameters in an optimizer of their own only when it is > 1)"
+        )
+    raise CliError(
+        f"{path}: its optimizer state does not fit this run's optimizer{why}: {len(missing)} of this "
+        f"run's optimizer tensors are not in it, e.g. {missing[0]}; load its weights into a new --save "
+        f"(--load {directory}) with training.reset_optimizer: true"
+    )

@@ -82,8 +82,10 @@ def read_tracker(root: Optional[str]) -> Optional[int]:
         return None
     text = raw.decode("utf-8", "replace").strip()
     if not re.fullmatch(r"\d+", text):
-        raise CheckpointError(f"{path}: expected an iteration number, got {text[:40]!r} "
-                              f"(write the iteration to resume from into it, or remove it)")
+        raise CheckpointError(
+            f"{path}: expected an iteration number, got {text[:40]!r} "
+            f"(write the iteration to resume from into it, or remove it)"
+        )
     return int(text)
 
 
@@ -121,7 +123,8 @@ def latest_checkpoint(root: Optional[str]) -> Optional[int]:
         hint = f" (complete: {_names(root, others)})" if others else ""
         raise CheckpointNotFoundError(
             f"{os.path.join(root, TRACKER)} names iteration {it} but {path} is missing or incomplete"
-            f"{hint}: point the tracker at a complete checkpoint")
+            f"{hint}: point the tracker at a complete checkpoint"
+        )
     return it
 
 
@@ -147,7 +150,8 @@ def resume_iteration(root: Optional[str]) -> tuple:
     raise CheckpointNotFoundError(
         f"{root} holds {_names(root, found)} but no {TRACKER}, and {iter_name(newest)} cannot be shown "
         f"complete ({problem}): write the iteration to resume from into {os.path.join(root, TRACKER)} "
-        f"or use another --save")
+        f"or use another --save"
+    )
 
 
 # ------------------------------------------------------------------ checksums
@@ -197,8 +201,13 @@ def digest_files(path: str, rels: list) -> dict:
     on their way out: megatron-core's writer serialises each shard with ``torch.save`` inside forked worker
     processes that hand back only torch's ``WriteResult`` objects, so the written bytes never pass through code
     of ours (docs/operations.md gives the cost)."""
-    out = {rel: {"size": os.path.getsize(os.path.join(path, rel)),
-                 "sha256": file_digest(os.path.join(path, rel), sync=True)} for rel in rels}
+    out = {
+        rel: {
+            "size": os.path.getsize(os.path.join(path, rel)),
+            "sha256": file_digest(os.path.join(path, rel), sync=True),
+        }
+        for rel in rels
+    }
     for directory in sorted({os.path.dirname(os.path.join(path, rel)) for rel in rels}):
         fsync_dir(directory)
     return out
@@ -224,8 +233,11 @@ def read_manifest(path: str) -> Optional[dict]:
     except (OSError, ValueError) as err:
         raise CheckpointError(f"{name} is unreadable: {err}") from None
     files = raw.get("files") if isinstance(raw, dict) else None
-    if raw.get("algorithm") != "sha256" or not isinstance(files, dict) or any(
-            not isinstance(v, dict) or "size" not in v or "sha256" not in v for v in files.values()):
+    if (
+        raw.get("algorithm") != "sha256"
+        or not isinstance(files, dict)
+        or any(not isinstance(v, dict) or "size" not in v or "sha256" not in v for v in files.values())
+    ):
         raise CheckpointError(f"{name} is not a checksum manifest of megatron-lol")
     return files
 
@@ -273,8 +285,10 @@ def verify_files(path: str, files: dict, rels: list) -> Optional[str]:
         return problem
     for rel in rels:
         if file_digest(os.path.join(path, rel)) != files[rel]["sha256"]:
-            return (f"{os.path.join(path, rel)} is corrupted or truncated: its SHA-256 differs from the one "
-                    f"saved in {MANIFEST}{written_by(rel)} (training.verify_checksums=false skips this check)")
+            return (
+                f"{os.path.join(path, rel)} is corrupted or truncated: its SHA-256 differs from the one "
+                f"saved in {MANIFEST}{written_by(rel)} (training.verify_checksums=false skips this check)"
+            )
     return None
 
 

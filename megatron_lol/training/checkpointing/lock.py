@@ -51,8 +51,7 @@ class SaveDirLock:
             return {}
 
     def _write(self, fd: int) -> None:
-        info = {"host": socket.gethostname(), "pid": os.getpid(),
-                "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+        info = {"host": socket.gethostname(), "pid": os.getpid(), "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
         os.ftruncate(fd, 0)
         os.lseek(fd, 0, os.SEEK_SET)
         os.write(fd, (json.dumps(info) + "\n").encode())
@@ -71,11 +70,17 @@ class SaveDirLock:
         except (BlockingIOError, PermissionError):
             holder = _describe(self._read(fd))
             os.close(fd)
-            return (f"{self.root} is in use by another training run ({holder}; lock {self.path}): "
-                    f"two runs must not share one --save directory")
+            return (
+                f"{self.root} is in use by another training run ({holder}; lock {self.path}): "
+                f"two runs must not share one --save directory"
+            )
         except (ImportError, OSError) as err:
-            if isinstance(err, OSError) and err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS,
-                                                              errno.EINVAL):
+            if isinstance(err, OSError) and err.errno not in (
+                errno.ENOLCK,
+                errno.EOPNOTSUPP,
+                errno.ENOSYS,
+                errno.EINVAL,
+            ):
                 os.close(fd)
                 return f"{self.path}: cannot lock the save directory: {err.strerror or err}"
             problem = self._check_pid_file(fd)
@@ -94,11 +99,15 @@ class SaveDirLock:
         if info.get("host") == socket.gethostname():
             pid = int(info.get("pid", 0) or 0)
             if pid and pid != os.getpid() and pid_alive(pid):
-                return (f"{self.root} is in use by another training run ({_describe(info)}; lock "
-                        f"{self.path}): two runs must not share one --save directory")
+                return (
+                    f"{self.root} is in use by another training run ({_describe(info)}; lock "
+                    f"{self.path}): two runs must not share one --save directory"
+                )
             return None  # stale: its process is gone
-        return (f"{self.root} may be in use by {_describe(info)} (this file system has no flock): "
-                f"remove {self.path} once that run is gone")
+        return (
+            f"{self.root} may be in use by {_describe(info)} (this file system has no flock): "
+            f"remove {self.path} once that run is gone"
+        )
 
     def release(self) -> None:
         if self.fd is None:

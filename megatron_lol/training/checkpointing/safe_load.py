@@ -58,7 +58,9 @@ class RestrictedUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
         if module in _ALLOWED_MODULES or (module, name) in _ALLOWED_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)):
+        if module == "torch" and isinstance(
+            getattr(torch, name, None), (torch.dtype, torch.layout, torch.memory_format)
+        ):
             return getattr(torch, name)
         raise ForbiddenGlobal(f"refusing to load {module}.{name} from checkpoint metadata")
 
@@ -83,8 +85,19 @@ def read_metadata_file(path: str):
         raise CheckpointError(f"{name} is missing: not a complete torch_dist checkpoint") from None
     except ForbiddenGlobal as err:
         raise CheckpointError(f"{name}: {err} (not a checkpoint index: crafted or foreign file)") from None
-    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError, TypeError, IndexError, KeyError, ImportError,
-            UnicodeDecodeError, OverflowError, MemoryError) as err:
+    except (
+        pickle.UnpicklingError,
+        EOFError,
+        AttributeError,
+        ValueError,
+        TypeError,
+        IndexError,
+        KeyError,
+        ImportError,
+        UnicodeDecodeError,
+        OverflowError,
+        MemoryError,
+    ) as err:
         raise CheckpointError(f"{name} is truncated or corrupt ({type(err).__name__}: {_first_line(err)})") from None
 
 
@@ -158,8 +171,9 @@ def load_common(path: str) -> dict:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001 - torch and megatron raise many types here
-        raise CheckpointError(f"{os.path.join(path, 'common.pt')} cannot be read (truncated or corrupt?): "
-                              f"{_last_line(err)}") from None
+        raise CheckpointError(
+            f"{os.path.join(path, 'common.pt')} cannot be read (truncated or corrupt?): {_last_line(err)}"
+        ) from None
     if not isinstance(common, dict) or "iteration" not in common:
         raise CheckpointError(f"{os.path.join(path, 'common.pt')} holds no megatron-lol training state")
     return common
@@ -175,8 +189,9 @@ def load_sharded(request: dict, path: str) -> dict:
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:  # noqa: BLE001 - CheckpointException is a BaseException
-        raise CheckpointError(f"{path}: cannot read the checkpoint (a truncated or corrupted .distcp "
-                              f"file?): {describe_error(err)}") from None
+        raise CheckpointError(
+            f"{path}: cannot read the checkpoint (a truncated or corrupted .distcp file?): {describe_error(err)}"
+        ) from None
 
 
 def describe_error(err: BaseException) -> str:
@@ -192,7 +207,9 @@ def describe_error(err: BaseException) -> str:
     import errno
     import re
 
-    texts = [str(err)] + [str(f[0] if isinstance(f, tuple) else f) for f in (getattr(err, "failures", None) or {}).values()]
+    texts = [str(err)] + [
+        str(f[0] if isinstance(f, tuple) else f) for f in (getattr(err, "failures", None) or {}).values()
+    ]
     for text in texts:
         m = re.search(r"\[Errno (\d+)\] ([^;:\n'\"]+)", text)
         if m:

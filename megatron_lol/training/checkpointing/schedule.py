@@ -27,9 +27,15 @@ from megatron_lol.errors import ConfigError
 from megatron_lol.log import log_rank0
 
 # scheduler state key -> the flag that sets it
-COMPARED = {"max_lr": "--lr", "min_lr": "--min-lr", "lr_warmup_steps": "--lr-warmup-iters",
-            "lr_decay_steps": "--train-iters", "lr_decay_style": "--lr-decay-style",
-            "start_wd": "--weight-decay", "end_wd": "--weight-decay"}
+COMPARED = {
+    "max_lr": "--lr",
+    "min_lr": "--min-lr",
+    "lr_warmup_steps": "--lr-warmup-iters",
+    "lr_decay_steps": "--train-iters",
+    "lr_decay_style": "--lr-decay-style",
+    "start_wd": "--weight-decay",
+    "end_wd": "--weight-decay",
+}
 
 
 def schedule_record(trainer) -> dict:
@@ -64,9 +70,11 @@ def check_schedule(trainer, common: dict, path: str) -> bool:
     if not diffs:
         return False
     if not (tr.override_opt_param_scheduler or tr.use_checkpoint_opt_param_scheduler):
-        raise ConfigError(f"{path}: this run's schedule differs from the checkpoint's ({'; '.join(diffs)}): "
-                          f"pass --override-opt_param-scheduler to use this run's, or "
-                          f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's")
+        raise ConfigError(
+            f"{path}: this run's schedule differs from the checkpoint's ({'; '.join(diffs)}): "
+            f"pass --override-opt_param-scheduler to use this run's, or "
+            f"--use-checkpoint-opt_param-scheduler to keep the checkpoint's"
+        )
     which = "the checkpoint's" if tr.use_checkpoint_opt_param_scheduler else "this run's"
     log_rank0(f" checkpoint: schedule differs from the checkpoint's ({'; '.join(diffs)}): using {which}")
     return tr.use_checkpoint_opt_param_scheduler

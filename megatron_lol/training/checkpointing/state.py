@@ -248,4 +248,3 @@ def write_run_config(info: dict, directory: str) -> None:
             tok["copied_files"][key] = rel
     with open(os.path.join(directory, RUN_CONFIG), "w") as f:
         yaml.safe_dump(info, f, sort_keys=False)
-
