@@ -69,20 +69,6 @@ from megatron_lol.training.profile_report import (  # noqa: F401 - the report AP
 )
 from megatron_lol.training.step_sections import RoutingStats, SectionTimer, TimedIterator, module_list
 
-SECTION_KEYS = (
-    "prelude",
-    "core",
-    "core.blocks",
-    "core.dispatch",
-    "core.routing",
-    "coda_head",
-    "forward_other",
-    "backward",
-    "optimizer",
-    "data",
-    "other",
-)
-
 
 # ----------------------------------------------------------------------- arguments
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,20 @@ from typing import Optional
 
 from megatron_lol.errors import CliError
 
+#: the step-time breakdown's sections, in report order ("core.*" are parts of "core")
+SECTION_KEYS = (
+    "prelude",
+    "core",
+    "core.blocks",
+    "core.dispatch",
+    "core.routing",
+    "coda_head",
+    "forward_other",
+    "backward",
+    "optimizer",
+    "data",
+)
+
 
 def node_identity(env: Optional[dict] = None) -> tuple[int, str]:
     """``(node index, node name)`` of this process.
@@ -163,18 +177,7 @@ def format_report(rep: dict) -> str:
     else:
         synced = " synchronised at every timed module" if timing.get("synchronised_sections") else ""
         lines.append(f"  breakdown per step (section timers{synced}; read throughput from a --no-breakdown run):")
-        for key in (
-            "prelude",
-            "core",
-            "core.blocks",
-            "core.dispatch",
-            "core.routing",
-            "coda_head",
-            "forward_other",
-            "backward",
-            "optimizer",
-            "data",
-        ):
+        for key in SECTION_KEYS:
             label = ("    " + key.split(".", 1)[1]) if "." in key else key
             lines.append(f"    {label:16s}{_fmt_s(b[key])}  {100 * b[key] / max(st['mean'], 1e-12):5.1f}%")
     sg = rep.get("stragglers")
