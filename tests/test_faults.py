@@ -265,7 +265,8 @@ def _big_jsonl(path: Path, mb: int) -> Path:
 
 
 @pytest.mark.timeout(60)
-def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path):
+@pytest.mark.parametrize("when", ["while_writing", "as_it_starts"])
+def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path, when):
     import psutil
 
     tok = T.build_all(str(tmp_path.parent / "fault_tokenizers"))
@@ -298,9 +299,11 @@ def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path):
         while time.time() < deadline and victim is None:
             assert proc.poll() is None, proc.communicate()
             kids = psutil.Process(proc.pid).children()
-            if len(kids) >= 2 and any(".bin.tmp-" in n for n in os.listdir(out)):
+            if when == "as_it_starts" and kids:  # before preprocess has seen the worker start
                 victim = kids[0]
-            time.sleep(0.05)
+            elif len(kids) >= 2 and any(".bin.tmp-" in n for n in os.listdir(out)):
+                victim = kids[0]
+            time.sleep(0.05 if when == "while_writing" else 0.001)
         assert victim is not None, "no worker appeared"
         victim.kill()  # what the OOM killer does
         _, err = proc.communicate(timeout=30)

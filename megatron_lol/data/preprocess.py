@@ -445,7 +445,7 @@ def preprocess(args) -> dict:
     empty = {k: 0 for k in keys}
     init = (tok_kwargs, keys, args.append_eod, args.skip_bad_lines, np.dtype(dtype).name)
     pool = None
-    procs: dict = {}  # pid -> worker Process (the executor forgets them once it is broken)
+    procs: dict = {}  # pid -> worker Process: the executor's own table once the pool exists
     t0 = time.time()
 
     def handle(res: dict) -> None:
@@ -485,6 +485,7 @@ def preprocess(args) -> dict:
             pool = ProcessPoolExecutor(
                 args.workers, mp_context=ctx, initializer=_worker_init, initargs=init + (os.getpid(),)
             )
+            procs = workers.process_table(pool)
             inflight = args.max_inflight or 4 * args.workers
             pending: deque = deque()
             for task in tasks:

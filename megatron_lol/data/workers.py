@@ -52,15 +52,25 @@ def worker_died(procs: dict, path: str) -> WorkerDiedError:
     )
 
 
+def process_table(pool) -> dict:
+    """The executor's own pid -> Process map, the live object rather than a copy.
+
+    Workers start on demand inside ``submit``; a copy taken after each submit misses a
+    worker killed before the copy, and once the pool is broken the executor drops its
+    reference (``_processes = None``) and SIGTERMs the survivors, so the error would name
+    the executor's SIGTERM instead of the SIGKILL that broke the pool. The dict object
+    itself outlives that and only loses workers that exited normally.
+    """
+    return pool._processes
+
+
 def submit(pool, procs: dict, fn, task: tuple, paths: list):
     from concurrent.futures.process import BrokenProcessPool
 
     try:
-        fut = pool.submit(fn, task)
+        return pool.submit(fn, task)
     except BrokenProcessPool:
         raise worker_died(procs, paths[task[1]]) from None
-    procs.update(getattr(pool, "_processes", None) or {})  # workers start on demand
-    return fut
 
 
 def result(procs: dict, fut, meta: tuple, paths: list) -> dict:
