@@ -189,7 +189,8 @@ FILM_VARIANT = dict(
 
 @pytest.fixture(scope="module")
 def single(corpus):
-    """One 1-process launch: the LoL model, a dense model, a FiLM / injection / untied-router variant."""
+    """One 1-process launch: the LoL model, a dense model, a FiLM / injection / untied-router variant,
+    a depth-only route."""
     return _train(
         corpus,
         1,
@@ -197,6 +198,7 @@ def single(corpus):
             ("lol_1proc", {}, {}),
             ("dense_1proc", {}, {"plan": "dense", "core_layers": 2}),
             ("lol_film", {}, FILM_VARIANT),
+            ("lol_depth_route", {}, dict(router_input="depth")),
         ],
     )
 
@@ -359,6 +361,13 @@ def test_dense_exports_as_stock_llama_and_round_trips(dense_1proc, tmp_path, cor
 def test_film_injection_untied_variant(single, tmp_path, corpus):
     diff = check_lol_export(single["lol_film"], tmp_path, corpus, gen_tokens=8)
     print(f"lol FiLM/injection/untied router: max abs logit diff {diff:.2e}")
+
+
+def test_depth_only_route_variant(single, tmp_path, corpus):
+    """``router_input: depth`` exports as such: the remote code routes by the depth embedding alone."""
+    diff = check_lol_export(single["lol_depth_route"], tmp_path, corpus, gen_tokens=8)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["router_input"] == "depth"
+    print(f"lol depth-only route: max abs logit diff {diff:.2e}")
 
 
 # ------------------------------------------------------------------ failures stop with a clear message

@@ -101,6 +101,7 @@ RANDOM_MODELS = {
         num_blocks=3,
         window_shift=3,
     ),
+    "lol_depth_route": dict(router_input="depth", router_tied=False),
     "lol_moe": dict(moe_layers="all", num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
     "dense": dict(plan="dense", core_layers=2),
     "dense_sliding": dict(plan="dense", core_layers=2, dense_attention="sliding"),

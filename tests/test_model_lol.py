@@ -377,6 +377,38 @@ def test_truncated_backprop_keeps_router_gradient_of_last_depths_only(make_model
     assert all(v > 0 for v in g)
 
 
+# ------------------------------------------------------------ a route that ignores the input
+@pytest.mark.parametrize("router_input", ["windows", "depth"])
+def test_depth_only_route_ignores_the_input(make_model, router_input):
+    """``router_input: depth`` (the control run): every window of a depth takes the block the
+    depth vector picks, whatever the tokens; the window router's choices follow the tokens."""
+    model = make_model(router_std=10.0, seed=3, router_input=router_input, **CAUSAL)
+    with torch.no_grad():
+        _, cx = model(_tokens(2, 48, seed=1), record=True, return_core=True)
+        _, cy = model(_tokens(2, 48, seed=2), record=True, return_core=True)
+    same = all(torch.equal(a.choice, b.choice) for a, b in zip(cx.records, cy.records))
+    one_per_depth = all(len(set(r.choice.tolist())) == 1 for r in cx.records)
+    if router_input == "depth":
+        assert same and one_per_depth
+        assert len(_blocks_used(cx)) >= 2  # the depths still differ: a learned route, not one block
+    else:
+        assert not same and not one_per_depth
+    model.train()
+    loss = _forward(model, _tokens(2, 48, seed=1), seed=4, labels=_tokens(2, 48, seed=5))
+    loss.sum().backward()
+    # the route is learned: the LM loss reaches the depth vectors and the router through the gates
+    assert model.core.depth_vectors.grad.abs().sum() > 0
+    assert model.core.routers[0].logits.weight.grad.abs().sum() > 0
+
+
+def test_router_input_is_validated():
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="model.router_input"):
+        config_from_dict({"model": {"router_input": "tokens"}}, check_data=False)
+
+
 # ------------------------------------------------------------ FiLM and injection
 @pytest.mark.parametrize("film, shape", [("depth", (4, 2, 32)), ("depth_block", (4, 3, 2, 32))])
 def test_film_parameters_init_gradients_and_identity_at_init(make_model, film, shape):

@@ -26,6 +26,7 @@ from megatron_lol.plan.stages import check_pipeline_layout
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 ROUTED_CORES = ("auto", "reference", "grouped")
+ROUTER_INPUTS = ("windows", "depth")
 DENSE_ATTENTION = ("full", "sliding", "strided")
 PARAMS_DTYPES = ("auto", "fp32", "bf16")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
@@ -113,6 +114,10 @@ class ModelConfig:
     router_tied: bool = True
     router_noise: bool = True
     router_noise_clamp: float = 10.0
+    # what the router reads (docs/model.md, "Router"): "windows" = the past windows' states (LoL);
+    # "depth" = only the depth vector e^(l), a learned route that ignores the input (the control run
+    # that separates input adaptivity from the shared library, masks, FiLM and growth schedule)
+    router_input: str = "windows"
     # balancing (docs/model.md, "Load balancing")
     balancing: str = "loss_free"
     bias_update_speed: float = 1e-3
@@ -215,6 +220,7 @@ class ModelConfig:
         choice(f"{prefix}.plan", self.plan, tuple(PLANS))
         choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.film", self.film, FILM_MODES)
+        choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
         choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         if self.params_dtype == "fp16":

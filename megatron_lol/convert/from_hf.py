@@ -219,7 +219,14 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
         init_method_std=float(conf.get("initializer_range", 0.02)),
         params_dtype=dtype,
     )
-    for key in ("window_size", "window_shift", "make_vocab_size_divisible_by", "balancing", "router_tied"):
+    for key in (
+        "window_size",
+        "window_shift",
+        "make_vocab_size_divisible_by",
+        "balancing",
+        "router_tied",
+        "router_input",
+    ):
         if key in recorded:
             setattr(m, key, recorded[key])
     m.validate()

@@ -209,6 +209,7 @@ def lol_config_json(
         "window_shift": m.window_shift,
         "dense_attention": m.dense_attention,
         "router_tied": m.router_tied,
+        "router_input": m.router_input,
         "per_depth_bias": m.per_depth_bias,
         "film": m.film,
         "input_injection": m.input_injection,

@@ -37,7 +37,14 @@ from megatron_lol.model.core_steps import CoreContext, CoreState, DepthRecord, F
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
 from megatron_lol.model.precision import fp8_disabled, row_multiple
-from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks, router_summaries, window_noise
+from megatron_lol.model.router import (
+    RoutingDecision,
+    WindowRouter,
+    choose_blocks,
+    depth_only_summaries,
+    router_summaries,
+    window_noise,
+)
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.stages import local_blocks
@@ -284,7 +291,10 @@ class Core(nn.Module):
         row_length: int,
     ) -> RoutingDecision:
         """Router (or forced path) for the windows of one depth."""
-        summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
+        if self.cfg.router_input == "depth":
+            summaries = depth_only_summaries(windows.num_windows, self.depth_vectors[depth - 1])
+        else:
+            summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
         router = self.router_for(depth)
         eps = None
         if noise_seeds is not None and self.training and router.noise:

@@ -54,6 +54,8 @@ def grouped_core_support(core) -> Optional[str]:
         return f"plan {plan.name!r} has fixed steps (only routed LoL depths run grouped)"
     if _expert_parallel()[0] > 1:
         return "expert parallelism (windows travel to their block's rank: the reference dispatch)"
+    if core.cfg.router_input != "windows":
+        return f"router_input: {core.cfg.router_input} (the grouped depth runs the window router)"
     ids = core.local_block_ids()
     if ids != list(range(plan.num_stored_blocks)):
         return "this rank holds only part of the library"

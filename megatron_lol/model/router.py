@@ -121,6 +121,16 @@ def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: 
     return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
 
 
+def depth_only_summaries(num_windows: int, depth_vector: torch.Tensor) -> torch.Tensor:
+    """``r = e^(l)`` for every window (``router_input: depth``), fp32 ``[N, h]``.
+
+    The route then depends on the depth alone (plus training noise): the same library, masks,
+    FiLM and growth schedule on a learned route that does not read the input, the control that
+    tells input adaptivity apart from the rest of the architecture.
+    """
+    return depth_vector.float().unsqueeze(0).expand(num_windows, -1)
+
+
 def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the router reads of the depth's input: window means ``mu_j`` and first-token rows, fp32 ``[N, h]``.
 

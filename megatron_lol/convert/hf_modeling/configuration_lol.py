@@ -50,6 +50,7 @@ class LoLConfig(PretrainedConfig):
         window_shift=16,
         dense_attention="full",
         router_tied=True,
+        router_input="windows",
         per_depth_bias=False,
         film="off",
         input_injection=False,
@@ -91,6 +92,7 @@ class LoLConfig(PretrainedConfig):
         self.window_shift = window_shift
         self.dense_attention = dense_attention
         self.router_tied = router_tied
+        self.router_input = router_input  # "depth": the route reads only the depth embedding
         self.per_depth_bias = per_depth_bias
         self.film = film
         self.input_injection = input_injection

@@ -198,6 +198,8 @@ class LoLModel(LoLPreTrainedModel):
         """Block and gate of windows with router summaries ``summary`` [N, h] fp32 (no noise)."""
         routing = self.routing
         router = routing.routers[0 if len(routing.routers) == 1 else depth - 1]
+        if getattr(self.config, "router_input", "windows") == "depth":  # a route that ignores the input
+            summary = routing.depth_embeddings[depth - 1].float().unsqueeze(0).expand_as(summary)
         probs = torch.softmax(F.linear(summary, router.weight.float(), router.bias.float()), dim=-1)
         bias = routing.balancing_bias[depth - 1 if self.config.per_depth_bias else 0].float()
         choice = torch.argmax(probs + bias, dim=-1)  # first maximum: ties go to the lowest block
