@@ -1,0 +1,370 @@
+"""Small replications of the papers' findings on the bundled corpus, one command per study.
+
+    python examples/replication/replicate.py STUDY [--size full|smoke] [--out DIR] [--jobs N]
+
+A study is a set of arms (config overrides of ``examples/configs/tiny-cpu.yaml``) trained
+at one FLOP budget (``training.train_flops``: the trainer derives each arm's iterations
+from the FLOP model, growth included), over a few seeds, and a criterion written down
+before any run (docs/replication.md). Each arm is a plain ``megatron-lol train``
+subprocess; the results are read from its ``metrics.jsonl`` (the last validation record)
+and written to ``OUT/results.json`` with the verdict, plus ``OUT/STUDY.png``.
+
+``--size smoke`` runs every arm for two iterations at a tiny shape (what CI runs: the
+whole pipeline, not the findings); ``--size full`` is the measured run whose tables
+are in docs/replication.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+REPO = Path(__file__).resolve().parents[2]
+BASE_CONFIG = REPO / "examples" / "configs" / "tiny-cpu.yaml"
+
+# the plan keys of tiny-cpu.yaml that other plans refuse
+_LOL_KEYS = {"model.num_blocks": "null", "model.routed_depth": "null"}
+
+
+@dataclass
+class Arm:
+    """One configuration of a study: ``sets`` are ``--set KEY=VALUE`` overrides of the base config."""
+
+    name: str
+    sets: dict = field(default_factory=dict)
+
+
+@dataclass
+class Study:
+    name: str
+    question: str
+    criterion: str  # written before the runs; judged by ``verdict``
+    arms: list
+    reference: str  # the arm whose FLOPs at ``full_iters`` set the budget of every arm
+    full_iters: int
+    seeds: tuple
+    verdict: Callable[[dict], dict]
+    metric: str = "eval_loss"
+
+
+# ------------------------------------------------------------------ verdicts
+def _spread(values: list) -> float:
+    return max(values) - min(values) if len(values) > 1 else 0.0
+
+
+def _summary(results: dict, arm: str, key: str = "eval_loss") -> dict:
+    values = [r[key] for r in results[arm]]
+    return {"mean": statistics.fmean(values), "spread": _spread(values), "values": values}
+
+
+def _below(results: dict, better: str, worse: str) -> dict:
+    """``better``'s mean loss below ``worse``'s by more than both arms' seed spreads (max - min)."""
+    a, b = _summary(results, better), _summary(results, worse)
+    margin = b["mean"] - a["mean"]
+    return {
+        "claim": f"{better} < {worse}",
+        "margin": margin,
+        "spread": max(a["spread"], b["spread"]),
+        "holds": margin > max(a["spread"], b["spread"]),
+    }
+
+
+def lol_verdict(results: dict) -> dict:
+    checks = [_below(results, "lol", other) for other in ("dense", "looped", "lol-fixed-route")]
+    return {"checks": checks, "holds": all(c["holds"] for c in checks)}
+
+
+def foil_verdict(results: dict) -> dict:
+    deep, flat = _below(results, "foil-untied", "foil-tied"), _below(results, "foil-flat-untied", "foil-flat-tied")
+    more = flat["margin"] > deep["margin"]
+    return {
+        "checks": [deep, flat, {"claim": "the gain is larger at the flatter shape", "holds": more}],
+        "holds": deep["holds"] and flat["holds"] and more,
+    }
+
+
+def accordion_verdict(results: dict) -> dict:
+    """Monotone within the seed spread, and saturating: the middle budget recovers >= half the largest's gain."""
+    budgets = sorted(results["accordion"][0]["eval_loss_by_budget"], key=int)
+    curve = {k: [r["eval_loss_by_budget"][k] for r in results["accordion"]] for k in budgets}
+    means = {k: statistics.fmean(v) for k, v in curve.items()}
+    spread = max(_spread(v) for v in curve.values())
+    monotone = all(means[b] <= means[a] + spread for a, b in zip(budgets, budgets[1:]))
+    low, mid, high = budgets[0], budgets[len(budgets) // 2], budgets[-1]
+    gain = means[low] - means[high]
+    recovered = (means[low] - means[mid]) / gain if gain > 0 else float("nan")
+    return {
+        "curve": means,
+        "spread": spread,
+        "checks": [
+            {"claim": "loss does not rise with the budget (within the seed spread)", "holds": monotone},
+            {"claim": "the largest budget improves on k=0", "holds": gain > spread, "margin": gain},
+            {
+                "claim": f"budget {mid} recovers >= half of budget {high}'s gain",
+                "holds": recovered >= 0.5,
+                "fraction": recovered,
+            },
+        ],
+        "holds": monotone and gain > spread and recovered >= 0.5,
+    }
+
+
+# ------------------------------------------------------------------ studies
+_MOE = {"model.moe_layers": "all", "model.num_experts": 4, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 192}
+
+STUDIES = {
+    "lol-vs-dense": Study(
+        name="lol-vs-dense",
+        question="Does LoL beat dense and looped models of the same executed layers at matched training FLOPs, "
+        "and does its input-dependent route beat the same library on a learned input-independent route?",
+        criterion="LoL's mean final validation loss is below each other arm's by more than the larger seed "
+        "spread (max - min over the seeds) of the two.",
+        arms=[
+            Arm("lol"),
+            Arm("lol-fixed-route", {"model.router_input": "depth"}),
+            Arm("dense", {**_LOL_KEYS, "model.plan": "dense", "model.core_layers": 4}),
+            Arm("looped", {**_LOL_KEYS, "model.plan": "looped", "model.loop_layers": 2, "model.loop_count": 2}),
+        ],
+        reference="lol",
+        full_iters=800,
+        seeds=(1, 2, 3),
+        verdict=lol_verdict,
+    ),
+    "foil-untied": Study(
+        name="foil-untied",
+        question="Does untying attention per pass lower Foil's loss at equal FLOPs, and more so at a flatter shape "
+        "(fewer layers, more passes)?",
+        criterion="Untied below tied by more than the seed spread at both shapes, and the margin larger at the "
+        "flatter shape (2 layers x 4 passes) than at 4 layers x 2 passes.",
+        arms=[
+            Arm(
+                f"foil{tag}-{tie}",
+                {
+                    **_LOL_KEYS,
+                    **_MOE,
+                    "curriculum.initial_depth": "null",
+                    "model.plan": "foil",
+                    "model.foil_layers": layers,
+                    "model.foil_loops": loops,
+                    "model.foil_experts": 4,
+                    "model.untie_attention": tie == "untied",
+                },
+            )
+            for tag, layers, loops in (("", 4, 2), ("-flat", 2, 4))
+            for tie in ("tied", "untied")
+        ],
+        reference="foil-tied",
+        full_iters=600,
+        seeds=(1, 2),
+        verdict=foil_verdict,
+    ),
+    "accordion-budgets": Study(
+        name="accordion-budgets",
+        question="Trained jointly over loop budgets, is a small Accordion model's loss-vs-budget curve monotone "
+        "and saturating?",
+        criterion="Validation loss does not rise with the budget beyond the seed spread; the largest budget is "
+        "below k=0 by more than the spread; the middle budget recovers at least half of that gain.",
+        arms=[
+            Arm(
+                "accordion",
+                {
+                    **_LOL_KEYS,
+                    **_MOE,
+                    "curriculum.initial_depth": "null",
+                    "model.plan": "accordion",
+                    "model.loop_window": 4,
+                    "model.loop_budgets": "[0,1,2,3,4]",
+                    "model.moe_shared_expert_intermediate_size": 192,
+                },
+            ),
+        ],
+        reference="accordion",
+        full_iters=800,
+        seeds=(1, 2),
+        verdict=accordion_verdict,
+    ),
+}
+
+# a shape that trains two iterations in seconds: the pipeline, not the finding
+SMOKE_SETS = {
+    "model.hidden_size": 32,
+    "model.ffn_hidden_size": 64,
+    "model.window_size": 8,
+    "model.window_shift": 4,
+    "training.seq_length": 32,
+    "training.micro_batch_size": 2,
+    "training.global_batch_size": 2,
+    "training.eval_interval": 2,
+    "training.eval_iters": 1,
+    "training.log_interval": 1,
+    "optimizer.lr_warmup_iters": 1,
+}
+
+
+# ------------------------------------------------------------------ running
+def argv_sets(sets: dict) -> list:
+    out = []
+    for key, value in sets.items():
+        text = json.dumps(value) if isinstance(value, bool) else str(value)
+        out += ["--set", f"{key}={text}"]
+    return out
+
+
+def _cli(*args) -> list:
+    return [sys.executable, "-m", "megatron_lol", *args]
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+
+
+def flop_budget(study: Study, smoke: bool, config: Path) -> float:
+    """Training FLOPs of the reference arm at ``full_iters`` (2 when smoke), from ``megatron-lol params``."""
+    arm = next(a for a in study.arms if a.name == study.reference)
+    sets = {**arm.sets, **(SMOKE_SETS if smoke else {}), "training.train_iters": 2 if smoke else study.full_iters}
+    proc = subprocess.run(
+        _cli("params", "--config", str(config), *argv_sets(sets), "--json"),
+        capture_output=True,
+        text=True,
+        env=_env(),
+        cwd=REPO,
+        check=False,
+    )
+    if proc.returncode != 0:
+        raise SystemExit(f"replicate: megatron-lol params failed for {study.reference}: {proc.stderr.strip()}")
+    return float(json.loads(proc.stdout)["training"]["training_flops"])
+
+
+def last_validation(metrics: Path) -> dict:
+    """The last ``metrics.jsonl`` record with a validation loss (the run's final evaluation)."""
+    found = None
+    with open(metrics) as f:
+        for line in f:
+            record = json.loads(line)
+            if "eval_loss" in record:
+                found = record
+    if found is None:
+        raise SystemExit(f"replicate: {metrics}: no validation record (did the run evaluate?)")
+    return found
+
+
+def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
+    save = Path(args.out) / f"{arm.name}-seed{seed}"
+    sets = {**arm.sets, **(SMOKE_SETS if args.size == "smoke" else {})}
+    sets.update({"training.train_flops": budget, "training.train_iters": "null", "training.save_interval": "null"})
+    cmd = _cli(
+        "train",
+        "--config",
+        str(args.config),
+        *argv_sets(sets),
+        "--seed",
+        str(seed),
+        "--save",
+        str(save),
+        "--threads",
+        "1",
+    )
+    start = time.time()
+    with open(Path(args.out) / f"{arm.name}-seed{seed}.log", "w") as log:
+        proc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=REPO, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"replicate: arm {arm.name} seed {seed} failed (exit {proc.returncode}); see {log.name}")
+    record = last_validation(save / "metrics.jsonl")
+    return {
+        "arm": arm.name,
+        "seed": seed,
+        "iterations": record["step"],
+        "eval_loss": record["eval_loss"],
+        "eval_loss_by_budget": record.get("eval_loss_by_budget"),
+        "wall_s": round(time.time() - start, 1),
+    }
+
+
+def plot(study: Study, results: dict, out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    if study.name == "accordion-budgets":
+        for r in results["accordion"]:
+            ks = sorted(r["eval_loss_by_budget"], key=int)
+            ax.plot([int(k) for k in ks], [r["eval_loss_by_budget"][k] for k in ks], "o-", label=f"seed {r['seed']}")
+        ax.set_xlabel("loop budget k")
+    else:
+        for i, arm in enumerate(results):
+            values = [r["eval_loss"] for r in results[arm]]
+            ax.scatter([i] * len(values), values)
+        ax.set_xticks(range(len(results)), list(results), rotation=15)
+    ax.set_ylabel("final validation loss")
+    ax.set_title(study.name)
+    if study.name == "accordion-budgets":
+        ax.legend()
+    fig.tight_layout()
+    path = out / f"{study.name}.png"
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("study", choices=sorted(STUDIES))
+    parser.add_argument("--size", choices=("full", "smoke"), default="full")
+    parser.add_argument("--out", default=None, help="results directory (default runs/replication/STUDY)")
+    parser.add_argument("--config", type=Path, default=BASE_CONFIG, help="base config (the bundled corpus)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the study's")
+    parser.add_argument("--jobs", type=int, default=1, help="arms trained at once (one thread each)")
+    args = parser.parse_args(argv)
+    study = STUDIES[args.study]
+    args.out = args.out or str(REPO / "runs" / "replication" / study.name)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    seeds = args.seeds or (study.seeds[:1] if args.size == "smoke" else study.seeds)
+    budget = flop_budget(study, args.size == "smoke", args.config)
+    print(
+        f"{study.name}: {len(study.arms)} arm(s) x {len(seeds)} seed(s) at {budget:.4g} training FLOPs each", flush=True
+    )
+    todo = [(arm, seed) for seed in seeds for arm in study.arms]
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        runs = list(pool.map(lambda job: train_arm(study, job[0], job[1], budget, args), todo))
+    results: dict = {}
+    for run in runs:
+        results.setdefault(run["arm"], []).append(run)
+        print(
+            f"  {run['arm']:<20} seed {run['seed']}  iterations {run['iterations']:>5}  "
+            f"eval loss {run['eval_loss']:.4f}  ({run['wall_s']} s)",
+            flush=True,
+        )
+    verdict = study.verdict(results)
+    report = {
+        "study": study.name,
+        "size": args.size,
+        "question": study.question,
+        "criterion": study.criterion,
+        "train_flops": budget,
+        "seeds": list(seeds),
+        "command": " ".join(["python", "examples/replication/replicate.py", *(argv or sys.argv[1:])]),
+        "results": results,
+        "verdict": verdict,
+    }
+    out = Path(args.out)
+    (out / "results.json").write_text(json.dumps(report, indent=1))
+    figure = plot(study, results, out)
+    for check in verdict["checks"]:
+        print(f"  {'holds' if check['holds'] else 'fails'}: {check['claim']}")
+    print(f"{study.name}: criterion {'met' if verdict['holds'] else 'not met'}; {out / 'results.json'}, {figure}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
