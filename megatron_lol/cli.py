@@ -183,7 +183,9 @@ def version_string() -> str:
     return f"megatron-lol {__version__} ({', '.join(parts)})"
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, *, faults=None) -> int:
+    """``faults``: a :class:`~megatron_lol.training.hooks.FaultHooks` for ``train`` only, built by the
+    tests' entry script (``tests/fault_rank_runner.py``); the console script passes none."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = Parser(
         prog="megatron-lol",
@@ -201,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
         print(version_string())
         return 0
     verb = argv[0]
+    if faults is not None and verb != "train":
+        raise ValueError(f"fault hooks are for the train verb, not {verb!r}")
     if verb not in VERBS:
         close = difflib.get_close_matches(verb, list(VERBS), n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]!r}?" if close else ""
@@ -213,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     verbose = getattr(args, "verbose", False) or os.environ.get(VERBOSE_ENV, "") not in ("", "0")
     restore = None if verbose else quiet_known_warnings()
     try:
-        return int(module.run(args) or 0)
+        return int((module.run(args) if faults is None else module.run(args, faults=faults)) or 0)
     except CliError as err:
         message = str(err)
         if isinstance(err, ConfigError):

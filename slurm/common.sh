@@ -17,6 +17,9 @@
 #                       repository's megatron_lol package comes first on its PYTHONPATH
 #   GPUS_PER_NODE       GPUs per node; 0 = CPU nodes (gloo)    (default: 0 without nvidia-smi, else its count)
 #   PROCS_PER_NODE      training processes per node            (default: GPUS_PER_NODE, 1 on CPU nodes)
+#   MEGATRON_LOL_ENTRY  what that python runs for the training / profile launches, as words
+#                       (default: `-m megatron_lol`); fault drills use the tests' entry script, e.g.
+#                       "$MEGATRON_LOL_ROOT/tests/fault_rank_runner.py nan=6 --" (see docs/slurm.md)
 #   LAUNCHER            torchrun: one Slurm task per node running torchrun (needs --ntasks-per-node=1)
 #                       srun:     one Slurm task per process (needs --ntasks-per-node=PROCS_PER_NODE)
 #                                                              (default: torchrun)
@@ -173,7 +176,8 @@ lol_srun() {
         step+=($CONTAINER_EXTRA)
     fi
     lol_log "launch: $LAUNCHER, ${SLURM_JOB_NUM_NODES:-1} node(s) x $PROCS_PER_NODE process(es), GPUs/node $GPUS_PER_NODE," \
-            "rendezvous $MASTER_ADDR:$MASTER_PORT, $OMP_NUM_THREADS thread(s)/process, python $MEGATRON_LOL_PYTHON"
+            "rendezvous $MASTER_ADDR:$MASTER_PORT, $OMP_NUM_THREADS thread(s)/process, python $MEGATRON_LOL_PYTHON" \
+            "${MEGATRON_LOL_ENTRY:+(entry: $MEGATRON_LOL_ENTRY)}"
     trap ':' TERM  # keep waiting for the step (it got SIGTERM too and may be saving)
     local rc=0
     srun "${step[@]}" bash "$MEGATRON_LOL_ROOT/slurm/launch_task.sh" "$@" &

@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+FAULT_RUNNER = REPO / "tests" / "fault_rank_runner.py"  # faults injected through the trainer's FaultHooks
 TRAIN_ITERS = 12
 SAVE_INTERVAL = 4
 LAUNCH_TIMEOUT = 240
@@ -101,9 +102,12 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1) -> subprocess.Popen:
+def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=()) -> subprocess.Popen:
+    """``megatron-lol train`` on ``nproc`` processes; ``faults`` (``pause=8:60``, ``nan=6``) run it
+    through tests/fault_rank_runner.py."""
+    entry = [str(FAULT_RUNNER), *faults, "--"] if faults else ["-m", "megatron_lol"]
     if nproc == 1:
-        cmd = [sys.executable, "-m", "megatron_lol", "train"]
+        cmd = [sys.executable, *entry, "train"]
     else:
         from distributed import free_port
 
@@ -117,8 +121,7 @@ def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: i
             "127.0.0.1",
             "--master-port",
             str(free_port()),
-            "-m",
-            "megatron_lol",
+            *entry,
             "train",
         ]
     cmd += ["--config", str(config), "--save", str(save), *map(str, args)]
@@ -133,8 +136,8 @@ def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: i
     )
 
 
-def run(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1) -> int:
-    proc = launch(config, save, *args, env=env, log=log, nproc=nproc)
+def run(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=()) -> int:
+    proc = launch(config, save, *args, env=env, log=log, nproc=nproc, faults=faults)
     try:
         return proc.wait(timeout=LAUNCH_TIMEOUT)
     finally:
@@ -237,7 +240,7 @@ def test_kill9_anywhere_and_during_save_then_resume_is_bit_exact(setup, referenc
     kill9(proc)
     assert max(metrics(save)) >= 6 and tracker(save) == 4
     # 2. relaunch; it resumes from 4; kill -9 it in the middle of saving iteration 8
-    proc = launch(config, save, log=log, env={"MEGATRON_LOL_CKPT_PAUSE": "8:60"})
+    proc = launch(config, save, log=log, faults=["pause=8:60"])
     wait_for(lambda: "pausing" in log.read_text(), proc, what="the save of iteration 8")
     assert "loaded" in log.read_text() and "iter_0000004" in log.read_text()
     assert (save / ".tmp_iter_0000008").is_dir() and any((save / ".tmp_iter_0000008").iterdir())
@@ -288,9 +291,7 @@ def test_sigusr1_and_exit_duration_save_exit_85_and_resume_bit_exact(setup, refe
 def test_nan_loss_skipped_or_stops_without_checkpoint(setup, reference):
     root, config = setup
     save, log = root / "nan_skip", root / "nan_skip.log"
-    rc = run(
-        config, save, "--set", "training.skip_nonfinite_steps=1", log=log, env={"MEGATRON_LOL_INJECT_NAN_STEPS": "6"}
-    )
+    rc = run(config, save, "--set", "training.skip_nonfinite_steps=1", log=log, faults=["nan=6"])
     text = log.read_text()
     assert rc == 0, text[-3000:]
     assert "non-finite" in text and "iteration 6: step skipped" in text
@@ -301,7 +302,7 @@ def test_nan_loss_skipped_or_stops_without_checkpoint(setup, reference):
     assert tracker(save) == TRAIN_ITERS
 
     save, log = root / "nan_stop", root / "nan_stop.log"
-    rc = run(config, save, log=log, env={"MEGATRON_LOL_INJECT_NAN_STEPS": "6"})
+    rc = run(config, save, log=log, faults=["nan=6"])
     text = log.read_text()
     assert rc == 3, text[-3000:]
     assert "non-finite loss" in text and "iteration 6" in text
@@ -380,9 +381,7 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     # TP=2 -> 1: train at TP=2 until the checkpoint of iteration 4 exists, stop, resume on 1 process
     save, log = root / "tp2_to_1", root / "tp2_to_1.log"
     # (the save of iteration 8 pauses, so the run cannot race past the checkpoint of 4)
-    proc = launch(
-        config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2, env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"}
-    )
+    proc = launch(config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2, faults=["pause=8:120"])
     wait_for(
         lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc, what="the TP=2 checkpoint of iteration 4"
     )
@@ -413,7 +412,7 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
         "2",
         log=log,
         nproc=4,
-        env={"MEGATRON_LOL_CKPT_PAUSE": "8:120"},
+        faults=["pause=8:120"],
     )
     wait_for(
         lambda: tracker(save) == 4 and "pausing" in log.read_text(),

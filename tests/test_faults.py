@@ -338,7 +338,7 @@ def test_convert_hf_refuses_a_save_that_overlaps_the_checkpoint(trained, capsys)
 @TIMEOUT
 def test_second_run_on_the_same_save_is_refused(corpus, tmp_path):
     save, log = tmp_path / "shared", tmp_path / "first.log"
-    first = launch(corpus["config"], save, log=log, env={"MEGATRON_LOL_CKPT_PAUSE": "2:40"})
+    first = launch(corpus["config"], save, log=log, faults=["pause=2:40"])
     try:
         wait_for(lambda: "pausing" in log.read_text(), first, timeout=50, what="the first run's save")
         tmp_before = sorted(p.name for p in (save / ".tmp_iter_0000002").iterdir())
@@ -374,7 +374,7 @@ def test_kill9_of_the_trainer_leaves_no_orphans(corpus, tmp_path):
     import psutil
 
     save, log = tmp_path / "orphans", tmp_path / "orphans.log"
-    proc = launch(corpus["config"], save, "--async-save", log=log, env={"MEGATRON_LOL_CKPT_PAUSE": "4:60"})
+    proc = launch(corpus["config"], save, "--async-save", log=log, faults=["pause=4:60"])
     try:
         wait_for(lambda: "pausing" in log.read_text(), proc, timeout=45, what="the save of iteration 4")
         children = psutil.Process(proc.pid).children(recursive=True)

@@ -50,6 +50,31 @@ def test_setup_platform_idempotent(single_process):
             assert name in before
 
 
+def test_cpu_emulation_is_installed_in_one_place_and_listed_with_why(single_process):
+    """Every CPU-only patch is in cpu_patches.CPU_PATCHES, named in its docstring's table, and its install
+    function is called from nowhere else in the package (the model never installs or asks for one)."""
+    from pathlib import Path
+
+    from megatron_lol.platform import cpu_patches
+
+    doc = cpu_patches.__doc__
+    pkg = Path(plat.__file__).resolve().parents[1]
+    for patch in cpu_patches.CPU_PATCHES:
+        assert f"``{patch.name}``" in doc and patch.why, patch.name
+        callers = [
+            p.relative_to(pkg).as_posix()
+            for p in pkg.rglob("*.py")
+            if f"{patch.install.__name__}(" in p.read_text() and p.name != "cpu_patches.py"
+        ]
+        # the defining module (def line) and, for the device mode, the re-entry of setup_platform in a new thread
+        assert set(callers) <= {f"platform/{patch.install.__module__.rsplit('.', 1)[1]}.py", "platform/__init__.py"}
+    if single_process == "cpu":
+        t = torch.ones(2)
+        assert t.cuda() is t and torch.zeros(1, device="cuda").device.type == "cpu"
+        marked = [p.name for p in cpu_patches.CPU_PATCHES if p.name != "cuda_device_mode"]
+        assert set(marked) <= set(plat.applied_patches())
+
+
 def test_init_distributed_idempotent(single_process):
     import torch.distributed as dist
 

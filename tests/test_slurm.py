@@ -256,6 +256,11 @@ def _submission_checks(c: Campaign, submit: str, pipe_env: dict) -> None:
     _sh("scancel", *[ids[k] for k in ("PREPROCESS_JOB", "MERGE_JOB", "PRETRAIN_JOB", "CONTEXT_JOB")])
 
 
+def _fault_entry(fault: str) -> str:
+    """The scripts' ``MEGATRON_LOL_ENTRY`` that runs the train verb with ``fault`` injected."""
+    return f"{REPO / 'tests' / 'fault_rank_runner.py'} {fault} --"
+
+
 def _submit_drills(c: Campaign, env: dict) -> None:
     run = c.run_dir
     (run / "stale").mkdir()
@@ -277,7 +282,7 @@ def _submit_drills(c: Campaign, env: dict) -> None:
         *two,
         "--time=3",
         "--signal=B:USR1@170",
-        env=dict(data, SAVE_DIR="time_limit", LAUNCHER="srun", MEGATRON_LOL_CKPT_PAUSE="4:30"),
+        env=dict(data, SAVE_DIR="time_limit", LAUNCHER="srun", MEGATRON_LOL_ENTRY=_fault_entry("pause=4:30")),
         after=merge,
     )
     c.sbatch("startup", "pretrain.sbatch", *two, env=dict(data, SAVE_DIR="startup"), after=merge)
@@ -285,7 +290,7 @@ def _submit_drills(c: Campaign, env: dict) -> None:
         "nonfinite",
         "pretrain.sbatch",
         *two,
-        env=dict(data, SAVE_DIR="nonfinite", LAUNCHER="srun", MEGATRON_LOL_INJECT_NAN_STEPS="2"),
+        env=dict(data, SAVE_DIR="nonfinite", LAUNCHER="srun", MEGATRON_LOL_ENTRY=_fault_entry("nan=2")),
         after=merge,
     )
     profile_env = {k: v for k, v in data.items() if k != "OMP_NUM_THREADS"}

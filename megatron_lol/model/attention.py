@@ -192,8 +192,8 @@ class SegmentCausalAttention(MegatronModule):
         The two-chunk key blocks are the key stream padded by one chunk in
         front (``F.pad``), viewed as ``[n + 1, c, ...]`` chunks and concatenated
         with itself shifted by one chunk: one ``cat`` per tensor, whose backward
-        is two slices (an overlapping ``unfold`` view gives the same values, but
-        its backward costs about twice as much on CPU, most of it per call); the
+        is two slices (an overlapping ``unfold`` view gives the same values with
+        a costlier backward); the
         mask is an additive ``0 / -inf`` bias (``mask.bias`` when the caller built
         it, else built here). Adding a ``0 / -inf`` bias is the same as
         ``masked_fill`` bit for bit, and the scores are the same dot products.

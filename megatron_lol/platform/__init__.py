@@ -5,9 +5,10 @@ below are applied: 6 when Transformer Engine / apex are absent, 7 and 8 always).
 Public API
 ----------
 ``setup_platform() -> str``
-    Idempotent. Returns ``"cuda"`` or ``"cpu"``. Without CUDA it applies the
-    run-time patches listed below. Patches for missing Transformer Engine /
-    apex (item 6) are applied whenever those are absent, even with CUDA.
+    Idempotent. Returns ``"cuda"`` or ``"cpu"``. Without CUDA it installs the
+    CPU emulation (items 1-5) through :func:`.cpu_patches.install_cpu_patches`.
+    Patches for missing Transformer Engine / apex (item 6) are applied whenever
+    those are absent, even with CUDA.
 ``init_distributed(backend=None) -> None``
     Initialise ``torch.distributed`` from torchrun-style environment variables
     (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT``, ``LOCAL_RANK``);
@@ -31,24 +32,11 @@ Public API
 Patches (CPU only unless noted); each is a function ``_patch_*`` in
 the submodule named:
 
-1. ``cuda_api._patch_cuda_device_api``: ``torch.cuda.current_device/synchronize/Stream/
-   Event/current_stream/stream/set_device/nvtx/...`` raise on a CPU build
-   (RoPE, global memory buffer, timers, checkpoint save, MoE dispatcher).
-2. ``cuda_api._patch_cuda_rng``: ``torch.cuda.get_rng_state/set_rng_state/manual_seed``
-   and megatron's private ``_get_cuda_rng_state/_set_cuda_rng_state`` are routed
-   to the CPU generator. Without this the RNG tracker's ``fork()`` *silently*
-   stops switching streams (torch queues CUDA RNG sets when CUDA is absent).
-3. ``collectives._patch_moe_split_sizes``: ``moe_utils.maybe_move_tensor_to_cpu`` converts
-   split sizes to numpy only for CUDA tensors; gloo ``all_to_all_single`` then
-   raises TypeError in the alltoall dispatcher.
-4. ``collectives._patch_gloo_batched_p2p``: gloo's ``batch_isend_irecv`` with 2 pipeline
-   stages cross-matches the interleaved schedule's exchanges *silently*; batched
-   p2p is routed through the unbatched even/odd ``_p2p_ops`` on gloo groups.
-5. ``device_mode._patch_cuda_tensors``: hard-coded ``device='cuda'`` / ``current_device()``
-   and ``param.type() == 'torch.cuda.FloatTensor'`` checks (optimizers,
-   clip_grads, schedules, causal mask, broadcast_data); ``Tensor.cuda``,
-   ``Module.cuda``, ``Tensor.pin_memory`` and ``Tensor.record_stream`` become
-   CPU no-ops.
+1-5. The CPU emulation, installed in one place and only without CUDA:
+   :func:`.cpu_patches.install_cpu_patches`; :data:`.cpu_patches.CPU_PATCHES`
+   and that module's docstring list each (``torch.cuda`` device / stream / RNG
+   calls, gloo's MoE split sizes and batched p2p, ``.cuda()`` as the identity,
+   the CUDA-to-CPU TorchFunctionMode) with why it exists.
 6. (whenever TE/apex are absent) ``no_te._patch_te_general_gemm``: MoE router reads
    ``moe_utils.te_general_gemm`` which is only defined when TE imports
    (NameError); ``_patch_distrib_optimizer_torch_adam_step``: loading a
@@ -153,16 +141,18 @@ def has_apex() -> bool:
 def setup_platform() -> str:
     """Prepare megatron-core for this machine; return ``"cuda"`` or ``"cpu"``.
 
-    Idempotent and cheap after the first call. Without CUDA applies patches
-    1-5 (module docstring) and enters the CUDA->CPU TorchFunctionMode in the
-    calling thread for the rest of the process; call it from the main thread
+    Idempotent and cheap after the first call. Without CUDA installs the CPU
+    emulation (:func:`.cpu_patches.install_cpu_patches`: patches 1-5 and the
+    CUDA->CPU TorchFunctionMode, entered in the calling thread for the rest of
+    the process); call it from the main thread
     (other threads: ``with cpu_device_mode():``). Whenever TE/apex are absent,
     applies patch 6, even with CUDA; patches 7 and 8 (fixes of megatron-core itself)
     always. Raises :class:`PlatformPatchError` when a
     private megatron-core name a patch needs has moved.
     """
-    from megatron_lol.platform import collectives, cuda_api, device_mode, megatron_fixes, no_te
+    from megatron_lol.platform import megatron_fixes, no_te
     from megatron_lol.platform._common import _APPLIED
+    from megatron_lol.platform.cpu_patches import install_cpu_patches
 
     global _PLATFORM
     with _LOCK:
@@ -172,11 +162,7 @@ def setup_platform() -> str:
             return _PLATFORM
         platform = "cuda" if cuda_available() else "cpu"
         if platform == "cpu":
-            cuda_api._patch_cuda_device_api()
-            cuda_api._patch_cuda_rng()
-            collectives._patch_moe_split_sizes()
-            collectives._patch_gloo_batched_p2p()
-            device_mode._patch_cuda_tensors()
+            install_cpu_patches()  # the CPU emulation, never with CUDA
         if not has_transformer_engine():
             no_te._patch_te_general_gemm()
         if not (has_transformer_engine() or has_apex()):

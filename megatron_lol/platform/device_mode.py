@@ -1,4 +1,5 @@
-"""Patch 5 (CPU only): hard-coded CUDA devices and type strings, rewritten by a TorchFunctionMode."""
+"""CPU emulation (:mod:`.cpu_patches`): ``.cuda()`` as the identity, and hard-coded CUDA devices and type
+strings rewritten by a TorchFunctionMode."""
 
 from __future__ import annotations
 
@@ -205,8 +206,8 @@ def _patch_cuda_tensors() -> None:
     ``param.type() == 'torch.cuda.FloatTensor'`` asserts in clip_grads and the
     FP32 / Float16 / Distributed optimizers. ``Tensor.cuda`` and
     ``nn.Module.cuda`` become the identity (process-wide); the device rewrite
-    is a TorchFunctionMode entered once in the calling thread (see
-    :func:`cpu_device_mode`).
+    is the TorchFunctionMode that :func:`_enter_global_cpu_mode` enters
+    (both installed by :func:`megatron_lol.platform.cpu_patches.install_cpu_patches`).
     """
     if _mark("cuda_tensors"):
         import torch.autograd.graph
@@ -230,4 +231,3 @@ def _patch_cuda_tensors() -> None:
 
         torch.Tensor.cuda = tensor_cuda
         torch.nn.Module.cuda = module_cuda
-    _enter_global_cpu_mode()

@@ -20,10 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from typing import Optional
 
 from megatron_lol.config import add_config_arguments, config_from_args
 from megatron_lol.config.loader import add_threads_argument, overrides_from_args
 from megatron_lol.errors import CliError, ConfigError
+from megatron_lol.training.hooks import NO_FAULTS, FaultHooks
 from megatron_lol.training.runtime import STALL_EXIT
 
 
@@ -45,13 +47,14 @@ def _rank0() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
-def run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace, *, faults: Optional[FaultHooks] = None) -> int:
+    """``faults``: a test's injected faults (``tests/fault_rank_runner.py``); production passes none."""
     from megatron_lol.training import signals
     from megatron_lol.training.runtime import record_exit
 
     signals.install_handlers()  # before the slow part: a signal during start-up is kept for the first step
     try:
-        code, message = _run(args)
+        code, message = _run(args, faults or NO_FAULTS)
     except CliError as err:
         message = str(err)
         if isinstance(err, ConfigError):
@@ -68,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _run(args: argparse.Namespace) -> tuple[int, str]:
+def _run(args: argparse.Namespace, faults: FaultHooks) -> tuple[int, str]:
     check_data = args.dry_run != "config"
     # validates everything before any process group work
     if args.use_checkpoint_args:
@@ -90,7 +93,7 @@ def _run(args: argparse.Namespace) -> tuple[int, str]:
     threads, why = apply_threads(args.threads)
     from megatron_lol.training.trainer import Trainer
 
-    trainer = Trainer(cfg).setup()
+    trainer = Trainer(cfg, faults=faults).setup()
     log_rank0(f"threads: {threads} per process ({why})")
     return train_to_exit(trainer)
 

@@ -8,25 +8,24 @@ out of the loop keeps the loop readable (as OLMo-core's callbacks do).
 * ``TrainingConsole`` (:mod:`megatron_lol.training.console`) prints the log line and
   writes ``metrics.jsonl`` and the metric sinks.
 * :class:`NonFiniteReportHook` prints every skipped (NaN/Inf) step.
-* :class:`NaNInjectionHook` (fault injection for tests and drills): with
-  ``MEGATRON_LOL_INJECT_NAN_STEPS=5,9`` the model's output (the per-token loss)
-  is multiplied by NaN in the forward passes of 1-based iterations 5 and 9, so
-  the loss *and* the gradients are non-finite.
 * ``CheckpointHook`` (:mod:`megatron_lol.training.checkpointing`): load/resume
   at start, periodic and final saves, SIGTERM/SIGUSR1,
   ``exit_duration_in_mins`` (:mod:`megatron_lol.training.signals`) and ``exit_interval``.
 * ``ProfilerHook`` (:mod:`megatron_lol.training.tracing`): the ``--profile`` window.
+
+:class:`FaultHooks` is where tests inject faults (a NaN loss, a pause in the
+middle of a save, a straggler) into an otherwise normal run: its default does
+nothing, production code never builds another one, and no environment variable
+or flag reaches it. ``tests/fault_rank_runner.py`` builds one and runs the train
+CLI with it.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 from megatron_lol.log import log_rank0
-
-INJECT_NAN_ENV = "MEGATRON_LOL_INJECT_NAN_STEPS"
 
 
 @dataclass(frozen=True)
@@ -59,40 +58,31 @@ class NonFiniteReportHook(Hook):
         return None
 
 
-class NaNInjectionHook(Hook):
-    def __init__(self, steps):
-        self.steps = set(int(s) for s in steps)
-        self.handle = None
+def _no_fault(iteration: int, tmp: str) -> None:
+    return None
 
-    @classmethod
-    def from_env(cls):
-        raw = os.environ.get(INJECT_NAN_ENV, "").strip()
-        if not raw:
-            return None
-        return cls(s for s in raw.replace(" ", ",").split(",") if s)
 
-    def on_start(self, trainer) -> None:
-        def poison(module, args, output):
-            if module.training and trainer.iteration + 1 in self.steps:
-                if isinstance(output, tuple):  # (loss, core output)
-                    return (output[0] * float("nan"),) + tuple(output[1:])
-                return output * float("nan")
-            return output
+@dataclass(frozen=True)
+class FaultHooks:
+    """The points where a test injects a fault into a real training run; the default injects none.
 
-        self.handle = trainer.model.register_forward_hook(poison)
-        log_rank0(f" fault injection: NaN loss at iterations {sorted(self.steps)}")
+    ``callbacks`` are extra :class:`Hook` objects run before the trainer's own (a test's NaN loss or
+    straggler registers its module hooks in ``on_start``); ``before_commit(iteration, tmp)`` runs on
+    every rank once a save's shards were handed to megatron-core and before the checkpoint is
+    committed (tracker not moved: a window to kill a run in the middle of a save). They are an
+    argument of :class:`~megatron_lol.training.trainer.Trainer` rather than environment variables
+    so that production code holds no switch that turns a run into a drill.
+    """
 
-    def on_end(self, trainer, stop: Optional[Stop]) -> None:
-        if self.handle is not None:
-            self.handle.remove()
-            self.handle = None
+    callbacks: tuple = ()
+    before_commit: Callable[[int, str], None] = _no_fault
+
+
+NO_FAULTS = FaultHooks()
 
 
 def default_hooks(trainer) -> list:
-    hooks: list = []
-    inject = NaNInjectionHook.from_env()
-    if inject is not None:
-        hooks.append(inject)
+    hooks: list = list(trainer.faults.callbacks)
     hooks.append(trainer._console())
     hooks.append(NonFiniteReportHook())
     from megatron_lol.training.checkpointing import CheckpointHook

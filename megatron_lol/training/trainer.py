@@ -37,6 +37,7 @@ from megatron_lol.log import log_rank0
 from megatron_lol.perf.budget import apply_flop_budget
 from megatron_lol.plan import depth_at
 from megatron_lol.training.heartbeat import start_heartbeat
+from megatron_lol.training.hooks import NO_FAULTS, FaultHooks, default_hooks
 from megatron_lol.training.vocab import resolve_vocab_size
 
 
@@ -90,10 +91,19 @@ class StepResult:
 
 
 class Trainer:
-    def __init__(self, cfg: ExperimentConfig, tokenizer=None, datasets: Optional[tuple] = None):
+    def __init__(
+        self,
+        cfg: ExperimentConfig,
+        tokenizer=None,
+        datasets: Optional[tuple] = None,
+        *,
+        faults: FaultHooks = NO_FAULTS,
+    ):
         """``tokenizer`` / ``datasets`` (train, valid, test) override what the
-        config would build (tests, notebooks, benchmarks)."""
+        config would build (tests, notebooks, benchmarks); ``faults`` are a test's
+        injected faults (:class:`~megatron_lol.training.hooks.FaultHooks`, none by default)."""
         self.cfg = cfg
+        self.faults = faults
         self._given_tokenizer = tokenizer
         self._given_datasets = datasets
         self.plan = cfg.model.execution_plan()
@@ -609,8 +619,6 @@ class Trainer:
     def train(self, callbacks: Optional[list] = None) -> TrainOutcome:
         """The loop: a step, evaluation when due, then every callback (:mod:`.hooks`); a callback
         may return a :class:`~megatron_lol.training.hooks.Stop` to end training with its exit status."""
-        from megatron_lol.training.hooks import default_hooks
-
         tr = self.cfg.training
         callbacks = default_hooks(self) if callbacks is None else callbacks
         for cb in callbacks:

@@ -87,7 +87,6 @@ records of ``metrics.jsonl`` after its checkpoint's step (they are logged again)
 """
 
 from megatron_lol.training.checkpointing.checkpointer import (
-    PAUSE_ENV,
     Checkpointer,
     CheckpointHook,
     agree,
@@ -126,7 +125,6 @@ from megatron_lol.training.checkpointing.state import (
 
 # the package's interface: each name is defined in the submodule it is imported from
 __all__ = [
-    "PAUSE_ENV",
     "CheckpointHook",
     "Checkpointer",
     "agree",

@@ -68,10 +68,9 @@ from megatron_lol.training.checkpointing.state import (
     world_size,
     write_run_config,
 )
-from megatron_lol.training.hooks import Hook, Stop
+from megatron_lol.training.hooks import NO_FAULTS, FaultHooks, Hook, Stop
 from megatron_lol.training.optimizer import optimizer_state_kind
 
-PAUSE_ENV = "MEGATRON_LOL_CKPT_PAUSE"
 _WRITER_MANAGER = None
 
 
@@ -120,19 +119,6 @@ def prepare_writer_processes() -> None:
     _WRITER_MANAGER = manager
 
 
-def _maybe_pause(iteration: int, tmp: str) -> None:
-    """Fault injection for tests: ``MEGATRON_LOL_CKPT_PAUSE=ITER:SECONDS`` sleeps after the
-    shards of iteration ITER are written and before the checkpoint is committed, so a test
-    can ``kill -9`` a run in the middle of a save."""
-    raw = os.environ.get(PAUSE_ENV)
-    if not raw:
-        return
-    at, _, seconds = raw.partition(":")
-    if int(at) == iteration:
-        log_rank0(f" checkpoint: pausing {seconds} s before committing {tmp} ({PAUSE_ENV})")
-        time.sleep(float(seconds or 60))
-
-
 @dataclass
 class _PendingSave:
     iteration: int
@@ -144,8 +130,11 @@ class _PendingSave:
 class Checkpointer:
     """Saves and loads a :class:`Trainer`'s complete state; see the package docstring."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, faults: FaultHooks = NO_FAULTS):
+        """``faults``: a test's injected faults (:class:`~megatron_lol.training.hooks.FaultHooks`); the
+        trainer passes its own, which in production is the default that injects none."""
         self.trainer = trainer
+        self.faults = faults
         tr = trainer.cfg.training
         self.save_root = tr.save
         self.keep_last = tr.keep_last
@@ -203,7 +192,7 @@ class Checkpointer:
             raise
         except BaseException as err:  # noqa: BLE001 - torch's CheckpointException is a BaseException
             raise CheckpointError(self._abandon(pending, err)) from None
-        _maybe_pause(it, tmp)
+        self.faults.before_commit(it, tmp)  # tests only (hooks.FaultHooks); nothing by default
         self.last_saved_iteration = it
         if request is None:
             self._commit(pending, info)
@@ -506,7 +495,7 @@ class CheckpointHook(Hook):
     def on_start(self, trainer) -> None:
         from megatron_lol.training import signals
 
-        self.ckpt = Checkpointer(trainer)
+        self.ckpt = Checkpointer(trainer, trainer.faults)
         trainer.checkpointer = self.ckpt
         save = trainer.cfg.training.save
         if save:
