@@ -1,9 +1,11 @@
 """Faults of one rank among many: a rank that stalls, dies or fails alone, and stragglers.
 
 Each case runs real processes (gloo on CPU), one process per rank as ``srun``
-starts them (no torchrun teardown to end the survivors), and asserts how fast
-every rank stops, the exit status, the one line naming the culprit (rank, host,
-pid or path) on every surviving rank, and what is left on disk. Every launch
+starts them (no torchrun teardown to end the survivors) or under torchrun, and
+asserts how fast every rank stops, the exit status, the one line naming the
+culprit (rank, host, pid or path) on every surviving rank, and what is left on
+disk. The four-rank torchrun kills need no reference run: the killed run's own
+losses after its last complete checkpoint are what the relaunch must repeat. Every launch
 runs under a timeout that turns a hang into a failure. The training runs are
 the tiny LoL model of ``test_checkpointing.py``; two processes wherever four
 would prove nothing more (each process pays ~10 s of megatron-core import on
