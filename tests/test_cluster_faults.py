@@ -1,9 +1,11 @@
 """Faults of one rank among many: a rank that stalls, dies or fails alone, and stragglers.
 
 Each case runs real processes (gloo on CPU), one process per rank as ``srun``
-starts them (no torchrun teardown to end the survivors), and asserts how fast
-every rank stops, the exit status, the one line naming the culprit (rank, host,
-pid or path) on every surviving rank, and what is left on disk. Every launch
+starts them (no torchrun teardown to end the survivors) or under torchrun, and
+asserts how fast every rank stops, the exit status, the one line naming the
+culprit (rank, host, pid or path) on every surviving rank, and what is left on
+disk. The four-rank torchrun kills need no reference run: the killed run's own
+losses after its last complete checkpoint are what the relaunch must repeat. Every launch
 runs under a timeout that turns a hang into a failure. The training runs are
 the tiny LoL model of ``test_checkpointing.py``; two processes wherever four
 would prove nothing more (each process pays ~10 s of megatron-core import on
@@ -12,6 +14,7 @@ one core).
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -513,3 +516,110 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
             ref[s]["grad_norm"],
             ref[s]["lr"],
         ), (s, got[s], ref[s])
+
+
+# ------------------------------------------------------------------ 1. one rank of four dies under torchrun
+def _torchrun_cmd(nproc: int) -> list:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        str(RUNNER),
+    ]
+
+
+@pytest.mark.timeout(150, func_only=True)
+@pytest.mark.parametrize(
+    "layout, when",
+    [(["--tensor-model-parallel-size", "2"], "mid-run"), (["--pipeline-model-parallel-size", "2"], "save")],
+    ids=["tp2_dp2_mid_run", "pp2_dp2_during_save"],
+)
+def test_kill9_of_one_of_four_torchrun_workers_ends_the_job_and_the_relaunch_resumes_bit_identically(
+    corpus, tmp_path, layout, when
+):
+    """Four ranks under torchrun (TP=2 x DP=2 or PP=2 x DP=2), one of them, chosen at random, killed with
+    kill -9 at a random step mid-run (steps slowed to 0.3 s so the kill lands inside the run) or while the
+    save of iteration 4 waits to be committed: torchrun and every worker are gone within 60 s, the status is
+    non-zero, the tracker names the last complete checkpoint and no later one exists. No reference run: the
+    killed run logged the losses of the steps after that checkpoint, and the relaunch (same layout, resumed
+    from it) must log those losses again bit for bit."""
+    import random
+
+    import psutil
+
+    rng = random.Random()
+    victim_rank = rng.randrange(4)
+    save, log = tmp_path / "run", tmp_path / "torchrun.log"
+    cmd = _torchrun_cmd(4)
+    args = ["--", "train", "--config", str(corpus["config"]), "--save", str(save), *HEARTBEAT, *layout]
+    if when == "mid-run":
+        kill_after = rng.choice([3, 4])  # the step whose metrics record triggers the kill
+        faults = [f"slow={r}:0.3" for r in range(4)]
+    else:
+        kill_after = None
+        faults = ["pause=4:5"]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            cmd + faults + args,
+            cwd=str(REPO),
+            env=subprocess_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+    try:
+        t_start = t0 = time.monotonic()
+        while True:
+            assert proc.poll() is None and time.monotonic() - t0 < 100, log.read_text()[-3000:]
+            if kill_after is not None and max(metrics(save), default=0) >= kill_after:
+                break
+            if kill_after is None and f"fault: rank {victim_rank} pausing" in log.read_text(errors="replace"):
+                break
+            time.sleep(0.05)
+        workers = psutil.Process(proc.pid).children(recursive=True)
+        victim = next(w for w in workers if w.environ().get("RANK") == str(victim_rank))
+        victim.kill()
+        t0 = time.monotonic()
+        status = proc.wait(timeout=60)
+        elapsed = time.monotonic() - t0
+        gone, alive = psutil.wait_procs(workers, timeout=max(0.1, 60 - elapsed))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    killed = f"rank {victim_rank} killed {when} (after step {kill_after})"
+    print(f"{killed}: started {t0 - t_start:.1f} s in, job gone {elapsed:.1f} s later", flush=True)
+    assert status != 0 and elapsed < 60 and not alive, (killed, status, elapsed, alive)
+    logged = metrics(save)
+    kept = tracker(save)
+    done = max(logged)
+    assert done < TRAIN_ITERS, f"{killed}: the kill came too late to be mid-run"
+    assert kept is not None and kept < done and (save / f"iter_{kept:07d}" / "checksums.json").is_file(), (killed, kept)
+    assert sorted(p.name for p in save.glob("iter_*"))[-1] == f"iter_{kept:07d}", (killed, list(save.iterdir()))
+    if when == "save":
+        assert kept == 2 and done == 4, (kept, done)
+    with open(log, "ab") as out:
+        again = subprocess.run(
+            cmd + args, cwd=str(REPO), env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT
+        )
+    assert again.returncode == 0, log.read_text()[-3000:]
+    assert tracker(save) == TRAIN_ITERS
+    records = []
+    for line in (save / "metrics.jsonl").read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:  # a line cut by the kill
+            pass
+    resumed = records[len(records) - (TRAIN_ITERS - kept) :]  # the relaunch's records, after the killed run's
+    assert [r["step"] for r in resumed] == list(range(kept + 1, TRAIN_ITERS + 1)), (killed, records)
+    for r in resumed:
+        s = r["step"]
+        if s <= done:  # logged by the killed run: the relaunch must reproduce it exactly
+            want = [logged[s][k] for k in ("loss", "grad_norm", "lr")]
+            assert [r["loss"], r["grad_norm"], r["lr"]] == want, (killed, r, logged[s])

@@ -27,7 +27,10 @@ stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
 * ``profile.sbatch`` on 2 nodes that share one hostname: a JSON report with a
   row per node.
 
-The campaign runs once (module fixture); each test checks one behaviour.
+The campaign runs once (module fixture); each test checks one behaviour. One test
+runs its own job outside the campaign: a node's task killed with ``kill -9`` in a
+2-node job, the reason recorded by the scripts, and the same submission resuming
+from the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -475,3 +479,92 @@ def test_profile_sbatch_writes_a_report_with_a_row_per_node(campaign):
     assert [(n["node"], n["host"], n["ranks"]) for n in nodes] == [(0, "node1", [0]), (1, "node2", [1])], nodes
     assert report["device"]["threads"] == 2  # the task's 2 CPUs, one process per task
     assert "node1" in c.log("profile") and "node2" in c.log("profile")
+
+
+# ------------------------------------------------------------------ one node's task killed (outside the campaign)
+@pytest.mark.timeout(360, func_only=True)  # ~90 s on an idle cluster; jobs of others may queue it
+def test_kill9_of_one_nodes_task_ends_the_job_naming_it_and_a_resubmission_resumes_from_the_last_checkpoint(
+    cluster, tmp_path
+):
+    """A 2-node pretrain.sbatch job (one task per process, as the campaign's srun drills) whose task on
+    node2 is killed with kill -9 while the save of iteration 4 waits to be committed: the job ends FAILED
+    with the trainer's status, the scripts record the reason naming rank 1, its host and pid (the job's
+    Comment and log: `sacct` needs slurmdbd, which the local cluster lacks), iteration 2 stays the latest
+    checkpoint; the same submission again resumes from iteration 2 and logs the killed run's losses bit for
+    bit."""
+    import psutil
+    from test_checkpointing import make_corpus, tracker, write_config
+
+    prefix, tok = make_corpus(tmp_path / "data")
+    config = write_config(tmp_path / "tiny.yaml", prefix, tok, str(tmp_path / "cache"), train_iters=6, save_interval=2)
+    save, out = tmp_path / "node_kill", tmp_path / "node_kill.out"
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LOL_ROOT"}
+    env.update(
+        MEGATRON_LOL_PYTHON=sys.executable,
+        PYTHONWARNINGS="ignore",
+        OMP_NUM_THREADS="1",
+        GPUS_PER_NODE="0",
+        LAUNCHER="srun",
+        CONFIG=str(config),
+        SAVE_DIR=str(save),
+        MEGATRON_LOL_CKPT_PAUSE="4:8",
+        TRAIN_ARGS="--heartbeat-interval 1",
+    )
+    sbatch = ["sbatch", "--parsable", f"--output={out}", "--nodes=2", "--ntasks-per-node=1"]
+    job = _sh(*sbatch, REPO / "slurm" / "pretrain.sbatch", env=env, cwd=tmp_path).strip().split(";")[0]
+    jobs = [job]
+    t0 = time.time()
+    try:
+        while "pausing 8 s before committing" not in _read(out):
+            line = _all_jobs().get(job, "")
+            assert time.time() - t0 < 120 and _field(line, "JobState") in ACTIVE, line + _read(out)[-3000:]
+            time.sleep(0.2)
+        victims = [
+            p
+            for p in psutil.process_iter(["cmdline"])
+            if "megatron_lol" in " ".join(p.info["cmdline"] or [])
+            and p.environ().get("SLURM_JOB_ID") == job
+            and p.environ().get("SLURM_PROCID") == "1"
+        ]
+        assert len(victims) == 1 and victims[0].environ().get("SLURMD_NODENAME") == "node2", victims
+        victim = victims[0].pid
+        victims[0].kill()
+        t_kill = time.time()
+        while _field(_all_jobs().get(job, ""), "JobState") in ACTIVE:
+            assert time.time() - t_kill < 60, _all_jobs().get(job, "") + _read(out)[-3000:]
+            time.sleep(0.2)
+        line, log = _all_jobs()[job], _read(out)
+        print(f"job {job} ended {time.time() - t_kill:.1f} s after the kill")
+        # rank 0's commit fails on the closed connection; its heartbeat names rank 1 (one host here: both
+        # nodes run on this machine) well before srun's --kill-on-bad-exit would SIGKILL it (KillWait, 30 s)
+        assert _field(line, "JobState") == "FAILED" and _field(line, "ExitCode") == "5:0", line
+        culprit = f"rank 1 (host {socket.gethostname()}, pid {victim}) stopped answering"
+        assert re.search(rf"Comment=megatron-lol: status 5: megatron-lol train: error: {re.escape(culprit)}", line), (
+            line
+        )
+        assert f"training failed with status 5: megatron-lol train: error: {culprit}" in log, log[-3000:]
+        assert "srun: error: node2: task 1: Exited with exit code 137" in log, log[-3000:]
+        assert tracker(save) == 2 and not (save / "iter_0000004").exists(), list(save.iterdir())
+        logged = _metrics(save)
+        assert max(logged) == 4, logged
+        # the same submission again (a new job, the same SAVE_DIR): it resumes from iteration 2. `scontrol
+        # requeue` of the failed job takes the same path, but Slurm 22.05 here then sends SIGTERM to the
+        # requeued job's step 0 about 30 s after it starts, at times (the trainer saves and requeues once more)
+        again = _sh(*sbatch, REPO / "slurm" / "pretrain.sbatch", env=env, cwd=tmp_path).strip().split(";")[0]
+        jobs.append(again)
+        t1 = time.time()
+        while _field(_all_jobs().get(again, ""), "JobState") in ACTIVE:
+            assert time.time() - t1 < 200, _all_jobs().get(again, "") + _read(out)[-3000:]
+            time.sleep(0.3)
+        line = _all_jobs()[again]
+    finally:
+        left = [j for j in jobs if _field(_all_jobs().get(j, ""), "JobState") in ACTIVE]
+        if left:
+            _sh("scancel", *left, check=False)
+    log = _read(out)
+    assert _field(line, "JobState") == "COMPLETED" and _field(line, "ExitCode") == "0:0", line + log[-3000:]
+    assert _field(line, "Restarts") == "0" and f"loaded {save}/iter_0000002" in log, log[-3000:]
+    got = _metrics(save)
+    assert sorted(got) == list(range(1, 7)) and tracker(save) == 6
+    for s in (3, 4):
+        assert got[s]["loss"] == logged[s]["loss"] and got[s]["grad_norm"] == logged[s]["grad_norm"], (s, got, logged)
