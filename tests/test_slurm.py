@@ -507,7 +507,7 @@ def test_kill9_of_one_nodes_task_ends_the_job_naming_it_and_a_resubmission_resum
         LAUNCHER="srun",
         CONFIG=str(config),
         SAVE_DIR=str(save),
-        MEGATRON_LOL_CKPT_PAUSE="4:8",
+        MEGATRON_LOL_ENTRY=_fault_entry("pause=4:8"),
         TRAIN_ARGS="--heartbeat-interval 1",
     )
     sbatch = ["sbatch", "--parsable", f"--output={out}", "--nodes=2", "--ntasks-per-node=1"]
@@ -515,14 +515,14 @@ def test_kill9_of_one_nodes_task_ends_the_job_naming_it_and_a_resubmission_resum
     jobs = [job]
     t0 = time.time()
     try:
-        while "pausing 8 s before committing" not in _read(out):
+        while "pausing 8.0 s before committing" not in _read(out):
             line = _all_jobs().get(job, "")
             assert time.time() - t0 < 120 and _field(line, "JobState") in ACTIVE, line + _read(out)[-3000:]
             time.sleep(0.2)
         victims = [
             p
             for p in psutil.process_iter(["cmdline"])
-            if "megatron_lol" in " ".join(p.info["cmdline"] or [])
+            if "fault_rank_runner.py" in " ".join(p.info["cmdline"] or [])
             and p.environ().get("SLURM_JOB_ID") == job
             and p.environ().get("SLURM_PROCID") == "1"
         ]
