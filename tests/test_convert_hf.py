@@ -190,7 +190,7 @@ FILM_VARIANT = dict(
 @pytest.fixture(scope="module")
 def single(corpus):
     """One 1-process launch: the LoL model, a dense model, a FiLM / injection / untied-router variant,
-    a depth-only route."""
+    a depth-only route, router-only tokens."""
     return _train(
         corpus,
         1,
@@ -199,6 +199,7 @@ def single(corpus):
             ("dense_1proc", {}, {"plan": "dense", "core_layers": 2}),
             ("lol_film", {}, FILM_VARIANT),
             ("lol_depth_route", {}, dict(router_input="depth")),
+            ("lol_router_only", {}, dict(router_only_tokens=[5, 6, 7, 8], router_only_filler=9)),
         ],
     )
 
@@ -361,6 +362,25 @@ def test_dense_exports_as_stock_llama_and_round_trips(dense_1proc, tmp_path, cor
 def test_film_injection_untied_variant(single, tmp_path, corpus):
     diff = check_lol_export(single["lol_film"], tmp_path, corpus, gen_tokens=8)
     print(f"lol FiLM/injection/untied router: max abs logit diff {diff:.2e}")
+
+
+def test_router_only_tokens_variant(single, tmp_path, corpus):
+    """Router-only tokens export as such: the remote code's logits and cached greedy decoding equal megatron's."""
+    diff = check_lol_export(single["lol_router_only"], tmp_path, corpus, gen_tokens=8)
+    conf = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert conf["router_only_tokens"] == [5, 6, 7, 8] and conf["router_only_filler"] == 9
+    print(f"lol router-only tokens: max abs logit diff {diff:.2e}")
+    # the mode path of held-out text, and generation under it (path forcing with router-only tokens)
+    from megatron_lol.cli import main
+
+    jsonl = tmp_path / "heldout.jsonl"
+    jsonl.write_text("".join(json.dumps({"text": doc[:2000]}) + "\n" for doc in corpus["heldout"]))
+    out = tmp_path / "mode_path"
+    argv = ["analyze", "mode-path", "--load", str(single["lol_router_only"]), "--jsonl", str(jsonl)]
+    argv += ["--evaluate", "--generate", "The ", "--max-new-tokens", "4", "--output", str(out)]
+    assert main(argv) == 0
+    mp = json.loads((out / "mode_path.json").read_text())
+    assert mp["evaluation"]["forced_loss"] > 0 and len(mp["generation"]["forced_ids"]) > 0
 
 
 def test_depth_only_route_variant(single, tmp_path, corpus):

@@ -102,6 +102,8 @@ RANDOM_MODELS = {
         window_shift=3,
     ),
     "lol_depth_route": dict(router_input="depth", router_tied=False),
+    # ids 300-339 reach the router only (about a tenth of the random tokens, prompts and generated)
+    "lol_router_only": dict(router_only_tokens=list(range(300, 340)), router_only_filler=299, router_tied=False),
     "lol_moe": dict(moe_layers="all", num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2),
     "dense": dict(plan="dense", core_layers=2),
     "dense_sliding": dict(plan="dense", core_layers=2, dense_attention="sliding"),
@@ -158,8 +160,8 @@ def random_model(name: str):
         for pname, p in hf.named_parameters():
             if "routing.routers" in pname:
                 spread(p, 0.0, 0.5)  # decisive routers: near-ties would make any comparison fragile
-            elif "depth_embeddings" in pname or "balancing_bias" in pname:
-                spread(p, 0.0, 1.0 if "depth" in pname else 0.05)
+            elif "depth_embeddings" in pname or "balancing_bias" in pname or "router_only" in pname:
+                spread(p, 0.0, 0.05 if "balancing" in pname else 1.0)
             elif "loop_gates" in pname or "film_gamma" in pname:
                 spread(p, 1.0, 0.3)
             elif "film_beta" in pname or "injection_logit" in pname:

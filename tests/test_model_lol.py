@@ -401,6 +401,79 @@ def test_depth_only_route_ignores_the_input(make_model, router_input):
     assert model.core.routers[0].logits.weight.grad.abs().sum() > 0
 
 
+RO = dict(CAUSAL, router_only_tokens=[90, 91, 92], router_only_filler=89)
+
+
+def _strategy_batch(strategy: int):
+    x = _tokens(2, 48, seed=8)
+    x = torch.where(x >= 89, 7, x)  # no stray router-only / filler ids
+    x[1, 20] = 0  # a second document in row 1
+    x[0, 2] = strategy  # the field: early in row 0's document and in row 1's second one
+    x[1, 22] = strategy
+    return x
+
+
+def test_router_only_tokens_reach_the_router_only(make_model):
+    """A router-only token changes the routes (windows starting at or after it) and, only through
+    them, the logits; with the routes forced, changing it changes nothing; tokens before it are untouched."""
+    model = make_model(router_std=10.0, seed=3, **RO)
+    x, y = _strategy_batch(90), _strategy_batch(92)
+    with torch.no_grad():
+        base, core_x = model(x, record=True, return_core=True)
+        other, core_y = model(y, record=True, return_core=True)
+        assert any(not torch.equal(a.choice, b.choice) for a, b in zip(core_x.records, core_y.records))
+        assert (other - base).abs().max() > 1e-4
+        diff = (other - base).abs().amax(-1)
+        assert diff[0, :2].max() == 0 and diff[1, :22].max() == 0  # nothing before the field changes
+        ids, gates = _per_doc_path(core_x.records, 3)
+        forced_x = model(x, forced_path=ForcedPath(ids, gates))
+        forced_y = model(y, forced_path=ForcedPath(ids, gates))
+        assert torch.equal(forced_x, forced_y)  # the blocks never saw which strategy it was
+        # the layers see the filler: the same logits as the filler itself on the forced routes
+        filler = x.clone()
+        filler[0, 2], filler[1, 22] = 89, 89
+        plain = make_model(router_std=10.0, seed=3, **CAUSAL)
+        assert torch.equal(plain(filler, forced_path=ForcedPath(ids, gates)), forced_x)
+
+
+def test_router_only_tokens_keep_ordinary_tokens_causal_and_carry_no_loss(make_model):
+    model = make_model(router_std=10.0, seed=3, **RO).train()
+    x = _strategy_batch(91)
+    with torch.no_grad():
+        base = _forward(model, x, seed=11)
+        for t in (1, 9, 30):
+            y = x.clone()
+            y[:, t] = (y[:, t] + 17) % 80 + 1
+            diff = (_forward(model, y, seed=11) - base).abs().amax(-1)
+            assert diff[:, :t].max() <= 1e-6 and (diff[:, t] > 1e-4).all()
+    labels = torch.roll(x, -1, dims=1)
+    loss = _forward(model, x, seed=11, labels=labels)
+    assert loss[0, 1] == 0 and loss[1, 21] == 0 and (loss[0, 3:] > 0).all()
+    loss.sum().backward()
+    assert model.core.router_only_embeddings.grad[1].abs().sum() > 0  # the used strategy's row learns
+    assert model.core.router_only_embeddings.grad[0].abs().sum() == 0
+
+
+@pytest.mark.parametrize(
+    "model, message",
+    [
+        (dict(router_only_tokens=[5]), "router_only_filler"),
+        (dict(router_only_tokens=[5], router_only_filler=5), "router_only_filler"),
+        (dict(router_only_tokens=[5, 5], router_only_filler=6), "router_only_tokens"),
+        (dict(router_only_filler=6), "router_only_filler"),
+        (dict(plan="dense", core_layers=2, router_only_tokens=[5], router_only_filler=6), "routed plan"),
+    ],
+)
+def test_router_only_config_is_validated(model, message):
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.errors import ConfigError
+
+    if model.get("plan") == "dense":
+        model = dict(model, num_blocks=None, routed_depth=None)
+    with pytest.raises(ConfigError, match=message):
+        config_from_dict({"model": model}, check_data=False)
+
+
 def test_router_input_is_validated():
     from megatron_lol.config import config_from_dict
     from megatron_lol.errors import ConfigError

@@ -118,6 +118,11 @@ class ModelConfig:
     # "depth" = only the depth vector e^(l), a learned route that ignores the input (the control run
     # that separates input adaptivity from the shared library, masks, FiLM and growth schedule)
     router_input: str = "windows"
+    # router-only tokens (docs/model.md, "Router-only tokens"): these ids reach the router only (the mean
+    # of their router embeddings, up to each window's first token, is added to the router's input); the
+    # layers see router_only_filler in their place and their labels carry no loss (a strategy field)
+    router_only_tokens: list = field(default_factory=list)
+    router_only_filler: Optional[int] = None
     # balancing (docs/model.md, "Load balancing")
     balancing: str = "loss_free"
     bias_update_speed: float = 1e-3
@@ -215,12 +220,32 @@ class ModelConfig:
         """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
         return self.execution_plan().core_experts
 
+    def _validate_router_only(self, prefix: str) -> None:
+        ids = self.router_only_tokens
+        if not ids:
+            if self.router_only_filler is not None:
+                raise ConfigError(f"{prefix}.router_only_filler: set without {prefix}.router_only_tokens")
+            return
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
+            raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
+        if self.plan != "lol":
+            raise ConfigError(f"{prefix}.router_only_tokens: only a routed plan (lol) has a router (plan {self.plan})")
+        if self.router_input != "windows":
+            raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
+        filler = self.router_only_filler
+        if not isinstance(filler, int) or filler < 0 or filler in ids:
+            raise ConfigError(
+                f"{prefix}.router_only_filler: the token id the layers see in place of a router-only token, "
+                f"not one of router_only_tokens (got {filler})"
+            )
+
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
         choice(f"{prefix}.plan", self.plan, tuple(PLANS))
         choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.film", self.film, FILM_MODES)
         choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
+        self._validate_router_only(prefix)
         choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         if self.params_dtype == "fp16":

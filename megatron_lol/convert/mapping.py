@@ -145,6 +145,8 @@ def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
             out[f"core.second_pass_routers.{i}.expert_bias"] = (core_experts(m),)
     if plan.routed:
         out["core.depth_vectors"] = (D, h)
+        if m.router_only_tokens:
+            out["core.router_only_embeddings"] = (len(m.router_only_tokens), h)
         for r in range(1 if m.router_tied else D):
             out[f"core.routers.{r}.logits.weight"] = (L, h)
             out[f"core.routers.{r}.logits.bias"] = (L,)
@@ -251,6 +253,7 @@ def lol_hf_names(name: str, m: ModelConfig) -> str | None:
         "final_norm.weight": "model.norm.weight",
         "output_layer.weight": "lm_head.weight",
         "core.depth_vectors": "model.routing.depth_embeddings",
+        "core.router_only_embeddings": "model.routing.router_only_embeddings",
         "core.balancer.bias": "model.routing.balancing_bias",
         "core.film_gamma": "model.film_gamma",
         "core.film_beta": "model.film_beta",

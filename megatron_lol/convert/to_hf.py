@@ -210,6 +210,8 @@ def lol_config_json(
         "dense_attention": m.dense_attention,
         "router_tied": m.router_tied,
         "router_input": m.router_input,
+        "router_only_tokens": list(m.router_only_tokens),
+        "router_only_filler": m.router_only_filler,
         "per_depth_bias": m.per_depth_bias,
         "film": m.film,
         "input_injection": m.input_injection,

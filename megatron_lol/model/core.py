@@ -42,6 +42,7 @@ from megatron_lol.model.router import (
     WindowRouter,
     choose_blocks,
     depth_only_summaries,
+    router_only_prefix_means,
     router_summaries,
     window_noise,
 )
@@ -162,6 +163,12 @@ class Core(nn.Module):
             self.depth_vectors = nn.Parameter(torch.empty(D, h, dtype=torch.float32))
             with seeded(init_seed, "core.depth_vectors"):
                 nn.init.normal_(self.depth_vectors, std=model.init_method_std)
+            if model.router_only_tokens:
+                # the router's own embeddings of the router-only tokens (no layer ever reads them)
+                n_ro = len(model.router_only_tokens)
+                self.router_only_embeddings = nn.Parameter(torch.empty(n_ro, h, dtype=torch.float32))
+                with seeded(init_seed, "core.router_only_embeddings"):
+                    nn.init.normal_(self.router_only_embeddings, std=model.init_method_std)
             if model.balancing == "loss_free":
                 self.balancer = BalancingBias(
                     L,
@@ -289,12 +296,16 @@ class Core(nn.Module):
         forced: Optional[ForcedPath],
         noise_seeds: Optional[torch.Tensor],
         row_length: int,
+        router_only: Optional[torch.Tensor] = None,
     ) -> RoutingDecision:
-        """Router (or forced path) for the windows of one depth."""
+        """Router (or forced path) for the windows of one depth. ``router_only``: the per-token router-only
+        means ``[T, h]`` (:func:`router_only_prefix_means`), added to each window's summary at its first token."""
         if self.cfg.router_input == "depth":
             summaries = depth_only_summaries(windows.num_windows, self.depth_vectors[depth - 1])
         else:
             summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
+        if router_only is not None:
+            summaries = summaries + router_only.index_select(0, windows.window_first_token)
         router = self.router_for(depth)
         eps = None
         if noise_seeds is not None and self.training and router.noise:
@@ -326,6 +337,7 @@ class Core(nn.Module):
         noise_seeds: Optional[torch.Tensor] = None,
         routing_check: Optional[Callable] = None,
         layout=None,
+        router_only: Optional[torch.Tensor] = None,
     ) -> CoreOutput:
         """Run ``steps`` (this pipeline stage's share of the first ``depth`` steps of the plan).
 
@@ -340,9 +352,12 @@ class Core(nn.Module):
         :mod:`megatron_lol.parallel.routing_agreement`). ``layout``: the micro-batch's host-built
         :class:`~.host_layout.HostLayout` on the states' device: the routed depths then run grouped
         (:mod:`.grouped_core`, which the caller checked with ``grouped_core_support``), routed by the
-        layout's noise instead of ``noise_seeds``.
+        layout's noise instead of ``noise_seeds``. ``router_only`` [b, s]: each token's index in
+        ``model.router_only_tokens`` (-1: an ordinary token), for the router's router-only term.
         """
         if layout is not None:
+            if router_only is not None:
+                raise ValueError("Core.forward: router-only tokens with a grouped core (no router-only term there)")
             if record_moe:
                 raise ValueError("Core.forward: record_moe with a grouped core (MoE blocks do not run grouped)")
             # grouped_core builds on this module: imported at the call
@@ -383,6 +398,11 @@ class Core(nn.Module):
                 routing_check=routing_check,
                 moe_records=[] if record_moe else None,
                 record=record,
+                router_only=None
+                if router_only is None
+                else router_only_prefix_means(
+                    self.router_only_embeddings, router_only.reshape(-1), docs.positions.reshape(-1)
+                ),
             )
             flat = states.transpose(0, 1).reshape(b * s_len, h)
             state = CoreState(flat=flat, injected=flat)

@@ -77,6 +77,7 @@ class CoreContext:
     routing_check: Optional[Callable] = None
     moe_records: Optional[list] = None
     record: bool = False
+    router_only: Optional[torch.Tensor] = None  # [b*s, h] router-only means per token (Router.router_only_prefix_means)
 
     def truncated(self, step: Step) -> bool:
         """Whether ``step``'s updates are constants for autograd (truncated backprop through depth)."""
@@ -160,7 +161,15 @@ class RoutedStep(CoreStep):
         core, step, cfg = self.core, self.step, self.core.cfg
         windows = self.windows(ctx)
         with trace_range("router"):
-            decision = core.decide(step.depth, windows, state.flat, ctx.forced, ctx.noise_seeds, ctx.row_length)
+            decision = core.decide(
+                step.depth,
+                windows,
+                state.flat,
+                ctx.forced,
+                ctx.noise_seeds,
+                ctx.row_length,
+                router_only=ctx.router_only,
+            )
         if ctx.routing_check is not None:
             ctx.routing_check(step.depth, decision)
         if ctx.training:

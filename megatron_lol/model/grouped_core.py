@@ -54,6 +54,8 @@ def grouped_core_support(core) -> Optional[str]:
         return f"plan {plan.name!r} has fixed steps (only routed LoL depths run grouped)"
     if _expert_parallel()[0] > 1:
         return "expert parallelism (windows travel to their block's rank: the reference dispatch)"
+    if core.cfg.router_only_tokens:
+        return "router_only_tokens (the grouped depth has no router-only term)"
     if core.cfg.router_input != "windows":
         return f"router_input: {core.cfg.router_input} (the grouped depth runs the window router)"
     ids = core.local_block_ids()

@@ -141,6 +141,10 @@ class LoLGPTModel(_language_module()):
         self.cfg = model
         self.plan = plan
         self.eod_id = eod_id
+        # router-only token ids (docs/model.md, "Router-only tokens"); moves with the module (.cuda())
+        self.register_buffer(
+            "router_only_ids", torch.tensor(list(model.router_only_tokens), dtype=torch.long), persistent=False
+        )
         self.vocab_size = vocab_size
         self.vp_stage = vp_stage
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -267,6 +271,10 @@ class LoLGPTModel(_language_module()):
             docs = layout.document_layout()
         if docs is None:
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
+        router_only = self.router_only_index(input_ids)
+        if router_only is not None:
+            # the layers see the filler: a router-only token's identity reaches the router only
+            input_ids = torch.where(router_only >= 0, self.cfg.router_only_filler, input_ids)
         if self.pre_process:
             # packed: the micro-batch is one row of b*s tokens (so is the embedding's SP scatter)
             hidden = self.embedding(
@@ -291,8 +299,12 @@ class LoLGPTModel(_language_module()):
                 aux_loss_scale=aux_loss_scale,
                 routing_check=routing_check,
                 layout=layout,
+                router_only=router_only,
             )
         out = self._head(hidden, labels, return_hidden, b, s)
+        if labels is not None and router_only is not None and not (return_hidden or not self.post_process):
+            # a router-only token is given, never predicted: its label carries no loss
+            out = torch.where(self.router_only_index(labels) >= 0, 0.0, out)
         return (out, core) if return_core else out
 
     def _layers(
@@ -312,6 +324,7 @@ class LoLGPTModel(_language_module()):
         aux_loss_scale,
         routing_check=None,
         layout=None,
+        router_only=None,
     ) -> tuple:
         """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
         from megatron.core import tensor_parallel
@@ -354,6 +367,7 @@ class LoLGPTModel(_language_module()):
                 noise_seeds=noise_seeds,
                 routing_check=routing_check,
                 layout=layout,
+                router_only=router_only,
             )
             hidden = core.states
             if sequence_parallel:
@@ -386,6 +400,13 @@ class LoLGPTModel(_language_module()):
         if self.packed:
             return self.compute_language_model_loss(labels.reshape(1, b * s), logits).view(b, s)
         return self.compute_language_model_loss(labels, logits)
+
+    def router_only_index(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
+        """Each token's index in ``model.router_only_tokens`` (-1: an ordinary token); None when there are none."""
+        if self.router_only_ids.numel() == 0:
+            return None
+        match = tokens.unsqueeze(-1) == self.router_only_ids
+        return torch.where(match.any(-1), match.to(torch.int32).argmax(-1).to(torch.long), -1)
 
     def pipeline_shape(self, seq_length: int, micro_batch_size: int) -> tuple:
         """``(seq_length, micro_batch_size)`` of the tensors pipeline stages exchange (the schedules size

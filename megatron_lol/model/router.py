@@ -131,6 +131,27 @@ def depth_only_summaries(num_windows: int, depth_vector: torch.Tensor) -> torch.
     return depth_vector.float().unsqueeze(0).expand(num_windows, -1)
 
 
+def router_only_prefix_means(embeddings: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """Per token ``t`` of a row-major stream: the mean router embedding of the router-only tokens of
+    ``t``'s document at positions up to and including ``t`` (zero where there is none), fp32 ``[T, h]``.
+
+    ``index`` [T]: each token's row of ``embeddings`` ``[n, h]``, -1 for an ordinary token;
+    ``positions`` [T]: position in the document. Sums are running sums in stream order minus the
+    sum before the document's first token: a fixed order (no atomics), the same on every rank.
+    """
+    is_ro = index >= 0
+    rows = embeddings.float().index_select(0, index.clamp(min=0))
+    rows = torch.where(is_ro.unsqueeze(1), rows, 0.0)
+    sums = torch.cumsum(rows, dim=0)
+    counts = torch.cumsum(is_ro.to(torch.float32), dim=0)
+    start = torch.arange(index.numel(), device=index.device) - positions  # first token of the document
+    before = (start - 1).clamp(min=0)
+    has_before = (start > 0).unsqueeze(1)
+    sums = sums - torch.where(has_before, sums.index_select(0, before), 0.0)
+    counts = counts - torch.where(has_before.squeeze(1), counts.index_select(0, before), 0.0)
+    return sums / counts.clamp(min=1.0).unsqueeze(1)
+
+
 def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """What the router reads of the depth's input: window means ``mu_j`` and first-token rows, fp32 ``[N, h]``.
 

@@ -390,6 +390,9 @@ class Trainer:
 
         batch = to_device(next(data_iterator), self.device)
         tokens, labels, loss_mask = batch["tokens"], batch["labels"], batch["loss_mask"].float()
+        ro_labels = self.model.router_only_index(labels)
+        if ro_labels is not None:  # router-only tokens are given, not predicted (docs/model.md)
+            loss_mask = loss_mask * (ro_labels < 0)
         cur = self.cfg.curriculum
         seeds = self._noise_seeds(batch["sample_ids"]) if "sample_ids" in batch else None
         layout = batch["layout"].to(self.device) if "layout" in batch else None

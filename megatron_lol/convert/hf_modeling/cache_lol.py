@@ -47,7 +47,7 @@ class DocumentState:
     """Per row: the current document's start (row position), the position of the last token
     inside it, the last token id and mask value, and how many documents the row has started."""
 
-    FIELDS = ("doc_start", "doc_pos", "last_id", "last_mask", "doc_count")
+    FIELDS = ("doc_start", "doc_pos", "last_id", "last_mask", "doc_count", "ro_sum", "ro_count")
 
     def __init__(self):
         self.seen = 0  # tokens of every row so far (padding included)
@@ -56,6 +56,9 @@ class DocumentState:
         self.last_id: Optional[torch.Tensor] = None  # [B] long (-1: unknown, from inputs_embeds)
         self.last_mask: Optional[torch.Tensor] = None  # [B] bool
         self.doc_count: Optional[torch.Tensor] = None  # [B] long
+        # router-only tokens of the current document so far: sum of their router rows [B, h] fp32, count [B]
+        self.ro_sum: Optional[torch.Tensor] = None
+        self.ro_count: Optional[torch.Tensor] = None
 
     def fill(self, starts: torch.Tensor, ids: Optional[torch.Tensor], mask: torch.Tensor) -> None:
         """After a prefill of ``[B, n]`` tokens whose document starts are ``starts``."""

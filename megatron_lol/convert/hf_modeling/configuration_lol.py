@@ -51,6 +51,8 @@ class LoLConfig(PretrainedConfig):
         dense_attention="full",
         router_tied=True,
         router_input="windows",
+        router_only_tokens=(),
+        router_only_filler=None,
         per_depth_bias=False,
         film="off",
         input_injection=False,
@@ -93,6 +95,9 @@ class LoLConfig(PretrainedConfig):
         self.dense_attention = dense_attention
         self.router_tied = router_tied
         self.router_input = router_input  # "depth": the route reads only the depth embedding
+        # ids that reach only the router (the layers see router_only_filler in their place)
+        self.router_only_tokens = list(router_only_tokens)
+        self.router_only_filler = router_only_filler
         self.per_depth_bias = per_depth_bias
         self.film = film
         self.input_injection = input_injection

@@ -104,7 +104,12 @@ def decode_one(
     """One new token per row (``ids`` [B] or ``embeds`` [B, h]); returns its final hidden state [B, 1, h]."""
     docs = cache.docs
     position = docs.seen
-    docs.advance(ids, mask, cache.eod_token_id)
+    new_doc = docs.advance(ids, mask, cache.eod_token_id)
+    ro_index = model.router_only_index(ids)
+    if ro_index is not None:  # the running router-only sums of each row's document, this token included
+        docs.ro_sum = torch.where(new_doc.unsqueeze(1), 0.0, docs.ro_sum) + model.router_only_rows(ro_index)
+        docs.ro_count = torch.where(new_doc, 0.0, docs.ro_count) + (ro_index >= 0).to(torch.float32)
+        ids = model.layer_ids(ids, ro_index)
     s = model.embed_tokens(ids).unsqueeze(1) if embeds is None else embeds.unsqueeze(1)
     b = s.shape[0]
     positions = torch.full((b, 1), position, dtype=torch.long, device=s.device)
@@ -184,7 +189,10 @@ def _window_step(model, cache, index: int, step: dict, s: torch.Tensor, position
         if routed:
             first = model.first_window_summary(depth, flat)
             prefix = layer.prefix_sum / layer.closed.clamp(min=1).unsqueeze(1).to(torch.float32)
-            choice, gate = model.decide(depth, torch.where((layer.closed == 0).unsqueeze(1), first, prefix))
+            summary = torch.where((layer.closed == 0).unsqueeze(1), first, prefix)
+            if docs.ro_sum is not None:
+                summary = summary + docs.ro_sum / docs.ro_count.clamp(min=1).unsqueeze(1)
+            choice, gate = model.decide(depth, summary)
             layer.block = torch.where(opens, choice, layer.block)
             layer.gate = torch.where(opens, gate, layer.gate)
             layer.groups = None

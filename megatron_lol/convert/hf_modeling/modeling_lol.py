@@ -92,6 +92,8 @@ class Routing(nn.Module):
         self.routers = nn.ModuleList(nn.Linear(h, L) for _ in range(1 if config.router_tied else D))
         self.depth_embeddings = nn.Parameter(torch.zeros(D, h))
         self.balancing_bias = nn.Parameter(torch.zeros(D if config.per_depth_bias else 1, L), requires_grad=False)
+        if getattr(config, "router_only_tokens", None):
+            self.router_only_embeddings = nn.Parameter(torch.zeros(len(config.router_only_tokens), h))
 
 
 # --------------------------------------------------------------------------- model
@@ -194,6 +196,38 @@ class LoLModel(LoLPreTrainedModel):
         """``r_0 = (e_l + s_first) / 2`` (fp32) for first tokens ``first`` [N, h]."""
         return 0.5 * (self.routing.depth_embeddings[depth - 1].float().unsqueeze(0) + first.float())
 
+    # ------------------------------------------------------------------ router-only tokens
+    def router_only_index(self, ids: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Each token's index in ``config.router_only_tokens`` (-1: an ordinary token); None without them."""
+        tokens = getattr(self.config, "router_only_tokens", None)
+        if not tokens:
+            return None
+        if ids is None:
+            raise ValueError("a model with router-only tokens needs input_ids (not inputs_embeds)")
+        match = ids.unsqueeze(-1) == torch.tensor(tokens, dtype=ids.dtype, device=ids.device)
+        return torch.where(match.any(-1), match.to(torch.int32).argmax(-1).to(torch.long), -1)
+
+    def layer_ids(self, ids: torch.Tensor, index: Optional[torch.Tensor]) -> torch.Tensor:
+        """What the layers embed: the filler in place of every router-only token."""
+        return ids if index is None else torch.where(index >= 0, self.config.router_only_filler, ids)
+
+    def router_only_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """The router embedding of each router-only token, zero for the others (fp32)."""
+        table = self.routing.router_only_embeddings.float()
+        return torch.where((index >= 0).unsqueeze(-1), table[index.clamp(min=0)], 0.0)
+
+    def router_only_sums(self, index: torch.Tensor, doc_pos: torch.Tensor) -> tuple:
+        """Per token of the row-major stream: the sum and count of the router-only rows of its document
+        up to and including it (running sums minus the sum before the document's first token)."""
+        flat_index, flat_pos = index.reshape(-1), doc_pos.reshape(-1)
+        sums = self.router_only_rows(flat_index).cumsum(dim=0)
+        counts = (flat_index >= 0).to(torch.float32).cumsum(dim=0)
+        start = torch.arange(flat_index.numel(), device=index.device) - flat_pos
+        before, has_before = (start - 1).clamp(min=0), start > 0
+        sums = sums - torch.where(has_before.unsqueeze(1), sums[before], 0.0)
+        counts = counts - torch.where(has_before, counts[before], 0.0)
+        return sums, counts
+
     def decide(self, depth: int, summary: torch.Tensor):
         """Block and gate of windows with router summaries ``summary`` [N, h] fp32 (no noise)."""
         routing = self.routing
@@ -228,7 +262,7 @@ class LoLModel(LoLPreTrainedModel):
         ordinal = torch.div(doc_pos.reshape(-1)[flat_first] + delta, W, rounding_mode="floor")
         return window, ordinal, flat_first
 
-    def _route(self, depth: int, s: torch.Tensor, window, ordinal, flat_first, doc) -> dict:
+    def _route(self, depth: int, s: torch.Tensor, window, ordinal, flat_first, doc, router_only=None) -> dict:
         """Choice and gate of every window at this depth, with the sums the decoding cache keeps."""
         h = s.shape[-1]
         flat = s.reshape(-1, h).float()
@@ -248,6 +282,8 @@ class LoLModel(LoLPreTrainedModel):
         summary = torch.where(
             (ordinal == 0).unsqueeze(1), self.first_window_summary(depth, flat[flat_first]), before / k
         )
+        if router_only is not None:  # the router-only mean up to each window's first token
+            summary = summary + router_only[flat_first]
         choice, gate = self.decide(depth, summary)
         return {
             "choice": choice,
@@ -280,12 +316,12 @@ class LoLModel(LoLPreTrainedModel):
         out = self.blocks[block](x, flat_pos[index], causal.unsqueeze(0) & valid.unsqueeze(1), **parts)
         return x[valid], out[valid], index[valid]
 
-    def _routed_step(self, step, s, positions, doc, doc_pos, *, cache, index, routes):
+    def _routed_step(self, step, s, positions, doc, doc_pos, *, cache, index, routes, router_only=None):
         """A routed step: every window runs the block its router chose."""
         depth = step["depth"]
         b, n, h = s.shape
         window, ordinal, flat_first = self._windows(depth, doc_pos)
-        route = self._route(depth, s, window, ordinal, flat_first, doc)
+        route = self._route(depth, s, window, ordinal, flat_first, doc, router_only)
         if routes is not None:
             rows = torch.div(flat_first, n, rounding_mode="floor")
             document = route["window_doc"] - doc[:, 0].index_select(0, rows)
@@ -371,6 +407,12 @@ class LoLModel(LoLPreTrainedModel):
         # RoPE sees only differences inside a document or window: row positions are as good
         positions = torch.arange(n, device=ids.device).expand(b, n)
         queries = slice(0, n)
+        ro_index = self.router_only_index(input_ids)
+        router_only = ro_sums = ro_counts = None
+        if ro_index is not None:
+            ro_sums, ro_counts = self.router_only_sums(ro_index, doc_pos)
+            router_only = ro_sums / ro_counts.clamp(min=1).unsqueeze(1)
+            input_ids = self.layer_ids(input_ids, ro_index)
         s = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         allowed = causal_same_segment(doc)
         for i, layer in enumerate(self.prelude):
@@ -381,7 +423,9 @@ class LoLModel(LoLPreTrainedModel):
             s = self.inject(s, s0)
             index = cfg.n_prelude + i
             if step["block"] is None:
-                s = self._routed_step(step, s, positions, doc, doc_pos, cache=cache, index=index, routes=routes)
+                s = self._routed_step(
+                    step, s, positions, doc, doc_pos, cache=cache, index=index, routes=routes, router_only=router_only
+                )
             else:
                 s = self._fixed_step(step, s, positions, doc, doc_pos, cache=cache, index=index, queries=queries)
         first_coda = cfg.n_prelude + len(steps)
@@ -389,7 +433,10 @@ class LoLModel(LoLPreTrainedModel):
             s = layer(s, positions, allowed, cache=cache, cache_index=first_coda + i)
         if cache is not None:
             mask = attention_mask.bool() if attention_mask is not None else torch.ones_like(ids, dtype=torch.bool)
-            cache.docs.fill(starts, input_ids, mask)
+            cache.docs.fill(starts, ids, mask)
+            if ro_sums is not None:
+                last = torch.arange(1, b + 1, device=ids.device) * n - 1
+                cache.docs.ro_sum, cache.docs.ro_count = ro_sums[last], ro_counts[last]
         return self.norm(s), cache
 
 
