@@ -1,0 +1,35 @@
+"""``megatron-lol params`` keeps its numbers: every count of every config in examples/configs against
+tests/golden/params.json, recorded from the analytic counter before counts were derived from the built
+model. A config without ``model.vocab_size`` (its tokenizer is built by a pipeline) is counted at 8,000
+tokens padded as the trainer pads them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from megatron_lol.config import load_config
+from megatron_lol.model.params import count_parameters
+from megatron_lol.perf.params_cli import _padded
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "examples" / "configs"
+GOLDEN = json.loads((Path(__file__).parent / "golden" / "params.json").read_text())
+
+
+def test_golden_covers_every_example_config():
+    assert sorted(str(p.relative_to(CONFIGS)) for p in CONFIGS.rglob("*.yaml")) == sorted(GOLDEN)
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN))
+def test_counts_match_golden(name):
+    cfg = load_config(CONFIGS / name, check_data=False)
+    m = cfg.model
+    vocab = m.vocab_size if m.vocab_size is not None else _padded(8000, m.make_vocab_size_divisible_by)
+    got = json.loads(json.dumps(count_parameters(m, vocab).to_dict()))
+    want = GOLDEN[name]
+    assert sorted(got) == sorted(want)
+    diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
+    assert not diff, f"{name}: (now, golden) {diff}"
