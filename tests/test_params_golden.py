@@ -1,7 +1,8 @@
 """``megatron-lol params`` keeps its numbers: every count of every config in examples/configs against
 tests/golden/params.json, recorded from the analytic counter before counts were derived from the built
 model. A config without ``model.vocab_size`` (its tokenizer is built by a pipeline) is counted at 8,000
-tokens padded as the trainer pads them."""
+tokens padded as the trainer pads them. The process state is the suite's (size 1), so the
+counting builds run in place."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def test_golden_covers_every_example_config():
 
 
 @pytest.mark.parametrize("name", sorted(GOLDEN))
-def test_counts_match_golden(name):
+def test_counts_match_golden(megatron_env, name):
     cfg = load_config(CONFIGS / name, check_data=False)
     m = cfg.model
     vocab = m.vocab_size if m.vocab_size is not None else _padded(8000, m.make_vocab_size_divisible_by)
