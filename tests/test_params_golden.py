@@ -6,13 +6,15 @@ counting builds run in place."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
 import pytest
 
 from megatron_lol.config import load_config
-from megatron_lol.model.params import count_parameters
+from megatron_lol.model import inventory
+from megatron_lol.model.params import category, count_parameters, expert_index
 from megatron_lol.perf.params_cli import _padded
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,3 +36,17 @@ def test_counts_match_golden(megatron_env, name):
     assert sorted(got) == sorted(want)
     diff = {k: (got[k], want[k]) for k in want if got[k] != want[k]}
     assert not diff, f"{name}: (now, golden) {diff}"
+
+
+def test_a_parameter_without_a_convention_is_refused():
+    assert category("core.blocks.3.mlp.experts.local_experts.7.linear_fc1.weight") == "experts"
+    assert expert_index("coda.0.mlp.experts.local_experts.7.linear_fc2.weight") == 7
+    with pytest.raises(ValueError, match="core.new_part: no counting convention"):
+        category("core.new_part")
+
+
+def test_a_parallel_run_counts_in_a_child_process():
+    # the trainer's FLOP / memory figures under TP > 1 count through a lone child process: same walk
+    cfg = load_config(CONFIGS / "paper" / "foil-2.yaml", check_data=False)
+    small = dataclasses.replace(cfg.model, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
+    assert inventory._walk_in_child(small, 256) == inventory.parameter_shapes(small, 256)
