@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from megatron_lol.config import load_config
+from megatron_lol.config.schema import ModelConfig
+from megatron_lol.convert import mapping
 from megatron_lol.model import inventory
 from megatron_lol.model.params import category, count_parameters, expert_index
 from megatron_lol.perf.params_cli import _padded
@@ -50,3 +52,15 @@ def test_a_parallel_run_counts_in_a_child_process():
     cfg = load_config(CONFIGS / "paper" / "foil-2.yaml", check_data=False)
     small = dataclasses.replace(cfg.model, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
     assert inventory._walk_in_child(small, 256) == inventory.parameter_shapes(small, 256)
+
+
+SHAPES = json.loads((Path(__file__).parent / "golden" / "native_shapes.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(SHAPES))
+def test_checkpoint_names_and_shapes_match_golden(megatron_env, case):
+    # the checkpoint / HF export's tensor inventory (convert.mapping.native_shapes), one case per plan and
+    # option, recorded from the hand-written map before it was derived from the built model
+    model = ModelConfig(**SHAPES[case]["model"])
+    got = {name: list(shape) for name, shape in mapping.native_shapes(model, 96).items()}
+    assert got == dict(SHAPES[case]["shapes"])
