@@ -51,7 +51,7 @@ def test_a_parallel_run_counts_in_a_child_process():
     # the trainer's FLOP / memory figures under TP > 1 count through a lone child process: same walk
     cfg = load_config(CONFIGS / "paper" / "foil-2.yaml", check_data=False)
     small = dataclasses.replace(cfg.model, hidden_size=64, num_attention_heads=4, ffn_hidden_size=128)
-    assert inventory._walk_in_child(small, 256) == inventory.parameter_shapes(small, 256)
+    assert inventory._walk_in_child(small, 256) == inventory._walk(small, 256)
 
 
 SHAPES = json.loads((Path(__file__).parent / "golden" / "native_shapes.json").read_text())

@@ -42,10 +42,21 @@ _RUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR
 def parameter_shapes(model: ModelConfig, vocab_size: int) -> dict:
     """``{name: shape}`` of every parameter of ``LoLGPTModel(model, vocab_size)`` at TP = PP = EP = 1,
     in ``named_parameters()`` order."""
+    return dict(_walk(model, vocab_size)["parameters"])
+
+
+def state_shapes(model: ModelConfig, vocab_size: int) -> dict:
+    """``{name: shape}`` of every tensor of that model's ``state_dict()`` (parameters and persistent
+    buffers such as MoE expert biases; megatron-core's empty ``_extra_state`` entries left out), in
+    ``state_dict()`` order."""
+    return dict(_walk(model, vocab_size)["state"])
+
+
+def _walk(model: ModelConfig, vocab_size: int) -> dict:
     key = (repr(model), vocab_size)
     if key not in _CACHE:
         _CACHE[key] = _walk_here(model, vocab_size) if _can_build_here() else _walk_in_child(model, vocab_size)
-    return dict(_CACHE[key])
+    return _CACHE[key]
 
 
 def _counting_config(model: ModelConfig) -> ModelConfig:
@@ -110,7 +121,10 @@ def _walk_here(model: ModelConfig, vocab_size: int) -> dict:
         tconfig = dataclasses.replace(transformer_config(m, num_layers=n_layers), perform_initialization=False)
         with torch.device("meta"):
             built = LoLGPTModel(m, vocab_size, eod_id=0, tconfig=tconfig, init_seed=None)
-        return {name: tuple(p.shape) for name, p in built.named_parameters()}
+        return {
+            "parameters": {name: tuple(p.shape) for name, p in built.named_parameters()},
+            "state": {name: tuple(t.shape) for name, t in built.state_dict().items() if isinstance(t, torch.Tensor)},
+        }
 
 
 def _walk_in_child(model: ModelConfig, vocab_size: int) -> dict:
