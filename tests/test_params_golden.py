@@ -64,3 +64,18 @@ def test_checkpoint_names_and_shapes_match_golden(megatron_env, case):
     model = ModelConfig(**SHAPES[case]["model"])
     got = {name: list(shape) for name, shape in mapping.native_shapes(model, 96).items()}
     assert got == dict(SHAPES[case]["shapes"])
+
+
+def test_counting_keeps_a_live_runs_moe_loss_tracker(megatron_env):
+    # building an MoE model clears megatron-core's process-global tracker; a run that counts mid-training
+    # (profile's memory model) keeps its own entries
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    tracker["live-run-entry"] = {"values": None}
+    try:
+        model = ModelConfig(**SHAPES["moe-dense-fixed"]["model"])
+        count_parameters(dataclasses.replace(model, hidden_size=48, num_attention_heads=4), 96)
+        assert "live-run-entry" in tracker
+    finally:
+        tracker.pop("live-run-entry", None)

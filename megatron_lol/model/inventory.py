@@ -112,15 +112,24 @@ def _size_one_state():
 def _walk_here(model: ModelConfig, vocab_size: int) -> dict:
     # imported here: megatron-core's import costs seconds, and this module's importers
     # (config checks, FLOP and memory models) need it only when they count
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
     from megatron_lol.model.library import transformer_config
     from megatron_lol.model.lol_model import LoLGPTModel
 
     m = _counting_config(model)
     n_layers = m.n_prelude + m.n_coda + m.execution_plan().num_stored_blocks
+    # building an MoE model clears megatron-core's process-global MoE loss tracker: keep a live run's
+    tracker = get_moe_layer_wise_logging_tracker()
+    saved = dict(tracker)
     with _size_one_state():
         tconfig = dataclasses.replace(transformer_config(m, num_layers=n_layers), perform_initialization=False)
-        with torch.device("meta"):
-            built = LoLGPTModel(m, vocab_size, eod_id=0, tconfig=tconfig, init_seed=None)
+        try:
+            with torch.device("meta"):
+                built = LoLGPTModel(m, vocab_size, eod_id=0, tconfig=tconfig, init_seed=None)
+        finally:
+            tracker.clear()
+            tracker.update(saved)
         return {
             "parameters": {name: tuple(p.shape) for name, p in built.named_parameters()},
             "state": {name: tuple(t.shape) for name, t in built.state_dict().items() if isinstance(t, torch.Tensor)},
