@@ -1,7 +1,8 @@
 """Tensor names and layouts: megatron-lol (megatron-core) <-> HuggingFace.
 
 Native names are ``LoLGPTModel.state_dict()`` keys (checkpoint keys without the
-``model.`` prefix). Two megatron-core layouts need care:
+``model.`` prefix), read off the model built on the ``meta`` device
+(:func:`native_shapes`), never listed by hand. Two megatron-core layouts need care:
 
 * ``self_attention.linear_qkv.weight`` packs, for every query group ``g`` in
   turn, the rows of the ``heads / groups`` query heads of the group, then its
