@@ -5,9 +5,12 @@ theirs, and the
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -492,14 +495,30 @@ def test_accordion_configs(name):
 
 
 # ------------------------------------------------------------------ the CLI
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_lol", "params", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
+def _cli(*args, process: bool = False):
+    """``megatron-lol params ARGS``: in this process (counting builds need megatron-core, whose import a
+    child process would pay again), or as its own process with ``process=True``."""
+    if process:
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_lol", "params", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+    from megatron_lol.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["params", *args])
+        except SystemExit as exc:  # argparse and CLI errors
+            code = exc.code
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_json():
-    out = _cli("--config", str(PAPER / "lol-vs-moe.yaml"), "--json")
+    out = _cli("--config", str(PAPER / "lol-vs-moe.yaml"), "--json", process=True)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert near(d["linear_total"], 445.6) and near(d["linear_active"], 308.3)
