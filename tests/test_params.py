@@ -5,9 +5,12 @@ theirs, and the
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
+import types
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,12 +18,7 @@ import pytest
 
 from megatron_lol.config import load_config
 from megatron_lol.config.schema import ModelConfig
-from megatron_lol.model.params import (
-    BREAKDOWN_KEYS,
-    attention_parameters,
-    count_parameters,
-    router_parameters,
-)
+from megatron_lol.model.params import BREAKDOWN_KEYS, count_parameters
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "examples" / "configs" / "paper"
@@ -54,10 +52,17 @@ def near(n: int, figure_m: float, tol_m: float = 0.1) -> bool:
     return abs(n / M - figure_m) < tol_m
 
 
-# ------------------------------------------------------------------ hand formulas
+def attention_parameters(m: ModelConfig) -> int:
+    return count_parameters(m, 64).block.attention
+
+
+# ------------------------------------------------- the walk against hand formulas
 def test_router_formula_and_spec_golden():
-    assert router_parameters(2048, 8) == 2048 * 8 + 64 + 16 == 16_464
-    assert router_parameters(3, 2) == 3 * 2 + 4 + 4
+    # one router (W_r, b_r, W_n, b_n): d*L + L^2 + 2L (docs/model.md, "Router")
+    big = ModelConfig(hidden_size=2048, num_attention_heads=16, num_blocks=8, routed_depth=8, ffn_hidden_size=64)
+    assert count_parameters(big, 64).router_each == 2048 * 8 + 64 + 16 == 16_464
+    small = ModelConfig(hidden_size=4, num_attention_heads=2, num_blocks=2, routed_depth=2, ffn_hidden_size=8)
+    assert count_parameters(small, 64).router_each == 4 * 2 + 4 + 4
 
 
 def test_gqa_attention():
@@ -490,14 +495,30 @@ def test_accordion_configs(name):
 
 
 # ------------------------------------------------------------------ the CLI
-def _cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "megatron_lol", "params", *args], capture_output=True, text=True, cwd=ROOT, timeout=60
-    )
+def _cli(*args, process: bool = False):
+    """``megatron-lol params ARGS``: in this process (counting builds need megatron-core, whose import a
+    child process would pay again), or as its own process with ``process=True``."""
+    if process:
+        return subprocess.run(
+            [sys.executable, "-m", "megatron_lol", "params", *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=120,
+        )
+    from megatron_lol.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(["params", *args])
+        except SystemExit as exc:  # argparse and CLI errors
+            code = exc.code
+    return types.SimpleNamespace(returncode=code, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_cli_json():
-    out = _cli("--config", str(PAPER / "lol-vs-moe.yaml"), "--json")
+    out = _cli("--config", str(PAPER / "lol-vs-moe.yaml"), "--json", process=True)
     assert out.returncode == 0, out.stderr
     d = json.loads(out.stdout)
     assert near(d["linear_total"], 445.6) and near(d["linear_active"], 308.3)

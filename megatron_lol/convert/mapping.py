@@ -1,7 +1,8 @@
 """Tensor names and layouts: megatron-lol (megatron-core) <-> HuggingFace.
 
 Native names are ``LoLGPTModel.state_dict()`` keys (checkpoint keys without the
-``model.`` prefix). Two megatron-core layouts need care:
+``model.`` prefix), read off the model built on the ``meta`` device
+(:func:`native_shapes`), never listed by hand. Two megatron-core layouts need care:
 
 * ``self_attention.linear_qkv.weight`` packs, for every query group ``g`` in
   turn, the rows of the ``heads / groups`` query heads of the group, then its
@@ -30,11 +31,13 @@ both spellings are accepted.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
 
 from megatron_lol.config.schema import ModelConfig
+from megatron_lol.model.inventory import state_shapes
 
 NORM_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -79,90 +82,30 @@ def core_experts(m: ModelConfig) -> int | None:
     return m.execution_plan().core_experts
 
 
-def layer_experts(prefix: str, m: ModelConfig) -> int | None:
-    """Experts of the MLP of the layer at native ``prefix`` (None: dense MLP)."""
-    return core_experts(m) if prefix.startswith("core.") else fixed_experts(m)
-
-
 EXPERT_FC1 = "mlp.experts.experts.linear_fc1.weight"
 EXPERT_FC2 = "mlp.experts.experts.linear_fc2.weight"
-
-
-def mlp_shapes(d: Dims, experts: int | None) -> dict[str, tuple]:
-    """Native suffix -> global shape of a layer's MLP (dense SwiGLU, or MoE with ``experts`` experts)."""
-    if experts is None:
-        return {"mlp.linear_fc1.weight": (2 * d.ffn, d.hidden), "mlp.linear_fc2.weight": (d.hidden, d.ffn)}
-    out = {
-        "mlp.router.weight": (experts, d.hidden),
-        EXPERT_FC1: (experts, 2 * d.moe_ffn, d.hidden),
-        EXPERT_FC2: (experts, d.hidden, d.moe_ffn),
-    }
-    if d.expert_bias:
-        out["mlp.router.expert_bias"] = (experts,)
-    if d.shared_ffn:
-        out["mlp.shared_experts.linear_fc1.weight"] = (2 * d.shared_ffn, d.hidden)
-        out["mlp.shared_experts.linear_fc2.weight"] = (d.hidden, d.shared_ffn)
-    return out
-
-
-def attention_shapes(d: Dims) -> dict[str, tuple]:
-    return {
-        "input_layernorm.weight": (d.hidden,),
-        "self_attention.linear_qkv.weight": ((d.heads + 2 * d.groups) * d.head_dim, d.hidden),
-        "self_attention.linear_proj.weight": (d.hidden, d.heads * d.head_dim),
-    }
-
-
-def layer_shapes(d: Dims, experts: int | None = None) -> dict[str, tuple]:
-    """Native suffix -> global shape of one transformer layer / block (``experts``: its MLP is MoE)."""
-    return {**attention_shapes(d), "pre_mlp_layernorm.weight": (d.hidden,), **mlp_shapes(d, experts)}
-
-
-def layer_prefixes(m: ModelConfig) -> list[str]:
-    blocks = m.execution_plan().num_stored_blocks
-    return (
-        [f"prelude.{i}." for i in range(m.n_prelude)]
-        + [f"core.blocks.{i}." for i in range(blocks)]
-        + [f"coda.{i}." for i in range(m.n_coda)]
-    )
+# the module's own name of one expert's tensor, stacked over the expert index in the checkpoint
+_LOCAL_EXPERT = re.compile(r"^(.*\.)mlp\.experts\.local_experts\.(\d+)\.(.+)$")
 
 
 def native_shapes(m: ModelConfig, vocab: int) -> dict[str, tuple]:
-    """Every tensor a ``LoLGPTModel`` with this config saves, with its global shape, in export order."""
-    d = Dims.of(m)
-    plan = m.execution_plan()
-    h, L, D = m.hidden_size, plan.num_stored_blocks, plan.depth
-    out: dict[str, tuple] = {"embedding.word_embeddings.weight": (vocab, h)}
-    for prefix in layer_prefixes(m):
-        out.update({prefix + k: v for k, v in layer_shapes(d, layer_experts(prefix, m)).items()})
-    for i, p in plan.untied_attention_sets():  # Foil: input norm + attention of block i in pass p >= 1
-        out.update({f"core.pass_attention.{i}_{p}.{k}": v for k, v in attention_shapes(d).items()})
-    if plan.gated_blocks():
-        out["core.loop_gates"] = (L, 2, h)
-    for i in plan.separate_router_blocks():
-        out[f"core.second_pass_routers.{i}.weight"] = (core_experts(m), h)
-        if d.expert_bias:
-            out[f"core.second_pass_routers.{i}.expert_bias"] = (core_experts(m),)
-    if plan.routed:
-        out["core.depth_vectors"] = (D, h)
-        if m.router_only_tokens:
-            out["core.router_only_embeddings"] = (len(m.router_only_tokens), h)
-        for r in range(1 if m.router_tied else D):
-            out[f"core.routers.{r}.logits.weight"] = (L, h)
-            out[f"core.routers.{r}.logits.bias"] = (L,)
-            out[f"core.routers.{r}.noise_scale.weight"] = (L, L)
-            out[f"core.routers.{r}.noise_scale.bias"] = (L,)
-        if m.balancing == "loss_free":
-            out["core.balancer.bias"] = (D if m.per_depth_bias else 1, L)
-    if m.film != "off":
-        shape = (D, 2, h) if m.film == "depth" else (D, L, 2, h)
-        out["core.film_gamma"] = shape
-        out["core.film_beta"] = shape
-    if m.input_injection:
-        out["core.injection_logit"] = (h,)
-    out["final_norm.weight"] = (h,)
-    if m.untie_embeddings_and_output_weights:
-        out["output_layer.weight"] = (vocab, h)
+    """Every tensor a ``LoLGPTModel`` with this config saves, with its global shape, in ``state_dict()`` order.
+
+    Read off the model itself (:func:`megatron_lol.model.inventory.state_shapes`: built on the
+    ``meta`` device at TP size 1), so a part a plan adds is exported as soon as the model builds
+    it; only the checkpoint's stacking of each layer's experts (module docstring) is applied here.
+    """
+    out: dict[str, tuple] = {}
+    for name, shape in state_shapes(m, vocab).items():
+        expert = _LOCAL_EXPERT.match(name)
+        if expert is None:
+            out[name] = shape
+            continue
+        prefix, index, suffix = expert.groups()
+        stacked = f"{prefix}mlp.experts.experts.{suffix}"
+        if int(index) != out.get(stacked, (0,))[0]:
+            raise ValueError(f"{name}: experts out of order in the model's state")
+        out[stacked] = (int(index) + 1, *shape)
     return out
 
 

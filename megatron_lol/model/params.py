@@ -1,42 +1,26 @@
-"""Analytic parameter counts of a model config (no torch, no megatron-core import).
+"""Parameter counts of a model config, read off the built model.
 
-``count_parameters(model_cfg, vocab_size)`` returns a :class:`ParamCounts` whose
-``total`` equals ``sum(p.numel() for p in LoLGPTModel(...).parameters())`` at
-tensor-parallel size 1 (tests check this for every plan and option the model
-implements). FFN mixture-of-experts layers are counted analytically as
-megatron-core builds them (router ``E*d``, no bias; ``E`` SwiGLU experts of
-hidden ``moe_ffn_hidden_size``; an optional ``SharedExpertMLP`` of hidden
-``moe_shared_expert_intermediate_size``, no gate).
+``count_parameters(model_cfg, vocab_size)`` returns a :class:`ParamCounts`. Every
+figure is a sum over the parameters of the model itself: :mod:`.inventory` builds
+``LoLGPTModel`` on the ``meta`` device at tensor-parallel size 1 and walks its
+``named_parameters()`` (as torchtitan counts), so nothing here restates a shape by
+hand and a part a plan adds is counted as soon as the model builds it. The papers'
+counting conventions are named filters over parameter names
+(:data:`PAPER_CONVENTIONS`: which category a parameter belongs to, :func:`is_linear`,
+:func:`expert_index`); the figures that count executions (active per token, per
+budget) multiply the walk of one stored block by the plan's schedule (its depth,
+budgets and untied pass sets).
 
-What is counted, per layer (prelude, coda, every library block; all bias-free):
+Categories (``ParamCounts.breakdown``), all bias-free at TP 1 as megatron-core builds them:
 
-* attention: ``d*(nq*c) + 2*d*(nkv*c)`` (fused QKV) ``+ (nq*c)*d`` (output), ``c`` =
-  ``kv_channels`` (default ``d / heads``), ``nkv`` = ``num_query_groups`` (GQA);
-* MLP: SwiGLU ``3*d*f``; or, for an MoE layer, experts ``E*3*d*f_e`` plus router
-  ``E*d`` plus the shared expert ``3*d*f_s`` when configured. ``E`` is
-  ``num_experts`` in the prelude / coda and ``core_num_experts`` (default
-  ``num_experts``) in the core's blocks (Foil's per-layer ``E``);
-* norms: two RMSNorm gains of ``d`` (plus the final norm);
-
-and once per model: input embedding ``V*d``, output layer ``V*d`` when untied;
-LoL router ``d*L + L^2 + 2L`` per router (one if tied, ``D`` if untied), the
-per-depth vectors ``D*d`` (always, for ``plan: lol``), FiLM ``gamma, beta`` of
-shape ``(D, 2, d)`` (``film: depth``) or ``(D, L, 2, d)`` (``film: depth_block``),
-and the injection logit ``d``. ``D`` is the core depth: ``routed_depth`` for
-``lol``/``looped``, ``num_blocks`` for ``dense``, ``num_blocks + max(loop_budgets)``
-for ``accordion``.
-
-Plan-specific parameters:
-
-* ``looped`` with ``untie_attention`` (Foil; docs/model.md, "Foil"): for every stored block
-  and every pass ``p = 1..P-1`` (``P`` = ``loop_passes``; pass 0 uses the
-  block's own attention) one more attention set, input RMSNorm gain ``d`` +
-  QKV + output projection: ``L*(P-1)`` sets (``pass_attention``). Experts,
-  MoE routers and pre-MLP norms stay shared across passes.
-* ``accordion`` (docs/model.md, "Accordion"): ``loop_gates`` of shape ``(L, 2, d)`` (per-channel
-  gates on the second pass's attention and MLP writes; ``loop_gates: true``)
-  and, with ``second_pass_router: separate``, one more MoE router ``E*d`` per
-  window layer (``second_pass_router``).
+* per layer (prelude, coda, every library block): attention (fused QKV and output
+  projection), MLP (SwiGLU) or, for an MoE layer, experts, the MoE router and the shared
+  expert; the two RMSNorm gains (plus the final norm);
+* once per model: input embedding, output layer when untied, the LoL routers, the
+  per-depth vectors, FiLM, the injection logit;
+* per pass: Foil's untied attention sets (``pass_attention``: norm gain + attention of
+  every block on every pass after the first), Accordion's ``loop_gates`` and
+  separate second-pass MoE routers (``second_pass_router``).
 
 Active parameters: the convention
 ----------------------------------
@@ -96,10 +80,14 @@ embeddings. Everything else is in the breakdown.
 
 from __future__ import annotations
 
+import re
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from math import prod
+from typing import Callable, Optional
 
 from megatron_lol.config.schema import ModelConfig
+from megatron_lol.model.inventory import parameter_shapes
 
 
 @dataclass
@@ -236,45 +224,91 @@ BREAKDOWN_KEYS = (
 )
 
 
-def router_parameters(hidden_size: int, num_blocks: int) -> int:
-    """One LoL router ``(W_r, b_r, W_n, b_n)``: ``d*L + L^2 + 2L`` (docs/model.md, "Router")."""
-    d, L = hidden_size, num_blocks
-    return d * L + L * L + 2 * L
+# The papers' counting conventions as named filters over ``named_parameters()`` names: each parameter
+# belongs to the first category whose filter takes it (model-level parts first, then a layer's parts).
+PAPER_CONVENTIONS: dict[str, Callable[[str], bool]] = {
+    "embedding": lambda n: n.startswith("embedding."),
+    "output": lambda n: n.startswith("output_layer."),
+    # LoL routers (W_r, b_r, W_n, b_n) and the router embeddings of router-only tokens
+    "router": lambda n: n.startswith("core.routers.") or n == "core.router_only_embeddings",
+    "depth_vectors": lambda n: n == "core.depth_vectors",
+    "film": lambda n: n.startswith("core.film_"),
+    "injection": lambda n: n == "core.injection_logit",
+    "loop_gates": lambda n: n == "core.loop_gates",
+    "pass_attention": lambda n: n.startswith("core.pass_attention."),  # norm gain + attention per set
+    "second_pass_router": lambda n: n.startswith("core.second_pass_routers."),
+    "norms": lambda n: _is_norm(n),
+    "attention": lambda n: ".self_attention." in n,
+    "moe_router": lambda n: ".mlp.router." in n,
+    "shared_experts": lambda n: ".mlp.shared_experts." in n,
+    "experts": lambda n: ".mlp.experts." in n,
+    "mlp": lambda n: ".mlp." in n,
+}
+assert set(PAPER_CONVENTIONS) == set(BREAKDOWN_KEYS)  # every breakdown entry has its filter
+
+# the papers' "linear" figures: attention and MLP / expert projections (Foil's pass attention sets too);
+# no norms, routers, gates or embeddings
+_LINEAR = ("attention", "mlp", "experts", "shared_experts")
+_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.")
+_FIXED_LAYER = re.compile(r"^(prelude|coda)\.(\d+)\.")
 
 
-def attention_parameters(model: ModelConfig) -> int:
-    d = model.hidden_size
-    heads = model.num_attention_heads
-    groups = model.num_query_groups or heads
-    c = model.kv_channels if model.kv_channels is not None else d // heads
-    q = heads * c
-    kv = groups * c
-    return d * (q + 2 * kv) + q * d
+def _is_norm(name: str) -> bool:
+    return "layernorm" in name or "layer_norm" in name or name.startswith("final_norm.")
 
 
-def layer_counts(model: ModelConfig, moe: bool, num_experts: Optional[int] = None) -> LayerCounts:
-    """Parameters of one layer; ``moe``: its FFN is a mixture of ``num_experts`` (default ``model.num_experts``)."""
-    d = model.hidden_size
-    attn = attention_parameters(model)
-    norms = 2 * d
-    if not moe:
-        return LayerCounts(
-            attention=attn, mlp=3 * d * model.ffn_hidden, experts=0, experts_active=0, moe_router=0, norms=norms
-        )
-    E = num_experts if num_experts is not None else model.num_experts
-    f = model.moe_ffn_hidden_size if model.moe_ffn_hidden_size is not None else model.ffn_hidden
-    expert = 3 * d * f
-    f_s = model.moe_shared_expert_intermediate_size
+def category(name: str) -> str:
+    """The breakdown category of parameter ``name`` (:data:`PAPER_CONVENTIONS`)."""
+    for key, takes in PAPER_CONVENTIONS.items():
+        if takes(name):
+            return key
+    raise ValueError(f"parameter {name}: no counting convention takes it (add one to PAPER_CONVENTIONS)")
+
+
+def is_linear(name: str) -> bool:
+    """A projection the papers' ``linear_*`` figures count (a pass attention set's norm gain is not)."""
+    cat = category(name)
+    return cat in _LINEAR or (cat == "pass_attention" and not _is_norm(name))
+
+
+def expert_index(name: str) -> Optional[int]:
+    """The routed expert a parameter belongs to (megatron-core's sequential experts), else None."""
+    match = _EXPERT.search(name)
+    return int(match.group(1)) if match else None
+
+
+def _layer(shapes: dict, prefix: str, topk: int) -> LayerCounts:
+    """The counts of the layer whose parameters start with ``prefix``; its ``topk`` lowest-numbered
+    experts stand for the experts a token runs (all experts are the same size)."""
+    sums: dict = defaultdict(int)
+    per_expert: dict = defaultdict(int)
+    for name, shape in shapes.items():
+        if not name.startswith(prefix):
+            continue
+        sums[category(name)] += prod(shape)
+        index = expert_index(name)
+        if index is not None:
+            per_expert[index] += prod(shape)
+    k = min(topk, len(per_expert))
     return LayerCounts(
-        attention=attn,
-        mlp=0,
-        experts=E * expert,
-        experts_active=min(model.moe_router_topk, E) * expert,
-        moe_router=E * d,
-        norms=norms,
-        shared_expert=3 * d * f_s if f_s else 0,
-        num_experts=E,
+        attention=sums["attention"],
+        mlp=sums["mlp"],
+        experts=sums["experts"],
+        experts_active=sum(per_expert[i] for i in sorted(per_expert)[:k]),
+        moe_router=sums["moe_router"],
+        norms=sums["norms"],
+        shared_expert=sums["shared_experts"],
+        num_experts=len(per_expert),
     )
+
+
+def _modules(shapes: dict, prefix: str) -> dict:
+    """``{child: parameters}`` of the children of ``prefix`` (``core.routers.`` -> one entry per router)."""
+    out: dict = defaultdict(int)
+    for name, shape in shapes.items():
+        if name.startswith(prefix):
+            out[name[len(prefix) :].split(".", 1)[0]] += prod(shape)
+    return dict(out)
 
 
 def loop_accounting(model: ModelConfig) -> Optional[dict]:
@@ -302,83 +336,61 @@ def loop_accounting(model: ModelConfig) -> Optional[dict]:
 
 
 def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
-    """Analytic counts for ``model`` with a ``vocab_size``-row embedding (TP size 1).
+    """Counts for ``model`` with a ``vocab_size``-row embedding (TP size 1), from the built model's walk.
 
     ``vocab_size`` is the size the model is built with (already padded, as
     ``LoLGPTModel`` takes it).
     """
     if vocab_size is None or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive integer (got {vocab_size!r})")
-    d = model.hidden_size
+    shapes = parameter_shapes(model, vocab_size)
     plan = model.execution_plan()
-    L, D = plan.num_stored_blocks, plan.depth
-    n_fixed = model.n_prelude + model.n_coda
-    fixed = layer_counts(model, moe=model.moe_layers in ("fixed", "all"))
-    block = layer_counts(model, moe=model.moe_layers == "all", num_experts=plan.core_experts)
+    topk = model.moe_router_topk
 
-    embedding = vocab_size * d
-    output = vocab_size * d if model.untie_embeddings_and_output_weights else 0
+    breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    linear_total = 0
+    pass_attention_linear = 0
+    film_active = 0  # one (gamma, beta) set per executed depth: a (D, L, 2, d) table counts its (D, 2, d) share
+    for name, shape in shapes.items():
+        n = prod(shape)
+        cat = category(name)
+        breakdown[cat] += n
+        if is_linear(name):
+            linear_total += n
+            if cat == "pass_attention":
+                pass_attention_linear += n
+        if cat == "film":
+            film_active += n // shape[1] if len(shape) == 4 else n
+    total = sum(breakdown.values())
+    embedding, output = breakdown["embedding"], breakdown["output"]
 
-    routed = plan.routed
-    num_routers = (1 if model.router_tied else D) if routed else 0
-    router_each = router_parameters(d, L) if routed else 0
-    router = num_routers * router_each
-    depth_vectors = D * d if routed else 0
-    if model.film == "depth":
-        film = 2 * D * 2 * d
-        film_active = film
-    elif model.film == "depth_block":
-        film = 2 * D * L * 2 * d
-        film_active = 2 * D * 2 * d  # one (gamma, beta) set per executed (depth, block)
-    else:
-        film = film_active = 0
-    injection = d if model.input_injection else 0
-    extras = router + depth_vectors + injection
-    final_norm = d
+    fixed_layers = sorted({m.group(0) for m in map(_FIXED_LAYER.match, shapes) if m}, key=lambda p: p.split("."))
+    fixed = [_layer(shapes, prefix, topk) for prefix in fixed_layers]
+    empty = LayerCounts(0, 0, 0, 0, 0, 0)
+    prelude = next((c for p, c in zip(fixed_layers, fixed) if p.startswith("prelude.")), None)
+    coda = next((c for p, c in zip(fixed_layers, fixed) if p.startswith("coda.")), None)
+    block = _layer(shapes, "core.blocks.0.", topk)
 
-    # looped / Foil: untied attention, one extra (norm gain + attention) set per (block, pass >= 1)
-    passes = plan.loop_passes
-    sets = len(plan.untied_attention_sets())
-    pass_attention_linear = sets * block.attention
-    pass_attention = pass_attention_linear + sets * d
-    # accordion: per-channel second-pass gates (one pair per stored block), optional separate routers
-    accordion = plan.has_budgets
-    gate_each = 2 * d if plan.gated_blocks() else 0
-    loop_gates = L * gate_each
-    second_pass_router = len(plan.separate_router_blocks()) * block.moe_router
+    L = len(_modules(shapes, "core.blocks."))
+    D = plan.depth
+    routers = _modules(shapes, "core.routers.")
+    sets = len(_modules(shapes, "core.pass_attention."))
+    gates = shapes.get("core.loop_gates")
+    gate_each = prod(gates[1:]) if gates else 0  # one (attention, MLP) gate pair per stored block
+    final_norm = sum(prod(s) for name, s in shapes.items() if name.startswith("final_norm."))
+    extras = breakdown["router"] + breakdown["depth_vectors"] + breakdown["injection"]
 
-    attention = n_fixed * fixed.attention + L * block.attention
-    mlp = n_fixed * fixed.mlp + L * block.mlp
-    experts = n_fixed * fixed.experts + L * block.experts
-    shared_experts = n_fixed * fixed.shared_expert + L * block.shared_expert
-    moe_router = n_fixed * fixed.moe_router + L * block.moe_router
-    norms = n_fixed * fixed.norms + L * block.norms + final_norm
-    total = (
-        embedding
-        + output
-        + attention
-        + pass_attention
-        + mlp
-        + experts
-        + shared_experts
-        + moe_router
-        + second_pass_router
-        + loop_gates
-        + norms
-        + extras
-        + film
-    )
-    non_embedding = total - embedding - output
-
+    # stored once: every fixed layer, the distinct blocks a token can reach, every pass set it reads;
+    # per execution: the plan's schedule runs a block-sized layer D times
     active_blocks = min(L, D)
-    fixed_active = n_fixed * fixed.active + final_norm + extras + film_active
-    active = fixed_active + active_blocks * block.active + pass_attention
+    fixed_active = sum(c.active for c in fixed) + final_norm + extras + film_active
+    active = fixed_active + active_blocks * block.active + breakdown["pass_attention"]
     active_compute = fixed_active + D * block.active
-    linear_fixed = n_fixed * fixed.linear_active
+    linear_fixed = sum(c.linear_active for c in fixed)
     linear_active = linear_fixed + active_blocks * block.linear_active + pass_attention_linear
     linear_active_compute = linear_fixed + D * block.linear_active
     budgets = None
-    if accordion:
+    if plan.has_budgets:
         # extra executions at budget k: k window layers re-run with their gates (and separate routers,
         # which replace the shared one on that pass: no extra router per execution)
         def at_budget(k: int) -> tuple[int, int]:
@@ -390,7 +402,7 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
             budgets.append(
                 {
                     "k": k,
-                    "layer_executions": n_fixed + plan.depth_for(k),
+                    "layer_executions": len(fixed) + plan.depth_for(k),
                     "active_compute": act,
                     "linear_active_compute": lin,
                 }
@@ -403,38 +415,24 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
         plan=plan.name,
         vocab_size=vocab_size,
         total=total,
-        non_embedding=non_embedding,
+        non_embedding=total - embedding - output,
         active_per_token=active,
         active_compute=active_compute,
         active_with_embedding=active + embedding + output,
-        linear_total=n_fixed * fixed.linear + L * block.linear + pass_attention_linear,
+        linear_total=linear_total,
         linear_active=linear_active,
         linear_active_compute=linear_active_compute,
-        embedding=embedding,
-        output=output,
-        attention=attention,
-        pass_attention=pass_attention,
-        mlp=mlp,
-        experts=experts,
-        shared_experts=shared_experts,
-        moe_router=moe_router,
-        second_pass_router=second_pass_router,
-        loop_gates=loop_gates,
-        norms=norms,
-        router=router,
-        depth_vectors=depth_vectors,
-        film=film,
-        injection=injection,
-        num_layers_fixed=n_fixed,
+        **breakdown,
+        num_layers_fixed=len(fixed),
         num_blocks=L,
         core_depth=D,
         active_blocks=active_blocks,
-        num_routers=num_routers,
-        router_each=router_each,
-        loop_passes=passes,
+        num_routers=len(routers),
+        router_each=next(iter(routers.values()), 0),
+        loop_passes=plan.loop_passes,
         pass_attention_sets=sets,
-        prelude_layer=fixed,
-        coda_layer=fixed,
+        prelude_layer=prelude or coda or empty,
+        coda_layer=coda or prelude or empty,
         block=block,
         loop_accounting=loop_accounting(model),
         budgets=budgets,

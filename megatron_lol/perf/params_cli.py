@@ -1,7 +1,8 @@
 """``megatron-lol params``: total / non-embedding / active parameter counts of a config.
 
-Counts are analytic (:mod:`megatron_lol.model.params`): nothing is built and
-megatron-core is not imported, so it runs in well under a second. The
+Counts are sums over the model's parameters (:mod:`megatron_lol.model.params`): the
+model is built on the ``meta`` device at TP size 1, which allocates nothing, so the
+largest configs count as fast as the smallest (importing megatron-core is most of it). The
 vocabulary is ``--vocab-size``, else ``model.vocab_size``, else the size of the
 config's tokenizer (``data.tokenizer_model`` / ``vocab_file``, as training
 derives it); it is padded to a multiple of ``model.make_vocab_size_divisible_by``
