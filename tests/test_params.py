@@ -65,6 +65,15 @@ def test_router_formula_and_spec_golden():
     assert count_parameters(small, 64).router_each == 4 * 2 + 4 + 4
 
 
+def test_router_only_tokens_add_their_router_table():
+    """router_only_tokens: n x d router embeddings, counted with the router, not as an embedding."""
+    plain = ModelConfig(hidden_size=64, num_attention_heads=4, num_blocks=3, routed_depth=2, ffn_hidden_size=64)
+    marked = replace(plain, router_only_tokens=[5, 6, 7], router_only_filler=8)
+    a, b = count_parameters(plain, 64), count_parameters(marked, 64)
+    assert b.router - a.router == 3 * 64 and b.total - a.total == 3 * 64
+    assert b.embedding == a.embedding and b.router_each == a.router_each
+
+
 def test_gqa_attention():
     m = ModelConfig(hidden_size=64, num_attention_heads=8, num_query_groups=2)
     # q: 64x64, k and v: 2 groups x 8 channels each, proj 64x64
