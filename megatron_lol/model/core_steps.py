@@ -137,14 +137,22 @@ class FixedStep(CoreStep):
         with torch.no_grad() if truncated else contextlib.nullcontext():
             if step.attention == "strided":
                 windows = self.windows(ctx)
-                mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
+                positions = None
+                if core.packed:  # RoPE restarts per window: each token's position in it (see SegmentMask)
+                    first = windows.window_first_token.index_select(0, windows.token_window)
+                    positions = torch.arange(first.shape[0], device=first.device) - first
+                mask = SegmentMask(
+                    segments=windows.token_window.view(1, -1), chunk=cfg.window_size, positions=positions
+                )
                 rope = ctx.rope if core.packed else ctx.token_rope
                 new = core.call(step, step.block, flat.unsqueeze(1), mask, rope, ctx).squeeze(1)
             else:
                 s_len, b = ctx.stream_shape
                 x = flat.view(b, s_len, -1).transpose(0, 1)
                 sliding = cfg.window_size if step.attention == "sliding" else None
-                mask = SegmentMask(segments=ctx.docs.doc_index, sliding=sliding)
+                mask = SegmentMask(
+                    segments=ctx.docs.doc_index, sliding=sliding, positions=ctx.docs.positions if core.packed else None
+                )
                 # the whole sequence's positions: under sequence parallelism x holds s/tp rows and
                 # megatron's attention gathers them before RoPE
                 new = core.call(step, step.block, x, mask, ctx.rope, ctx)
