@@ -58,7 +58,9 @@ class CoreContext:
     gradients (first windows excepted when ``first_window_full_backprop``).
     ``routing_check(depth, decision)``: the tensor-parallel agreement check, called
     before a routed depth's blocks run. ``moe_records``: the list MoE block calls
-    append to (None: not recorded).
+    append to (None: not recorded). ``layout``: the micro-batch's host-built
+    :class:`~.host_layout.HostLayout` on the device; with it the core's routed
+    depths are :class:`~.grouped_core.GroupedRoutedStep` (``Core.step_for``).
     """
 
     docs: DocumentLayout
@@ -77,6 +79,8 @@ class CoreContext:
     routing_check: Optional[Callable] = None
     moe_records: Optional[list] = None
     record: bool = False
+    layout: Optional[object] = None  # HostLayout on the device: routed depths run grouped
+    cache: dict = field(default_factory=dict)  # what the steps of one forward compute once
 
     def truncated(self, step: Step) -> bool:
         """Whether ``step``'s updates are constants for autograd (truncated backprop through depth)."""
@@ -162,40 +166,66 @@ class FixedStep(CoreStep):
 
 
 class RoutedStep(CoreStep):
-    """A routed depth: decide per window, then run each block once on the windows routed to it."""
+    """A routed depth: decide per window, then run each block once on the windows routed to it.
+
+    :meth:`advance` is the depth's bookkeeping, shared by every way of running it:
+    windows, decision, agreement check, balancing loads and losses, records,
+    then the gated update. How the windows are laid out, how the decision and
+    the loads are computed and how the blocks run are the methods below
+    (:class:`~.grouped_core.GroupedRoutedStep` overrides them to run the depth
+    from a host-built layout as one grouped computation).
+    """
 
     def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:
         core, step, cfg = self.core, self.step, self.core.cfg
         windows = self.windows(ctx)
         with trace_range("router"):
-            decision = core.decide(step.depth, windows, state.flat, ctx.forced, ctx.noise_seeds, ctx.row_length)
+            decision = self.decide(windows, state.flat, ctx)
         if ctx.routing_check is not None:
             ctx.routing_check(step.depth, decision)
+        counts = self.loads(windows, decision)
         if ctx.training:
             if core.balancer is not None:
-                core.balancer.record(step.depth, decision.choice)
+                self.record_balance(counts, decision)
             if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                state.aux_terms.append(
-                    cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision) / max(1, windows.num_docs)
-                )
+                state.aux_terms.append(cfg.seq_aux_loss_coeff * self.sequence_aux_loss(windows, decision, ctx))
             elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
-                state.aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
-        L = core.plan.num_stored_blocks
-        state.loads.append((step.depth, torch.bincount(decision.choice.detach(), minlength=L)))
+                state.aux_terms.append(cfg.aux_loss_coeff * self.global_aux_loss(windows, decision))
+        state.loads.append((step.depth, counts))
         if ctx.record:
+            n = windows.num_windows  # a padded layout's real windows come first
             state.records.append(
                 DepthRecord(
                     step.depth,
-                    decision.choice.detach(),
-                    decision.gate.detach(),
-                    decision.probs.detach(),
-                    windows.window_doc,
-                    windows.window_ordinal,
+                    decision.choice.detach()[:n],
+                    decision.gate.detach()[:n],
+                    decision.probs.detach()[:n],
+                    windows.window_doc[:n],
+                    windows.window_ordinal[:n],
                 )
             )
         with trace_range("dispatch"):
             state.flat = self.update(state.flat, windows, decision, ctx)
         return state
+
+    def decide(self, windows: WindowLayout, flat: torch.Tensor, ctx: CoreContext) -> RoutingDecision:
+        """The router's decision (or the forced path) for the windows of this depth."""
+        return self.core.decide(self.step.depth, windows, flat, ctx.forced, ctx.noise_seeds, ctx.row_length)
+
+    def loads(self, windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
+        """Windows per block ``[L]`` (long)."""
+        return torch.bincount(decision.choice.detach(), minlength=self.core.plan.num_stored_blocks)
+
+    def record_balance(self, counts: torch.Tensor, decision: RoutingDecision) -> None:
+        """Add this depth's loads to the loss-free balancing bias."""
+        self.core.balancer.record(self.step.depth, decision.choice)
+
+    def sequence_aux_loss(self, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext) -> torch.Tensor:
+        """The sequence-wise balancing loss, averaged over the micro-batch's documents."""
+        return sequence_aux_loss(windows, decision) / max(1, windows.num_docs)
+
+    def global_aux_loss(self, windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
+        return global_aux_loss(decision)
 
     def update(
         self, flat: torch.Tensor, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext
