@@ -235,19 +235,29 @@ class RoutedStep(CoreStep):
         L, W = core.plan.num_stored_blocks, core.cfg.window_size
         token_choice = decision.choice.index_select(0, windows.token_window)
         ep_group = core.expert_group()
+        window_position = None
+        if core.packed:  # THD attention restarts RoPE per window: each token's position in it (see SegmentMask)
+            first = windows.window_first_token.index_select(0, windows.token_window)
+            window_position = torch.arange(first.shape[0], device=first.device) - first
 
-        def runner(biases: Optional[dict]):
+        def runner(biases: Optional[dict], index_is_position: bool = False):
             def run_block(block, rows, segments, token_index):
-                # token_index: flat token index or row position (< row_length); the row-major token_rope
-                # holds row position t mod row_length at flat index t, so both index it directly.
-                # Packed (THD) attention restarts positions per window itself: it takes the table.
-                rope = (
-                    ctx.rope
-                    if core.packed
-                    else (ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None)
-                )
+                # token_index: the flat token index, or what the expert-parallel dispatch carried with
+                # the windows (the row position; packed: the position in the window, index_is_position).
+                # The row-major token_rope holds row position t mod row_length at flat index t, so a flat
+                # index or a row position indexes it directly. Packed (THD) attention takes the table
+                # and each token's position in its window.
+                positions = None
+                if core.packed:
+                    rope = ctx.rope
+                    positions = token_index if index_is_position else window_position.index_select(0, token_index)
+                else:
+                    rope = ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None
                 mask = SegmentMask(
-                    segments=segments.view(1, -1), chunk=W, bias=None if biases is None else biases.get(block)
+                    segments=segments.view(1, -1),
+                    chunk=W,
+                    bias=None if biases is None else biases.get(block),
+                    positions=None if positions is None else positions.view(1, -1),
                 )
                 return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx, pad_to=core.row_multiple).squeeze(1)
 
@@ -259,6 +269,8 @@ class RoutedStep(CoreStep):
                 return block_updates(grouping, flat, runner(None if core.packed else grouping.chunk_biases(W)))
             from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
 
+            if core.packed:
+                return run_grouped_expert_parallel(grouping, flat, runner(None, True), window_position, ep_group)
             rope_index = torch.arange(flat.shape[0], device=flat.device) % ctx.row_length
             return run_grouped_expert_parallel(grouping, flat, runner(None), rope_index, ep_group)
 
