@@ -119,5 +119,7 @@ def test_launches_counts_every_path_and_the_grouped_core_reads_nothing_back():
             assert r[4:6] == ["0", "0"], r  # no host synchronisation, forward or backward
         if r[2:4] == ["core", "ref"]:
             assert int(r[4]) > 0, r
+        if r[2:4] == ["model", "grouped"]:  # at most 2 reads a micro-batch, local and packed (THD RoPE included)
+            assert int(r[4]) + int(r[5]) <= 2, r
     assert "L=4 / dense" in out
     assert any(line.startswith("quickstart") for line in out.splitlines())  # the stacking measurement

@@ -212,6 +212,43 @@ def test_packed_layout_equals_the_local_layout(megatron_env, name):
         assert routed and all(r % multiple == 0 for r in routed), rows
 
 
+@pytest.mark.parametrize("pad_to,recompute", [(1, False), (16, True)])
+def test_packed_rope_from_token_positions_equals_megatron_thd_rope_without_host_reads(megatron_env, pad_to, recompute):
+    """A packed call given each token's position in its document (SegmentMask.positions) applies RoPE in
+    the core attention from per-token angles: the same outputs and gradients bit for bit as megatron-core's
+    unfused THD RoPE (which reads the sequence lengths back to the host), and no host read at all."""
+    from megatron_lol.model.attention import SegmentMask
+    from megatron_lol.model.block_call import call_block
+    from megatron_lol.model.lol_model import LoLGPTModel
+    from megatron_lol.model.windows import DocumentLayout
+    from megatron_lol.perf.op_count import OpCounter
+
+    net = LoLGPTModel(_model_config(plan="dense", core_layers=1), VOCAB, EOD, init_seed=1, packed_sequences=True)
+    layer = net.core.block(0)
+    layer.config.recompute_granularity = "full" if recompute else None
+    tokens, _ = _tokens()
+    docs = DocumentLayout.from_tokens(tokens, EOD)
+    b, s = tokens.shape
+    lengths = torch.bincount(docs.doc_index.reshape(-1))
+    cu = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum(lengths, 0)])
+    x0 = torch.randn(b * s, 1, 32, generator=torch.Generator().manual_seed(5))
+    results = []
+    for positions in (None, docs.positions):
+        x = x0.clone().requires_grad_(True)
+        mask = SegmentMask(segments=docs.doc_index, cu_seqlens=cu, positions=positions)
+        with OpCounter() as count:
+            out, _ = call_block(layer, x, mask, net.rotary(s), packed=True, pad_to=pad_to, recompute=recompute)
+            out.square().sum().backward()
+        grads = [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad(set_to_none=True)
+        results.append((out.detach(), x.grad, grads, count))
+    (o0, x0g, g0, c0), (o1, x1g, g1, c1) = results
+    assert c0.sync_names["tolist"] > 0  # megatron-core's THD RoPE did read back: the comparison means something
+    assert torch.equal(o0, o1) and torch.equal(x0g, x1g)
+    assert all(torch.equal(a, c) for a, c in zip(g0, g1))
+    assert c1.syncs == 0, c1.sync_names
+
+
 def test_packed_sliding_window_needs_the_layer_window_size(megatron_env):
     from megatron_lol.model.attention import SegmentMask
     from megatron_lol.model.block_call import call_block

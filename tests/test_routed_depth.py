@@ -424,6 +424,38 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
     assert bool(torch.isfinite(x.grad).all())
 
 
+def test_step_for_runs_the_grouped_step_when_the_forward_carries_a_layout(monkeypatch):
+    """Core.step_for: a routed step runs as the core's grouped step class when the forward is given the
+    host layout, as its reference routed step class otherwise (both swappable on the core)."""
+    from megatron_lol.model.core_steps import RoutedStep
+    from megatron_lol.model.grouped_core import GroupedRoutedStep
+
+    net = _lol(monkeypatch, False).eval()
+    ran = []
+
+    class SpyGrouped(GroupedRoutedStep):
+        def advance(self, state, ctx):
+            ran.append(("grouped", self.step.depth))
+            return super().advance(state, ctx)
+
+    class SpyRouted(RoutedStep):
+        def advance(self, state, ctx):
+            ran.append(("reference", self.step.depth))
+            return super().advance(state, ctx)
+
+    net.core.grouped_step_class, net.core.routed_step_class = SpyGrouped, SpyRouted
+    tokens = _tokens(2, 40, 12)
+    depths = list(range(1, net.plan.depth + 1))
+    layout = build_host_layout(tokens, 0, 8, 4, depths, net.plan.num_stored_blocks)
+    with torch.no_grad():
+        grouped = net(tokens, layout=layout)
+        assert ran == [("grouped", d) for d in depths]
+        ran.clear()
+        reference = net(tokens, docs=layout.document_layout())
+        assert ran == [("reference", d) for d in depths]
+    torch.testing.assert_close(grouped, reference, **TOL)
+
+
 def _tensor_parallel_check():
     """Rank side of the TP=2 (+SP) test: grouped vs reference core per layout, and the collectives each makes."""
     import os

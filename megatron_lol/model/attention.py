@@ -30,16 +30,32 @@ Given such parameters, this module computes what TE's attention does with
 them (each ``cu_seqlens`` sequence causal on its own, a sliding window from
 ``config.window_size``), so the packed layout of the TE spec runs, and is
 tested, on the local spec too.
+
+RoPE of a packed stream: megatron-core's unfused THD RoPE (the local spec's)
+reads every sequence length back to the host (``cu_seqlens.tolist()`` and a
+``.item()``, per projection and call). When the caller knows each token's
+position inside its sequence (:attr:`SegmentMask.positions`, from the
+documents or a host-built layout), ``call_block`` gathers the angles per token
+instead and hands them over in :class:`TokenRopeParams`; this module applies
+them to queries and keys with megatron-core's own RoPE function, the one the
+THD path ends in, so the values are the same bit for bit and nothing is read
+back. Transformer Engine's fused THD RoPE takes ``cu_seqlens`` on the device
+and stays as it is.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.rope_utils import _apply_rotary_pos_emb_bshd
+from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
+    _yarn_get_concentration_factor_from_config,
+)
+from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
 
 
@@ -55,7 +71,10 @@ class SegmentMask:
     blocks' streams at once, see ``WindowGrouping.chunk_biases``). ``cu_seqlens``:
     the THD offsets of the segments of a packed stream when the caller knows them
     (a host-built layout's, zero-length entries allowed), so the packed call need
-    not find them on the device (a host read).
+    not find them on the device (a host read). ``positions``: each token's position
+    inside its segment (same shape as ``segments``), so a packed call can gather
+    RoPE angles per token instead of megatron-core's THD RoPE, which reads the
+    sequence lengths back to the host (see the module docstring).
     """
 
     segments: Optional[torch.Tensor] = None
@@ -63,6 +82,46 @@ class SegmentMask:
     sliding: Optional[int] = None
     bias: Optional[torch.Tensor] = None
     cu_seqlens: Optional[torch.Tensor] = None
+    positions: Optional[torch.Tensor] = None
+
+
+@dataclass
+class TokenRopeParams(PackedSeqParams):
+    """THD ``PackedSeqParams`` whose RoPE the core attention applies: ``token_rope`` ``[T, 1, 1, d]``
+    holds every token's angles (megatron-core's attention is then called without ``rotary_pos_emb``)."""
+
+    token_rope: Optional[torch.Tensor] = None
+
+    @classmethod
+    def of(cls, params: PackedSeqParams, token_rope: torch.Tensor) -> "TokenRopeParams":
+        return cls(**{f.name: getattr(params, f.name) for f in fields(PackedSeqParams)}, token_rope=token_rope)
+
+
+def applies_token_rope(attention) -> bool:
+    """Whether ``attention`` (a megatron-core ``SelfAttention``) can take :class:`TokenRopeParams`: its
+    core attention is :class:`SegmentCausalAttention` and megatron-core would run its unfused THD RoPE
+    (Transformer Engine's fused RoPE and context parallelism keep megatron-core's path)."""
+    config = attention.config
+    return (
+        getattr(attention.core_attention, "accepts_token_rope", False)
+        and not config.apply_rope_fusion
+        and not getattr(config, "fused_single_qkv_rope", False)
+        and getattr(config, "context_parallel_size", 1) == 1
+        and not config.multi_latent_attention
+    )
+
+
+def apply_token_rope(t: torch.Tensor, token_rope: torch.Tensor, config) -> torch.Tensor:
+    """RoPE of a THD tensor ``t`` ``[T, heads, d]`` with per-token angles ``[T, 1, 1, d]``: what
+    megatron-core's unfused THD RoPE computes (it gathers the angles per sequence, then calls this
+    same function), without reading sequence lengths back to the host."""
+    return _apply_rotary_pos_emb_bshd(
+        t.unsqueeze(1),
+        token_rope,
+        rotary_interleaved=config.rotary_interleaved,
+        multi_latent_attention=config.multi_latent_attention,
+        mscale=_yarn_get_concentration_factor_from_config(config),
+    ).squeeze(1)
 
 
 class SegmentCausalAttention(MegatronModule):
@@ -70,6 +129,8 @@ class SegmentCausalAttention(MegatronModule):
 
     #: takes a :class:`SegmentMask` as ``attention_mask`` (backends check this before calling it directly)
     accepts_segment_mask = True
+    #: applies the per-token RoPE of :class:`TokenRopeParams` to queries and keys (packed calls)
+    accepts_token_rope = True
     #: PyTorch's fused attention (SDPA) for the masked softmax: None = wherever the tensors are not on the CPU
     fused: Optional[bool] = None
 
@@ -124,6 +185,10 @@ class SegmentCausalAttention(MegatronModule):
         when ``config.window_size`` is set); returns ``[T, 1, heads * dim]``."""
         if params.qkv_format != "thd":
             raise ValueError(f"SegmentCausalAttention: packed format {params.qkv_format!r} (only thd)")
+        token_rope = getattr(params, "token_rope", None)
+        if token_rope is not None:
+            query = apply_token_rope(query, token_rope, self.config)
+            key = apply_token_rope(key, token_rope, self.config)
         cu = params.cu_seqlens_q.long()
         total = query.shape[0]
         segments = torch.repeat_interleave(

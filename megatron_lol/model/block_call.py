@@ -25,12 +25,14 @@ faster; it declines where it does not apply.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
+
+from megatron_lol.model.attention import TokenRopeParams, applies_token_rope
 
 
 @dataclass
@@ -174,9 +176,7 @@ def call_block(
         holder = {}
 
         def run(h, segments, rope_):
-            m = type(mask)(
-                segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias, cu_seqlens=mask.cu_seqlens
-            )
+            m = replace(mask, segments=segments)
             out, holder["route"] = call_block(layer, h, m, rope_, parts, packed=packed, backend=backend, pad_to=pad_to)
             return out
 
@@ -195,10 +195,27 @@ def call_block(
     rows = hidden.shape[0]
     if padded > segments.numel():  # never under sequence parallelism: the trunk is a multiple already
         hidden = pad_rows(hidden, rows + padded - segments.numel())
+    if rope is not None and mask.positions is not None:
+        att = parts.attention if parts.attention is not None else layer
+        params, rope = _token_rope(att, params, rope, mask, padded)
     out, route = layer(
         hidden_states=hidden, attention_mask=None, rotary_pos_emb=rope, parts=parts, packed_seq_params=params
     )
     return (out[:rows] if out.shape[0] != rows else out), route
+
+
+def _token_rope(att, params, rope: torch.Tensor, mask, padded: int) -> tuple:
+    """``(params, rope)`` for a packed call whose token positions are known: the angles gathered per
+    token into :class:`~.attention.TokenRopeParams` and no table for megatron-core's attention (its
+    unfused THD RoPE reads the sequence lengths back to the host), where the core attention applies
+    them; the arguments unchanged elsewhere (Transformer Engine's fused RoPE). Padding rows (FP8)
+    are one more sequence, positions from 0."""
+    if not applies_token_rope(att.self_attention):
+        return params, rope
+    positions = mask.positions.reshape(-1)
+    if padded > positions.numel():
+        positions = torch.cat([positions, torch.arange(padded - positions.numel(), device=positions.device)])
+    return TokenRopeParams.of(params, rope.index_select(0, positions)), None
 
 
 def _check_window_size(layer, sliding: int) -> None:

@@ -5,7 +5,7 @@ is its loop::
 
     state = CoreState(flat=s0, injected=s0)
     for step in steps:
-        state = self.step_for(step).run(state, ctx)
+        state = self.step_for(step, ctx).run(state, ctx)
 
 where each step (:mod:`.core_steps`) first applies the optional input injection,
 then either routes (LoL: windows of depth ``l``, the router's block ``rho`` and
@@ -34,6 +34,7 @@ from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.balancing import BalancingBias
 from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.core_steps import CoreContext, CoreState, DepthRecord, FixedStep, RoutedStep
+from megatron_lol.model.grouped_core import GroupedRoutedStep
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
 from megatron_lol.model.precision import fp8_disabled, row_multiple
@@ -120,6 +121,8 @@ class Core(nn.Module):
     #: what a routed / a fixed plan step runs as (:mod:`.core_steps`); a subclass or an instance may swap them
     routed_step_class = RoutedStep
     fixed_step_class = FixedStep
+    #: a routed step given the micro-batch's host-built layout (:mod:`.grouped_core`)
+    grouped_step_class = GroupedRoutedStep
 
     def __init__(
         self,
@@ -351,31 +354,15 @@ class Core(nn.Module):
         depth's decision before its blocks run (the tensor-parallel agreement check of
         :mod:`megatron_lol.parallel.routing_agreement`). ``layout``: the micro-batch's host-built
         :class:`~.host_layout.HostLayout` on the states' device: the routed depths then run grouped
-        (:mod:`.grouped_core`, which the caller checked with ``grouped_core_support``), routed by the
-        layout's noise instead of ``noise_seeds``. ``router_only`` [b, s]: each token's index in
-        ``model.router_only_tokens`` (-1: an ordinary token), for the router's router-only term.
+        (:class:`~.grouped_core.GroupedRoutedStep`, see :meth:`step_for`; the caller checked
+        ``grouped_core_support``), routed by the layout's noise instead of ``noise_seeds``.
+        ``router_only`` [b, s]: each token's index in ``model.router_only_tokens`` (-1: an ordinary
+        token), for the router's router-only term.
         """
-        if layout is not None:
-            if router_only is not None:
-                raise ValueError("Core.forward: router-only tokens with a grouped core (no router-only term there)")
-            if record_moe:
-                raise ValueError("Core.forward: record_moe with a grouped core (MoE blocks do not run grouped)")
-            # grouped_core builds on this module: imported at the call
-            from megatron_lol.model.grouped_core import grouped_core_forward
-
-            return grouped_core_forward(
-                self,
-                states,
-                layout,
-                rope,
-                steps,
-                depth=depth,
-                forced=forced,
-                record=record,
-                backprop_depth=backprop_depth,
-                first_window_full_backprop=first_window_full_backprop,
-                routing_check=routing_check,
-            )
+        if layout is not None and record_moe:
+            raise ValueError("Core.forward: record_moe with a grouped core (MoE blocks do not run grouped)")
+        if layout is not None and router_only is not None:
+            raise ValueError("Core.forward: router-only tokens with a grouped core (no router-only term there)")
         backend = select_backend(states.device)
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape
@@ -403,16 +390,23 @@ class Core(nn.Module):
                 else router_only_prefix_means(
                     self.router_only_embeddings, router_only.reshape(-1), docs.positions.reshape(-1)
                 ),
+                layout=layout,
             )
             flat = states.transpose(0, 1).reshape(b * s_len, h)
             state = CoreState(flat=flat, injected=flat)
             for step in trace_steps(steps):  # profiler range "depth {l}" around each step
-                state = self.step_for(step).run(state, ctx)
+                state = self.step_for(step, ctx).run(state, ctx)
         return self._output(state, ctx, (s_len, b, h))
 
-    def step_for(self, step: Step):
-        """The runnable form of plan step ``step`` (``routed_step_class`` / ``fixed_step_class``)."""
-        return (self.routed_step_class if step.routed else self.fixed_step_class)(self, step)
+    def step_for(self, step: Step, ctx: Optional[CoreContext] = None):
+        """The runnable form of plan step ``step``: ``fixed_step_class``, or for a routed step
+        ``grouped_step_class`` when the forward has a host-built layout (``ctx.layout``), else
+        ``routed_step_class``."""
+        if not step.routed:
+            return self.fixed_step_class(self, step)
+        if ctx is not None and ctx.layout is not None:
+            return self.grouped_step_class(self, step)
+        return self.routed_step_class(self, step)
 
     def _output(self, state: CoreState, ctx: CoreContext, shape: tuple) -> CoreOutput:
         s_len, b, h = shape

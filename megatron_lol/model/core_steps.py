@@ -58,7 +58,9 @@ class CoreContext:
     gradients (first windows excepted when ``first_window_full_backprop``).
     ``routing_check(depth, decision)``: the tensor-parallel agreement check, called
     before a routed depth's blocks run. ``moe_records``: the list MoE block calls
-    append to (None: not recorded).
+    append to (None: not recorded). ``layout``: the micro-batch's host-built
+    :class:`~.host_layout.HostLayout` on the device; with it the core's routed
+    depths are :class:`~.grouped_core.GroupedRoutedStep` (``Core.step_for``).
     """
 
     docs: DocumentLayout
@@ -78,6 +80,8 @@ class CoreContext:
     moe_records: Optional[list] = None
     record: bool = False
     router_only: Optional[torch.Tensor] = None  # [b*s, h] router-only means per token (Router.router_only_prefix_means)
+    layout: Optional[object] = None  # HostLayout on the device: routed depths run grouped
+    cache: dict = field(default_factory=dict)  # what the steps of one forward compute once
 
     def truncated(self, step: Step) -> bool:
         """Whether ``step``'s updates are constants for autograd (truncated backprop through depth)."""
@@ -138,14 +142,22 @@ class FixedStep(CoreStep):
         with torch.no_grad() if truncated else contextlib.nullcontext():
             if step.attention == "strided":
                 windows = self.windows(ctx)
-                mask = SegmentMask(segments=windows.token_window.view(1, -1), chunk=cfg.window_size)
+                positions = None
+                if core.packed:  # RoPE restarts per window: each token's position in it (see SegmentMask)
+                    first = windows.window_first_token.index_select(0, windows.token_window)
+                    positions = torch.arange(first.shape[0], device=first.device) - first
+                mask = SegmentMask(
+                    segments=windows.token_window.view(1, -1), chunk=cfg.window_size, positions=positions
+                )
                 rope = ctx.rope if core.packed else ctx.token_rope
                 new = core.call(step, step.block, flat.unsqueeze(1), mask, rope, ctx).squeeze(1)
             else:
                 s_len, b = ctx.stream_shape
                 x = flat.view(b, s_len, -1).transpose(0, 1)
                 sliding = cfg.window_size if step.attention == "sliding" else None
-                mask = SegmentMask(segments=ctx.docs.doc_index, sliding=sliding)
+                mask = SegmentMask(
+                    segments=ctx.docs.doc_index, sliding=sliding, positions=ctx.docs.positions if core.packed else None
+                )
                 # the whole sequence's positions: under sequence parallelism x holds s/tp rows and
                 # megatron's attention gathers them before RoPE
                 new = core.call(step, step.block, x, mask, ctx.rope, ctx)
@@ -155,48 +167,74 @@ class FixedStep(CoreStep):
 
 
 class RoutedStep(CoreStep):
-    """A routed depth: decide per window, then run each block once on the windows routed to it."""
+    """A routed depth: decide per window, then run each block once on the windows routed to it.
+
+    :meth:`advance` is the depth's bookkeeping, shared by every way of running it:
+    windows, decision, agreement check, balancing loads and losses, records,
+    then the gated update. How the windows are laid out, how the decision and
+    the loads are computed and how the blocks run are the methods below
+    (:class:`~.grouped_core.GroupedRoutedStep` overrides them to run the depth
+    from a host-built layout as one grouped computation).
+    """
 
     def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:
         core, step, cfg = self.core, self.step, self.core.cfg
         windows = self.windows(ctx)
         with trace_range("router"):
-            decision = core.decide(
-                step.depth,
-                windows,
-                state.flat,
-                ctx.forced,
-                ctx.noise_seeds,
-                ctx.row_length,
-                router_only=ctx.router_only,
-            )
+            decision = self.decide(windows, state.flat, ctx)
         if ctx.routing_check is not None:
             ctx.routing_check(step.depth, decision)
+        counts = self.loads(windows, decision)
         if ctx.training:
             if core.balancer is not None:
-                core.balancer.record(step.depth, decision.choice)
+                self.record_balance(counts, decision)
             if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                state.aux_terms.append(
-                    cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision) / max(1, windows.num_docs)
-                )
+                state.aux_terms.append(cfg.seq_aux_loss_coeff * self.sequence_aux_loss(windows, decision, ctx))
             elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
-                state.aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(decision))
-        L = core.plan.num_stored_blocks
-        state.loads.append((step.depth, torch.bincount(decision.choice.detach(), minlength=L)))
+                state.aux_terms.append(cfg.aux_loss_coeff * self.global_aux_loss(windows, decision))
+        state.loads.append((step.depth, counts))
         if ctx.record:
+            n = windows.num_windows  # a padded layout's real windows come first
             state.records.append(
                 DepthRecord(
                     step.depth,
-                    decision.choice.detach(),
-                    decision.gate.detach(),
-                    decision.probs.detach(),
-                    windows.window_doc,
-                    windows.window_ordinal,
+                    decision.choice.detach()[:n],
+                    decision.gate.detach()[:n],
+                    decision.probs.detach()[:n],
+                    windows.window_doc[:n],
+                    windows.window_ordinal[:n],
                 )
             )
         with trace_range("dispatch"):
             state.flat = self.update(state.flat, windows, decision, ctx)
         return state
+
+    def decide(self, windows: WindowLayout, flat: torch.Tensor, ctx: CoreContext) -> RoutingDecision:
+        """The router's decision (or the forced path) for the windows of this depth."""
+        return self.core.decide(
+            self.step.depth,
+            windows,
+            flat,
+            ctx.forced,
+            ctx.noise_seeds,
+            ctx.row_length,
+            router_only=ctx.router_only,
+        )
+
+    def loads(self, windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
+        """Windows per block ``[L]`` (long)."""
+        return torch.bincount(decision.choice.detach(), minlength=self.core.plan.num_stored_blocks)
+
+    def record_balance(self, counts: torch.Tensor, decision: RoutingDecision) -> None:
+        """Add this depth's loads to the loss-free balancing bias."""
+        self.core.balancer.record(self.step.depth, decision.choice)
+
+    def sequence_aux_loss(self, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext) -> torch.Tensor:
+        """The sequence-wise balancing loss, averaged over the micro-batch's documents."""
+        return sequence_aux_loss(windows, decision) / max(1, windows.num_docs)
+
+    def global_aux_loss(self, windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
+        return global_aux_loss(decision)
 
     def update(
         self, flat: torch.Tensor, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext
@@ -206,19 +244,29 @@ class RoutedStep(CoreStep):
         L, W = core.plan.num_stored_blocks, core.cfg.window_size
         token_choice = decision.choice.index_select(0, windows.token_window)
         ep_group = core.expert_group()
+        window_position = None
+        if core.packed:  # THD attention restarts RoPE per window: each token's position in it (see SegmentMask)
+            first = windows.window_first_token.index_select(0, windows.token_window)
+            window_position = torch.arange(first.shape[0], device=first.device) - first
 
-        def runner(biases: Optional[dict]):
+        def runner(biases: Optional[dict], index_is_position: bool = False):
             def run_block(block, rows, segments, token_index):
-                # token_index: flat token index or row position (< row_length); the row-major token_rope
-                # holds row position t mod row_length at flat index t, so both index it directly.
-                # Packed (THD) attention restarts positions per window itself: it takes the table.
-                rope = (
-                    ctx.rope
-                    if core.packed
-                    else (ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None)
-                )
+                # token_index: the flat token index, or what the expert-parallel dispatch carried with
+                # the windows (the row position; packed: the position in the window, index_is_position).
+                # The row-major token_rope holds row position t mod row_length at flat index t, so a flat
+                # index or a row position indexes it directly. Packed (THD) attention takes the table
+                # and each token's position in its window.
+                positions = None
+                if core.packed:
+                    rope = ctx.rope
+                    positions = token_index if index_is_position else window_position.index_select(0, token_index)
+                else:
+                    rope = ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None
                 mask = SegmentMask(
-                    segments=segments.view(1, -1), chunk=W, bias=None if biases is None else biases.get(block)
+                    segments=segments.view(1, -1),
+                    chunk=W,
+                    bias=None if biases is None else biases.get(block),
+                    positions=None if positions is None else positions.view(1, -1),
                 )
                 return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx, pad_to=core.row_multiple).squeeze(1)
 
@@ -230,6 +278,8 @@ class RoutedStep(CoreStep):
                 return block_updates(grouping, flat, runner(None if core.packed else grouping.chunk_biases(W)))
             from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
 
+            if core.packed:
+                return run_grouped_expert_parallel(grouping, flat, runner(None, True), window_position, ep_group)
             rope_index = torch.arange(flat.shape[0], device=flat.device) % ctx.row_length
             return run_grouped_expert_parallel(grouping, flat, runner(None), rope_index, ep_group)
 

@@ -1,14 +1,16 @@
-"""The routed core of a LoL model shaped for GPUs: no host reads, one grouped computation per depth.
+"""A routed depth of a LoL model shaped for GPUs: no host reads, one grouped computation per depth.
 
-For every routed step this computes what :meth:`~.core.Core.forward` computes
-(docs/model.md, "The routed core"): input injection, the router's summaries,
-choice and gate (or a forced path), the balancing loads and losses, and the
-gated update ``s_I <- s_I + alpha (E_rho(s_I) - s_I)``, with truncated
-backprop through depth. It reads the windows from a host-built
-:class:`~.host_layout.HostLayout` (already on the device), routes with
-:mod:`.static_routing` and runs all blocks of a depth as one computation
-(:mod:`.grouped_blocks`): no device-to-host read anywhere in the forward or
-backward, and a number of operations per depth that does not grow with ``L``.
+:class:`GroupedRoutedStep` is the core loop's routed step (``Core.step_for``
+picks it when the forward is given a host-built layout). It keeps
+:class:`~.core_steps.RoutedStep`'s bookkeeping (docs/model.md, "The routed
+core": input injection, the router's summaries, choice and gate or a forced
+path, the balancing loads and losses, records, truncated backprop through
+depth) and changes how each part is computed: the windows come from the
+:class:`~.host_layout.HostLayout` (already on the device), routing, loads and
+losses from :mod:`.static_routing`, and all blocks of the depth run as one
+computation (:mod:`.grouped_blocks`). No device-to-host read anywhere in the
+forward or backward, and a number of operations per depth that does not grow
+with ``L``.
 
 :func:`grouped_core_support` says when it applies (a LoL plan whose blocks
 :func:`~.grouped_blocks.grouped_support` accepts, without expert parallelism);
@@ -19,17 +21,18 @@ definition: the tests compare this against it.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Sequence
 
 import torch
 
 from megatron_lol.model.attention import chunk_bias
-from megatron_lol.model.core import CoreOutput, DepthRecord, ForcedPath
+from megatron_lol.model.core_steps import CoreContext, RoutedStep
 from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, grouped_support, stack_library
-from megatron_lol.model.host_layout import HostLayout
+from megatron_lol.model.host_layout import DepthWindows, HostLayout
 from megatron_lol.model.precision import fp8_disabled
 from megatron_lol.model.static_routing import (
+    Decision,
     TokenGrouping,
     decide,
     gated_combine,
@@ -47,7 +50,7 @@ from megatron_lol.model.static_routing import (
 
 def grouped_core_support(core) -> Optional[str]:
     """Why ``core`` cannot run grouped (one line), or None when it can."""
-    from megatron_lol.model.core import _expert_parallel
+    from megatron_lol.model.core import _expert_parallel  # core builds on this module
 
     plan = core.plan
     if not plan.routed or any(not step.routed for step in plan.steps()):
@@ -64,10 +67,85 @@ def grouped_core_support(core) -> Optional[str]:
     return grouped_support([core.block(i) for i in ids])
 
 
-def _forced_on(forced: Optional[ForcedPath], device) -> Optional[ForcedPath]:
+class GroupedRoutedStep(RoutedStep):
+    """A routed depth from the host-built layout (``ctx.layout``), every block in one grouped computation.
+
+    The bookkeeping is :meth:`RoutedStep.advance`'s; what differs: the windows
+    are the layout's, padded to its capacity (padding windows are invalid and
+    hold no token), so the decision, loads and balancing terms are computed
+    with device offsets and sums instead of ``bincount`` / ``index_add_``; the
+    router noise is the layout's (drawn on the host from the samples' seeds);
+    the update is :func:`apply_routed_update`. The stacked library
+    (:func:`~.grouped_blocks.stack_library`) is built once per forward and kept
+    in ``ctx.cache``. RoPE positions are row positions on the local layout and
+    positions inside the window on the packed one, as the reference's
+    attention applies them.
+    """
+
+    def windows(self, ctx: CoreContext) -> DepthWindows:
+        return ctx.layout.for_depth(self.step.depth)
+
+    def decide(self, windows: DepthWindows, flat: torch.Tensor, ctx: CoreContext) -> Decision:
+        core, depth = self.core, self.step.depth
+        router = core.router_for(depth)
+        summaries = router_summaries(windows, flat, core.depth_vectors[depth - 1])
+        eps = ctx.layout.noise.get(depth) if ctx.training and router.noise else None
+        bias = core.balancer.for_depth(depth) if core.balancer is not None else None
+        forced = _cached(ctx, "forced", lambda: _forced_on(ctx.forced, flat.device))
+        with fp8_disabled(core.tconfig):  # the router stays FP32 (it is no TE module either)
+            return decide(router, summaries, eps, bias, forced, depth, windows)
+
+    def loads(self, windows: DepthWindows, decision: Decision) -> torch.Tensor:
+        return window_loads(windows, decision.choice.detach(), self.core.plan.num_stored_blocks)
+
+    def record_balance(self, counts: torch.Tensor, decision: Decision) -> None:
+        record_loads(self.core.balancer, self.step.depth, counts)
+
+    def sequence_aux_loss(self, windows: DepthWindows, decision: Decision, ctx: CoreContext) -> torch.Tensor:
+        return sequence_aux_loss(windows, decision) / ctx.layout.doc_count.clamp(min=1)
+
+    def global_aux_loss(self, windows: DepthWindows, decision: Decision) -> torch.Tensor:
+        return global_aux_loss(windows, decision)
+
+    def update(self, flat: torch.Tensor, windows: DepthWindows, decision: Decision, ctx: CoreContext) -> torch.Tensor:
+        core, step, cfg = self.core, self.step, self.core.cfg
+        library = _cached(
+            ctx, "library", lambda: stack_library([core.block(i) for i in range(core.plan.num_stored_blocks)])
+        )
+        if core.packed:  # THD attention restarts RoPE positions per window
+            positions = windows.token_position
+        else:
+            positions = _cached(
+                ctx, "row_positions", lambda: torch.arange(flat.shape[0], device=flat.device) % ctx.row_length
+            )
+        # [2, h] per depth, [L, 2, h] per (depth, block)
+        film = None if cfg.film == "off" else (core.film_gamma[step.depth - 1], core.film_beta[step.depth - 1])
+        return apply_routed_update(
+            flat,
+            windows,
+            decision,
+            library,
+            ctx.rope,
+            positions,
+            film=film,
+            window_size=cfg.window_size,
+            truncation=truncation_mode(ctx.truncated(step), ctx.first_window_full_backprop),
+        )
+
+
+def _cached(ctx: CoreContext, key: str, make):
+    if key not in ctx.cache:
+        ctx.cache[key] = make()
+    return ctx.cache[key]
+
+
+def _forced_on(forced, device):
+    """A :class:`~.core.ForcedPath` on the states' device (None stays None)."""
     if forced is None:
         return None
-    return ForcedPath(ids=forced.ids.to(device, non_blocking=True), gates=forced.gates.to(device, non_blocking=True))
+    return replace(
+        forced, ids=forced.ids.to(device, non_blocking=True), gates=forced.gates.to(device, non_blocking=True)
+    )
 
 
 def grouped_core_forward(
@@ -78,121 +156,36 @@ def grouped_core_forward(
     steps: Sequence,
     *,
     depth: int,
-    forced: Optional[ForcedPath] = None,
+    forced=None,
     record: bool = False,
     backprop_depth: Optional[int] = None,
     first_window_full_backprop: bool = True,
     routing_check=None,
-) -> CoreOutput:
-    """:meth:`Core.forward <megatron_lol.model.core.Core.forward>` of the routed ``steps`` of ``core``.
+):
+    """``core.forward`` of the routed ``steps`` given ``layout`` (their :class:`GroupedRoutedStep`): the
+    form a caller holding the prelude's output and the layout, but no documents, calls it in.
 
     ``states``: ``[s, b, h]`` (local layout) or the packed stream ``[b*s, 1, h]``;
     ``layout``: the micro-batch's :class:`HostLayout` on the states' device
     (router noise from its seeds; without them a training forward draws the
     noise from the global RNG); ``rope``: megatron's RoPE angles ``[s, 1, 1, c]``.
-    RoPE positions are row positions on the local layout and positions inside
-    the window on the packed one, as the reference's attention applies them.
-    ``routing_check(depth, decision)``: the tensor-parallel agreement check, before the blocks run.
     """
-    from megatron_lol.backends import select_backend
-
-    backend = select_backend(states.device)
-    context = backend.core_context(core) if backend is not None else contextlib.nullcontext()
-    with context:
-        return _forward(
-            core,
-            states,
-            layout,
-            rope,
-            steps,
-            depth=depth,
-            forced=_forced_on(forced, states.device),
-            record=record,
-            backprop_depth=backprop_depth,
-            first_window_full=first_window_full_backprop,
-            routing_check=routing_check,
-        )
-
-
-def _forward(
-    core, states, layout, rope, steps, *, depth, forced, record, backprop_depth, first_window_full, routing_check=None
-) -> CoreOutput:
-    cfg, plan = core.cfg, core.plan
-    num_blocks, window = plan.num_stored_blocks, cfg.window_size
-    s_len, b, h = states.shape
-    flat = states.transpose(0, 1).reshape(b * s_len, h)
-    injected_from = flat
-    library = stack_library([core.block(i) for i in range(num_blocks)])  # once per micro-batch
-    # RoPE positions: inside the window on the packed layout (THD restarts them), row positions otherwise
-    row_positions = None if core.packed else torch.arange(flat.shape[0], device=flat.device) % layout.row_length
-    out = CoreOutput(states=states)
-    aux_terms, loads = [], []
-    for step in steps:
-        if not step.routed:
-            raise ValueError(f"grouped_core_forward: step {step} is not routed (see grouped_core_support)")
-        if cfg.input_injection:
-            mix = torch.sigmoid(core.injection_logit)
-            flat = mix * flat + (1 - mix) * injected_from
-        truncated = (
-            backprop_depth is not None
-            and core.training
-            and torch.is_grad_enabled()
-            and step.depth <= depth - backprop_depth
-        )
-        windows = layout.for_depth(step.depth)
-        positions = windows.token_position if core.packed else row_positions
-        # [2, h] per depth, [L, 2, h] per (depth, block)
-        film = None if cfg.film == "off" else (core.film_gamma[step.depth - 1], core.film_beta[step.depth - 1])
-        router = core.router_for(step.depth)
-        summaries = router_summaries(windows, flat, core.depth_vectors[step.depth - 1])
-        eps = layout.noise.get(step.depth) if core.training and router.noise else None
-        bias = core.balancer.for_depth(step.depth) if core.balancer is not None else None
-        with fp8_disabled(core.tconfig):  # the router stays FP32 (it is no TE module either)
-            decision = decide(router, summaries, eps, bias, forced, step.depth, windows)
-        if routing_check is not None:
-            routing_check(step.depth, decision)
-        counts = window_loads(windows, decision.choice.detach(), num_blocks)
-        if core.training:
-            if core.balancer is not None:
-                record_loads(core.balancer, step.depth, counts)
-            if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                aux_terms.append(
-                    cfg.seq_aux_loss_coeff * sequence_aux_loss(windows, decision) / layout.doc_count.clamp(min=1)
-                )
-            elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
-                aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(windows, decision))
-        loads.append((step.depth, counts))
-        if record:
-            n = windows.num_windows
-            out.records.append(
-                DepthRecord(
-                    step.depth,
-                    decision.choice.detach()[:n],
-                    decision.gate.detach()[:n],
-                    decision.probs.detach()[:n],
-                    windows.window_doc[:n],
-                    windows.window_ordinal[:n],
-                )
-            )
-
-        flat = apply_routed_update(
-            flat,
-            windows,
-            decision,
-            library,
-            rope,
-            positions,
-            film=film,
-            window_size=window,
-            truncation=truncation_mode(truncated, first_window_full),
-        )
-    out.states = flat.view(b, s_len, h).transpose(0, 1).contiguous()
-    if aux_terms:
-        out.aux_loss = torch.stack(aux_terms).sum()
-    out.block_loads = torch.zeros(plan.depth, num_blocks, dtype=torch.long, device=flat.device)
-    for l, row in loads:
-        out.block_loads[l - 1] = row
-    return out
+    fixed = [step for step in steps if not step.routed]
+    if fixed:
+        raise ValueError(f"grouped_core_forward: step {fixed[0]} is not routed (see grouped_core_support)")
+    return core.forward(
+        states,
+        layout.document_layout(),
+        rope,
+        steps,
+        depth=depth,
+        forced=forced,
+        record=record,
+        backprop_depth=backprop_depth,
+        first_window_full_backprop=first_window_full_backprop,
+        routing_check=routing_check,
+        layout=layout,
+    )
 
 
 def truncation_mode(truncated: bool, first_window_full_backprop: bool) -> Optional[str]:

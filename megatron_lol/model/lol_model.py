@@ -330,8 +330,11 @@ class LoLGPTModel(_language_module()):
         from megatron.core import tensor_parallel
 
         # documents as THD sequences: offsets from the host-built layout when there is one (no device read)
+        # and, packed, every token's position in its document: RoPE angles per token (no THD RoPE host reads)
         doc_mask = SegmentMask(
-            segments=docs.doc_index, cu_seqlens=layout.doc_cu_seqlens if layout is not None else None
+            segments=docs.doc_index,
+            cu_seqlens=layout.doc_cu_seqlens if layout is not None else None,
+            positions=docs.positions if self.packed else None,
         )
         backend = select_backend(hidden.device)
         recompute = self.config.recompute_granularity == "full"

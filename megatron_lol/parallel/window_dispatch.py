@@ -30,8 +30,9 @@ def run_grouped_expert_parallel(
     ``grouping``: a ``megatron_lol.model.dispatch.WindowGrouping`` (``order``,
     ``counts``, ``segments``); ``run_block(block, rows, segments, rope_index)``
     runs a local block. ``rope_index``: [T] per flat token, what ``run_block``
-    uses to look up RoPE (the token's row position). Collective over ``group``:
-    every EP rank calls it at every depth, even with no tokens.
+    uses to look up RoPE (the token's row position; on the packed layout its
+    position in its window). Collective over ``group``: every EP rank calls it
+    at every depth, even with no tokens.
     """
     import torch.distributed as dist
     from megatron.core.tensor_parallel.mappings import all_to_all
