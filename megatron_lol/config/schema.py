@@ -228,8 +228,8 @@ class ModelConfig:
             return
         if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
             raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
-        if self.plan != "lol":
-            raise ConfigError(f"{prefix}.router_only_tokens: only a routed plan (lol) has a router (plan {self.plan})")
+        if not self.execution_plan().routed:
+            raise ConfigError(f"{prefix}.router_only_tokens: only a routed plan has a window router (plan {self.plan})")
         if self.router_input != "windows":
             raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
         filler = self.router_only_filler
