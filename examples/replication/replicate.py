@@ -17,6 +17,7 @@ are in docs/replication.md.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -26,7 +27,9 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
+
+import path_forcing
 
 REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "examples" / "configs" / "tiny-cpu.yaml"
@@ -53,7 +56,10 @@ class Study:
     full_iters: int
     seeds: tuple
     verdict: Callable[[dict], dict]
-    metric: str = "eval_loss"
+    # a study with its own task: ``prepare(out_dir, examples, seed)`` builds the data and returns the
+    # config overrides that point at it; ``evaluate`` (a script: SAVE PROMPTS SEED -> JSON) scores a run
+    prepare: Optional[Callable[[Path, int, int], dict]] = None
+    evaluate: Optional[Path] = None
 
 
 # ------------------------------------------------------------------ verdicts
@@ -89,6 +95,28 @@ def foil_verdict(results: dict) -> dict:
     return {
         "checks": [deep, flat, {"claim": "the gain is larger at the flatter shape", "holds": more}],
         "holds": deep["holds"] and flat["holds"] and more,
+    }
+
+
+def forcing_verdict(results: dict) -> dict:
+    """Forcing a strategy's mode path produces that strategy on most prompts (chance: 1 in 4), in every seed."""
+    runs = results["lol-strategy"]
+    adherence = [statistics.fmean(r["evaluation"]["forced_adherence"].values()) for r in runs]
+    learned = [statistics.fmean(r["evaluation"]["routed_accuracy"].values()) for r in runs]
+    return {
+        "adherence": adherence,
+        "routed_accuracy": learned,
+        "checks": [
+            {
+                "claim": "with the strategy token the model does the task (mean accuracy >= 0.5)",
+                "holds": min(learned) >= 0.5,
+            },
+            {
+                "claim": "forcing a strategy's mode path produces that strategy (mean adherence >= 0.5)",
+                "holds": min(adherence) >= 0.5,
+            },
+        ],
+        "holds": min(learned) >= 0.5 and min(adherence) >= 0.5,
     }
 
 
@@ -192,6 +220,32 @@ STUDIES = {
         seeds=(1, 2),
         verdict=accordion_verdict,
     ),
+    "path-forcing": Study(
+        name="path-forcing",
+        question="With the strategy visible to the router only, does forcing a strategy's mode path make the "
+        "model produce that strategy (the papers' sudoku / maze forcing study in miniature)?",
+        criterion="With its strategy token the model produces the requested strategy on at least half the "
+        "prompts, and forcing each strategy's mode path (strategy slot filled with the filler) produces that "
+        "strategy on at least half the prompts (chance: a quarter), in every seed.",
+        arms=[
+            Arm(
+                "lol-strategy",
+                {
+                    "model.window_size": 16,
+                    "model.window_shift": 8,
+                    "training.seq_length": 64,
+                    "training.micro_batch_size": 16,
+                    "training.global_batch_size": 16,
+                },
+            ),
+        ],
+        reference="lol-strategy",
+        full_iters=1000,
+        seeds=(1, 2),
+        verdict=forcing_verdict,
+        prepare=path_forcing.build_task,
+        evaluate=Path(path_forcing.__file__),
+    ),
 }
 
 # a shape that trains two iterations in seconds: the pipeline, not the finding
@@ -227,10 +281,11 @@ def _env() -> dict:
     return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
-def flop_budget(study: Study, smoke: bool, config: Path) -> float:
+def flop_budget(study: Study, smoke: bool, config: Path, task: Optional[dict] = None) -> float:
     """Training FLOPs of the reference arm at ``full_iters`` (2 when smoke), from ``megatron-lol params``."""
     arm = next(a for a in study.arms if a.name == study.reference)
-    sets = {**arm.sets, **(SMOKE_SETS if smoke else {}), "training.train_iters": 2 if smoke else study.full_iters}
+    sets = {**arm.sets, **(task or {}), **(SMOKE_SETS if smoke else {})}
+    sets["training.train_iters"] = 2 if smoke else study.full_iters
     proc = subprocess.run(
         _cli("params", "--config", str(config), *argv_sets(sets), "--json"),
         capture_output=True,
@@ -259,7 +314,7 @@ def last_validation(metrics: Path) -> dict:
 
 def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
     save = Path(args.out) / f"{arm.name}-seed{seed}"
-    sets = {**arm.sets, **(SMOKE_SETS if args.size == "smoke" else {})}
+    sets = {**arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
     sets.update({"training.train_flops": budget, "training.train_iters": "null", "training.save_interval": "null"})
     cmd = _cli(
         "train",
@@ -279,6 +334,20 @@ def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
     if proc.returncode != 0:
         raise SystemExit(f"replicate: arm {arm.name} seed {seed} failed (exit {proc.returncode}); see {log.name}")
     record = last_validation(save / "metrics.jsonl")
+    evaluation = None
+    if study.evaluate is not None:
+        prompts = "4" if args.size == "smoke" else "100"
+        proc = subprocess.run(
+            [sys.executable, str(study.evaluate), str(save), prompts, str(seed + 1000)],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            cwd=REPO,
+            check=False,
+        )
+        if proc.returncode != 0:
+            raise SystemExit(f"replicate: evaluating {save} failed: {proc.stderr.strip()[-2000:]}")
+        evaluation = json.loads(proc.stdout.strip().splitlines()[-1])
     return {
         "arm": arm.name,
         "seed": seed,
@@ -286,6 +355,7 @@ def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
         "eval_loss": record["eval_loss"],
         "eval_loss_by_budget": record.get("eval_loss_by_budget"),
         "wall_s": round(time.time() - start, 1),
+        **({"evaluation": evaluation} if evaluation is not None else {}),
     }
 
 
@@ -296,6 +366,22 @@ def plot(study: Study, results: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
+    if study.name == "path-forcing":
+        names = list(path_forcing.STRATEGIES)
+        matrix = [
+            [results["lol-strategy"][0]["evaluation"]["forced_confusion"][s][t] for t in names + ["none"]]
+            for s in names
+        ]
+        ax.imshow(matrix, cmap="Blues")
+        ax.set_xticks(range(len(names) + 1), names + ["none"])
+        ax.set_yticks(range(len(names)), names)
+        ax.set_xlabel("produced strategy")
+        ax.set_ylabel("forced mode path")
+        fig.tight_layout()
+        path = out / f"{study.name}.png"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        return path
     if study.name == "accordion-budgets":
         for r in results["accordion"]:
             ks = sorted(r["eval_loss_by_budget"], key=int)
@@ -325,12 +411,18 @@ def main(argv=None) -> int:
     parser.add_argument("--config", type=Path, default=BASE_CONFIG, help="base config (the bundled corpus)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: the study's")
     parser.add_argument("--jobs", type=int, default=1, help="arms trained at once (one thread each)")
+    parser.add_argument("--iters", type=int, default=None, help="the reference arm's iterations (default: the study's)")
     args = parser.parse_args(argv)
     study = STUDIES[args.study]
+    if args.iters is not None:
+        study = dataclasses.replace(study, full_iters=args.iters)
     args.out = args.out or str(REPO / "runs" / "replication" / study.name)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     seeds = args.seeds or (study.seeds[:1] if args.size == "smoke" else study.seeds)
-    budget = flop_budget(study, args.size == "smoke", args.config)
+    args.task = {}
+    if study.prepare is not None:
+        args.task = study.prepare(Path(args.out) / "task", 400 if args.size == "smoke" else 20_000, 0)
+    budget = flop_budget(study, args.size == "smoke", args.config, args.task)
     print(
         f"{study.name}: {len(study.arms)} arm(s) x {len(seeds)} seed(s) at {budget:.4g} training FLOPs each", flush=True
     )
