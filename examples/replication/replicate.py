@@ -277,8 +277,14 @@ def _cli(*args) -> list:
     return [sys.executable, "-m", "megatron_lol", *args]
 
 
+# a launcher's rendezvous settings in this process's environment (a torchrun shell, a test process that
+# initialised torch.distributed) would make every run rendezvous on one port: each run is a lone process
+_LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCHER_ENV}
+    return dict(env, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", PYTHONWARNINGS="ignore")
 
 
 def flop_budget(study: Study, smoke: bool, config: Path, task: Optional[dict] = None) -> float:
@@ -316,6 +322,8 @@ def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
     save = Path(args.out) / f"{arm.name}-seed{seed}"
     sets = {**arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
     sets.update({"training.train_flops": budget, "training.train_iters": "null", "training.save_interval": "null"})
+    # each run its own dataset index cache: runs trained at once (--jobs) would build the same files together
+    sets["data.cache_dir"] = str(save / "data_cache")
     cmd = _cli(
         "train",
         "--config",
