@@ -374,17 +374,19 @@ def plot(study: Study, results: dict, out: Path) -> Path:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(6, 3.5))
-    if study.name == "path-forcing":
+    if study.name == "path-forcing":  # one confusion matrix per seed
+        plt.close(fig)
+        runs = results["lol-strategy"]
         names = list(path_forcing.STRATEGIES)
-        matrix = [
-            [results["lol-strategy"][0]["evaluation"]["forced_confusion"][s][t] for t in names + ["none"]]
-            for s in names
-        ]
-        ax.imshow(matrix, cmap="Blues")
-        ax.set_xticks(range(len(names) + 1), names + ["none"])
-        ax.set_yticks(range(len(names)), names)
-        ax.set_xlabel("produced strategy")
-        ax.set_ylabel("forced mode path")
+        fig, axes = plt.subplots(1, len(runs), figsize=(4.5 * len(runs), 3.5), squeeze=False)
+        for ax, run in zip(axes[0], runs):
+            confusion = run["evaluation"]["forced_confusion"]
+            ax.imshow([[confusion[s][t] for t in names + ["none"]] for s in names], cmap="Blues", vmin=0)
+            ax.set_xticks(range(len(names) + 1), names + ["none"], fontsize=8)
+            ax.set_yticks(range(len(names)), names, fontsize=8)
+            ax.set_xlabel("produced strategy")
+            ax.set_ylabel("forced mode path")
+            ax.set_title(f"seed {run['seed']}")
         fig.tight_layout()
         path = out / f"{study.name}.png"
         fig.savefig(path, dpi=120)
