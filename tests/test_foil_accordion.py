@@ -410,7 +410,7 @@ def test_accordion_config_errors():
         config_from_dict(
             {"model": dict(FOIL, hidden_size=32, num_attention_heads=4), "parallel": {"tensor_model_parallel_size": 2}}
         ).validate(check_data=False)
-    with pytest.raises(ConfigError, match="model.untie_attention: only a looped plan"):
+    with pytest.raises(ConfigError, match="model.untie_attention: not used by plan dense"):
         config_from_dict({"model": dict(plan="dense", untie_attention=True)}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.core_num_experts: needs moe_layers: all"):
         config_from_dict(

@@ -21,7 +21,7 @@ from typing import Any, Optional
 
 import yaml
 
-from megatron_lol.config.schema import ConfigError, ExperimentConfig
+from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig, warn_flat_plan_keys
 
 # Flag groups, in the order ``--help`` lists them: title of each.
 GROUPS: dict[str, str] = {
@@ -552,6 +552,8 @@ def config_from_dict(raw: dict, check_data: bool = False) -> ExperimentConfig:
 def build_dataclass(cls, raw: Any, source: str, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping")
+    if cls is ModelConfig:
+        warn_flat_plan_keys(raw, source)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -564,6 +566,9 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
 
 def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
+    if parts[:2] == ["model", "plan"] and len(parts) > 1:
+        set_plan(cfg.model, parts[2:], value, source, key)
+        return
     obj = cfg
     for i, part in enumerate(parts):
         names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
@@ -572,10 +577,28 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
             hint = _did_you_mean(".".join(parts[:i]) + "." if i else "", part, names, rest) if names else ""
             raise ConfigError(f"{source}: unknown key '{key}'{hint}")
         if i == len(parts) - 1:
+            if obj is cfg.model:
+                warn_flat_plan_keys({"plan": cfg.model.plan, part: value}, source)
             hint = typing.get_type_hints(type(obj))[part]
             setattr(obj, part, _coerce(hint, value, source, key))
         else:
             obj = getattr(obj, part)
+
+
+def set_plan(model: ModelConfig, rest: list, value: Any, source: str, key: str) -> None:
+    """``model.plan=KIND`` (the kind; its options keep their values), ``model.plan={kind: ..., ...}``
+    (a whole section) or ``model.plan.OPTION=VALUE`` (one option of the current kind)."""
+    if len(rest) > 1:
+        raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION)")
+    if rest:
+        model.normalize()
+        model.set_plan_option(rest[0], value, source)
+    elif isinstance(value, dict):
+        model.read_plan_section(value, source)
+    elif isinstance(value, str):
+        model.plan = value
+    else:
+        raise ConfigError(f"{source}: {key} must be a plan kind or a section {{kind: ..., ...}} (got {value!r})")
 
 
 def _coerce(hint, value, source: str, key: str):
@@ -616,6 +639,12 @@ def _coerce(hint, value, source: str, key: str):
         return value
     name = getattr(hint, "__name__", str(hint))
     raise ConfigError(f"{source}: {key} must be {name} (got {value!r})")
+
+
+def coerce_value(hint, value: Any, source: str, key: str) -> Any:
+    """``value`` as type ``hint`` (a one-line ConfigError naming ``key`` otherwise): also for the
+    options of a plan kind's section, typed by its ``Options`` dataclass."""
+    return _coerce(hint, value, source, key)
 
 
 def _did_you_mean(prefix: str, name: str, names, rest: str = "") -> str:

@@ -13,21 +13,24 @@ paper in their docstrings (L, D, W, S).
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from fractions import Fraction
-from typing import Optional
+from typing import Any, Optional
 
 from megatron_lol.config.checks import asdict, choice, nonnegative, positive
 from megatron_lol.errors import ConfigError
-from megatron_lol.plan import PLANS, ExecutionPlan, build_plan
+from megatron_lol.plan import PLANS, ExecutionPlan, build_plan, plan_kind
+from megatron_lol.plan.execution import DENSE_ATTENTION, all_flat_keys, flat_keys
+from megatron_lol.plan.legacy import ConfigDeprecationWarning
 from megatron_lol.plan.stages import check_pipeline_layout
 
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 ROUTED_CORES = ("auto", "reference", "grouped")
 ROUTER_INPUTS = ("windows", "depth")
-DENSE_ATTENTION = ("full", "sliding", "strided")
 PARAMS_DTYPES = ("auto", "fp32", "bf16")
 FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
 MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
@@ -65,23 +68,30 @@ def fp8_row_multiple(recipe: Optional[str]) -> int:
 class ModelConfig:
     """What the network computes (docs/model.md).
 
-    ``plan`` picks how the stored blocks are executed (see
-    :mod:`megatron_lol.plan.execution`); each plan has its own shape keys:
+    ``plan`` is how the stored blocks are executed: a tagged section whose ``kind``
+    names a registered plan kind (:mod:`megatron_lol.plan.kinds`) and whose other
+    keys are that kind's own options, e.g. ``plan: {kind: lol, num_blocks: 8,
+    routed_depth: 8}`` or ``plan: {kind: foil, experts: 8, layers: 8, loops: 2}``:
 
     * ``lol``: ``num_blocks`` (L) blocks in the library, ``routed_depth`` (D)
       routed depths, windows ``window_size`` (W) shifted by ``window_shift`` (S);
-    * ``dense``: ``core_layers`` distinct layers in order;
-    * ``looped``: ``loop_layers`` layers looped ``loop_count`` times (Huginn);
-    * ``foil``: a looped block of ``foil_layers`` MoE layers with ``foil_experts``
-      experts, looped ``foil_loops`` times, attention untied per pass;
-    * ``accordion``: the ``loop_window`` layers once, then the first ``k`` again
-      (``loop_budgets``; ``k = 0`` is the unlooped model).
+    * ``dense``: ``layers`` distinct layers in order;
+    * ``looped``: ``layers`` layers looped ``loops`` times (Huginn);
+    * ``foil``: a looped block of ``layers`` MoE layers with ``experts`` experts,
+      looped ``loops`` times, attention untied per pass;
+    * ``accordion``: the ``window`` layers once, then the first ``k`` again
+      (``budgets``; ``k = 0`` is the unlooped model).
 
-    The deprecated spelling (``num_blocks`` / ``routed_depth`` for every plan, Foil as
-    ``plan: looped`` with MoE blocks) is read, with a deprecation warning.
+    A bare kind name (``plan: lol``) takes the kind's defaults. The built-in kinds keep
+    their options in flat fields below (``num_blocks``, ``foil_layers``, ...); writing those
+    at the top of ``model`` is the deprecated spelling, read with a deprecation warning, as
+    is the older one (``num_blocks`` / ``routed_depth`` for every plan, Foil as ``plan:
+    looped`` with MoE blocks). ``to_dict`` writes the section.
     """
 
-    plan: str = "lol"
+    plan: Any = "lol"  # the kind's name once read; a mapping {kind: ..., ...} as written
+    # options of a plan kind registered from outside the package (written inside model.plan)
+    plan_options: dict = field(default_factory=dict)
     hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: Optional[int] = None
@@ -191,12 +201,68 @@ class ModelConfig:
         self.normalize()
 
     def normalize(self) -> "ModelConfig":
-        """Read the deprecated shape keys into the plan's own (deprecation warning) and fill LoL's
-        defaults; idempotent, so it also runs after ``--set`` overrides."""
+        """Read a ``plan`` section into the kind and its options, the deprecated shape keys into the
+        plan's own (deprecation warning), and fill LoL's defaults; idempotent, so it also runs after
+        ``--set`` overrides."""
         from megatron_lol.plan.legacy import migrate_model_keys
 
+        if isinstance(self.plan, dict):
+            self.read_plan_section(self.plan)
         migrate_model_keys(self)
         return self
+
+    # ------------------------------------------------------------- plan section
+    def read_plan_section(self, section: dict, source: str = "model.plan") -> None:
+        """Take ``plan: {kind: NAME, key: value, ...}``: the kind, then each key as its option."""
+        if "kind" not in section:
+            raise ConfigError(f"{source}: a plan section needs kind: one of {', '.join(PLANS)}")
+        cls = plan_kind(section["kind"], "model")
+        self.plan = cls.name
+        for key, value in section.items():
+            if key != "kind":
+                self.set_plan_option(key, value, source)
+
+    def set_plan_option(self, key: str, value: Any, source: str = "model.plan") -> None:
+        """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``)."""
+        from megatron_lol.config.loader import coerce_value
+
+        cls = plan_kind(self.plan, "model")
+        fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            raise ConfigError(f"{source}: model.plan.{key} is not an option of plan {cls.name} (its options: {known})")
+        hint = typing_hints(cls.Options)[key]
+        coerced = coerce_value(hint, value, source, f"model.plan.{key}")
+        flat = fields[key].metadata.get("flat")
+        if flat:
+            setattr(self, flat, coerced)
+        else:
+            self.plan_options[key] = coerced
+
+    def plan_section(self) -> dict:
+        """The current kind's options ``{key: value}`` (defaults filled in)."""
+        cls = plan_kind(self.plan, "model")
+        out = {}
+        for f in dataclasses.fields(cls.Options):
+            flat = f.metadata.get("flat")
+            if flat:
+                out[f.name] = getattr(self, flat)
+            elif f.name in self.plan_options:
+                out[f.name] = self.plan_options[f.name]
+            elif f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain data with the plan as its tagged section (no flat plan keys): what run_config.yaml holds."""
+        out = asdict(self)
+        for flat in all_flat_keys():
+            out.pop(flat, None)
+        out.pop("plan_options", None)
+        out["plan"] = {"kind": self.plan, **self.plan_section()}
+        return out
 
     def execution_plan(self, prefix: str = "model") -> ExecutionPlan:
         """The plan's steps for this config (one-line ConfigError on bad shape keys)."""
@@ -851,7 +917,37 @@ class ExperimentConfig:
         return self
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        out = asdict(self)
+        out["model"] = self.model.to_dict()
+        return out
+
+
+def typing_hints(cls) -> dict:
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
+def deprecated_flat_keys(model: dict) -> list:
+    """``(flat key, kind, section key)`` of the current kind's options written at the top of a raw
+    ``model`` mapping (keys of other kinds are the older spelling or a mistake: the plan judges them)."""
+    plan = model.get("plan", "lol")
+    cls = PLANS.get(plan.get("kind") if isinstance(plan, dict) else plan)
+    if cls is None:
+        return []
+    own = {flat: key for key, flat in flat_keys(cls).items()}
+    return [(key, cls.name, own[key]) for key in model if key in own]
+
+
+def warn_flat_plan_keys(model: dict, source: str) -> None:
+    """The deprecation warning for plan options written at the top of ``model``."""
+    for key, kind, section_key in deprecated_flat_keys(model):
+        warnings.warn(
+            f"config: {source}: model.{key} is deprecated; write it in the plan's section "
+            f"(model.plan: {{kind: {kind}, {section_key}: ...}})",
+            ConfigDeprecationWarning,
+            stacklevel=3,
+        )
 
 
 def bias_updates_allowed(step: int, train_iters: int, stop_fraction: float) -> bool:

@@ -411,9 +411,7 @@ def import_hf(
 
 
 def _asdict(m: ModelConfig) -> dict:
-    from dataclasses import asdict
-
-    return asdict(m)
+    return m.to_dict()
 
 
 def _build_native_model(cfg, vocab: int, eod):

@@ -21,16 +21,22 @@ A forward runs a *prefix* of the plan's steps: the growing-depth curriculum
 shortens it in training, Accordion's budget ``k`` sets it to ``loop_window +
 k``. Everything that needs the schedule (the core, parameter counts, the FLOP
 and memory model, the trainer, the HF export, analyses) reads it from here;
-a new variant is a new :class:`ExecutionPlan` subclass registered in
-:data:`PLANS`.
+a new variant is one module: an :class:`ExecutionPlan` subclass with its
+config section (:attr:`ExecutionPlan.Options`), registered with
+:func:`register_plan` (the built-in kinds live in :mod:`megatron_lol.plan.kinds`).
+
+A config names its plan as a tagged section, ``model.plan: {kind: foil,
+experts: 8, layers: 8, loops: 2}``: ``kind`` picks the class, the other keys
+are the fields of its ``Options``.
 
 This module is pure Python (no torch): the config validates against it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import ClassVar, Optional
+from typing import Any, ClassVar, Optional
 
 from megatron_lol.errors import ConfigError
 
@@ -82,10 +88,36 @@ class Step:
         }
 
 
+def option(default: Any = None, *, flat: Optional[str] = None, help: str = "") -> Any:
+    """A field of a plan kind's ``Options`` (its config section).
+
+    ``flat``: the ``ModelConfig`` field a built-in kind keeps the value in; it is also the
+    key's deprecated top-level spelling (``model.num_blocks`` for ``model.plan.num_blocks``).
+    A kind registered from outside the package has no flat fields: its values live in
+    ``ModelConfig.plan_options``. ``help``: what the key means (``megatron-lol config --explain``).
+    """
+    if isinstance(default, list):
+        value = list(default)
+        return dataclasses.field(default_factory=lambda: list(value), metadata={"flat": flat, "help": help})
+    return dataclasses.field(default=default, metadata={"flat": flat, "help": help})
+
+
+@dataclass(frozen=True)
+class NoOptions:
+    """The config section of a plan kind without keys of its own."""
+
+
 class ExecutionPlan:
-    """The ordered steps of the core for one model config; subclasses are the plan kinds."""
+    """The ordered steps of the core for one model config; subclasses are the plan kinds.
+
+    A kind defines ``name`` (its ``kind:`` tag), ``Options`` (a dataclass: its config section,
+    fields made with :func:`option`), :meth:`_stored_blocks`, :meth:`_build_steps` and
+    :meth:`describe`; the capability properties below (``routed``, ``has_budgets``,
+    ``shards_library``, ...) follow from its steps unless it says otherwise.
+    """
 
     name: ClassVar[str] = ""
+    Options: ClassVar[type] = NoOptions
     #: whether the plan's depth may grow during training (``curriculum.initial_depth``)
     growable: ClassVar[bool] = True
     #: whether pipeline parallelism can cut this plan's core
@@ -94,11 +126,8 @@ class ExecutionPlan:
     def __init__(self, model, prefix: str = "model"):
         self.model = model
         self.prefix = prefix
-        if model.untie_attention and not isinstance(self, LoopedPlan):
-            raise ConfigError(
-                f"{prefix}.untie_attention: only a looped plan (looped, foil) runs a block more "
-                f"than once with its own attention (plan is {self.name})"
-            )
+        self.options = self.Options(**model.plan_section())
+        self._refuse_other_kinds()
         self.num_stored_blocks = self._stored_blocks()
         self._steps = tuple(self._build_steps())
 
@@ -118,6 +147,11 @@ class ExecutionPlan:
     def routed(self) -> bool:
         """Whether a router picks blocks per window (LoL)."""
         return any(step.routed for step in self._steps)
+
+    @property
+    def routes(self) -> bool:
+        """Whether a router picks blocks per window (the same as :attr:`routed`)."""
+        return self.routed
 
     @property
     def depth(self) -> int:
@@ -224,11 +258,19 @@ class ExecutionPlan:
             raise ConfigError(f"{self.prefix}.{key}: must be > {minimum - 1} (got {value!r})")
         return value
 
-    def _refuse(self, **fields) -> None:
-        """Keys of other plans must not be set (a typo would otherwise be silently ignored)."""
-        for key, value in fields.items():
-            if value is not None:
-                raise ConfigError(f"{self.prefix}.{key}: not used by plan {self.name}")
+    def _refuse_other_kinds(self) -> None:
+        """Keys of other plans must not be set (a typo would otherwise be silently ignored): every
+        flat field of another kind's section that differs from its ``ModelConfig`` default."""
+        own = set(flat_keys(type(self)).values())
+        defaults = {f.name: f.default for f in dataclasses.fields(self.model)}
+        for key in all_flat_keys():
+            if key in own or defaults.get(key, dataclasses.MISSING) is dataclasses.MISSING:
+                continue
+            if getattr(self.model, key) != defaults[key]:
+                owners = [cls.name for cls in PLANS.values() if key in flat_keys(cls).values()]
+                raise ConfigError(
+                    f"{self.prefix}.{key}: not used by plan {self.name} (an option of plan {' / '.join(owners)})"
+                )
 
     def _fixed_attention(self) -> str:
         att = self.model.dense_attention
@@ -239,238 +281,51 @@ class ExecutionPlan:
         return att
 
 
-_LOL_FIELDS = ("num_blocks", "routed_depth")
-_DENSE_FIELDS = ("core_layers",)
-_LOOPED_FIELDS = ("loop_layers", "loop_count")
-_FOIL_FIELDS = ("foil_experts", "foil_layers", "foil_loops")
-_ACCORDION_FIELDS = ("loop_window",)
-_ALL_SHAPE_FIELDS = _LOL_FIELDS + _DENSE_FIELDS + _LOOPED_FIELDS + _FOIL_FIELDS + _ACCORDION_FIELDS
+PLANS: dict = {}
 
 
-def _others(model, own: tuple) -> dict:
-    return {k: getattr(model, k) for k in _ALL_SHAPE_FIELDS if k not in own}
+def register_plan(cls: type) -> type:
+    """Make plan kind ``cls`` available as ``model.plan: {kind: cls.name, ...}`` (a class decorator).
+
+    Registering a second class under a taken name is refused (a plug-in cannot shadow a
+    built-in kind by accident); :func:`unregister_plan` removes one.
+    """
+    if not cls.name:
+        raise ValueError(f"{cls.__name__}: a plan kind needs a name")
+    if not dataclasses.is_dataclass(cls.Options):
+        raise TypeError(f"{cls.__name__}.Options must be a dataclass (the kind's config section)")
+    if cls.name in PLANS and PLANS[cls.name] is not cls:
+        raise ValueError(f"plan kind {cls.name!r} is already registered ({PLANS[cls.name].__qualname__})")
+    PLANS[cls.name] = cls
+    return cls
 
 
-class DensePlan(ExecutionPlan):
-    """``core_layers`` distinct layers in order, every token through each."""
-
-    name = "dense"
-
-    def _stored_blocks(self) -> int:
-        self._refuse(**_others(self.model, _DENSE_FIELDS))
-        return self._require("core_layers", self.model.core_layers)
-
-    def _build_steps(self) -> list:
-        att = self._fixed_attention()
-        return [Step(depth=i + 1, block=i, attention=att) for i in range(self.num_stored_blocks)]
-
-    def describe(self) -> str:
-        return f"{self.num_stored_blocks} core layers"
+def unregister_plan(name: str) -> None:
+    PLANS.pop(name, None)
 
 
-class LoopedPlan(ExecutionPlan):
-    """A recurrent block of ``loop_layers`` layers applied ``loop_count`` times (Huginn-style)."""
-
-    name = "looped"
-    layers_key, loops_key = "loop_layers", "loop_count"
-
-    @property
-    def untie_attention(self) -> bool:
-        return bool(self.model.untie_attention)
-
-    @property
-    def pipeline_ok(self) -> bool:  # type: ignore[override]
-        return not self.untie_attention
-
-    def _stored_blocks(self) -> int:
-        self._refuse(**_others(self.model, (self.layers_key, self.loops_key) + self._own_extra()))
-        self.loops = self._require(self.loops_key, getattr(self.model, self.loops_key))
-        return self._require(self.layers_key, getattr(self.model, self.layers_key))
-
-    def _own_extra(self) -> tuple:
-        return ()
-
-    def _build_steps(self) -> list:
-        att = self._fixed_attention()
-        n = self.num_stored_blocks
-        return [
-            Step(
-                depth=d + 1,
-                block=d % n,
-                pass_index=d // n,
-                attention=att,
-                untied_attention=self.untie_attention and d >= n,
-            )
-            for d in range(n * self.loops)
-        ]
-
-    def describe(self) -> str:
-        tie = ", attention untied per pass" if self.untie_attention else ""
-        return f"{self.num_stored_blocks} layers x {self.loops} loops{tie}"
+def plan_kind(name: str, prefix: str = "model") -> type:
+    """The registered class of kind ``name``; one-line ConfigError naming the known kinds."""
+    cls = PLANS.get(name) if isinstance(name, str) else None
+    if cls is None:
+        raise ConfigError(f"{prefix}.plan: kind must be one of {', '.join(PLANS)} (got {name!r})")
+    return cls
 
 
-class FoilPlan(LoopedPlan):
-    """Foil: a looped block of ``foil_layers`` MoE layers with ``foil_experts`` experts each,
-    looped ``foil_loops`` times; experts and routers shared across passes, attention untied
-    per (layer, pass) unless ``untie_attention: false`` (proto-Foil, Base-tied)."""
-
-    name = "foil"
-    layers_key, loops_key = "foil_layers", "foil_loops"
-
-    @property
-    def untie_attention(self) -> bool:
-        return self.model.untie_attention is not False
-
-    def _own_extra(self) -> tuple:
-        return ("foil_experts",)
-
-    def _stored_blocks(self) -> int:
-        n = super()._stored_blocks()
-        m = self.model
-        if m.moe_layers != "all":
-            raise ConfigError(
-                f"{self.prefix}.moe_layers: plan foil loops a block of MoE layers: set moe_layers: all "
-                f"(got {m.moe_layers})"
-            )
-        self._require("foil_experts", m.foil_experts)
-        if m.core_num_experts is not None:
-            raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from foil_experts")
-        return n
-
-    @property
-    def core_experts(self) -> Optional[int]:
-        return self.model.foil_experts
-
-    def describe(self) -> str:
-        e, d, l = self.model.foil_experts, self.num_stored_blocks, self.loops
-        tie = "untied" if self.untie_attention else "shared"
-        return f"(E, D, L) = ({e}, {d}, {l}), attention {tie} across passes"
+def flat_keys(cls: type) -> dict:
+    """``{section key: ModelConfig field}`` of kind ``cls``'s flat-stored options."""
+    return {f.name: f.metadata["flat"] for f in dataclasses.fields(cls.Options) if f.metadata.get("flat")}
 
 
-class LoLPlan(ExecutionPlan):
-    """Library of Layers: at each of ``routed_depth`` depths every window runs the block of the
-    ``num_blocks`` in the library that its causal router chose."""
-
-    name = "lol"
-
-    def _stored_blocks(self) -> int:
-        self._refuse(**_others(self.model, _LOL_FIELDS))
-        if self.model.dense_attention != "full":
-            raise ConfigError(
-                f"{self.prefix}.dense_attention: plan lol attends inside its windows (got {self.model.dense_attention})"
-            )
-        self._require("routed_depth", self.model.routed_depth)
-        return self._require("num_blocks", self.model.num_blocks)
-
-    def _build_steps(self) -> list:
-        return [Step(depth=l, block=None, attention="window") for l in range(1, self.model.routed_depth + 1)]
-
-    def describe(self) -> str:
-        m = self.model
-        return f"L={m.num_blocks} blocks, D={m.routed_depth} routed depths, W={m.window_size}, S={m.window_shift}"
-
-
-class AccordionPlan(ExecutionPlan):
-    """Accordion: the ``loop_window`` layers once, then the first ``k`` of them once more."""
-
-    name = "accordion"
-    growable = False
-    pipeline_ok = False
-
-    def _stored_blocks(self) -> int:
-        m = self.model
-        self._refuse(**_others(m, _ACCORDION_FIELDS))
-        n = self._require("loop_window", m.loop_window)
-        budgets = m.loop_budgets
-        key = f"{self.prefix}.loop_budgets"
-        if (
-            not isinstance(budgets, list)
-            or not budgets
-            or any(not isinstance(k, int) or isinstance(k, bool) for k in budgets)
-        ):
-            raise ConfigError(f"{key}: must be a non-empty list of integers (got {budgets!r})")
-        if len(set(budgets)) != len(budgets) or budgets != sorted(budgets):
-            raise ConfigError(f"{key}: must be increasing without repeats (got {budgets})")
-        if budgets[0] < 0 or budgets[-1] > n:
-            raise ConfigError(f"{key}: every budget must be in [0, loop_window={n}] (got {budgets})")
-        if m.loop_budget is not None and m.loop_budget not in budgets:
-            raise ConfigError(f"{self.prefix}.loop_budget: {m.loop_budget} is not one of loop_budgets {budgets}")
-        if m.second_pass_router not in ("shared", "separate"):
-            raise ConfigError(
-                f"{self.prefix}.second_pass_router: must be one of shared, separate (got {m.second_pass_router!r})"
-            )
-        if m.second_pass_router == "separate" and m.moe_layers != "all":
-            raise ConfigError(f"{self.prefix}.second_pass_router: separate needs MoE blocks (moe_layers: all)")
-        if m.dense_attention != "full":
-            raise ConfigError(
-                f"{self.prefix}.dense_attention: accordion uses full causal attention (got {m.dense_attention})"
-            )
-        if m.film != "off" or m.input_injection:
-            key = "film" if m.film != "off" else "input_injection"
-            raise ConfigError(f"{self.prefix}.{key}: not defined for plan accordion")
-        return n
-
-    def _build_steps(self) -> list:
-        m = self.model
-        n, k_max = self.num_stored_blocks, max(m.loop_budgets)
-        first = [Step(depth=i + 1, block=i) for i in range(n)]
-        second = [
-            Step(
-                depth=n + i + 1,
-                block=i,
-                pass_index=1,
-                gated=bool(m.loop_gates),
-                separate_router=m.second_pass_router == "separate",
-            )
-            for i in range(k_max)
-        ]
-        return first + second
-
-    @property
-    def budgets(self) -> list:
-        return list(self.model.loop_budgets)
-
-    @property
-    def has_budgets(self) -> bool:
-        return True
-
-    def resolve_budget(self, budget: Optional[int]) -> int:
-        """The given budget, else the config's ``loop_budget``, else the largest."""
-        m = self.model
-        k = budget if budget is not None else m.loop_budget if m.loop_budget is not None else max(m.loop_budgets)
-        if k not in m.loop_budgets:
-            raise ConfigError(f"budget: {k} is not one of the model's loop_budgets {m.loop_budgets}")
-        return k
-
-    def depth_for(self, budget: Optional[int] = None) -> int:
-        return self.num_stored_blocks + self.resolve_budget(budget)
-
-    def eval_budgets(self) -> list:
-        m = self.model
-        return [m.loop_budget] if m.loop_budget is not None else list(m.loop_budgets)
-
-    def sample_budget(self, seed: int, iteration: int, microbatch: int) -> int:
-        """Uniform over ``loop_budgets`` from a generator seeded with (seed, iteration,
-        micro-batch): every rank draws the same budget without communicating, and a resumed
-        run draws what the uninterrupted one would have. A fixed ``loop_budget`` wins."""
-        m = self.model
-        if m.loop_budget is not None:
-            return m.loop_budget
-        import numpy as np
-
-        rng = np.random.default_rng([seed, iteration, microbatch])
-        return int(m.loop_budgets[int(rng.integers(len(m.loop_budgets)))])
-
-    def describe(self) -> str:
-        return f"loop window of {self.num_stored_blocks} layers, budgets {list(self.model.loop_budgets)}"
-
-
-PLANS: dict = {cls.name: cls for cls in (DensePlan, LoopedPlan, FoilPlan, LoLPlan, AccordionPlan)}
+def all_flat_keys() -> dict:
+    """``{ModelConfig field: (kind, section key)}`` of every registered kind's flat-stored options."""
+    out = {}
+    for cls in PLANS.values():
+        for key, flat in flat_keys(cls).items():
+            out.setdefault(flat, (cls.name, key))
+    return out
 
 
 def build_plan(model, prefix: str = "model") -> ExecutionPlan:
     """The execution plan of ``model`` (a ``ModelConfig``); one-line ConfigError on bad fields."""
-    cls = PLANS.get(model.plan)
-    if cls is None:
-        raise ConfigError(f"{prefix}.plan: must be one of {', '.join(PLANS)} (got {model.plan!r})")
-    return cls(model, prefix)
+    return plan_kind(model.plan, prefix)(model, prefix)

@@ -21,9 +21,7 @@ from __future__ import annotations
 import warnings
 
 from megatron_lol.errors import ConfigError
-
-LOL_DEFAULT_BLOCKS = 4
-LOL_DEFAULT_DEPTH = 4
+from megatron_lol.plan.kinds.lol import LOL_DEFAULT_BLOCKS, LOL_DEFAULT_DEPTH
 
 
 class ConfigDeprecationWarning(FutureWarning):

@@ -1,0 +1,31 @@
+"""``dense``: ``layers`` distinct layers in order, every token through each (a GPT's core)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_plan
+
+
+@dataclass
+class DenseOptions:
+    layers: Optional[int] = option(flat="core_layers", help="layers of the core, each run once")
+
+
+@register_plan
+class DensePlan(ExecutionPlan):
+    """``layers`` distinct layers in order, every token through each."""
+
+    name = "dense"
+    Options = DenseOptions
+
+    def _stored_blocks(self) -> int:
+        return self._require("core_layers", self.options.layers)
+
+    def _build_steps(self) -> list:
+        att = self._fixed_attention()
+        return [Step(depth=i + 1, block=i, attention=att) for i in range(self.num_stored_blocks)]
+
+    def describe(self) -> str:
+        return f"{self.num_stored_blocks} core layers"

@@ -1,0 +1,57 @@
+"""``foil``: a looped block of MoE layers, shape ``(E, D, L)`` = (``experts``, ``layers``, ``loops``);
+experts and routers shared across passes, attention untied per (layer, pass) unless
+``untie_attention: false`` (proto-Foil, Base-tied)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from megatron_lol.errors import ConfigError
+from megatron_lol.plan.execution import option, register_plan
+from megatron_lol.plan.kinds.looped import LoopedPlan
+
+
+@dataclass
+class FoilOptions:
+    experts: Optional[int] = option(flat="foil_experts", help="E, experts per MoE layer of the looped block")
+    layers: Optional[int] = option(flat="foil_layers", help="D, MoE layers of the looped block")
+    loops: Optional[int] = option(flat="foil_loops", help="L, passes over the block")
+    untie_attention: Optional[bool] = option(
+        flat="untie_attention", help="attention untied per (layer, pass); default true (false: Base-tied)"
+    )
+
+
+@register_plan
+class FoilPlan(LoopedPlan):
+    """Foil: ``layers`` MoE layers with ``experts`` experts each, looped ``loops`` times."""
+
+    name = "foil"
+    Options = FoilOptions
+    layers_key, loops_key = "foil_layers", "foil_loops"
+
+    @property
+    def untie_attention(self) -> bool:
+        return self.options.untie_attention is not False
+
+    def _stored_blocks(self) -> int:
+        n = super()._stored_blocks()
+        m = self.model
+        if m.moe_layers != "all":
+            raise ConfigError(
+                f"{self.prefix}.moe_layers: plan foil loops a block of MoE layers: set moe_layers: all "
+                f"(got {m.moe_layers})"
+            )
+        self._require("foil_experts", self.options.experts)
+        if m.core_num_experts is not None:
+            raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from foil_experts")
+        return n
+
+    @property
+    def core_experts(self) -> Optional[int]:
+        return self.options.experts
+
+    def describe(self) -> str:
+        e, d, l = self.options.experts, self.num_stored_blocks, self.loops
+        tie = "untied" if self.untie_attention else "shared"
+        return f"(E, D, L) = ({e}, {d}, {l}), attention {tie} across passes"

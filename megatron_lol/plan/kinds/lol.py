@@ -1,0 +1,41 @@
+"""``lol``: Library of Layers. At each of ``routed_depth`` depths every window runs the block of the
+``num_blocks`` in the library that its causal router chose (docs/model.md, "The routed core")."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from megatron_lol.errors import ConfigError
+from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_plan
+
+LOL_DEFAULT_BLOCKS = 4
+LOL_DEFAULT_DEPTH = 4
+
+
+@dataclass
+class LoLOptions:
+    num_blocks: int = option(LOL_DEFAULT_BLOCKS, flat="num_blocks", help="L, blocks stored in the library")
+    routed_depth: int = option(LOL_DEFAULT_DEPTH, flat="routed_depth", help="D, routed depths")
+
+
+@register_plan
+class LoLPlan(ExecutionPlan):
+    """Every window, at each routed depth, runs the library block its router chose."""
+
+    name = "lol"
+    Options = LoLOptions
+
+    def _stored_blocks(self) -> int:
+        if self.model.dense_attention != "full":
+            raise ConfigError(
+                f"{self.prefix}.dense_attention: plan lol attends inside its windows (got {self.model.dense_attention})"
+            )
+        self._require("routed_depth", self.options.routed_depth)
+        return self._require("num_blocks", self.options.num_blocks)
+
+    def _build_steps(self) -> list:
+        return [Step(depth=l, block=None, attention="window") for l in range(1, self.options.routed_depth + 1)]
+
+    def describe(self) -> str:
+        m, o = self.model, self.options
+        return f"L={o.num_blocks} blocks, D={o.routed_depth} routed depths, W={m.window_size}, S={m.window_shift}"
