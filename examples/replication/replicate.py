@@ -56,6 +56,8 @@ class Study:
     full_iters: int
     seeds: tuple
     verdict: Callable[[dict], dict]
+    # overrides every arm shares (the study's size), before the arm's own
+    common: dict = field(default_factory=dict)
     # a study with its own task: ``prepare(out_dir, examples, seed)`` builds the data and returns the
     # config overrides that point at it; ``evaluate`` (a script: SAVE PROMPTS SEED -> JSON) scores a run
     prepare: Optional[Callable[[Path, int, int], dict]] = None
@@ -147,6 +149,9 @@ def accordion_verdict(results: dict) -> dict:
 
 
 # ------------------------------------------------------------------ studies
+# the three tiny-cpu.yaml studies at micro-batches of 4 x 256 tokens, sized from measured step times
+# (docs/replication.md, "Sizes") so that all four studies run in about two hours on a 2-core CPU
+_SMALL_BATCH = {"training.micro_batch_size": 4, "training.global_batch_size": 4, "training.eval_iters": 8}
 _MOE = {"model.moe_layers": "all", "model.num_experts": 4, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 192}
 
 STUDIES = {
@@ -163,7 +168,8 @@ STUDIES = {
             Arm("looped", {**_LOL_KEYS, "model.plan": "looped", "model.loop_layers": 2, "model.loop_count": 2}),
         ],
         reference="lol",
-        full_iters=800,
+        full_iters=320,
+        common=_SMALL_BATCH,
         seeds=(1, 2, 3),
         verdict=lol_verdict,
     ),
@@ -191,7 +197,8 @@ STUDIES = {
             for tie in ("tied", "untied")
         ],
         reference="foil-tied",
-        full_iters=600,
+        full_iters=300,
+        common=_SMALL_BATCH,
         seeds=(1, 2),
         verdict=foil_verdict,
     ),
@@ -216,7 +223,8 @@ STUDIES = {
             ),
         ],
         reference="accordion",
-        full_iters=800,
+        full_iters=600,
+        common=_SMALL_BATCH,
         seeds=(1, 2),
         verdict=accordion_verdict,
     ),
@@ -290,7 +298,7 @@ def _env() -> dict:
 def flop_budget(study: Study, smoke: bool, config: Path, task: Optional[dict] = None) -> float:
     """Training FLOPs of the reference arm at ``full_iters`` (2 when smoke), from ``megatron-lol params``."""
     arm = next(a for a in study.arms if a.name == study.reference)
-    sets = {**arm.sets, **(task or {}), **(SMOKE_SETS if smoke else {})}
+    sets = {**study.common, **arm.sets, **(task or {}), **(SMOKE_SETS if smoke else {})}
     sets["training.train_iters"] = 2 if smoke else study.full_iters
     proc = subprocess.run(
         _cli("params", "--config", str(config), *argv_sets(sets), "--json"),
@@ -320,7 +328,7 @@ def last_validation(metrics: Path) -> dict:
 
 def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
     save = Path(args.out) / f"{arm.name}-seed{seed}"
-    sets = {**arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
+    sets = {**study.common, **arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
     sets.update({"training.train_flops": budget, "training.train_iters": "null", "training.save_interval": "null"})
     # each run its own dataset index cache: runs trained at once (--jobs) would build the same files together
     sets["data.cache_dir"] = str(save / "data_cache")
@@ -454,6 +462,8 @@ def main(argv=None) -> int:
         "question": study.question,
         "criterion": study.criterion,
         "train_flops": budget,
+        "reference_iters": study.full_iters,
+        "common": study.common,
         "seeds": list(seeds),
         "command": " ".join(["python", "examples/replication/replicate.py", *(argv or sys.argv[1:])]),
         "results": results,
