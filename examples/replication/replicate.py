@@ -149,9 +149,6 @@ def accordion_verdict(results: dict) -> dict:
 
 
 # ------------------------------------------------------------------ studies
-# the three tiny-cpu.yaml studies at micro-batches of 4 x 256 tokens, sized from measured step times
-# (docs/replication.md, "Sizes") so that all four studies run in about two hours on a 2-core CPU
-_SMALL_BATCH = {"training.micro_batch_size": 4, "training.global_batch_size": 4, "training.eval_iters": 8}
 _MOE = {"model.moe_layers": "all", "model.num_experts": 4, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 192}
 
 STUDIES = {
@@ -168,8 +165,7 @@ STUDIES = {
             Arm("looped", {**_LOL_KEYS, "model.plan": "looped", "model.loop_layers": 2, "model.loop_count": 2}),
         ],
         reference="lol",
-        full_iters=320,
-        common=_SMALL_BATCH,
+        full_iters=200,
         seeds=(1, 2, 3),
         verdict=lol_verdict,
     ),
@@ -197,8 +193,7 @@ STUDIES = {
             for tie in ("tied", "untied")
         ],
         reference="foil-tied",
-        full_iters=300,
-        common=_SMALL_BATCH,
+        full_iters=150,
         seeds=(1, 2),
         verdict=foil_verdict,
     ),
@@ -223,8 +218,7 @@ STUDIES = {
             ),
         ],
         reference="accordion",
-        full_iters=600,
-        common=_SMALL_BATCH,
+        full_iters=300,
         seeds=(1, 2),
         verdict=accordion_verdict,
     ),
