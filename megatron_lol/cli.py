@@ -43,6 +43,7 @@ from typing import Callable
 from megatron_lol import __version__
 from megatron_lol.errors import CliError, ConfigError
 from megatron_lol.log import VERBOSE_ENV, add_general_arguments
+from megatron_lol.plan.legacy import ConfigDeprecationWarning
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {
@@ -107,6 +108,10 @@ def quiet_known_warnings(stream=None) -> Callable[[], None]:
                         print(ACCELERATOR_NOTE, file=stream or sys.stderr, flush=True)
                     return
         if str(filename).endswith("c10d_logger.py") and KNOWN_TORCH_WARNINGS.search(text):
+            return
+        if issubclass(category, ConfigDeprecationWarning):  # the user's config, not our code: one line, rank 0
+            if os.environ.get("RANK", "0") == "0":
+                print(f"warning: {text}", file=stream or sys.stderr, flush=True)
             return
         original(message, category, filename, lineno, file, line)
 

@@ -9,7 +9,6 @@ parameter counter and the HF export.
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import warnings
 from pathlib import Path

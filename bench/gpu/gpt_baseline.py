@@ -1,6 +1,6 @@
 """The dense baseline of the GPU proof: megatron-core's ``GPTModel`` with megatron-lol's layer spec.
 
-    python bench/gpu/gpt_baseline.py --config YAML --set model.plan=dense --set model.core_layers=N ... \
+    python bench/gpu/gpt_baseline.py --config YAML '--set model.plan={kind: dense, layers: N}' ... \
         [--steps 10] [--warmup 3] [--precision fp8] --json OUT
 
 The config (with its ``--set`` overrides) must describe a dense plan: its width, heads, FFN, prelude, core

@@ -43,8 +43,8 @@ TINY = [
     "model.ffn_hidden_size=128",
     "model.n_prelude=1",
     "model.n_coda=1",
-    "model.num_blocks=2",
-    "model.routed_depth=2",
+    "model.plan.num_blocks=2",
+    "model.plan.routed_depth=2",
     "model.window_size=16",
     "model.window_shift=8",
     "model.vocab_size=512",
@@ -363,10 +363,7 @@ def throughput(out: Path, args, dense: dict, fp8: bool) -> dict:
     ]
     base += TINY if args.dry_run else []
     dense_sets = [
-        "model.plan=dense",
-        "model.num_blocks=null",
-        "model.routed_depth=null",
-        f"model.core_layers={dense['core_layers']}",
+        f"model.plan={{kind: dense, layers: {dense['core_layers']}}}",
         "model.dense_attention=full",
         "model.film='off'",
     ]

@@ -35,7 +35,6 @@ REPO = Path(__file__).resolve().parents[2]
 BASE_CONFIG = REPO / "examples" / "configs" / "tiny-cpu.yaml"
 
 # the plan keys of tiny-cpu.yaml that other plans refuse
-_LOL_KEYS = {"model.num_blocks": "null", "model.routed_depth": "null"}
 
 
 @dataclass
@@ -161,8 +160,8 @@ STUDIES = {
         arms=[
             Arm("lol"),
             Arm("lol-fixed-route", {"model.router_input": "depth"}),
-            Arm("dense", {**_LOL_KEYS, "model.plan": "dense", "model.core_layers": 4}),
-            Arm("looped", {**_LOL_KEYS, "model.plan": "looped", "model.loop_layers": 2, "model.loop_count": 2}),
+            Arm("dense", {"model.plan": "{kind: dense, layers: 4}"}),
+            Arm("looped", {"model.plan": "{kind: looped, layers: 2, loops: 2}"}),
         ],
         reference="lol",
         full_iters=200,
@@ -179,14 +178,10 @@ STUDIES = {
             Arm(
                 f"foil{tag}-{tie}",
                 {
-                    **_LOL_KEYS,
                     **_MOE,
                     "curriculum.initial_depth": "null",
-                    "model.plan": "foil",
-                    "model.foil_layers": layers,
-                    "model.foil_loops": loops,
-                    "model.foil_experts": 4,
-                    "model.untie_attention": tie == "untied",
+                    "model.plan": f"{{kind: foil, experts: 4, layers: {layers}, loops: {loops}, "
+                    f"untie_attention: {str(tie == 'untied').lower()}}}",
                 },
             )
             for tag, layers, loops in (("", 4, 2), ("-flat", 2, 4))
@@ -207,12 +202,9 @@ STUDIES = {
             Arm(
                 "accordion",
                 {
-                    **_LOL_KEYS,
                     **_MOE,
                     "curriculum.initial_depth": "null",
-                    "model.plan": "accordion",
-                    "model.loop_window": 4,
-                    "model.loop_budgets": "[0,1,2,3,4]",
+                    "model.plan": "{kind: accordion, window: 4, budgets: [0, 1, 2, 3, 4]}",
                     "model.moe_shared_expert_intermediate_size": 192,
                 },
             ),

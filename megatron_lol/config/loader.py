@@ -391,7 +391,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, groups=None) -> None:
         action="append",
         default=[],
         metavar="KEY=VALUE",
-        help="override a config value by dotted key, e.g. --set model.num_blocks=8 (repeatable)",
+        help="override a config value by dotted key, e.g. --set model.plan.num_blocks=8 (repeatable)",
     )
     heads = {g: parser.add_argument_group(GROUPS[g]) for g in wanted}
     if "data" in heads:
@@ -591,7 +591,6 @@ def set_plan(model: ModelConfig, rest: list, value: Any, source: str, key: str) 
     if len(rest) > 1:
         raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION)")
     if rest:
-        model.normalize()
         model.set_plan_option(rest[0], value, source)
     elif isinstance(value, dict):
         model.read_plan_section(value, source)

@@ -15,8 +15,8 @@ from typing import Optional
 NO_FLAG_HERE: dict[str, str] = {
     "--num-layers": (
         "a LoL model has no single layer count: set model.n_prelude, model.n_coda and the core's "
-        "depth (plan lol: model.num_blocks, model.routed_depth; dense: model.core_layers), e.g. "
-        "--set model.routed_depth=8"
+        "depth in the plan's section (lol: model.plan.num_blocks, model.plan.routed_depth; dense: "
+        "model.plan.layers), e.g. --set model.plan.routed_depth=8"
     ),
     "--encoder-num-layers": "decoder only; see --num-layers",
     "--decoder-num-layers": "see --num-layers",

@@ -217,6 +217,14 @@ class ModelConfig:
         if "kind" not in section:
             raise ConfigError(f"{source}: a plan section needs kind: one of {', '.join(PLANS)}")
         cls = plan_kind(section["kind"], "model")
+        # the section is the whole plan: options of other kinds go back to their defaults
+        own = set(flat_keys(cls).values())
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for flat in all_flat_keys():
+            if flat not in own:
+                f = defaults[flat]
+                setattr(self, flat, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        self.plan_options = {}
         self.plan = cls.name
         for key, value in section.items():
             if key != "kind":
@@ -517,7 +525,7 @@ class ParallelConfig:
         if plan.shards_library and plan.num_stored_blocks % ep:
             raise ConfigError(
                 f"{prefix}.expert_model_parallel_size: {ep} does not divide the {plan.num_stored_blocks} "
-                f"stored blocks of plan {plan.name} (model.num_blocks)"
+                f"stored blocks of plan {plan.name}"
             )
         if not plan.shards_library and model.moe_layers != "none":
             for key, n in (("num_experts", model.num_experts), ("core experts", plan.core_experts)):
