@@ -24,7 +24,9 @@ PKG = Path(__file__).resolve().parents[1] / "megatron_lol"
 
 # bottom to top; a unit may import units of its own layer or of the layers below
 LAYERS = (
-    ("errors", "log", "process_guard", "progress"),
+    # convert.hf_modeling: the HF remote code, shipped with every export, imports torch only; the
+    # megatron-core side calls its per-pass parts (parts_lol) so both compute them one way
+    ("errors", "log", "process_guard", "progress", "convert.hf_modeling"),
     ("plan", "platform"),
     ("backends", "parallel", "data"),
     ("config",),
@@ -41,6 +43,8 @@ LAYER_OF = {f"megatron_lol.{name}": level for level, names in enumerate(LAYERS) 
 
 def _unit(module: str) -> str:
     parts = module.split(".")
+    if parts[:3] == ["megatron_lol", "convert", "hf_modeling"]:
+        return ".".join(parts[:3])
     return ".".join(parts[:2])
 
 

@@ -34,7 +34,14 @@ from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
 # the remote code written next to a LoL model's config.json (modeling_lol.py imports the others)
-TEMPLATE_FILES = ("configuration_lol.py", "modeling_lol.py", "layers_lol.py", "cache_lol.py", "decoding_lol.py")
+TEMPLATE_FILES = (
+    "configuration_lol.py",
+    "modeling_lol.py",
+    "layers_lol.py",
+    "cache_lol.py",
+    "decoding_lol.py",
+    "parts_lol.py",
+)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
 # kept in fp32 whatever --dtype (the native model computes LoL routing and megatron-core's

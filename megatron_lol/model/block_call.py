@@ -32,6 +32,8 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
+from megatron_lol.convert.hf_modeling.parts_lol import film as film_modulate
+from megatron_lol.convert.hf_modeling.parts_lol import gated_write
 from megatron_lol.model.attention import TokenRopeParams, applies_token_rope
 
 
@@ -62,7 +64,7 @@ def _modulator(film: Optional[tuple], row: int):
     if film is None:
         return None
     gamma, beta = film[0][row], film[1][row]
-    return lambda y: gamma.to(y.dtype) * y + beta.to(y.dtype)
+    return lambda y: film_modulate(y, gamma, beta)
 
 
 def _attention_half(att, x, mask, rope, film, packed_seq_params, backend) -> torch.Tensor:
@@ -118,10 +120,10 @@ def reference_layer(layer, x, mask, rope, parts: BlockParts = NO_PARTS, packed_s
     att = parts.attention if parts.attention is not None else layer
     h = _attention_half(att, x, mask, rope, parts.film, packed_seq_params, backend)
     if parts.gates is not None:
-        h = x + parts.gates[0].to(x.dtype) * (h - x)
+        h = gated_write(x, h, parts.gates[0])
     out, route = _mlp_half(layer, h, parts.film, parts, backend)
     if parts.gates is not None:
-        out = h + parts.gates[1].to(x.dtype) * (out - h)
+        out = gated_write(h, out, parts.gates[1])
     return out, route
 
 

@@ -27,6 +27,7 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_lol.convert.hf_modeling.parts_lol import inject
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
 from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
@@ -117,8 +118,7 @@ class CoreStep:
 
     def run(self, state: CoreState, ctx: CoreContext) -> CoreState:
         if self.core.cfg.input_injection:
-            mix = torch.sigmoid(self.core.injection_logit)
-            state.flat = mix * state.flat + (1 - mix) * state.injected
+            state.flat = inject(state.flat, state.injected, self.core.injection_logit)
         return self.advance(state, ctx)
 
     def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:

@@ -47,6 +47,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from megatron_lol.convert.hf_modeling.parts_lol import film as film_modulate
 from megatron_lol.model.attention import chunked_attention
 from megatron_lol.model.static_routing import TokenGrouping, gather_segment_rows
 
@@ -216,10 +217,10 @@ def _film(y: torch.Tensor, film: Optional[tuple], row: int, grouping: TokenGroup
         return y
     gamma, beta = film
     if gamma.dim() == 2:
-        return gamma[row].to(y.dtype) * y + beta[row].to(y.dtype)
+        return film_modulate(y, gamma[row], beta[row])
     g = gather_segment_rows(gamma[:, row], grouping.block_of_row, grouping.group_offsets)
     b = gather_segment_rows(beta[:, row], grouping.block_of_row, grouping.group_offsets)
-    return g.to(y.dtype) * y + b.to(y.dtype)
+    return film_modulate(y, g, b)
 
 
 def _norm(x: torch.Tensor, gains: torch.Tensor, eps: float, grouping: TokenGrouping) -> torch.Tensor:

@@ -64,6 +64,7 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
+from . import parts_lol
 from .cache_lol import LoLCache
 from .configuration_lol import LoLConfig
 from .decoding_lol import decode_tokens, prefill_window
@@ -189,8 +190,7 @@ class LoLModel(LoLPreTrainedModel):
     def inject(self, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
         if not self.config.input_injection:
             return s
-        mix = torch.sigmoid(self.injection_logit).to(s.dtype)
-        return mix * s + (1 - mix) * s0
+        return parts_lol.inject(s, s0, self.injection_logit)
 
     def first_window_summary(self, depth: int, first: torch.Tensor) -> torch.Tensor:
         """``r_0 = (e_l + s_first) / 2`` (fp32) for first tokens ``first`` [N, h]."""
