@@ -31,6 +31,20 @@ TIMEOUT = pytest.mark.timeout(90, func_only=True)
 
 
 # ------------------------------------------------------------------ helpers
+def kill_rank_and_reap(proc: subprocess.Popen, rank: int, timeout: float = 60) -> tuple:
+    """SIGKILL the worker of launcher ``proc`` whose ``RANK`` is ``rank``; wait for the launcher and every
+    worker to go. Returns ``(launcher status, seconds until it exited, workers still alive)``."""
+    import psutil
+
+    workers = psutil.Process(proc.pid).children(recursive=True)
+    next(w for w in workers if w.environ().get("RANK") == str(rank)).kill()
+    t0 = time.monotonic()
+    status = proc.wait(timeout=timeout)
+    elapsed = time.monotonic() - t0
+    _, alive = psutil.wait_procs(workers, timeout=max(0.1, timeout - elapsed))
+    return status, elapsed, alive
+
+
 def launch_ranks(argv: list, world: int, log_dir: Path, env=None, name: str = "rank") -> list:
     """``world`` processes of ``python argv...``, one per rank with torchrun's environment but no agent
     (as ``srun`` launches them): rank 0 hosts the rendezvous store. Each writes ``{name}{r}.log``."""
@@ -458,8 +472,6 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
     """torchrun's teardown: rank 1 killed mid-run (steps slowed to 0.3 s so the kill lands mid-run), every
     process of the job gone within 60 s with a non-zero status, the tracker naming a complete checkpoint,
     the relaunch logging the reference's losses bit for bit."""
-    import psutil
-
     save, log = tmp_path / "torchrun", tmp_path / "torchrun.log"
     cmd = [
         sys.executable,
@@ -488,13 +500,7 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
         while max(metrics(save), default=0) < 3:
             assert proc.poll() is None and time.monotonic() - t0 < 60, log.read_text()[-3000:]
             time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        victim = next(w for w in workers if w.environ().get("RANK") == "1")
-        victim.kill()
-        t0 = time.monotonic()
-        status = proc.wait(timeout=60)
-        elapsed = time.monotonic() - t0
-        gone, alive = psutil.wait_procs(workers, timeout=max(0.1, 60 - elapsed))
+        status, elapsed, alive = kill_rank_and_reap(proc, 1)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -551,8 +557,6 @@ def test_kill9_of_one_of_four_torchrun_workers_ends_the_job_and_the_relaunch_res
     from it) must log those losses again bit for bit."""
     import random
 
-    import psutil
-
     rng = random.Random()
     victim_rank = rng.randrange(4)
     save, log = tmp_path / "run", tmp_path / "torchrun.log"
@@ -582,13 +586,8 @@ def test_kill9_of_one_of_four_torchrun_workers_ends_the_job_and_the_relaunch_res
             if kill_after is None and f"fault: rank {victim_rank} pausing" in log.read_text(errors="replace"):
                 break
             time.sleep(0.05)
-        workers = psutil.Process(proc.pid).children(recursive=True)
-        victim = next(w for w in workers if w.environ().get("RANK") == str(victim_rank))
-        victim.kill()
         t0 = time.monotonic()
-        status = proc.wait(timeout=60)
-        elapsed = time.monotonic() - t0
-        gone, alive = psutil.wait_procs(workers, timeout=max(0.1, 60 - elapsed))
+        status, elapsed, alive = kill_rank_and_reap(proc, victim_rank)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -407,7 +407,7 @@ def test_missing_tracker_and_incompatible_config(lol_1proc, tmp_path):
     shutil.copytree(lol_1proc, wrong)
     cfg_file = next(wrong.glob("iter_*/run_config.yaml"))
     raw = yaml.safe_load(open(cfg_file))
-    raw["model"]["num_blocks"] = 5
+    raw["model"]["plan"]["num_blocks"] = 5
     yaml.safe_dump(raw, open(cfg_file, "w"))
     with pytest.raises(CliError, match="do not match|missing"):
         export(wrong, tmp_path / "out2")

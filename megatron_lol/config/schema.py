@@ -227,8 +227,17 @@ class ModelConfig:
         self.plan_options = {}
         self.plan = cls.name
         for key, value in section.items():
-            if key != "kind":
-                self.set_plan_option(key, value, source)
+            if key == "kind":
+                continue
+            flat = flat_keys(cls).get(key)
+            if flat is not None:
+                before, default = getattr(self, flat), defaults[flat].default
+                if default is not dataclasses.MISSING and before != default and before != value:
+                    raise ConfigError(
+                        f"{source}: model.{flat}={before!r} given together with model.plan.{key}={value!r}; "
+                        f"remove model.{flat}"
+                    )
+            self.set_plan_option(key, value, source)
 
     def set_plan_option(self, key: str, value: Any, source: str = "model.plan") -> None:
         """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``)."""
