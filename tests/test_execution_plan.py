@@ -203,6 +203,24 @@ def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_pa
     assert count_parameters(old_cfg.model, vocab).total == count_parameters(new_cfg.model, vocab).total
 
 
+def test_flat_plan_keys_of_earlier_run_configs_load_with_a_deprecation():
+    """A run_config.yaml written before plan sections (the kind's options as flat ``model`` keys)
+    loads, with a deprecation warning, into the same plan."""
+    from megatron_lol.plan import PLANS
+    from megatron_lol.plan.execution import flat_keys
+
+    for path in sorted(PAPER.glob("*.yaml")):
+        cfg = load_config(path, check_data=False)
+        raw = cfg.to_dict()
+        section = raw["model"].pop("plan")
+        kind = section.pop("kind")
+        flats = flat_keys(PLANS[kind])
+        raw["model"].update({"plan": kind, **{flats[key]: value for key, value in section.items()}})
+        with pytest.warns(ConfigDeprecationWarning, match="deprecated; write it in the plan's section"):
+            again = config_from_dict(raw)
+        assert again.model.execution_plan().to_dict() == cfg.model.execution_plan().to_dict(), path.name
+
+
 def test_saved_config_round_trips_without_deprecation():
     """``to_dict`` (what run_config.yaml holds) loads back as the same plan, silently."""
     for path in sorted(PAPER.glob("*.yaml")):
