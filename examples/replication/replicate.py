@@ -55,8 +55,6 @@ class Study:
     full_iters: int
     seeds: tuple
     verdict: Callable[[dict], dict]
-    # overrides every arm shares (the study's size), before the arm's own
-    common: dict = field(default_factory=dict)
     # a study with its own task: ``prepare(out_dir, examples, seed)`` builds the data and returns the
     # config overrides that point at it; ``evaluate`` (a script: SAVE PROMPTS SEED -> JSON) scores a run
     prepare: Optional[Callable[[Path, int, int], dict]] = None
@@ -284,7 +282,7 @@ def _env() -> dict:
 def flop_budget(study: Study, smoke: bool, config: Path, task: Optional[dict] = None) -> float:
     """Training FLOPs of the reference arm at ``full_iters`` (2 when smoke), from ``megatron-lol params``."""
     arm = next(a for a in study.arms if a.name == study.reference)
-    sets = {**study.common, **arm.sets, **(task or {}), **(SMOKE_SETS if smoke else {})}
+    sets = {**arm.sets, **(task or {}), **(SMOKE_SETS if smoke else {})}
     sets["training.train_iters"] = 2 if smoke else study.full_iters
     proc = subprocess.run(
         _cli("params", "--config", str(config), *argv_sets(sets), "--json"),
@@ -314,7 +312,7 @@ def last_validation(metrics: Path) -> dict:
 
 def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
     save = Path(args.out) / f"{arm.name}-seed{seed}"
-    sets = {**study.common, **arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
+    sets = {**arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
     sets.update({"training.train_flops": budget, "training.train_iters": "null", "training.save_interval": "null"})
     # each run its own dataset index cache: runs trained at once (--jobs) would build the same files together
     sets["data.cache_dir"] = str(save / "data_cache")
@@ -449,7 +447,6 @@ def main(argv=None) -> int:
         "criterion": study.criterion,
         "train_flops": budget,
         "reference_iters": study.full_iters,
-        "common": study.common,
         "seeds": list(seeds),
         "command": " ".join(["python", "examples/replication/replicate.py", *(argv or sys.argv[1:])]),
         "results": results,
