@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from . import parts_lol
 from .layers_lol import MLP, rotate_half
+from .parts_lol import film as apply_film
 
 
 def prefill_window(
@@ -269,7 +269,7 @@ def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torc
         for w, first, end in blocks:
             y = F.rms_norm(t[first:end], (h,), w["norms"][which].to(t.dtype), w["eps"])
             film = w["film"]
-            parts.append(y if film is None else parts_lol.film(y, film[0][which], film[1][which]))
+            parts.append(y if film is None else apply_film(y, film[0][which], film[1][which]))
         return torch.cat(parts, dim=0)
 
     def linear(t, group: str, i: int):

@@ -12,8 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import parts_lol
 from .configuration_lol import LoLConfig
+from .parts_lol import film as apply_film
+from .parts_lol import gated_write
 
 
 class RMSNorm(nn.Module):
@@ -229,16 +230,16 @@ class Layer(nn.Module):
         att = self if attention is None else attention
         y = att.input_layernorm(x)
         if film is not None:
-            y = parts_lol.film(y, film[0][0], film[1][0])
+            y = apply_film(y, film[0][0], film[1][0])
         h = x + att.self_attn(y, positions, allowed, cache, cache_index, cache_kwargs, rope)
         if gates is not None:
-            h = parts_lol.gated_write(x, h, gates[0])
+            h = gated_write(x, h, gates[0])
         y = self.post_attention_layernorm(h)
         if film is not None:
-            y = parts_lol.film(y, film[0][1], film[1][1])
+            y = apply_film(y, film[0][1], film[1][1])
         out = h + (self.mlp(y) if moe_router is None else self.mlp(y, moe_router))
         if gates is not None:
-            out = parts_lol.gated_write(h, out, gates[1])
+            out = gated_write(h, out, gates[1])
         return out
 
     def key_values(self, x, positions, film=None, attention: Optional[AttentionSet] = None):
@@ -248,7 +249,7 @@ class Layer(nn.Module):
         att = self if attention is None else attention
         y = att.input_layernorm(x)
         if film is not None:
-            y = parts_lol.film(y, film[0][0], film[1][0])
+            y = apply_film(y, film[0][0], film[1][0])
         _, k, v = att.self_attn.project(y, positions)
         return k, v
 

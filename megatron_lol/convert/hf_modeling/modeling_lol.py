@@ -64,7 +64,6 @@ from torch import nn
 from transformers import GenerationMixin, PreTrainedModel
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from . import parts_lol
 from .cache_lol import LoLCache
 from .configuration_lol import LoLConfig
 from .decoding_lol import decode_tokens, prefill_window
@@ -78,6 +77,7 @@ from .layers_lol import (
     positions_in_segment,
     segment_ids,
 )
+from .parts_lol import inject as inject_input
 
 # transformers 5 calls the KV cache ``cache``, earlier versions ``past_key_values``
 _CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
@@ -190,7 +190,7 @@ class LoLModel(LoLPreTrainedModel):
     def inject(self, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
         if not self.config.input_injection:
             return s
-        return parts_lol.inject(s, s0, self.injection_logit)
+        return inject_input(s, s0, self.injection_logit)
 
     def first_window_summary(self, depth: int, first: torch.Tensor) -> torch.Tensor:
         """``r_0 = (e_l + s_first) / 2`` (fp32) for first tokens ``first`` [N, h]."""
