@@ -72,7 +72,7 @@ def model_config(args, **over):
     from megatron_lol.config import config_from_dict
 
     m = dict(
-        plan="lol",
+        plan={"kind": "lol", "num_blocks": args.blocks, "routed_depth": args.depth},
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
         ffn_hidden_size=args.ffn,
@@ -83,8 +83,6 @@ def model_config(args, **over):
         vocab_size=args.vocab,
     )
     m.update(over)
-    if m["plan"] == "lol":
-        m.update(num_blocks=args.blocks, routed_depth=args.depth)
     return config_from_dict({"model": m}).model
 
 
@@ -104,10 +102,12 @@ def build_models(args):
     if args.depth % args.blocks:
         raise SystemExit(f"--depth {args.depth} must be a multiple of --blocks {args.blocks} (the fixed path loops)")
     cfgs["fixed"] = model_config(
-        args, plan="looped", loop_layers=args.blocks, loop_count=args.depth // args.blocks, dense_attention="strided"
+        args,
+        plan={"kind": "looped", "layers": args.blocks, "loops": args.depth // args.blocks},
+        dense_attention="strided",
     )
     n_layers = args.prelude + args.depth + args.coda
-    cfgs["dense"] = model_config(args, plan="dense", core_layers=args.depth, dense_attention="full")
+    cfgs["dense"] = model_config(args, plan={"kind": "dense", "layers": args.depth}, dense_attention="full")
     for name in names:
         torch.manual_seed(1234)
         if name == "dense":
