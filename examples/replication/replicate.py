@@ -186,7 +186,7 @@ STUDIES = {
             for tie in ("tied", "untied")
         ],
         reference="foil-tied",
-        full_iters=150,
+        full_iters=100,
         seeds=(1, 2),
         verdict=foil_verdict,
     ),
