@@ -260,13 +260,15 @@ class ExecutionPlan:
 
     def _refuse_other_kinds(self) -> None:
         """Keys of other plans must not be set (a typo would otherwise be silently ignored): every
-        flat field of another kind's section that differs from its ``ModelConfig`` default."""
+        flat field of another kind's section that is unset (None) by default and set here. Options
+        with a value by default (Accordion's ``loop_gates``, ``loop_budgets``, ...) are not judged:
+        a config derived from another plan's keeps them, and they mean nothing to this plan."""
         own = set(flat_keys(type(self)).values())
         defaults = {f.name: f.default for f in dataclasses.fields(self.model)}
         for key in all_flat_keys():
-            if key in own or defaults.get(key, dataclasses.MISSING) is dataclasses.MISSING:
+            if key in own or defaults.get(key, dataclasses.MISSING) is not None:
                 continue
-            if getattr(self.model, key) != defaults[key]:
+            if getattr(self.model, key) is not None:
                 owners = [cls.name for cls in PLANS.values() if key in flat_keys(cls).values()]
                 raise ConfigError(
                     f"{self.prefix}.{key}: not used by plan {self.name} (an option of plan {' / '.join(owners)})"
