@@ -566,7 +566,7 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
 
 def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
-    if parts[:2] == ["model", "plan"] and len(parts) > 1:
+    if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)
         return
     obj = cfg

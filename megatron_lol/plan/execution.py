@@ -94,7 +94,7 @@ def option(default: Any = None, *, flat: Optional[str] = None, help: str = "") -
     ``flat``: the ``ModelConfig`` field a built-in kind keeps the value in; it is also the
     key's deprecated top-level spelling (``model.num_blocks`` for ``model.plan.num_blocks``).
     A kind registered from outside the package has no flat fields: its values live in
-    ``ModelConfig.plan_options``. ``help``: what the key means (``megatron-lol config --explain``).
+    ``ModelConfig.plan_options``. ``help``: what the key means, for the reader of the kind's module.
     """
     if isinstance(default, list):
         value = list(default)
