@@ -530,6 +530,102 @@ def test_grouped_core_under_tensor_parallelism_matches_with_one_collective_per_p
             assert r["ref_calls"] >= 4 * r["blocks_used"] > r["new_calls"], (packed, r)
 
 
+def _expert_parallel_check():
+    """Rank side of the EP=2 test: one process's core (whole library), the per-block reference under
+    expert parallelism and the grouped core under it, on this rank's own tokens, in both layouts."""
+    import os
+
+    import torch.distributed as dist
+    from distributed import model_parallel
+
+    from megatron_lol.config.schema import ParallelConfig
+    from megatron_lol.model.grouped_core import grouped_core_support
+
+    os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
+    rank = dist.get_rank()
+    model = dict(num_blocks=4, film="depth_block", input_injection=True, num_query_groups=2)
+    results = {}
+    for packed, first_window in ((False, True), (True, False)):
+        b, s = 2, 40
+        tokens = _tokens(b, s, 30 + rank, short_docs=True)
+        seeds = torch.tensor([1 + 2 * rank, 2 + 2 * rank])
+        runs = {}
+        for impl, ep in (("single", 1), ("ref", 2), ("grouped", 2)):
+            with model_parallel(ep=ep, seed=1):
+                parallel = ParallelConfig(expert_model_parallel_size=ep)
+                net = _build_lol(packed, parallel, vocab=98, **model).train()
+                h, D, L = net.cfg.hidden_size, net.plan.depth, net.plan.num_stored_blocks
+                layout = build_host_layout(tokens, 0, 8, 4, range(1, D + 1), L, seeds)
+                x0 = torch.randn(s, b, h, generator=torch.Generator().manual_seed(5 + rank))
+                if packed:
+                    x0 = x0.transpose(0, 1).reshape(b * s, 1, h)
+                if impl == "grouped":
+                    assert grouped_core_support(net.core) is None
+                out, dx, grads, _, count = _run_core(
+                    net, "ref" if impl == "single" else impl, x0, layout, seeds, None, 2, first_window, False
+                )
+                # the data-parallel sum every replicated parameter's gradient gets (a block's: over the
+                # ranks holding it, so all ranks for one process, itself alone under expert parallelism)
+                summed = {}
+                for name, g in sorted(grads.items()):
+                    g = g.clone()
+                    if ep == 1 or not name.startswith("blocks."):
+                        dist.all_reduce(g)
+                    summed[name] = g
+                runs[impl] = dict(
+                    states=out.states.detach(),
+                    dx=dx,
+                    grads=grads,
+                    summed=summed,
+                    loads=out.block_loads,
+                    syncs=dict(count.sync_names),
+                    blocks=net.core.local_block_ids(),
+                )
+        single, ref, new = runs["single"], runs["ref"], runs["grouped"]
+
+        def worst(a, b):
+            diffs = [(a["states"] - b["states"]).abs().max(), (a["dx"] - b["dx"]).abs().max()]
+            diffs += [(a["summed"][k] - b["summed"][k]).abs().max() for k in a["summed"]]
+            return float(max(diffs))
+
+        results[packed] = dict(
+            blocks=new["blocks"],
+            same_loads=torch.equal(new["loads"], ref["loads"]) and torch.equal(ref["loads"], single["loads"]),
+            used=int((new["loads"] > 0).sum()),
+            # per rank, unsummed: the same blocks' gradients from the same exchange
+            grouped_vs_ref=max(
+                worst(new, ref), *(float((new["grads"][k] - g).abs().max()) for k, g in ref["grads"].items())
+            ),
+            ref_vs_single=worst(ref, single),
+            grouped_vs_single=worst(new, single),
+            same_params=set(new["grads"]) == set(ref["grads"]) and set(ref["grads"]) < set(single["grads"]),
+            grouped_syncs=new["syncs"],
+            depths=D,
+        )
+    return results
+
+
+def test_grouped_core_under_expert_parallelism_equals_the_reference_and_one_process():
+    """EP=2, each rank holding half of the library: the grouped depth (one exchange per depth, the ranks'
+    blocks as one grouped computation) equals the per-block expert-parallel reference and one process
+    holding the whole library, in the local and the packed layout (positions in the window: the
+    per-token RoPE through the exchange), with truncated backprop (first windows kept / all frozen).
+    The only host read is the exchange's split sizes, once per depth."""
+    from distributed import run_distributed
+
+    results = run_distributed(_expert_parallel_check, 2, timeout=400)
+    assert [r[False]["blocks"] for r in results] == [[0, 1], [2, 3]]
+    for rank, by_layout in enumerate(results):
+        for packed, r in by_layout.items():
+            assert r["same_loads"] and r["same_params"] and r["used"] > r["depths"], (rank, packed, r)
+            assert r["grouped_vs_ref"] < 1e-6 and r["ref_vs_single"] < 1e-6 and r["grouped_vs_single"] < 1e-6, (
+                rank,
+                packed,
+                r,
+            )
+            assert r["grouped_syncs"] == {"tolist": r["depths"]}, (rank, packed, r)
+
+
 def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     """A depth's routing, grouping and combine are each one graph: no data-dependent shape, no host
     read. ``aot_eager`` traces forward and backward without code generation (cheap). The grouped
@@ -595,7 +691,7 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
 
 
 # ------------------------------------------------------------------ the trainer builds the layout
-def _grouped_trainer(routed_core: str, **model):
+def _grouped_trainer(routed_core: str, parallel=None, **model):
     from test_parallel_lol import SEQ, SyntheticTokens, TinyTokenizer
 
     from megatron_lol.config import config_from_dict
@@ -628,6 +724,7 @@ def _grouped_trainer(routed_core: str, **model):
                 "seed": 7,
             },
             "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0},
+            "parallel": parallel or {},
         }
     )
     return Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(16, 0), None, None)).setup()
@@ -655,3 +752,32 @@ def test_grouped_core_refuses_what_it_cannot_run(megatron_env):
         _grouped_trainer("grouped", plan="dense", core_layers=2, num_blocks=None, routed_depth=None, film=None)
     with pytest.raises(ConfigError, match=r"model.routed_core: grouped cannot run this model: .*(MoE|expert)"):
         _grouped_trainer("grouped", moe_layers="all", num_experts=2, moe_ffn_hidden_size=16)
+
+
+def _train_expert_parallel(routed_core: str) -> dict:
+    import os
+
+    os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
+    trainer = _grouped_trainer(routed_core, {"expert_model_parallel_size": 2}, num_blocks=4)
+    batches = trainer.data_iterator(trainer.train_ds, 0)
+    steps = [trainer.train_step(batches) for _ in range(3)]
+    return dict(
+        grouped=trainer.grouped_core,
+        loss=[s.loss for s in steps],
+        grad_norm=[s.grad_norm for s in steps],
+        blocks=trainer.model_chunks[0].module.core.local_block_ids(),
+    )
+
+
+def test_training_with_the_grouped_core_under_expert_parallelism_equals_the_reference():
+    """EP=2 through the trainer (host layouts, megatron-core's DDP with the library sharded like experts):
+    three steps of the grouped core have the reference's losses and gradient norms."""
+    from distributed import run_distributed
+
+    ref = run_distributed(_train_expert_parallel, 2, "reference", timeout=400)
+    new = run_distributed(_train_expert_parallel, 2, "grouped", timeout=400)
+    assert [r["blocks"] for r in new] == [[0, 1], [2, 3]]
+    for r, n in zip(ref, new):
+        assert not r["grouped"] and n["grouped"]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(n[key]), torch.tensor(r[key]), rtol=1e-5, atol=1e-6, msg=key)

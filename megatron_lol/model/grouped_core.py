@@ -13,8 +13,10 @@ forward or backward, and a number of operations per depth that does not grow
 with ``L``.
 
 :func:`grouped_core_support` says when it applies (a LoL plan whose blocks
-:func:`~.grouped_blocks.grouped_support` accepts, without expert parallelism);
-elsewhere the reference core runs. The per-block reference stays the
+:func:`~.grouped_blocks.grouped_support` accepts); elsewhere the reference
+core runs. Under expert parallelism the depth's rows travel to their blocks'
+ranks in one exchange (:mod:`.grouped_exchange`), whose split sizes are the
+depth's one device-to-host read. The per-block reference stays the
 definition: the tests compare this against it.
 """
 
@@ -29,6 +31,7 @@ import torch
 from megatron_lol.model.attention import chunk_bias
 from megatron_lol.model.core_steps import CoreContext, RoutedStep
 from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, grouped_support, stack_library
+from megatron_lol.model.grouped_exchange import exchange_rows
 from megatron_lol.model.host_layout import DepthWindows, HostLayout
 from megatron_lol.model.precision import fp8_disabled
 from megatron_lol.model.static_routing import (
@@ -50,21 +53,14 @@ from megatron_lol.model.static_routing import (
 
 def grouped_core_support(core) -> Optional[str]:
     """Why ``core`` cannot run grouped (one line), or None when it can."""
-    from megatron_lol.model.core import _expert_parallel  # core builds on this module
-
     plan = core.plan
     if not plan.routed or any(not step.routed for step in plan.steps()):
         return f"plan {plan.name!r} has fixed steps (only routed LoL depths run grouped)"
-    if _expert_parallel()[0] > 1:
-        return "expert parallelism (windows travel to their block's rank: the reference dispatch)"
     if core.cfg.router_only_tokens:
         return "router_only_tokens (the grouped depth has no router-only term)"
     if core.cfg.router_input != "windows":
         return f"router_input: {core.cfg.router_input} (the grouped depth runs the window router)"
-    ids = core.local_block_ids()
-    if ids != list(range(plan.num_stored_blocks)):
-        return "this rank holds only part of the library"
-    return grouped_support([core.block(i) for i in ids])
+    return grouped_support([core.block(i) for i in core.local_block_ids()])
 
 
 class GroupedRoutedStep(RoutedStep):
@@ -109,9 +105,8 @@ class GroupedRoutedStep(RoutedStep):
 
     def update(self, flat: torch.Tensor, windows: DepthWindows, decision: Decision, ctx: CoreContext) -> torch.Tensor:
         core, step, cfg = self.core, self.step, self.core.cfg
-        library = _cached(
-            ctx, "library", lambda: stack_library([core.block(i) for i in range(core.plan.num_stored_blocks)])
-        )
+        # this rank's blocks (under expert parallelism its share of the library)
+        library = _cached(ctx, "library", lambda: stack_library([core.block(i) for i in core.local_block_ids()]))
         if core.packed:  # THD attention restarts RoPE positions per window
             positions = windows.token_position
         else:
@@ -130,6 +125,7 @@ class GroupedRoutedStep(RoutedStep):
             film=film,
             window_size=cfg.window_size,
             truncation=truncation_mode(ctx.truncated(step), ctx.first_window_full_backprop),
+            expert_group=core.expert_group(),
         )
 
 
@@ -201,8 +197,9 @@ class GroupedDepth:
 
     grouping: TokenGrouping
     rows: torch.Tensor  # [T, h] the depth's input in grouped order
-    rope: Optional[RowRope]  # cos / sin of every grouped row
-    attention_bias: torch.Tensor  # the chunked algorithm's mask of the grouped stream
+    positions: torch.Tensor  # [T] RoPE position of every grouped row
+    rope: Optional[RowRope]  # cos / sin of every grouped row (None where the rows run on other ranks)
+    attention_bias: Optional[torch.Tensor]  # the chunked algorithm's mask of the grouped stream (idem)
     gate: torch.Tensor  # [T] every token's window gate (token order)
 
 
@@ -214,19 +211,47 @@ def group_depth(
     rope: Optional[torch.Tensor],
     positions: torch.Tensor,
     window_size: int,
+    run_here: bool = True,
 ) -> GroupedDepth:
-    """Group the tokens by the block their window chose (stable sort, offsets on the device)."""
+    """Group the tokens by the block their window chose (stable sort, offsets on the device).
+
+    ``run_here``: the blocks run on this rank, so the rows' RoPE and attention mask are made here
+    (under expert parallelism the receiving ranks make them: :func:`expert_parallel_blocks`)."""
     grouping = group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window, num_blocks)
-    row_rope = (
-        RowRope.from_table(rope, positions.index_select(0, grouping.order), flat.dtype) if rope is not None else None
-    )
+    grouped_positions = positions.index_select(0, grouping.order)
+    row_rope = RowRope.from_table(rope, grouped_positions, flat.dtype) if rope is not None and run_here else None
     return GroupedDepth(
         grouping=grouping,
         rows=permute_rows(flat, grouping.order, grouping.inverse),
+        positions=grouped_positions,
         rope=row_rope,
-        attention_bias=chunk_bias(grouping.segments, window_size, [0], [flat.shape[0]]),
+        attention_bias=chunk_bias(grouping.segments, window_size, [0], [flat.shape[0]]) if run_here else None,
         gate=token_gates(windows, decision.gate),
     )
+
+
+def expert_parallel_blocks(
+    library, depth: GroupedDepth, rope: Optional[torch.Tensor], window_size: int, film: Optional[tuple], group
+) -> torch.Tensor:
+    """``E(s)`` of the depth's grouped rows when this rank holds only its share of the library: the rows go
+    to their blocks' ranks (:func:`~.grouped_exchange.exchange_rows`), each rank runs what it received
+    as one grouped computation, the outputs come back in ``depth.rows``' order. ``library``: this rank's
+    blocks stacked; ``film``: the depth's, per depth ``[2, h]`` or per block ``[L, 2, h]`` (all blocks)."""
+    import torch.distributed as dist
+
+    ep, rank = dist.get_world_size(group), dist.get_rank(group)
+    per_rank = library.qkv.shape[0]
+    num_blocks = per_rank * ep
+    received = exchange_rows(depth.rows, depth.grouping, depth.positions, num_blocks, group)
+    if received.rows.shape[0] == 0:  # nothing routed here: the (empty) rows keep the exchange's graph
+        return received.send_back(received.rows)
+    if film is not None and film[0].dim() == 3:  # FiLM per (depth, block): this rank's blocks
+        film = tuple(part[rank * per_rank : (rank + 1) * per_rank] for part in film)
+    dtype = depth.rows.dtype
+    row_rope = RowRope.from_table(rope, received.positions, dtype) if rope is not None else None
+    bias = chunk_bias(received.grouping.segments, window_size, [0], [received.rows.shape[0]])
+    outputs = grouped_blocks(library, received.rows, received.grouping, row_rope, bias, window_size, film)
+    return received.send_back(outputs)
 
 
 def combine_depth(
@@ -255,16 +280,25 @@ def apply_routed_update(
     film: Optional[tuple],
     window_size: int,
     truncation: Optional[str] = None,
+    expert_group=None,
 ) -> torch.Tensor:
     """``s + alpha (E_rho(s) - s)`` of one depth: :func:`group_depth`, every block at once
     (:func:`~.grouped_blocks.grouped_blocks`), :func:`combine_depth`. Static shapes, no host read.
 
     ``flat`` ``[T, h]``: the depth's input; ``positions`` ``[T]``: RoPE positions per token;
     ``truncation``: see :func:`truncation_mode` (``"frozen"``: the whole update is a constant).
+    ``expert_group``: the library is sharded over this expert-parallel group (``library`` holds this
+    rank's blocks): the rows travel to their blocks' ranks (:func:`expert_parallel_blocks`; one
+    device-to-host read, the all-to-all's split sizes).
     """
     with torch.no_grad() if truncation == "frozen" else contextlib.nullcontext():
-        depth = group_depth(flat, windows, decision, library.qkv.shape[0], rope, positions, window_size)
-        grouped_out = grouped_blocks(
-            library, depth.rows, depth.grouping, depth.rope, depth.attention_bias, window_size, film
-        )
+        if expert_group is None:
+            depth = group_depth(flat, windows, decision, library.qkv.shape[0], rope, positions, window_size)
+            grouped_out = grouped_blocks(
+                library, depth.rows, depth.grouping, depth.rope, depth.attention_bias, window_size, film
+            )
+        else:
+            num_blocks = library.qkv.shape[0] * torch.distributed.get_world_size(expert_group)
+            depth = group_depth(flat, windows, decision, num_blocks, rope, positions, window_size, run_here=False)
+            grouped_out = expert_parallel_blocks(library, depth, rope, window_size, film, expert_group)
     return combine_depth(flat, grouped_out, depth, windows, truncation)
