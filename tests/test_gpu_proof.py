@@ -37,7 +37,7 @@ def test_run_all_dry_run_writes_the_report(tmp_path):
     bf16 = report["parts"]["throughput_bf16"]
     dense = bf16["dense_of_equal_flops"]
     assert 0.9 < dense["flops_ratio"] < 1.1
-    for name in ("lol_bf16", "dense_bf16"):
+    for name in ("lol_bf16", "lol_bf16_grouped", "dense_bf16"):
         run = bf16["runs"][name]
         assert "error" not in run, run.get("error")
         assert run["tokens_per_s_per_gpu"] > 0 and run["mfu"] is None  # no peak for a CPU
@@ -48,6 +48,8 @@ def test_run_all_dry_run_writes_the_report(tmp_path):
     assert bf16["runs"]["dense_bf16"]["spec"] == "local"
     # the profiles measured the models whose executed FLOPs were matched
     assert bf16["runs"]["lol_bf16"]["flops_per_step_executed"] == pytest.approx(dense["lol_flops_per_step"])
+    assert bf16["runs"]["lol_bf16_grouped"]["flops_per_step_executed"] == pytest.approx(dense["lol_flops_per_step"])
+    assert bf16["runs"]["lol_grouped_over_dense_tokens_per_s"] > 0
     assert bf16["runs"]["dense_bf16"]["flops_per_step_executed"] == pytest.approx(dense["dense_flops_per_step"])
     # the section breakdown is a separate, labelled run
     breakdown = bf16["breakdown"]["lol_bf16_breakdown"]

@@ -15,8 +15,9 @@ Parts (each with its own time budget, the report rewritten after each so a kille
   at sequence length 2048; FP8 (current scaling for both) only where Transformer Engine imports; then a
   separate, labelled run of the LoL config with the section breakdown (``lol_*_breakdown``: its module
   timers synchronise the GPU, so its step times are not throughput);
+  In BF16 also ``lol_bf16_grouped``: the LoL config with the grouped routed core (local-spec layers);
 * ``goals``: the dense model's BF16 MFU against 40% (Megatron-LM's published ~41% for GPT-2B class models)
-  and LoL tokens/s against 0.9x the dense run.
+  and LoL tokens/s (the better of the two LoL runs, named) against 0.9x the dense run.
 
 ``--dry-run`` runs the same parts on whatever device there is with a tiny model and one step (CI runs it
 on the CPU, where the GPU tests skip), so the script cannot rot.
@@ -50,6 +51,8 @@ TINY = [
     "model.vocab_size=512",
 ]
 BUDGET_S = {"gpu_tests": 270, "profile": 90}
+#: the LoL run with the grouped routed core (it runs local-spec layers)
+GROUPED = ["model.use_transformer_engine=false", "model.routed_core=grouped"]
 WHEELHOUSE_LIST = REPO / "bench" / "gpu" / "wheelhouse.txt"
 #: what the lent GPU machine has (docs/gpu.md): Python 3.12, CUDA torch and transformers, with their requirements
 GPU_MACHINE_PROVIDES = {
@@ -376,9 +379,18 @@ def throughput(out: Path, args, dense: dict, fp8: bool) -> dict:
             f"dense_{tag}", base + dense_sets + precision, out, args.steps, args.warmup, BUDGET_S["profile"], fp8
         ),
     }
-    lol, dn = runs[f"lol_{tag}"], runs[f"dense_{tag}"]
-    if "error" not in lol and "error" not in dn:
-        runs["lol_over_dense_tokens_per_s"] = lol["tokens_per_s_per_gpu"] / dn["tokens_per_s_per_gpu"]
+    if not fp8:
+        # the routed depths as one grouped computation each (docs/gpu.md, "The routed depth on a GPU"):
+        # local-spec layers (Transformer Engine's run the per-block reference); FP8 has no grouped path
+        runs[f"lol_{tag}_grouped"] = profile(
+            f"lol_{tag}_grouped", base + GROUPED, out, args.steps, args.warmup, BUDGET_S["profile"], fp8
+        )
+    dn = runs[f"dense_{tag}"]
+    for name in (f"lol_{tag}", f"lol_{tag}_grouped"):
+        lol = runs.get(name, {"error": "not run"})
+        if "error" not in lol and "error" not in dn:
+            ratio_key = "lol_over_dense_tokens_per_s" if name == f"lol_{tag}" else "lol_grouped_over_dense_tokens_per_s"
+            runs[ratio_key] = lol["tokens_per_s_per_gpu"] / dn["tokens_per_s_per_gpu"]
     breakdown = profile(
         f"lol_{tag}_breakdown", base + precision, out, args.steps, args.warmup, BUDGET_S["profile"], fp8, breakdown=True
     )
@@ -401,15 +413,21 @@ def goals(report: dict) -> dict:
     if not report["environment"]["cuda"] or report["dry_run"] or "error" in dense or "error" in lol or not runs:
         why = "dry run" if report["dry_run"] else ("no GPU" if not report["environment"]["cuda"] else "a run failed")
         return {"measured": False, "reason": why}
-    ratio = runs.get("lol_over_dense_tokens_per_s")
+    ratios = {
+        key: runs[key]
+        for key in ("lol_over_dense_tokens_per_s", "lol_grouped_over_dense_tokens_per_s")
+        if runs.get(key) is not None
+    }
+    best = max(ratios, key=ratios.get) if ratios else None
     return {
         "measured": True,
         "dense_bf16_mfu": dense["mfu"],
         "dense_mfu_goal": 0.40,
         "dense_mfu_met": dense["mfu"] is not None and dense["mfu"] >= 0.40,
-        "lol_over_dense_tokens_per_s": ratio,
+        **ratios,
         "lol_ratio_goal": 0.9,
-        "lol_ratio_met": ratio is not None and ratio >= 0.9,
+        "lol_ratio_best": best,
+        "lol_ratio_met": best is not None and ratios[best] >= 0.9,
     }
 
 
