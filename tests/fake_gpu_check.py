@@ -109,9 +109,13 @@ def run_plan(name: str, packed: bool = False, row_multiple: int = 1) -> dict:
     }
 
 
-def grouped_core() -> dict:
+def grouped_core(expert_exchange: bool = False) -> dict:
     """The GPU-shaped routed core (host layout shipped to the device, grouped blocks): forward and backward
-    with the layout, parameters and states on the fake GPU; the values of the same run on the CPU."""
+    with the layout, parameters and states on the fake GPU; the values of the same run on the CPU.
+    ``expert_exchange``: on the GPU the library counts as sharded over an expert-parallel group of one
+    (the world), so every depth goes through the exchange of ``model/grouped_exchange.py`` with
+    NCCL-strict collectives; the CPU run is the one without it."""
+    import torch.distributed as dist
     from megatron_lol.model.core import ForcedPath
     from megatron_lol.model.grouped_core import grouped_core_forward
     from megatron_lol.model.host_layout import build_host_layout
@@ -124,9 +128,13 @@ def grouped_core() -> dict:
     for on_gpu in (False, True):
         net = _train_model(cfg)
         context = fake_gpu() if on_gpu else contextlib.nullcontext(torch.device("cpu"))
+        collectives = contextlib.nullcontext([])
         if on_gpu:
             to_fake_gpu(net)
-        with context as dev:
+            if expert_exchange:
+                net.core.expert_group = lambda: dist.group.WORLD
+                collectives = strict_collectives()
+        with context as dev, collectives as seen:
             x = torch.randn(24, 2, 32, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_(True)
             steps = net.core.plan.steps()
             out = grouped_core_forward(
@@ -145,6 +153,7 @@ def grouped_core() -> dict:
         results.append((out.states, x.grad, grads))
     (ref, ref_dx, ref_grads), (states, dx, grads) = results
     return {
+        "collectives": sorted(set(seen)),
         "on_gpu": isinstance(states, FakeGpuTensor)
         and isinstance(dx, FakeGpuTensor)
         and all(isinstance(g, FakeGpuTensor) for g in grads.values()),
@@ -350,6 +359,7 @@ def main() -> int:
     cases["packed-dense-sliding"] = (run_plan, ("dense-sliding", True))
     cases["packed-foil"] = (run_plan, ("foil", True))
     cases["grouped-core"] = (grouped_core, ())
+    cases["grouped-core-expert-exchange"] = (grouped_core, (True,))
     cases["planted-cpu-tensor"] = (planted_cpu_tensor, ())
     cases["expert-parallel-dispatch"] = (expert_parallel_dispatch, ())
     cases["trainer"] = (trainer_step, ())

@@ -78,6 +78,16 @@ def test_grouped_routed_core_on_a_fake_gpu(fake_gpu_results):
 
 
 @pytest.mark.timeout(700)
+def test_grouped_core_expert_exchange_keeps_collectives_on_the_device(fake_gpu_results):
+    """The grouped core's expert-parallel exchange (counts, rows, window ids and positions, the way back)
+    with NCCL-strict collectives on the fake GPU: device tensors only, the values of the unsharded run."""
+    r = fake_gpu_results["grouped-core-expert-exchange"]
+    assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
+    assert r["on_gpu"] and r["same_grads"] and r["diff"] <= 1e-6
+    assert r["collectives"] == ["all_gather", "all_to_all_single"]
+
+
+@pytest.mark.timeout(700)
 def test_a_planted_cpu_tensor_is_caught(fake_gpu_results):
     r = fake_gpu_results["planted-cpu-tensor"]
     assert r["ok"], r.get("error")
