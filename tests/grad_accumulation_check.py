@@ -28,11 +28,16 @@ def _patched(owner, name, value):
         setattr(owner, name, saved)
 
 
-def library_grads(fusion: bool, record: list, device=None):
+def library_grads(fusion: bool, record: list, device=None, grouped: bool = False):
     """``(fc1 main_grad, input-norm main_grad)`` of block 0 after one backward; ``record`` gets each call's
-    (input, grad_output) of block 0's fc1 (fused runs only)."""
+    (input, grad_output) of block 0's fc1 (fused runs only). ``grouped``: the routed depths run as the
+    grouped core (a host layout with the batch), whose fc1 inputs and output gradients of every depth are
+    recorded (every row is block 0's)."""
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel import layers
+
+    from megatron_lol.model import grouped_blocks
+    from megatron_lol.model.host_layout import build_host_layout
 
     from megatron_lol.config import config_from_dict
     from megatron_lol.model.core import ForcedPath
@@ -67,12 +72,30 @@ def library_grads(fusion: bool, record: list, device=None):
             record.append((total_input.clone(), grad_output.clone()))
         return real(total_input, grad_output, main_grad)
 
+    real_grouped = grouped_blocks._grouped_linear
+
+    def recording_grouped(x, weights, offsets):
+        out = real_grouped(x, weights, offsets)
+        if weights.shape[1] == weight.shape[0] and weights.shape[2] == weight.shape[1]:  # fc1
+            call = [x.detach().clone()]
+            record.append(call)
+            out.register_hook(lambda grad: call.append(grad.detach().clone()))
+        return out
+
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, VOCAB, (2, 32), generator=g).to(device)
     forced = ForcedPath(torch.zeros(DEPTHS, 8, dtype=torch.long), torch.full((DEPTHS, 8), 0.5))
+    seeds = torch.tensor([1, 2])
+    extra = {}
+    if grouped:
+        layout = build_host_layout(tokens.cpu(), EOD, 8, 4, range(1, DEPTHS + 1), 2, seeds)
+        extra = {"layout": layout.to(device)}
     ddp.zero_grad_buffer()
-    with _patched(layers.fused_weight_gradient_mlp_cuda, "wgrad_gemm_accum_fp32", recording):
-        loss = ddp(tokens, labels=tokens, forced_path=forced, noise_seeds=torch.tensor([1, 2], device=device))
+    with (
+        _patched(layers.fused_weight_gradient_mlp_cuda, "wgrad_gemm_accum_fp32", recording),
+        _patched(grouped_blocks, "_grouped_linear", recording_grouped),
+    ):
+        loss = ddp(tokens, labels=tokens, forced_path=forced, noise_seeds=seeds.to(device), **extra)
         (loss.float().sum() * 0.01).backward()
     return weight.main_grad.clone(), net.core.block(0).input_layernorm.weight.main_grad.clone()
 
@@ -98,3 +121,21 @@ def errors(device=None) -> dict:
         "fused_norm": fused_norm.cpu(),
         "unfused_norm": unfused_norm.cpu(),
     }
+
+
+def grouped_errors(device=None) -> dict:
+    """The grouped core's fc1 weight gradient against the float64 sum of its 16 depths' gradients, with
+    fused accumulation (each depth's gradient into ``main_grad`` in FP32) and without (autograd's BF16
+    sum over the depths); ``fp32_sum``: FP32 sums of the depths' BF16-rounded gradients."""
+    fused_calls: list = []
+    fused_fc1, _ = library_grads(True, fused_calls, device, grouped=True)
+    unfused_calls: list = []
+    unfused_fc1, _ = library_grads(False, unfused_calls, device, grouped=True)
+    out = {"calls": len(fused_calls)}
+    for name, grad, calls in (("fused", fused_fc1, fused_calls), ("bf16_sum", unfused_fc1, unfused_calls)):
+        exact = sum(go.double().t() @ x.double() for x, go in calls)
+        out[name] = float((grad.double() - exact).norm() / exact.norm())
+        if name == "fused":
+            fp32_of_bf16 = sum((go.t() @ x).to(torch.bfloat16).float() for x, go in calls)
+            out["fp32_sum"] = float((fp32_of_bf16.double() - exact).norm() / exact.norm())
+    return out

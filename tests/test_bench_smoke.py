@@ -123,3 +123,11 @@ def test_launches_counts_every_path_and_the_grouped_core_reads_nothing_back():
             assert int(r[4]) + int(r[5]) <= 2, r
     assert "L=4 / dense" in out
     assert any(line.startswith("quickstart") for line in out.splitlines())  # the stacking measurement
+
+
+def test_bf16_grads_prints_both_paths_for_each_depth():
+    out = _run("bf16_grads.py", "--depths", "2", "5", "--hidden", "32", "--seq", "32", "--batch", "2")
+    rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
+    assert [(r[0], r[1]) for r in rows] == [("2", "reference"), ("2", "grouped"), ("5", "reference"), ("5", "grouped")]
+    # BF16 against FP32: a small error, not zero (the runs really differ in precision)
+    assert all(0 < float(r[-2]) < 0.2 and float(r[-2]) <= float(r[-1]) for r in rows)

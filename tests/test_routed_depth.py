@@ -745,6 +745,23 @@ def test_training_with_the_grouped_core_equals_the_reference(megatron_env, monke
     assert losses["auto"] == losses["reference"]
 
 
+def test_bf16_training_with_the_grouped_core_follows_the_reference(megatron_env, monkeypatch):
+    """BF16 weights with FP32 main grads under megatron-core's DDP (fused gradient accumulation): the grouped
+    core trains with the reference's losses and gradient norms up to BF16 rounding, its library gradients
+    arriving through ``main_grad`` (the BF16 ``.grad`` placeholders are skipped by the DDP)."""
+    monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")
+    runs = {}
+    for mode in ("reference", "grouped"):
+        trainer = _grouped_trainer(mode, params_dtype="bf16")
+        batches = trainer.data_iterator(trainer.train_ds, 0)
+        steps = [trainer.train_step(batches) for _ in range(3)]
+        weight = trainer.model_chunks[0].module.core.block(0).mlp.linear_fc1.weight
+        assert weight.dtype == torch.bfloat16 and weight.main_grad.dtype == torch.float32
+        runs[mode] = (torch.tensor([s.loss for s in steps]), torch.tensor([s.grad_norm for s in steps]))
+    torch.testing.assert_close(runs["grouped"][0], runs["reference"][0], rtol=2e-2, atol=0)
+    torch.testing.assert_close(runs["grouped"][1], runs["reference"][1], rtol=5e-2, atol=0)
+
+
 def test_grouped_core_refuses_what_it_cannot_run(megatron_env):
     from megatron_lol.errors import ConfigError
 

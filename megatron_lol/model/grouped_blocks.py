@@ -21,10 +21,12 @@ collectives. Here the depth's tokens, grouped by block
   (megatron-core's ``tensor_parallel.mappings``), not one per block.
 
 The weights are stacked per micro-batch from the blocks' own parameters
-(:func:`stack_library`; gradients flow back to them through ``torch.stack``),
-so checkpoints, the HF export, expert-parallel sharding of the library and
-Muon's per-block orthogonalisation are unchanged; the stacking costs one copy
-of the library per micro-batch (measured by ``bench/launches.py --what stacking``).
+(:func:`stack_library`; gradients flow back to them through ``torch.stack``,
+or, under fused gradient accumulation, depth by depth into their FP32
+``main_grad``: :func:`for_depth`), so checkpoints, the HF export,
+expert-parallel sharding of the library and Muon's per-block
+orthogonalisation are unchanged; the stacking costs one copy of the library
+per micro-batch (measured by ``bench/launches.py --what stacking``).
 
 ``torch._grouped_mm`` (torch 2.13) as used here: group offsets are the int32
 group ends, on the device; the CPU kernel runs fp32 and bf16 (one ``mm`` per
@@ -41,11 +43,12 @@ named by :func:`grouped_support`, and the caller runs the reference instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from megatron_lol.convert.hf_modeling.parts_lol import film as film_modulate
 from megatron_lol.model.attention import chunked_attention
@@ -71,6 +74,9 @@ class StackedLibrary:
     head_dim: int
     softmax_scale: float
     tp_group: Optional[object]  # the tensor-parallel group (None: no collectives)
+    #: the blocks' parameters behind each stacked field, when their gradients go to FP32 ``main_grad``
+    #: depth by depth (:func:`for_depth`); None: the stacks carry autograd to the parameters themselves
+    sources: Optional[dict] = None
 
 
 def _hooked(modules) -> bool:
@@ -163,26 +169,87 @@ def grouped_support(blocks) -> Optional[str]:
     return None
 
 
+#: the stacked fields and where each block keeps the weight behind them
+_LIBRARY_WEIGHTS = {
+    "norm1": lambda b: b.input_layernorm.weight,
+    "qkv": lambda b: b.self_attention.linear_qkv.weight,
+    "proj": lambda b: b.self_attention.linear_proj.weight,
+    "norm2": lambda b: b.pre_mlp_layernorm.weight,
+    "fc1": lambda b: b.mlp.linear_fc1.weight,
+    "fc2": lambda b: b.mlp.linear_fc2.weight,
+}
+
+
+def _fuses_wgrad_accumulation(blocks) -> bool:
+    """Whether the blocks' weight gradients go to FP32 ``main_grad`` call by call (megatron-core's
+    ``gradient_accumulation_fusion`` with BF16 weights under its DDP, as the trainer builds them)."""
+    return bool(getattr(blocks[0].config, "gradient_accumulation_fusion", False)) and all(
+        hasattr(get(b), "main_grad") for b in blocks for get in _LIBRARY_WEIGHTS.values()
+    )
+
+
 def stack_library(blocks) -> StackedLibrary:
-    """Stack the blocks' weights (``torch.stack``: differentiable, one copy per micro-batch)."""
+    """Stack the blocks' weights, one copy per micro-batch.
+
+    Without fused gradient accumulation the stacks are ``torch.stack`` (differentiable: autograd sums
+    a block's depths into the stack's gradient, then hands it to the parameters). With it the stacks
+    are made outside autograd and each depth takes them through :func:`for_depth`, whose backward adds
+    that depth's gradient to the blocks' FP32 ``main_grad``, as the per-block reference's fused
+    accumulation does for every call: a block used at many depths is not summed in BF16.
+    """
     first = blocks[0]
     sa = first.self_attention
     tp = sa.linear_qkv.tp_group if getattr(sa.linear_qkv, "tp_group", None) is not None else None
     if tp is not None and torch.distributed.get_world_size(tp) == 1:
         tp = None
+    sources = None
+    if _fuses_wgrad_accumulation(blocks):
+        sources = {name: [get(b) for b in blocks] for name, get in _LIBRARY_WEIGHTS.items()}
+        with torch.no_grad():
+            stacks = {name: torch.stack(weights) for name, weights in sources.items()}
+    else:
+        stacks = {name: torch.stack([get(b) for b in blocks]) for name, get in _LIBRARY_WEIGHTS.items()}
     return StackedLibrary(
-        norm1=torch.stack([b.input_layernorm.weight for b in blocks]),
-        qkv=torch.stack([b.self_attention.linear_qkv.weight for b in blocks]),
-        proj=torch.stack([b.self_attention.linear_proj.weight for b in blocks]),
-        norm2=torch.stack([b.pre_mlp_layernorm.weight for b in blocks]),
-        fc1=torch.stack([b.mlp.linear_fc1.weight for b in blocks]),
-        fc2=torch.stack([b.mlp.linear_fc2.weight for b in blocks]),
+        **stacks,
+        sources=sources,
         eps=first.input_layernorm.eps,
         heads=sa.num_attention_heads_per_partition,
         groups=sa.num_query_groups_per_partition,
         head_dim=sa.hidden_size_per_attention_head,
         softmax_scale=sa.core_attention.softmax_scale,
         tp_group=tp,
+    )
+
+
+class _DepthLibrary(torch.autograd.Function):
+    """A stacked weight ``[L, ...]`` as one depth's input (no copy); the backward adds this depth's
+    gradient of each block's slice to that block's FP32 ``main_grad`` and hands autograd
+    megatron-core's placeholder (``grad_added_to_main_grad``: its DDP skips it)."""
+
+    @staticmethod
+    def forward(ctx, stacked, *weights):
+        ctx.weights = weights
+        return stacked.view_as(stacked)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        placeholders = []
+        for weight, part in zip(ctx.weights, grad):
+            weight.main_grad.add_(part.float())
+            weight.grad_added_to_main_grad = True
+            make = torch.zeros if getattr(weight, "zero_out_wgrad", False) else torch.empty
+            placeholders.append(make(weight.shape, dtype=weight.dtype, device=weight.device))
+        return (None, *placeholders)
+
+
+def for_depth(lib: StackedLibrary) -> StackedLibrary:
+    """The library as one depth uses it: itself, or (fused gradient accumulation, see
+    :func:`stack_library`) its stacks with a backward into the blocks' FP32 ``main_grad``."""
+    if lib.sources is None or not torch.is_grad_enabled():
+        return lib
+    return replace(
+        lib, **{name: _DepthLibrary.apply(getattr(lib, name), *weights) for name, weights in lib.sources.items()}
     )
 
 

@@ -30,7 +30,7 @@ import torch
 
 from megatron_lol.model.attention import chunk_bias
 from megatron_lol.model.core_steps import CoreContext, RoutedStep
-from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, grouped_support, stack_library
+from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, grouped_support, stack_library
 from megatron_lol.model.grouped_exchange import exchange_rows
 from megatron_lol.model.host_layout import DepthWindows, HostLayout
 from megatron_lol.model.precision import fp8_disabled
@@ -106,7 +106,9 @@ class GroupedRoutedStep(RoutedStep):
     def update(self, flat: torch.Tensor, windows: DepthWindows, decision: Decision, ctx: CoreContext) -> torch.Tensor:
         core, step, cfg = self.core, self.step, self.core.cfg
         # this rank's blocks (under expert parallelism its share of the library)
-        library = _cached(ctx, "library", lambda: stack_library([core.block(i) for i in core.local_block_ids()]))
+        library = for_depth(
+            _cached(ctx, "library", lambda: stack_library([core.block(i) for i in core.local_block_ids()]))
+        )
         if core.packed:  # THD attention restarts RoPE positions per window
             positions = windows.token_position
         else:
