@@ -690,6 +690,36 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     torch.testing.assert_close(got, want)
 
 
+def test_the_whole_grouped_core_compiles_as_one_graph(monkeypatch):
+    """Every routed depth of a forward (injection, FiLM per block, truncated backprop, the balancing terms)
+    given the host layout: one ``torch.compile(fullgraph=True)`` graph, forward and backward, with the eager
+    values (BF16: torch's meta function of ``_grouped_mm`` takes BF16 only). Static shapes: nothing in the
+    core depends on the routes' values."""
+    from megatron_lol.model.grouped_core import grouped_core_forward
+
+    net = _lol(monkeypatch, True, num_blocks=4, params_dtype="bf16", film="depth_block", input_injection=True).train()
+    layout = build_host_layout(_tokens(2, 40, 3), 0, 8, 4, range(1, 5), 4, torch.tensor([1, 2]))
+    rope, steps = net.rotary(40), net.core.plan.steps()
+
+    def core(x):
+        out = grouped_core_forward(net.core, x, layout, rope, steps, depth=4, backprop_depth=2)
+        return out.states, out.aux_loss
+
+    x0 = torch.randn(80, 1, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    torch._dynamo.reset()
+    runs = []
+    for fn in (core, torch.compile(core, fullgraph=True, backend="aot_eager")):
+        net.zero_grad(set_to_none=True)
+        x = x0.clone().requires_grad_(True)
+        states, aux = fn(x)
+        (states.float().square().sum() + aux).backward()
+        runs.append([states, x.grad] + [p.grad for p in net.core.parameters() if p.grad is not None])
+    torch._dynamo.reset()
+    assert len(runs[0]) == len(runs[1]) > 10
+    for got, want in zip(runs[1], runs[0]):
+        torch.testing.assert_close(got.float(), want.float(), **TOL)
+
+
 # ------------------------------------------------------------------ the trainer builds the layout
 def _grouped_trainer(routed_core: str, parallel=None, **model):
     from test_parallel_lol import SEQ, SyntheticTokens, TinyTokenizer
