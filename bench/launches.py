@@ -29,6 +29,10 @@ with the CPU backend off and on (``cpu ms``: the reference with the CPU backend,
 what CPU training runs), the runs interleaved; then the ratio grouped /
 reference-with-backend paired per repetition.
 
+``--what expert-parallel``: the core's counts under expert parallelism (EP = 2,
+two gloo processes, each holding half of the library and routing its own
+tokens), the reference and the grouped core, on rank 0.
+
 ``--what stacking``: the cost of stacking the library's weights per micro-batch
 (``grouped_blocks.stack_library``, forward and backward) against one grouped
 depth's forward + backward, at the quickstart shape and the 360M shape.
@@ -37,6 +41,7 @@ depth's forward + backward, at the quickstart shape and the 360M shape.
     python bench/launches.py --hidden 128 --heads 4 --ffn 384 --blocks 4 --depth 4 --window 32 --shift 16 \\
         --batch 8 --seq 256 --layouts local --reps 10   # CPU time at the quickstart shape
     python bench/launches.py --what stacking
+    python bench/launches.py --what expert-parallel
 """
 
 from __future__ import annotations
@@ -72,42 +77,40 @@ def parse_args(argv=None):
     p.add_argument(
         "--reps", type=int, default=3, help="timed forward+backward repetitions (median; 0: counts only, no CPU times)"
     )
-    p.add_argument("--what", default="counts", help="counts, stacking, or both (comma-separated)")
+    p.add_argument(
+        "--what", default="counts", help="counts, stacking, expert-parallel (comma-separated; default counts)"
+    )
     p.add_argument("--stacking-shapes", default="quickstart,360M", help="shapes of the stacking measurement")
     add_threads_arg(p)
     return p.parse_args(argv)
 
 
-def model_config(args, blocks, **over):
+def model_config(args, blocks, plan=None):
+    """The benched model: a LoL plan of ``blocks`` blocks at ``args.depth`` depths, or ``plan`` (a plan section)."""
     from megatron_lol.config import config_from_dict
 
     m = dict(
-        plan="lol",
+        plan=plan or dict(kind="lol", num_blocks=blocks, routed_depth=args.depth),
         hidden_size=args.hidden,
         num_attention_heads=args.heads,
         n_prelude=args.prelude,
         n_coda=args.coda,
-        window_size=args.window,
-        window_shift=args.shift,
-        num_blocks=blocks,
-        routed_depth=args.depth,
     )
+    if m["plan"]["kind"] == "lol":
+        m.update(window_size=args.window, window_shift=args.shift)
     if args.ffn:
         m["ffn_hidden_size"] = args.ffn
-    m.update(over)
-    if m["plan"] != "lol":
-        for key in ("num_blocks", "routed_depth", "window_size", "window_shift"):
-            m.pop(key, None)
     return config_from_dict({"model": m}).model
 
 
-def build(args, blocks, packed, **over):
+def build(args, blocks, packed, parallel=None, plan=None):
     from megatron_lol.model.lol_model import LoLGPTModel
 
     net = LoLGPTModel(
-        model_config(args, blocks, **over),
+        model_config(args, blocks, plan),
         args.vocab,
         0,
+        parallel=parallel,
         init_seed=1234,
         max_sequence_length=args.seq,
         packed_sequences=packed,
@@ -120,8 +123,8 @@ def build(args, blocks, packed, **over):
     return net.train()
 
 
-def make_batch(args):
-    gen = torch.Generator().manual_seed(0)
+def make_batch(args, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
     tokens = torch.randint(1, args.vocab, (args.batch, args.seq), generator=gen)
     for k in range(1, args.docs_per_row):
         tokens[:, k * args.seq // args.docs_per_row - 1] = 0  # EOD
@@ -228,7 +231,7 @@ def measure_counts(args):
     rows, paired = [], []
     for layout_name in args.layouts.split(","):
         packed = layout_name == "packed"
-        dense = build(args, 0, packed, plan="dense", core_layers=args.depth)
+        dense = build(args, 0, packed, plan=dict(kind="dense", layers=args.depth))
         for blocks in [int(x) for x in args.blocks.split(",")]:
             torch.manual_seed(0)
             net = build(args, blocks, packed)
@@ -344,7 +347,8 @@ def measure_stacking(args):
     for name in args.stacking_shapes.split(","):
         shape = dict(shapes[name])
         batch, seq = shape.pop("batch"), shape.pop("seq")
-        cfg = config_from_dict({"model": dict(plan="lol", n_prelude=1, n_coda=1, **shape)}).model
+        plan = dict(kind="lol", num_blocks=shape.pop("num_blocks"), routed_depth=shape.pop("routed_depth"))
+        cfg = config_from_dict({"model": dict(plan=plan, n_prelude=1, n_coda=1, **shape)}).model
         tconfig = transformer_config(cfg, num_layers=cfg.execution_plan().num_stored_blocks + 2)
         core = Core(cfg, core_config(tconfig, cfg), block_spec(False), first_layer_number=2, init_seed=1).train()
         blocks = [core.block(i) for i in range(cfg.num_blocks)]
@@ -390,12 +394,101 @@ def measure_stacking(args):
     )
 
 
+def _expert_parallel_rank(rank: int, port: int, args, queue) -> None:
+    """One of the two ranks of ``--what expert-parallel`` (gloo, EP = 2): its own tokens, half the library."""
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        LOCAL_WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
+    try:
+        import warnings
+
+        warnings.filterwarnings("ignore", category=UserWarning)
+        torch.set_num_threads(max(1, args.threads))
+        from megatron.core import parallel_state, tensor_parallel
+
+        from megatron_lol.config.schema import ParallelConfig
+        from megatron_lol.platform import init_distributed, setup_platform
+
+        setup_platform()
+        init_distributed()
+        parallel_state.initialize_model_parallel(expert_model_parallel_size=2)
+        tensor_parallel.model_parallel_cuda_manual_seed(1234)
+        tokens, _, seeds = make_batch(args, seed=rank)
+        rows = []
+        for layout_name in args.layouts.split(","):
+            for blocks in [int(x) for x in args.blocks.split(",")]:
+                torch.manual_seed(0)
+                net = build(args, blocks, layout_name == "packed", ParallelConfig(expert_model_parallel_size=2))
+                layout = host_layout(args, net, tokens, seeds)
+                for name, impl in (("core ref", "ref"), ("core grouped", "grouped")):
+                    row = with_backend(False, lambda: count(core_runner(net, impl, layout, seeds, args)))
+                    rows.append((layout_name, blocks, name, row))
+        queue.put((rank, rows))
+    except BaseException:  # noqa: BLE001 - the parent reports it
+        import traceback
+
+        queue.put((rank, traceback.format_exc()))
+
+
+def measure_expert_parallel(args):
+    """Counts of the core under expert parallelism (2 gloo processes, EP = 2): rank 0's rows."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if any(int(x) % 2 for x in args.blocks.split(",")):
+        raise SystemExit(f"--what expert-parallel: --blocks {args.blocks} must be even (EP = 2 shards the library)")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    procs = [ctx.Process(target=_expert_parallel_rank, args=(r, port, args, queue), daemon=True) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    results = dict(queue.get(timeout=1200) for _ in procs)
+    for proc in procs:
+        proc.join(timeout=60)
+    for rank, result in sorted(results.items()):
+        if isinstance(result, str):
+            raise SystemExit(f"--what expert-parallel: rank {rank} failed:\n{result}")
+    return results[0]
+
+
+def print_expert_parallel(args, rows):
+    print(
+        f"expert parallelism, EP = 2 (2 gloo processes, each half of the library, its own {args.batch} x {args.seq} "
+        f"tokens), the core's forward + backward on rank 0, D={args.depth}, width {args.hidden}; "
+        f"counts with {BACKEND_ENV}=0"
+    )
+    print(
+        f"{'layout':7s} {'L':>3s} {'path':14s} {'syncs fwd':>9s} {'syncs bwd':>9s} {'ops fwd':>8s} {'ops bwd':>8s}"
+        f" {'syncs / depth':>13s}  syncs by op"
+    )
+    for layout_name, blocks, name, r in rows:
+        names = ", ".join(f"{k} {v}" for k, v in sorted(r["sync_names"].items()))
+        per_depth = (r["fwd_syncs"] + r["bwd_syncs"]) / args.depth
+        print(
+            f"{layout_name:7s} {blocks:>3d} {name:14s} {r['fwd_syncs']:9d} {r['bwd_syncs']:9d} {r['fwd_ops']:8d}"
+            f" {r['bwd_ops']:8d} {per_depth:13.2f}  {names}"
+        )
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
-    setup_megatron(args.threads)
     what = set(args.what.split(","))
-    if what - {"counts", "stacking"}:
-        raise SystemExit(f"--what {args.what}: takes counts, stacking or both")
+    if what - {"counts", "stacking", "expert-parallel"}:
+        raise SystemExit(f"--what {args.what}: takes counts, stacking, expert-parallel (comma-separated)")
+    if "expert-parallel" in what:  # its own processes, before this one initialises megatron-core
+        print_expert_parallel(args, measure_expert_parallel(args))
+    if not what & {"counts", "stacking"}:
+        return 0
+    setup_megatron(args.threads)
     if "counts" in what:
         print_counts(args, *measure_counts(args))
     if "stacking" in what:

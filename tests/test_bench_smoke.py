@@ -125,6 +125,19 @@ def test_launches_counts_every_path_and_the_grouped_core_reads_nothing_back():
     assert any(line.startswith("quickstart") for line in out.splitlines())  # the stacking measurement
 
 
+def test_launches_expert_parallel_reads_the_split_sizes_once_per_depth():
+    out = _run("launches.py", "--blocks", "2,4", "--depth", "2", "--seq", "32", "--what", "expert-parallel")
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["local"], ["packed"])]
+    assert {(r[0], r[1], r[3]) for r in rows} == {
+        (lay, L, p) for lay in ("local", "packed") for L in ("2", "4") for p in ("ref", "grouped")
+    }
+    for r in rows:
+        if r[3] == "grouped":  # one read per routed depth (the exchange's split sizes), none in backward
+            assert r[4:6] == ["2", "0"] and r[-2:] == ["tolist", "2"], r
+        else:
+            assert int(r[4]) > 2, r
+
+
 def test_bf16_grads_prints_both_paths_for_each_depth():
     out = _run("bf16_grads.py", "--depths", "2", "5", "--hidden", "32", "--seq", "32", "--batch", "2")
     rows = [line.split() for line in out.splitlines() if line.strip() and line.split()[0].isdigit()]
