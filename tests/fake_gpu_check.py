@@ -116,6 +116,7 @@ def grouped_core(expert_exchange: bool = False) -> dict:
     (the world), so every depth goes through the exchange of ``model/grouped_exchange.py`` with
     NCCL-strict collectives; the CPU run is the one without it."""
     import torch.distributed as dist
+
     from megatron_lol.model.core import ForcedPath
     from megatron_lol.model.grouped_core import grouped_core_forward
     from megatron_lol.model.host_layout import build_host_layout

@@ -36,11 +36,10 @@ def library_grads(fusion: bool, record: list, device=None, grouped: bool = False
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.tensor_parallel import layers
 
-    from megatron_lol.model import grouped_blocks
-    from megatron_lol.model.host_layout import build_host_layout
-
     from megatron_lol.config import config_from_dict
+    from megatron_lol.model import grouped_blocks
     from megatron_lol.model.core import ForcedPath
+    from megatron_lol.model.host_layout import build_host_layout
     from megatron_lol.model.lol_model import LoLGPTModel
 
     device = device or torch.device("cpu")

@@ -626,6 +626,59 @@ def test_grouped_core_under_expert_parallelism_equals_the_reference_and_one_proc
             assert r["grouped_syncs"] == {"tolist": r["depths"]}, (rank, packed, r)
 
 
+def _tensor_and_expert_parallel_check():
+    """Rank side of the TP=2 (+SP) x EP=2 test: grouped vs the per-block reference, both layouts."""
+    import os
+
+    from distributed import model_parallel
+    from megatron.core import parallel_state
+
+    from megatron_lol.config.schema import ParallelConfig
+    from megatron_lol.model.grouped_core import grouped_core_support
+
+    os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
+    results = {}
+    with model_parallel(tp=2, ep=2, seed=1):
+        dp = parallel_state.get_data_parallel_rank()  # the two TP ranks of a TP group share their tokens
+        parallel = ParallelConfig(tensor_model_parallel_size=2, expert_model_parallel_size=2, sequence_parallel=True)
+        for packed in (False, True):
+            net = _build_lol(packed, parallel, vocab=98, num_blocks=4, film="depth_block", num_query_groups=2).train()
+            D, L, h = net.plan.depth, net.plan.num_stored_blocks, net.cfg.hidden_size
+            tokens = _tokens(2, 40, 30 + dp, short_docs=True)
+            seeds = torch.tensor([1 + 2 * dp, 2 + 2 * dp])
+            layout = build_host_layout(tokens, 0, 8, 4, range(1, D + 1), L, seeds)
+            x0 = torch.randn(40, 2, h, generator=torch.Generator().manual_seed(5 + dp))
+            if packed:
+                x0 = x0.transpose(0, 1).reshape(80, 1, h)
+            runs = {impl: _run_core(net, impl, x0, layout, seeds, None, 2, True, False) for impl in ("ref", "grouped")}
+            (ref, ref_dx, ref_grads, _, _), (new, new_dx, new_grads, _, count) = runs["ref"], runs["grouped"]
+            results[packed] = dict(
+                support=grouped_core_support(net.core),
+                blocks=net.core.local_block_ids(),
+                same_params=set(new_grads) == set(ref_grads),
+                worst=max(
+                    [float((new.states - ref.states).abs().max()), float((new_dx - ref_dx).abs().max())]
+                    + [float((new_grads[k] - g).abs().max()) for k, g in ref_grads.items()]
+                ),
+                syncs=dict(count.sync_names),
+                depths=D,
+            )
+    return results
+
+
+def test_grouped_core_under_tensor_and_expert_parallelism_equals_the_reference():
+    """TP=2 with SP inside EP=2 (4 ranks): the exchange between EP peers of one TP rank, then the grouped
+    projections' TP collectives, equal the per-block reference in both layouts; one read per depth."""
+    from distributed import run_distributed
+
+    results = run_distributed(_tensor_and_expert_parallel_check, 4, timeout=400)
+    assert sorted(tuple(r[False]["blocks"]) for r in results) == [(0, 1), (0, 1), (2, 3), (2, 3)]
+    for rank, by_layout in enumerate(results):
+        for packed, r in by_layout.items():
+            assert r["support"] is None and r["same_params"] and r["worst"] < 1e-6, (rank, packed, r)
+            assert r["syncs"] == {"tolist": r["depths"]}, (rank, packed, r)
+
+
 def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     """A depth's routing, grouping and combine are each one graph: no data-dependent shape, no host
     read. ``aot_eager`` traces forward and backward without code generation (cheap). The grouped
