@@ -106,10 +106,10 @@ def build_models(args) -> dict:
 
     tokens = {"eod_id": 2, "bos_id": 1, "pad_id": 0}
     configs = {
-        "lol": experiment(args, dict(plan="lol", num_blocks=args.blocks, routed_depth=args.depth)),
-        "dense": experiment(args, dict(plan="dense", core_layers=args.depth)),
+        "lol": experiment(args, dict(plan=dict(kind="lol", num_blocks=args.blocks, routed_depth=args.depth))),
+        "dense": experiment(args, dict(plan=dict(kind="dense", layers=args.depth))),
         "accordion": experiment(
-            args, dict(plan="accordion", loop_window=args.depth - 1, loop_budgets=[0, 1], loop_budget=1)
+            args, dict(plan=dict(kind="accordion", window=args.depth - 1, budgets=[0, 1], budget=1))
         ),
     }
     models = {}

@@ -69,7 +69,10 @@ def main(argv=None) -> int:
     cfg = config_from_dict(
         {
             "model": dict(
-                hidden_size=args.hidden, num_attention_heads=args.heads, ffn_hidden_size=args.ffn, num_blocks=max(calls)
+                hidden_size=args.hidden,
+                num_attention_heads=args.heads,
+                ffn_hidden_size=args.ffn,
+                plan=dict(kind="lol", num_blocks=max(calls)),
             )
         }
     ).model
