@@ -6,7 +6,7 @@ as shipped they cannot save that state (``platform/megatron_fixes.py``). Each
 case trains the tiny model of ``test_checkpointing`` in bf16 for 8 iterations,
 saving at 4, then resumes a copy of the checkpoint of iteration 4: iterations
 5-8 must repeat the uninterrupted run's loss, gradient norm and learning rate
-exactly.
+exactly. One case runs the routed depths as the grouped core.
 """
 
 from __future__ import annotations
@@ -21,6 +21,9 @@ CASES = {
     "adam": ([], 1),
     "adam-distributed-dp2": (["--use-distributed-optimizer"], 2),
     "muon": (["--optimizer", "muon"], 1),
+    # the routed depths grouped (host layouts, library gradients into main_grad per depth), under the
+    # growing-depth curriculum of the tiny config
+    "adam-grouped-core": (["--set", "model.routed_core=grouped"], 1),
 }
 
 
@@ -51,6 +54,8 @@ def test_bf16_checkpoint_resumes_bit_exact(bf16_config, case):
     (resumed / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
     assert run(config, resumed, *flags, log=log, nproc=nproc) == 0, log.read_text()[-3000:]
     assert "optimizer loaded" in log.read_text()
+    if "model.routed_core=grouped" in flags:
+        assert "routed core: grouped" in log.read_text()
     got = metrics(resumed)
     assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))
     assert_same_losses(got, reference, range(SAVE_AT + 1, ITERS + 1))
