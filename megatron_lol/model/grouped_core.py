@@ -9,8 +9,8 @@ depth) and changes how each part is computed: the windows come from the
 :class:`~.host_layout.HostLayout` (already on the device), routing, loads and
 losses from :mod:`.static_routing`, and all blocks of the depth run as one
 computation (:mod:`.grouped_blocks`). No device-to-host read anywhere in the
-forward or backward, and a number of operations per depth that does not grow
-with ``L``.
+forward or backward (under expert parallelism one per depth, below), and a
+number of operations per depth that does not grow with ``L``.
 
 :func:`grouped_core_support` says when it applies (a LoL plan whose blocks
 :func:`~.grouped_blocks.grouped_support` accepts); elsewhere the reference
