@@ -854,11 +854,12 @@ def test_grouped_core_refuses_what_it_cannot_run(megatron_env):
         _grouped_trainer("grouped", moe_layers="all", num_experts=2, moe_ffn_hidden_size=16)
 
 
-def _train_expert_parallel(routed_core: str) -> dict:
+def _train_expert_parallel(routed_core: str, parallel=None) -> dict:
     import os
 
     os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
-    trainer = _grouped_trainer(routed_core, {"expert_model_parallel_size": 2}, num_blocks=4)
+    parallel = parallel or {"expert_model_parallel_size": 2}
+    trainer = _grouped_trainer(routed_core, parallel, num_blocks=4, routed_depth=4)
     batches = trainer.data_iterator(trainer.train_ds, 0)
     steps = [trainer.train_step(batches) for _ in range(3)]
     return dict(
@@ -877,6 +878,20 @@ def test_training_with_the_grouped_core_under_expert_parallelism_equals_the_refe
     ref = run_distributed(_train_expert_parallel, 2, "reference", timeout=400)
     new = run_distributed(_train_expert_parallel, 2, "grouped", timeout=400)
     assert [r["blocks"] for r in new] == [[0, 1], [2, 3]]
+    for r, n in zip(ref, new):
+        assert not r["grouped"] and n["grouped"]
+        for key in ("loss", "grad_norm"):
+            torch.testing.assert_close(torch.tensor(n[key]), torch.tensor(r[key]), rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_training_with_the_grouped_core_under_pipeline_parallelism_equals_the_reference():
+    """PP=2 through the trainer: each stage runs its share of the routed depths grouped, from the layout
+    built with its micro-batch; three steps with the reference's losses and gradient norms."""
+    from distributed import run_distributed
+
+    pp = {"pipeline_model_parallel_size": 2}
+    ref = run_distributed(_train_expert_parallel, 2, "reference", pp, timeout=400)
+    new = run_distributed(_train_expert_parallel, 2, "grouped", pp, timeout=400)
     for r, n in zip(ref, new):
         assert not r["grouped"] and n["grouped"]
         for key in ("loss", "grad_norm"):
