@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megatron_lol.model.static_routing import TokenGrouping, permute_rows
+from megatron_lol.model.static_routing import TokenGrouping, group_tokens, permute_rows
 
 
 @dataclass
@@ -83,21 +83,12 @@ def exchange_rows(
     block_ids = torch.arange(per_rank, device=device).repeat(ep)
     block_of = torch.repeat_interleave(block_ids, local.reshape(-1), output_size=received_total)
     source = torch.repeat_interleave(torch.arange(ep, device=device), local.sum(dim=1), output_size=received_total)
-    block_of_row, order = torch.sort(block_of, stable=True)
-    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(received_total, device=device))
-    ends = torch.cumsum(local.sum(dim=0), dim=0)
     window = meta_in[:, 0] * ep + source  # unique across senders
+    grouping = group_tokens(block_of, window, per_rank)  # stable: windows stay whole and in order
     return ExchangedRows(
-        rows=permute_rows(received, order, inverse),
-        grouping=TokenGrouping(
-            order=order,
-            inverse=inverse,
-            block_of_row=block_of_row,
-            segments=window.index_select(0, order),
-            group_ends=ends.to(torch.int32),
-            group_offsets=torch.cat([ends.new_zeros(1), ends]),
-        ),
-        positions=meta_in[:, 1].index_select(0, order),
+        rows=permute_rows(received, grouping.order, grouping.inverse),
+        grouping=grouping,
+        positions=meta_in[:, 1].index_select(0, grouping.order),
         group=group,
         send_splits=send_splits,
         recv_splits=recv_splits,
