@@ -335,6 +335,8 @@ CASES = {
     ),
     # evaluation: no noise, routing records
     "local-eval-records": dict(packed=False, model=dict(routed_depth=3), train=False, record=True),
+    # PyTorch's fused attention (SDPA), as both paths run it off the CPU, forced here
+    "packed-fused-attention": dict(packed=True, model=dict(film="depth"), fused_attention=True),
 }
 
 
@@ -346,6 +348,9 @@ def test_grouped_core_equals_the_per_block_reference(monkeypatch, case):
     spec = CASES[case]
     net = _lol(monkeypatch, spec["packed"], **spec["model"])
     core = net.core.train(spec.get("train", True))
+    if spec.get("fused_attention"):
+        for block in core.blocks.values():
+            block.self_attention.core_attention.fused = True
     assert grouped_core_support(core) is None
     b, s, h, L, D = 2, 40, net.cfg.hidden_size, core.plan.num_stored_blocks, core.plan.depth
     tokens = _tokens(b, s, 11, short_docs=True)
@@ -376,6 +381,8 @@ def test_grouped_core_equals_the_per_block_reference(monkeypatch, case):
         ref, ref_dx, ref_grads, ref_loads, _ = _run_core(net, "ref", *args)
         new, new_dx, new_grads, new_loads, count = _run_core(net, "grouped", *args)
     assert count.syncs == 0, count.sync_names
+    if spec.get("fused_attention"):  # the grouped attention went through SDPA
+        assert any("scaled_dot_product" in name for name in count.op_names), sorted(count.op_names)
     torch.testing.assert_close(new.states, ref.states, **TOL)
     assert torch.equal(new.block_loads, ref.block_loads)
     assert int((ref.block_loads > 0).sum(dim=1).min()) > 1, "every depth should use several blocks"
