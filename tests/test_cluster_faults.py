@@ -136,8 +136,8 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
     line naming the stopped rank's host and pid."""
     script = tmp_path / "hb_rank.py"
     script.write_text(_HEARTBEAT_RANK)
-    timeout = 3.0
-    procs = launch_ranks([script, 0.5, timeout], 3, tmp_path)
+    interval, timeout = 0.5, 3.0
+    procs = launch_ranks([script, interval, timeout], 3, tmp_path)
     try:
         for r in range(3):
             wait_for_text(tmp_path / f"rank{r}.log", "ready", procs, 60)
@@ -151,8 +151,9 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
     finally:
         kill_all(procs)
     assert codes == [5, 5], codes
-    # the timeout, plus at most a period to notice and a period to pass the word on (and slack for a busy host)
-    assert timeout <= elapsed <= timeout + 6, elapsed
+    # the timeout counts from the stopped rank's last beat, up to a period before the SIGSTOP; then at most a
+    # period to notice and a period to pass the word on (and slack for a busy host)
+    assert timeout - interval <= elapsed <= timeout + 6, elapsed
     host = socket.gethostname()
     for r in range(3):
         if r == stopped:
@@ -169,7 +170,8 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
 RUNNER = REPO / "tests" / "fault_rank_runner.py"
 TRAIN_ITERS = 6
 HB_TIMEOUT = 6  # seconds: short for the tests, long enough that a busy one-core machine never trips it
-HEARTBEAT = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", str(HB_TIMEOUT)]
+HB_INTERVAL = 0.5
+HEARTBEAT = ["--heartbeat-interval", str(HB_INTERVAL), "--heartbeat-timeout", str(HB_TIMEOUT)]
 RUN_TIMEOUT = 75  # two ranks on one core: ~30 s, mostly the megatron-core import
 
 
@@ -308,7 +310,8 @@ def test_sigstop_of_one_rank_of_a_tp2_dp2_run_ends_every_rank_within_the_heartbe
         elapsed = time.monotonic() - t0
     finally:
         kill_all(procs)
-    assert codes == [5, 5, 5] and HB_TIMEOUT <= elapsed <= HB_TIMEOUT + 6, (codes, elapsed)
+    # from the stopped rank's last beat (up to a heartbeat interval before the SIGSTOP)
+    assert codes == [5, 5, 5] and HB_TIMEOUT - HB_INTERVAL <= elapsed <= HB_TIMEOUT + 6, (codes, elapsed)
     for r in (0, 1, 3):
         line = one_error_line((tmp_path / f"rank{r}.log").read_text())
         assert f"rank 2 (host {socket.gethostname()}, pid {procs[2].pid}) stopped answering" in line, line
