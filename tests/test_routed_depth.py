@@ -861,20 +861,23 @@ def test_grouped_core_refuses_what_it_cannot_run(megatron_env):
         _grouped_trainer("grouped", moe_layers="all", num_experts=2, moe_ffn_hidden_size=16)
 
 
-def _train_expert_parallel(routed_core: str, parallel=None, **model) -> dict:
+def _train_both(parallel: dict, **model) -> dict:
+    """Rank side: three trainer steps with ``model.routed_core: reference``, then ``grouped`` (one launch)."""
     import os
 
     os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
-    parallel = parallel or {"expert_model_parallel_size": 2}
-    trainer = _grouped_trainer(routed_core, parallel, num_blocks=4, routed_depth=4, **model)
-    batches = trainer.data_iterator(trainer.train_ds, 0)
-    steps = [trainer.train_step(batches) for _ in range(3)]
-    return dict(
-        grouped=trainer.grouped_core,
-        loss=[s.loss for s in steps],
-        grad_norm=[s.grad_norm for s in steps],
-        blocks=trainer.model_chunks[0].module.core.local_block_ids(),
-    )
+    out = {}
+    for routed_core in ("reference", "grouped"):
+        trainer = _grouped_trainer(routed_core, parallel, num_blocks=4, routed_depth=4, **model)
+        batches = trainer.data_iterator(trainer.train_ds, 0)
+        steps = [trainer.train_step(batches) for _ in range(3)]
+        out[routed_core] = dict(
+            grouped=trainer.grouped_core,
+            loss=[s.loss for s in steps],
+            grad_norm=[s.grad_norm for s in steps],
+            blocks=trainer.model_chunks[0].module.core.local_block_ids(),
+        )
+    return out
 
 
 def test_training_with_the_grouped_core_under_expert_parallelism_equals_the_reference():
@@ -882,10 +885,9 @@ def test_training_with_the_grouped_core_under_expert_parallelism_equals_the_refe
     three steps of the grouped core have the reference's losses and gradient norms."""
     from distributed import run_distributed
 
-    ref = run_distributed(_train_expert_parallel, 2, "reference", timeout=400)
-    new = run_distributed(_train_expert_parallel, 2, "grouped", timeout=400)
-    assert [r["blocks"] for r in new] == [[0, 1], [2, 3]]
-    for r, n in zip(ref, new):
+    runs = run_distributed(_train_both, 2, {"expert_model_parallel_size": 2}, timeout=400)
+    assert [run["grouped"]["blocks"] for run in runs] == [[0, 1], [2, 3]]
+    for r, n in ((run["reference"], run["grouped"]) for run in runs):
         assert not r["grouped"] and n["grouped"]
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(n[key]), torch.tensor(r[key]), rtol=1e-5, atol=1e-6, msg=key)
@@ -896,10 +898,8 @@ def test_training_with_the_grouped_core_under_pipeline_parallelism_equals_the_re
     built with its micro-batch; three steps with the reference's losses and gradient norms."""
     from distributed import run_distributed
 
-    pp = {"pipeline_model_parallel_size": 2}
-    ref = run_distributed(_train_expert_parallel, 2, "reference", pp, timeout=400)
-    new = run_distributed(_train_expert_parallel, 2, "grouped", pp, timeout=400)
-    for r, n in zip(ref, new):
+    runs = run_distributed(_train_both, 2, {"pipeline_model_parallel_size": 2}, timeout=400)
+    for r, n in ((run["reference"], run["grouped"]) for run in runs):
         assert not r["grouped"] and n["grouped"]
         for key in ("loss", "grad_norm"):
             torch.testing.assert_close(torch.tensor(n[key]), torch.tensor(r[key]), rtol=1e-5, atol=1e-6, msg=key)
@@ -912,9 +912,8 @@ def test_bf16_training_with_the_grouped_core_overlaps_the_gradient_reduction():
     from distributed import run_distributed
 
     flags = {"overlap_grad_reduce": True, "use_distributed_optimizer": True}
-    ref = run_distributed(_train_expert_parallel, 2, "reference", flags, params_dtype="bf16", timeout=400)
-    new = run_distributed(_train_expert_parallel, 2, "grouped", flags, params_dtype="bf16", timeout=400)
-    for r, n in zip(ref, new):
+    runs = run_distributed(_train_both, 2, flags, params_dtype="bf16", timeout=400)
+    for r, n in ((run["reference"], run["grouped"]) for run in runs):
         assert not r["grouped"] and n["grouped"]
         # the first step's gradients come from the same weights: equal up to the BF16 GEMMs' rounding; after
         # updates BF16 differences can flip a near-tied route, so later steps only stay close
