@@ -546,16 +546,21 @@ def _expert_parallel_check():
     from distributed import model_parallel
 
     from megatron_lol.config.schema import ParallelConfig
+    from megatron_lol.model.core import ForcedPath
     from megatron_lol.model.grouped_core import grouped_core_support
 
     os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
     rank = dist.get_rank()
     model = dict(num_blocks=4, film="depth_block", input_injection=True, num_query_groups=2)
     results = {}
-    for packed, first_window in ((False, True), (True, False)):
+    # the third case sends every window to block 0: rank 1 receives nothing at any depth
+    for case, packed, first_window in (("local", False, True), ("packed", True, False), ("all-to-0", False, True)):
         b, s = 2, 40
         tokens = _tokens(b, s, 30 + rank, short_docs=True)
         seeds = torch.tensor([1 + 2 * rank, 2 + 2 * rank])
+        forced = None
+        if case == "all-to-0":
+            forced = ForcedPath(ids=torch.zeros(4, 8, dtype=torch.long), gates=torch.full((4, 8), 0.5))
         runs = {}
         for impl, ep in (("single", 1), ("ref", 2), ("grouped", 2)):
             with model_parallel(ep=ep, seed=1):
@@ -569,13 +574,14 @@ def _expert_parallel_check():
                 if impl == "grouped":
                     assert grouped_core_support(net.core) is None
                 out, dx, grads, _, count = _run_core(
-                    net, "ref" if impl == "single" else impl, x0, layout, seeds, None, 2, first_window, False
+                    net, "ref" if impl == "single" else impl, x0, layout, seeds, forced, 2, first_window, False
                 )
                 # the data-parallel sum every replicated parameter's gradient gets (a block's: over the
                 # ranks holding it, so all ranks for one process, itself alone under expert parallelism)
+                # (every parameter, zero where this rank computed no gradient: the ranks' calls must match)
                 summed = {}
-                for name, g in sorted(grads.items()):
-                    g = g.clone()
+                for name, p in sorted(net.core.named_parameters()):
+                    g = grads[name].clone() if name in grads else torch.zeros_like(p)
                     if ep == 1 or not name.startswith("blocks."):
                         dist.all_reduce(g)
                     summed[name] = g
@@ -590,12 +596,15 @@ def _expert_parallel_check():
                 )
         single, ref, new = runs["single"], runs["ref"], runs["grouped"]
 
+        def nonzero(run):
+            return {k for k, g in run["grads"].items() if bool(g.abs().sum() > 0)}
+
         def worst(a, b):
             diffs = [(a["states"] - b["states"]).abs().max(), (a["dx"] - b["dx"]).abs().max()]
             diffs += [(a["summed"][k] - b["summed"][k]).abs().max() for k in a["summed"]]
             return float(max(diffs))
 
-        results[packed] = dict(
+        results[case] = dict(
             blocks=new["blocks"],
             same_loads=torch.equal(new["loads"], ref["loads"]) and torch.equal(ref["loads"], single["loads"]),
             used=int((new["loads"] > 0).sum()),
@@ -605,7 +614,8 @@ def _expert_parallel_check():
             ),
             ref_vs_single=worst(ref, single),
             grouped_vs_single=worst(new, single),
-            same_params=set(new["grads"]) == set(ref["grads"]) and set(ref["grads"]) < set(single["grads"]),
+            # the parameters that got a gradient (the grouped GEMMs give a block that got no rows a zero one)
+            same_params=nonzero(new) == nonzero(ref) and nonzero(ref) <= nonzero(single) and bool(nonzero(ref)),
             grouped_syncs=new["syncs"],
             depths=D,
         )
@@ -616,21 +626,20 @@ def test_grouped_core_under_expert_parallelism_equals_the_reference_and_one_proc
     """EP=2, each rank holding half of the library: the grouped depth (one exchange per depth, the ranks'
     blocks as one grouped computation) equals the per-block expert-parallel reference and one process
     holding the whole library, in the local and the packed layout (positions in the window: the
-    per-token RoPE through the exchange), with truncated backprop (first windows kept / all frozen).
+    per-token RoPE through the exchange), with truncated backprop (first windows kept / all frozen), and
+    with every window forced to block 0 (rank 1 receives nothing and still takes part in every exchange).
     The only host read is the exchange's split sizes, once per depth."""
     from distributed import run_distributed
 
-    results = run_distributed(_expert_parallel_check, 2, timeout=400)
-    assert [r[False]["blocks"] for r in results] == [[0, 1], [2, 3]]
+    results = run_distributed(_expert_parallel_check, 2, timeout=240)  # a hang (it did, see window_dispatch) fails
+    assert [r["local"]["blocks"] for r in results] == [[0, 1], [2, 3]]
     for rank, by_layout in enumerate(results):
-        for packed, r in by_layout.items():
-            assert r["same_loads"] and r["same_params"] and r["used"] > r["depths"], (rank, packed, r)
-            assert r["grouped_vs_ref"] < 1e-6 and r["ref_vs_single"] < 1e-6 and r["grouped_vs_single"] < 1e-6, (
-                rank,
-                packed,
-                r,
-            )
-            assert r["grouped_syncs"] == {"tolist": r["depths"]}, (rank, packed, r)
+        for case, r in by_layout.items():
+            assert r["same_loads"] and r["same_params"], (rank, case, r)
+            assert r["used"] == r["depths"] if case == "all-to-0" else r["used"] > r["depths"], (rank, case, r)
+            worst = max(r["grouped_vs_ref"], r["ref_vs_single"], r["grouped_vs_single"])
+            assert worst < 1e-6, (rank, case, r)
+            assert r["grouped_syncs"] == {"tolist": r["depths"]}, (rank, case, r)
 
 
 def _tensor_and_expert_parallel_check():

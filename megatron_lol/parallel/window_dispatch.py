@@ -81,6 +81,8 @@ def run_grouped_expert_parallel(
             seg = window[start : start + count]
             outputs.append(run_block(rank * per_rank + local, chunk, seg, positions[start : start + count]) - chunk)
         start += count
-    updates = torch.cat(outputs, dim=0) if outputs else x.new_zeros(x.shape)
+    # nothing arrived: the (empty) updates still come from what arrived, so that the reverse all-to-all's
+    # output needs a gradient here as on the other ranks, and every rank runs its backward (else they hang)
+    updates = torch.cat(outputs, dim=0) if outputs else x * 0
     unpermuted = updates.new_zeros(updates.shape).index_copy(0, perm, updates)
     return all_to_all(group, unpermuted, send_splits, recv_splits)
