@@ -631,7 +631,7 @@ def test_grouped_core_under_expert_parallelism_equals_the_reference_and_one_proc
     The only host read is the exchange's split sizes, once per depth."""
     from distributed import run_distributed
 
-    results = run_distributed(_expert_parallel_check, 2, timeout=240)  # a hang (it did, see window_dispatch) fails
+    results = run_distributed(_expert_parallel_check, 2, timeout=240)  # a hang fails the test
     assert [r["local"]["blocks"] for r in results] == [[0, 1], [2, 3]]
     for rank, by_layout in enumerate(results):
         for case, r in by_layout.items():
