@@ -491,7 +491,9 @@ def test_fp8_runs_the_layers_only(megatron_env, monkeypatch):
     monkeypatch.setattr(precision, "_te_autocast", recorder)
     cfg = _model_config(plan="lol", film="depth", num_experts=4, moe_ffn_hidden_size=32, moe_layers="fixed")
     net = LoLGPTModel(cfg, VOCAB, EOD, init_seed=1).train()
-    net.config.fp8 = "hybrid"  # what transformer_config sets from model.fp8 (TE itself is not here)
+    # what transformer_config sets from model.fp8 (TE itself is not here), in the model's config and
+    # in the core's (its own copy: library.core_config)
+    net.config.fp8 = net.core.tconfig.fp8 = "hybrid"
     seen: dict = {}
     for name, module in net.named_modules():
         if (

@@ -74,7 +74,10 @@ class NondeterminismRecorder(TorchDispatchMode):
                 if keys is not None and torch.unique(keys, dim=1).shape[1] != keys.shape[1]:
                     why = "index_put with repeated indices"
         elif name in ("scatter", "scatter_") and len(args) > 3 and isinstance(args[3], torch.Tensor):
-            why = "scatter of a tensor"
+            # a scatter writes in thread order only where two sources hit one slot (a permutation does not)
+            index = args[2]
+            if index.dim() != 1 or torch.unique(index).numel() != index.numel():
+                why = "scatter of a tensor with repeated indices"
         if why:
             self.found.append(f"{func} ({why})")
         return func(*args, **kwargs)
@@ -118,8 +121,82 @@ def test_routing_path_has_no_cuda_nondeterministic_operation(make_model):
         torch.cumsum(torch.ones(4), 0)
         torch.zeros(3).index_put_((torch.tensor([0, 0]),), torch.ones(2), accumulate=True)
         torch.ones(4, 2).gather(0, torch.zeros(1, 2, dtype=torch.long)).sum()
+        torch.zeros(3).scatter_(0, torch.tensor([2, 2]), torch.ones(2))
+        torch.zeros(3).scatter_(0, torch.tensor([2, 0, 1]), torch.ones(3))  # a permutation: fine
     names = " ".join(caught.found)
     assert "index_add_" in names and "cumsum" in names and "accumulating index_put" in names
+    assert names.count("repeated indices") == 1
+
+
+def _grouped_routing_path(core, tokens, eod, depths, seeds):
+    """The routing of the routed core that CUDA runs (host layout, static_routing), forward and backward."""
+    from megatron_lol.model import static_routing as sr
+    from megatron_lol.model.host_layout import build_host_layout
+
+    b, s = tokens.shape
+    num_blocks = core.plan.num_stored_blocks
+    layout = build_host_layout(tokens, eod, core.cfg.window_size, core.cfg.window_shift, depths, num_blocks, seeds)
+    states = torch.randn(b * s, core.cfg.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    table = torch.randn(num_blocks, core.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
+    table.requires_grad_(True)
+    loss = 0.0
+    for depth in depths:
+        windows = layout.for_depth(depth)
+        summaries = sr.router_summaries(windows, states, core.depth_vectors[depth - 1])
+        router = core.router_for(depth)
+        decision = sr.decide(router, summaries, layout.noise.get(depth), core.balancer.for_depth(depth))
+        sr.record_loads(core.balancer, depth, sr.window_loads(windows, decision.choice, num_blocks))
+        token_choice = decision.choice.index_select(0, windows.token_window)
+        grouping = sr.group_tokens(token_choice, windows.token_window, num_blocks)
+        rows = sr.gather_segment_rows(table, grouping.block_of_row, grouping.group_offsets)  # per-block parameters
+        gate = sr.token_gates(windows, decision.gate)
+        update = sr.permute_rows(rows, grouping.inverse, grouping.order)
+        out = sr.gated_combine(states, states * update, gate)
+        loss = loss + out.sum() + sr.sequence_aux_loss(windows, decision) + sr.global_aux_loss(windows, decision)
+    loss.backward()
+    return states.grad, table.grad
+
+
+def test_grouped_routing_path_has_no_cuda_nondeterministic_operation(make_model):
+    """The routed core's path on CUDA (host-built layout): summaries, prefix means, decision, loads,
+    grouping, per-block parameter gathers, gates, combine, both auxiliary losses and their backward."""
+    net = make_model(router_std=0.5, window_size=8, window_shift=3, num_blocks=3, routed_depth=3).train()
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(1, 97, (3, 40), generator=g)
+    tokens[0, 5] = tokens[1, 17] = tokens[1, 18] = tokens[2, 33] = 0
+    recorder = NondeterminismRecorder()
+    with recorder:
+        grad, table_grad = _grouped_routing_path(net.core, tokens, 0, [1, 2, 3], torch.tensor([5, 6, 7]))
+    assert not recorder.found, recorder.found
+    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
+    assert table_grad.abs().sum() > 0
+
+
+def test_router_only_term_has_no_cuda_nondeterministic_operation_and_equals_float64():
+    from megatron_lol.model.router import router_only_prefix_means
+
+    g = torch.Generator().manual_seed(5)
+    b, s, h = 3, 37, 8
+    embeddings = torch.randn(4, h, generator=g)
+    index = torch.randint(-3, 4, (b * s,), generator=g).clamp(min=-1)  # about half the tokens router-only
+    starts = torch.zeros(b, s, dtype=torch.bool)
+    starts[:, 0] = True
+    starts[0, 11] = starts[1, 2] = starts[2, 30] = True
+    positions = torch.zeros(b, s, dtype=torch.long)
+    for r in range(b):
+        for t in range(s):
+            positions[r, t] = 0 if starts[r, t] else positions[r, t - 1] + 1
+    positions = positions.reshape(-1)
+    with NondeterminismRecorder() as recorder:
+        got = router_only_prefix_means(embeddings, index, positions, s)
+    assert not recorder.found, recorder.found
+    want = torch.zeros(b * s, h, dtype=torch.float64)
+    for t in range(b * s):
+        first = t - int(positions[t])
+        rows = [int(i) for i in index[first : t + 1] if i >= 0]
+        if rows:
+            want[t] = embeddings.double()[rows].mean(0)
+    torch.testing.assert_close(got.double(), want, rtol=1e-6, atol=1e-6)
 
 
 def _naive_means(states, layout):

@@ -388,7 +388,7 @@ class Core(nn.Module):
                 router_only=None
                 if router_only is None
                 else router_only_prefix_means(
-                    self.router_only_embeddings, router_only.reshape(-1), docs.positions.reshape(-1)
+                    self.router_only_embeddings, router_only.reshape(-1), docs.positions.reshape(-1), row_len
                 ),
                 layout=layout,
             )

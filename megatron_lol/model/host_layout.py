@@ -79,6 +79,11 @@ class DepthWindows:
     def capacity(self) -> int:
         return self.window_ordinal.shape[0]
 
+    @property
+    def ordinal_bound(self) -> int:
+        """An upper bound of a window's ordinal + 1 (a document has at most ``C`` windows): a shape, no read."""
+        return max(1, self.capacity)
+
     def as_window_layout(self, depth: int) -> WindowLayout:
         """Today's :class:`~.windows.WindowLayout` (real windows only), for the reference path."""
         n = self.num_windows

@@ -226,11 +226,19 @@ def moe_executions(model: ModelConfig) -> int:
 
 def core_config(config, model: ModelConfig, packed: bool = False):
     """The core's TransformerConfig: its MoE layers may hold another number of experts (Foil's E);
-    with packed (THD) sequences a sliding-window core says its window in ``window_size``, which
-    TE's attention (and the local attention on packed input) applies."""
+    a plan that runs a stored block more than once keeps every call's weight gradient under
+    Transformer Engine (``disable_parameter_transpose_cache``); with packed (THD) sequences a
+    sliding-window core says its window in ``window_size``, which TE's attention (and the local
+    attention on packed input) applies."""
     experts = model.core_experts
     if experts is not None and experts != config.num_moe_experts:
         config = dataclasses.replace(config, num_moe_experts=experts)
+    if model.execution_plan().reruns_blocks and not config.disable_parameter_transpose_cache:
+        # megatron-core's TE layers pass is_first_microbatch to TE unless this is set, and TE's
+        # backward then writes the first micro-batch's weight gradient into main_grad with
+        # accumulate=False: a block's first call (the last to run backward) would overwrite the
+        # gradients of its other depths (docs/gpu.md, "A block that runs at several depths")
+        config = dataclasses.replace(config, disable_parameter_transpose_cache=True)
     if packed and any(step.attention == "sliding" for step in model.execution_plan().steps()):
         # a query sees itself and the window_size - 1 keys before it (SegmentMask.sliding)
         config = dataclasses.replace(config, window_size=(model.window_size - 1, 0))

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.autograd.function import once_differentiable
 
-from megatron_lol.model.windows import WindowLayout, segment_means
+from megatron_lol.model.windows import WindowLayout, segment_means, segmented_inclusive_sum
 
 
 @dataclass
@@ -131,25 +131,24 @@ def depth_only_summaries(num_windows: int, depth_vector: torch.Tensor) -> torch.
     return depth_vector.float().unsqueeze(0).expand(num_windows, -1)
 
 
-def router_only_prefix_means(embeddings: torch.Tensor, index: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def router_only_prefix_means(
+    embeddings: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, bound: int
+) -> torch.Tensor:
     """Per token ``t`` of a row-major stream: the mean router embedding of the router-only tokens of
     ``t``'s document at positions up to and including ``t`` (zero where there is none), fp32 ``[T, h]``.
 
     ``index`` [T]: each token's row of ``embeddings`` ``[n, h]``, -1 for an ordinary token;
-    ``positions`` [T]: position in the document. Sums are running sums in stream order minus the
-    sum before the document's first token: a fixed order (no atomics), the same on every rank.
+    ``positions`` [T]: position in the document; ``bound``: an upper bound of a position + 1 (the
+    row length). Sums and counts are one running sum per document that restarts at position 0
+    (:func:`~.windows.segmented_inclusive_sum`): a fixed order, no atomics and no floating-point
+    ``cumsum``, the same bits on every rank and device.
     """
     is_ro = index >= 0
     rows = embeddings.float().index_select(0, index.clamp(min=0))
     rows = torch.where(is_ro.unsqueeze(1), rows, 0.0)
-    sums = torch.cumsum(rows, dim=0)
-    counts = torch.cumsum(is_ro.to(torch.float32), dim=0)
-    start = torch.arange(index.numel(), device=index.device) - positions  # first token of the document
-    before = (start - 1).clamp(min=0)
-    has_before = (start > 0).unsqueeze(1)
-    sums = sums - torch.where(has_before, sums.index_select(0, before), 0.0)
-    counts = counts - torch.where(has_before.squeeze(1), counts.index_select(0, before), 0.0)
-    return sums / counts.clamp(min=1.0).unsqueeze(1)
+    both = segmented_inclusive_sum(torch.cat([rows, is_ro.to(torch.float32).unsqueeze(1)], dim=1), positions, bound)
+    sums, counts = both[:, :-1], both[:, -1:]
+    return sums / counts.clamp(min=1.0)
 
 
 def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -15,9 +15,11 @@ must agree on, are ordered: segment sums over contiguous runs
 ``index_add_`` / ``scatter_add_`` with repeated indices, whose floating-point
 result depends on the order of atomic adds on CUDA. Window sums are the
 reference's own (:func:`~.windows.segment_means`, a padded layout summed along
-its rows: bit for bit the same means, so the same routes); the
-per-document prefix over windows is a float64 cumulative sum (its rounding is
-below float32's, so no long running sum leaks into a document's prefix).
+its rows: bit for bit the same means, so the same routes), and so is the
+per-document prefix over windows (:func:`~.windows.document_prefix_means`, a
+doubling scan that restarts at each document: no floating-point ``cumsum``).
+Every sum over rows accumulates in FP32 whatever the dtype of the rows
+(:func:`segment_sum`).
 
 Padding windows (``window_valid`` false) hold no token; their choice is
 never used, and they count in no load or loss.
@@ -33,13 +35,21 @@ from torch.autograd.function import once_differentiable
 
 from megatron_lol.model.host_layout import DepthWindows
 from megatron_lol.model.router import choose_blocks
-from megatron_lol.model.windows import segment_means
+from megatron_lol.model.windows import document_prefix_means, segment_means
 
 
 def segment_sum(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Sums of the rows ``x[offsets[i]:offsets[i+1]]`` in row order (``len(offsets) - 1`` rows; empty
-    segments are 0). ``unsafe``: the offsets are not checked, which would read them back."""
-    return torch.segment_reduce(x, "sum", offsets=offsets, axis=0, unsafe=True)
+    segments are 0), accumulated in FP32 and returned in ``x``'s dtype.
+
+    ``torch.segment_reduce`` accumulates in its input's dtype on CPU and CUDA alike: a
+    segment of 4,096 BF16 gradients of 0.008 sums to 4.0 instead of 32.75, and a block
+    sees thousands of rows per depth. So the rows are widened to FP32 first (one FP32
+    copy of ``x``) and only the ``len(offsets) - 1`` sums are rounded back.
+    ``unsafe``: the offsets are not checked, which would read them back.
+    """
+    wide = x if x.dtype in (torch.float32, torch.float64) else x.float()
+    return torch.segment_reduce(wide, "sum", offsets=offsets, axis=0, unsafe=True).to(x.dtype)
 
 
 class _GatherSegmentRows(torch.autograd.Function):
@@ -126,36 +136,10 @@ def window_inputs(windows: DepthWindows, states: torch.Tensor) -> tuple:
     )
 
 
-class _PrefixMeans(torch.autograd.Function):
-    """``r_k = (1/k) sum_{j<k} mu_j`` over the earlier windows of each document (rows with k = 0: 0).
-
-    Forward: one float64 cumulative sum over all windows, minus its value at
-    the document's first window, cast to fp32 and divided by ``k`` in fp32 (as
-    the reference divides). Backward: ``d mu_j = sum_{j < k < end} g_k / k``,
-    a float64 reverse cumulative sum minus its value at the document's end.
-    """
-
-    @staticmethod
-    def forward(ctx, means, ordinal, doc_start, doc_end):
-        k = ordinal.clamp(min=1).unsqueeze(1).to(means.dtype)
-        ctx.save_for_backward(k, ordinal, doc_end)
-        wide = means.double()
-        exclusive = torch.cumsum(wide, 0) - wide
-        return (exclusive - exclusive.index_select(0, doc_start)).to(means.dtype) / k
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        k, ordinal, doc_end = ctx.saved_tensors
-        q = torch.where((ordinal > 0).unsqueeze(1), grad / k, torch.zeros_like(grad)).double()
-        # suffix[j] = sum_{i >= j} q_i, with a zero row at the end for documents ending at the last window
-        suffix = torch.cat([torch.flip(torch.cumsum(torch.flip(q, (0,)), 0), (0,)), q.new_zeros(1, q.shape[1])])
-        return (suffix[:-1] - q - suffix.index_select(0, doc_end)).to(grad.dtype), None, None, None
-
-
 def prefix_means(windows: DepthWindows, means: torch.Tensor) -> torch.Tensor:
-    """``r_k`` of every window (fp32 ``[C, h]``); see :class:`_PrefixMeans`."""
-    return _PrefixMeans.apply(means, windows.window_ordinal, windows.window_doc_start, windows.window_doc_end)
+    """``r_k`` of every window (fp32 ``[C, h]``): :func:`~.windows.document_prefix_means`, the one
+    implementation every layout uses (padding windows have ordinal 0 and mean 0: their prefix is 0)."""
+    return document_prefix_means(means, windows.window_ordinal, windows.ordinal_bound)
 
 
 def router_summaries(windows: DepthWindows, states: torch.Tensor, depth_vector: torch.Tensor) -> torch.Tensor:

@@ -161,6 +161,26 @@ def segmented_inclusive_sum(values: torch.Tensor, ordinal: torch.Tensor, bound: 
     return out
 
 
+def document_prefix_means(window_means: torch.Tensor, ordinal: torch.Tensor, bound: int) -> torch.Tensor:
+    """``r_k = (1/k) sum_{j<k} mu_j`` over the earlier windows of each document (rows with k = 0: 0). [N, h]
+
+    Windows of a document are consecutive and numbered by their ``ordinal``, so
+    the prefix sums are a running sum that restarts at every ordinal 0
+    (:func:`segmented_inclusive_sum`; ``bound``: any upper bound of an ordinal
+    + 1), shifted by one window: a document's prefixes are sums of its own
+    window means only (no subtraction of long running sums), in an order that
+    does not depend on the device. Extra doubling steps add exact zeros, so any
+    bound gives the same bits. The backward is autograd's, through the same
+    shifted additions: ordered as well. Every routed depth uses this one
+    function, whatever its layout (measured on the device or built on the host).
+    """
+    n = window_means.shape[0]
+    inclusive = segmented_inclusive_sum(window_means, ordinal, bound)
+    before = torch.cat([inclusive.new_zeros((min(1, n),) + tuple(inclusive.shape[1:])), inclusive[: n - 1]])
+    exclusive = torch.where((ordinal >= 1).unsqueeze(1), before, 0)
+    return exclusive / ordinal.clamp(min=1).unsqueeze(1).to(exclusive.dtype)
+
+
 @dataclass
 class WindowLayout:
     """The windows of one routed depth over a flattened micro-batch (``b*s`` tokens).
@@ -221,15 +241,5 @@ class WindowLayout:
     def prefix_means(self, window_means: torch.Tensor) -> torch.Tensor:
         """``r_k = (1/k) sum_{j<k} mu_j`` per document (rows for k = 0 are zero). [N, h]
 
-        Windows of a document are consecutive and numbered by their ordinal, so
-        the prefix sums are a running sum that restarts at every ordinal 0
-        (:func:`segmented_inclusive_sum`), shifted by one window: a document's
-        prefixes are sums of its own window means only (no subtraction of long
-        running sums), in an order that does not depend on the device.
-        """
-        n = window_means.shape[0]
-        ordinal = self.window_ordinal
-        inclusive = segmented_inclusive_sum(window_means, ordinal, self._ordinal_bound())
-        before = torch.cat([inclusive.new_zeros((min(1, n),) + tuple(inclusive.shape[1:])), inclusive[: n - 1]])
-        exclusive = torch.where((ordinal >= 1).unsqueeze(1), before, 0)
-        return exclusive / ordinal.clamp(min=1).unsqueeze(1).to(exclusive.dtype)
+        :func:`document_prefix_means` with this layout's ordinals."""
+        return document_prefix_means(window_means, self.window_ordinal, self._ordinal_bound())

@@ -176,6 +176,14 @@ class ExecutionPlan:
         return 1 + max(step.pass_index for step in self._steps)
 
     @property
+    def reruns_blocks(self) -> bool:
+        """Whether a stored block can run more than once in one forward pass: a second pass of a
+        loop, or a router that may pick the same block at two of its depths. Such a block's weight
+        gradient is the sum of its calls', which Transformer Engine keeps only when its layers are
+        not told about a first micro-batch (library.core_config; docs/gpu.md)."""
+        return self.loop_passes > 1 or sum(1 for step in self._steps if step.routed) > 1
+
+    @property
     def core_experts(self) -> Optional[int]:
         """Experts per MoE layer of the core's blocks (None: dense MLPs)."""
         m = self.model
