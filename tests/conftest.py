@@ -1,9 +1,20 @@
-"""Shared fixtures: one megatron-core process state per test session, tiny LoL models."""
+"""Shared fixtures: one megatron-core process state per test session, tiny LoL models; how the
+suite shares the machine (CPU slots, launch accounting, file order: tests/suite_support.py)."""
 
 from __future__ import annotations
 
+import collections
+import json
+import os
+import time
+
 import pytest
+import suite_support
 import torch
+
+suite_support.install_launch_watch()
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)  # a worker owns one core (suite_support.cpu_slots)
 
 SEED = 1234
 VOCAB = 97
@@ -75,10 +86,82 @@ def make_model(megatron_env):
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA: skipped without it (CI is a CPU machine); bench/gpu/run_all.sh runs them."""
+    """Longest files first (suite_support.order_by_duration). Tests marked ``gpu`` need CUDA: skipped
+    without it (CI is a CPU machine); bench/gpu/run_all.sh runs them."""
+    suite_support.order_by_duration(items)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA (run by bench/gpu/run_all.sh on a GPU machine)")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ------------------------------------------------------------------ sharing the machine
+_FILE_TIME: collections.Counter = collections.Counter()
+_FILE_TESTS: collections.Counter = collections.Counter()
+_LAUNCHES: collections.Counter = collections.Counter()
+_UPGRADED: list = []
+_STARTED = time.monotonic()
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_protocol(item, nextitem):
+    """Hold the test's CPU slots around its setup, call and teardown (module fixtures included),
+    outside any timeout's clock; note what it launches (suite_support.LaunchWatch)."""
+    slots = suite_support.CpuSlots()
+    if item.get_closest_marker(suite_support.MARKER) is not None:
+        slots.take_all()
+    else:
+        slots.take_one()
+    suite_support.WATCH.begin(item.nodeid, slots)
+    try:
+        yield
+    finally:
+        suite_support.WATCH.end()
+        slots.release()
+
+
+def pytest_runtest_logreport(report):
+    f = report.nodeid.split("::")[0]
+    _FILE_TIME[f] += report.duration
+    if report.when == "call" or (report.when == "setup" and not report.passed):
+        _FILE_TESTS[f] += 1
+
+
+def pytest_sessionfinish(session):
+    config = session.config
+    if hasattr(config, "workerinput"):  # an xdist worker: hand its counts to the controller
+        config.workeroutput["launches"] = dict(suite_support.WATCH.per_file)
+        config.workeroutput["upgraded"] = list(suite_support.WATCH.upgraded)
+    else:
+        _LAUNCHES.update(suite_support.WATCH.per_file)
+        _UPGRADED.extend(suite_support.WATCH.upgraded)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    output = getattr(node, "workeroutput", {})
+    _LAUNCHES.update(output.get("launches", {}))
+    _UPGRADED.extend(output.get("upgraded", []))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    if hasattr(config, "workerinput") or not _FILE_TIME:
+        return
+    tr = terminalreporter
+    tr.write_sep("=", "test time and process launches per file")
+    for line in suite_support.file_table(_FILE_TIME, _FILE_TESTS, _LAUNCHES):
+        tr.write_line(line)
+    tr.write_line(f"wall time of the session: {time.monotonic() - _STARTED:.0f} s")
+    if _UPGRADED:
+        tr.write_line(
+            f"{len(_UPGRADED)} tests took the whole machine only when they started a second process "
+            f"(mark them @pytest.mark.{suite_support.MARKER}):"
+        )
+        for nodeid in sorted(set(_UPGRADED)):
+            tr.write_line(f"  {nodeid}")
+    if os.environ.get("MEGATRON_LOL_UPDATE_DURATIONS") == "1":
+        rounded = {f: round(t, 1) for f, t in sorted(_FILE_TIME.items())}
+        suite_support.DURATIONS.write_text(json.dumps(rounded, indent=1) + "\n")
+        tr.write_line(f"wrote {suite_support.DURATIONS}")

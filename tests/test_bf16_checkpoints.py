@@ -17,6 +17,8 @@ import shutil
 import pytest
 from test_checkpointing import assert_same_losses, make_corpus, metrics, run, tracker, write_config
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+
 ITERS, SAVE_AT = 8, 4
 CASES = {
     # the routed depths grouped (host layouts, library gradients into main_grad per depth), under the

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -25,9 +26,11 @@ from pathlib import Path
 
 import pytest
 from distributed import free_port
+from suite_support import load_factor, scheduling_slack
 from test_checkpointing import REPO, make_corpus, metrics, subprocess_env, tracker, write_config
 
 TIMEOUT = pytest.mark.timeout(90, func_only=True)
+pytestmark = pytest.mark.multiprocess  # ranks of their own: the whole machine (tests/suite_support.py)
 
 
 # ------------------------------------------------------------------ helpers
@@ -151,9 +154,10 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
     finally:
         kill_all(procs)
     assert codes == [5, 5], codes
-    # the timeout counts from the stopped rank's last beat, up to a period before the SIGSTOP; then at most a
-    # period to notice and a period to pass the word on (and slack for a busy host)
-    assert timeout - interval <= elapsed <= timeout + 6, elapsed
+    # the timeout counts from the stopped rank's last beat, which a busy host may have delayed before the
+    # SIGSTOP: the detector's own count of silent seconds (in the line) is what must reach the timeout; then
+    # at most a period to notice and a period to pass the word on (slack grown with the machine's load)
+    assert elapsed <= timeout + scheduling_slack(6), (elapsed, load_factor())
     host = socket.gethostname()
     for r in range(3):
         if r == stopped:
@@ -163,6 +167,7 @@ def test_sigstop_of_one_rank_stops_every_other_rank_naming_it(tmp_path, stopped)
         assert len(lines) == 1, out
         assert f"rank {stopped} (host {host}, pid {victim.pid})" in lines[0], lines[0]
         assert lines[0].startswith("megatron-lol train: error:") and f"rank {r} stops (status 5)" in lines[0]
+        assert silent_seconds(lines[0]) >= timeout, lines[0]
         assert "Traceback" not in out, out
 
 
@@ -183,6 +188,13 @@ def train_ranks(config: Path, save: Path, log_dir: Path, *args, faults=(), name=
         log_dir,
         name=name,
     )
+
+
+def silent_seconds(line: str) -> int:
+    """The seconds of silence the heartbeat counted before it declared a rank (or the store) gone."""
+    found = re.search(r"(?:no heartbeat|no reply) for (\d+) s \(heartbeat timeout", line)
+    assert found, line
+    return int(found.group(1))
 
 
 def one_error_line(out: str) -> str:
@@ -310,10 +322,11 @@ def test_sigstop_of_one_rank_of_a_tp2_dp2_run_ends_every_rank_within_the_heartbe
         elapsed = time.monotonic() - t0
     finally:
         kill_all(procs)
-    # from the stopped rank's last beat (up to a heartbeat interval before the SIGSTOP)
-    assert codes == [5, 5, 5] and HB_TIMEOUT - HB_INTERVAL <= elapsed <= HB_TIMEOUT + 6, (codes, elapsed)
+    # counted from the stopped rank's last beat: the line's silent seconds reach the timeout
+    assert codes == [5, 5, 5] and elapsed <= HB_TIMEOUT + scheduling_slack(6), (codes, elapsed, load_factor())
     for r in (0, 1, 3):
         line = one_error_line((tmp_path / f"rank{r}.log").read_text())
+        assert silent_seconds(line) >= HB_TIMEOUT, line
         assert f"rank 2 (host {socket.gethostname()}, pid {procs[2].pid}) stopped answering" in line, line
         assert f"rank {r} stops (status 5)" in line, line
 
@@ -338,7 +351,7 @@ def test_kill9_of_one_rank_during_a_save_ends_the_job_and_the_relaunch_resumes_b
     finally:
         kill_all(procs)
     # rank 0 waits out the pause in its own code: the heartbeat names rank 1 after its timeout
-    assert codes == [5, -signal.SIGKILL] and elapsed < HB_TIMEOUT + 6, (codes, elapsed)
+    assert codes == [5, -signal.SIGKILL] and elapsed < HB_TIMEOUT + scheduling_slack(6), (codes, elapsed)
     line = one_error_line((tmp_path / "rank0.log").read_text())
     assert f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering" in line, line
     assert tracker(save) == 2 and not (save / "iter_0000004").exists()
@@ -459,7 +472,8 @@ def test_kill9_of_one_rank_mid_run_ends_the_other_at_once_naming_it(corpus, tmp_
         elapsed = time.monotonic() - t0
     finally:
         kill_all(procs)
-    assert codes == [5, -signal.SIGKILL] and elapsed < HB_TIMEOUT, (codes, elapsed)
+    # the closed connection, not the heartbeat timeout, ends it (the line below says which)
+    assert codes == [5, -signal.SIGKILL] and elapsed < scheduling_slack(HB_TIMEOUT), (codes, elapsed)
     line = one_error_line((tmp_path / "rank0.log").read_text())
     assert (
         f"rank 1 (host {socket.gethostname()}, pid {procs[1].pid}) stopped answering: its heartbeat stopped (" in line

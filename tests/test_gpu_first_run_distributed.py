@@ -17,6 +17,8 @@ from __future__ import annotations
 import pytest
 from distributed import run_distributed
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+
 SEQ, MBS = 32, 2
 MODEL = dict(
     hidden_size=32,

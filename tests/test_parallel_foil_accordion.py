@@ -15,6 +15,8 @@ import pytest
 from distributed import run_distributed
 from test_parallel_lol import SyntheticTokens, TinyTokenizer
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+
 FOIL = dict(
     plan="looped",
     num_blocks=2,

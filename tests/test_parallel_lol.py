@@ -13,6 +13,8 @@ import pytest
 import torch
 from distributed import run_distributed
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+
 VOCAB = 96
 SEQ = 64
 EOD = 1

@@ -13,6 +13,8 @@ import pytest
 from distributed import run_distributed
 from test_parallel_lol import SyntheticTokens, TinyTokenizer, _config
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+
 MODELS = {
     "lol-moe-fixed": dict(num_experts=4, moe_ffn_hidden_size=64, moe_layers="fixed", film="depth"),
     "dense": dict(plan="dense", num_blocks=None, routed_depth=None, core_layers=2),

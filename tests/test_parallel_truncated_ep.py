@@ -12,6 +12,8 @@ import pytest
 from distributed import run_distributed
 from test_parallel_lol import SyntheticTokens, TinyTokenizer, _config
 
+pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+
 
 def _train_truncated(parallel: dict, first_window_full: bool) -> dict:
     import dataclasses

@@ -70,7 +70,7 @@ ACTIVE = {
     "STOPPED",
 }
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # Slurm jobs use the whole machine
 
 
 def _run(*cmd, env=None, cwd=REPO, timeout=120):
