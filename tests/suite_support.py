@@ -25,6 +25,7 @@ are built once). Three things keep that honest on a 2-core machine:
 from __future__ import annotations
 
 import collections
+import contextlib
 import fcntl
 import json
 import multiprocessing.process
@@ -234,3 +235,16 @@ def load_factor() -> float:
 def scheduling_slack(seconds: float) -> float:
     """``seconds`` of slack for noticing and reporting (measured idle), grown with the machine's load."""
     return seconds * load_factor()
+
+
+@contextlib.contextmanager
+def machine_lock(name: str):
+    """Hold an exclusive lock named ``name`` for this machine: tests on different workers that write
+    the same path outside their tmp_path (the repository's data/quickstart) take turns."""
+    path = Path(tempfile.gettempdir()) / f"megatron-lol-test-{name}.lock"
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)

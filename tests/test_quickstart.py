@@ -16,6 +16,7 @@ import sys
 import time
 
 import pytest
+from suite_support import machine_lock
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,12 +26,13 @@ def test_quickstart_validation_loss_falls(tmp_path):
     data = os.path.join(REPO, "data", "quickstart")
     run = tmp_path / "run"
     t0 = time.time()
-    subprocess.run(
-        [sys.executable, "-m", "megatron_lol", "prepare-quickstart", "--output-dir", data],
-        check=True,
-        cwd=REPO,
-        timeout=600,
-    )
+    with machine_lock("quickstart-corpus"):  # test_replication.py prepares the same folder
+        subprocess.run(
+            [sys.executable, "-m", "megatron_lol", "prepare-quickstart", "--output-dir", data],
+            check=True,
+            cwd=REPO,
+            timeout=600,
+        )
     proc = subprocess.run(
         [
             sys.executable,

@@ -17,18 +17,22 @@ SCRIPT = REPO / "examples" / "replication" / "replicate.py"
 sys.path.insert(0, str(SCRIPT.parent))
 
 import replicate  # noqa: E402
+from suite_support import machine_lock  # noqa: E402
+
+pytestmark = pytest.mark.multiprocess  # the studies run two training processes at once (--jobs 2)
 
 
 @pytest.fixture(scope="module")
 def corpus_ready():
     """The bundled corpus the studies train on (README's prepare step; CI runs it before the tests)."""
-    if not (REPO / "data" / "quickstart" / "quickstart_text_document.idx").exists():
-        subprocess.run(
-            [sys.executable, "-m", "megatron_lol", "prepare-quickstart", "--output-dir", "data/quickstart"],
-            cwd=REPO,
-            check=True,
-            timeout=900,
-        )
+    with machine_lock("quickstart-corpus"):  # test_quickstart.py prepares the same folder
+        if not (REPO / "data" / "quickstart" / "quickstart_text_document.idx").exists():
+            subprocess.run(
+                [sys.executable, "-m", "megatron_lol", "prepare-quickstart", "--output-dir", "data/quickstart"],
+                cwd=REPO,
+                check=True,
+                timeout=900,
+            )
 
 
 @pytest.mark.timeout(900)

@@ -233,8 +233,8 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
     """Initialise ``torch.distributed`` from torchrun-style environment variables.
 
     Reads ``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``, ``MASTER_PORT`` and
-    ``LOCAL_RANK``. When ``WORLD_SIZE`` is absent (or 1) and no address is set,
-    runs a single process on a free localhost port. ``backend`` defaults to
+    ``LOCAL_RANK``. When ``WORLD_SIZE`` is absent (or 1) and no rank or port is set,
+    runs a single process on an in-memory store, leaving the environment as it was. ``backend`` defaults to
     ``"nccl"`` with CUDA and ``"gloo"`` without; with CUDA the current device
     is set to ``LOCAL_RANK`` and NCCL process groups are bound to it
     (``device_id``). ``LOCAL_RANK`` is required when ``RANK`` is set (a
@@ -254,12 +254,6 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
             "(launch with torchrun or set them)"
         )
     local_rank = _local_rank()  # one-line error under a launcher that did not set it
-    os.environ.setdefault("RANK", str(rank))
-    os.environ.setdefault("WORLD_SIZE", str(world_size))
-    os.environ.setdefault("LOCAL_RANK", str(local_rank))
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    if "MASTER_PORT" not in os.environ:
-        os.environ["MASTER_PORT"] = str(_free_port())
     if backend is None:
         backend = "nccl" if cuda_available() else "gloo"
     kwargs: dict[str, Any] = {}
@@ -273,8 +267,15 @@ def init_distributed(backend: str | None = None, timeout: datetime.timedelta | N
         kwargs["timeout"] = timeout
     if lone:
         # a lone process needs no rendezvous: an in-memory store cannot lose a port race
-        # with other processes on the machine (the free port probed above may be taken
-        # by the time TCPStore binds it)
+        # with other processes on the machine. Nor does it write RANK / MASTER_PORT into its
+        # environment: a process it starts (a CLI run from a test, an evaluation) would inherit
+        # them, take itself for a rank of a launch and bind that stale port
         dist.init_process_group(backend=backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
         return
+    os.environ.setdefault("RANK", str(rank))
+    os.environ.setdefault("WORLD_SIZE", str(world_size))
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(_free_port())
     dist.init_process_group(backend=backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
