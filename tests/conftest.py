@@ -98,6 +98,12 @@ def pytest_collection_modifyitems(config, items):
 
 
 # ------------------------------------------------------------------ sharing the machine
+def pytest_configure(config):
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None:  # an xdist worker (not a pytest some test started)
+        suite_support.RUN_ID = workerinput.get("testrunuid")
+
+
 _FILE_TIME: collections.Counter = collections.Counter()
 _FILE_TESTS: collections.Counter = collections.Counter()
 _LAUNCHES: collections.Counter = collections.Counter()

@@ -44,12 +44,17 @@ def slot_count() -> int:
     return max(1, int(os.environ.get("MEGATRON_LOL_TEST_SLOTS", os.cpu_count() or 1)))
 
 
+#: the xdist run this process is a worker of (set by conftest's pytest_configure from the worker's
+#: own ``workerinput``): a pytest that a test starts inherits the environment but is no worker,
+#: so it takes no slot (its parent test holds one for it)
+RUN_ID: str | None = None
+
+
 def _lock_dir() -> Path | None:
     """The run's lock folder, shared by its xdist workers (None outside xdist: nothing to share)."""
-    uid = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not uid:
+    if not RUN_ID:
         return None
-    path = Path(tempfile.gettempdir()) / f"megatron-lol-test-slots-{uid}"
+    path = Path(tempfile.gettempdir()) / f"megatron-lol-test-slots-{RUN_ID}"
     path.mkdir(exist_ok=True)
     return path
 

@@ -372,6 +372,7 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     """Save at TP=2 and at TP=2 x PP=2 and resume on 1 process; save on 1 process and resume
     at PP=2: losses continue within 1e-5 of the uninterrupted 1-process run."""
@@ -429,6 +430,7 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
 
 @pytest.mark.slow
 @pytest.mark.timeout(240, func_only=True)
+@pytest.mark.multiprocess
 def test_optimizer_state_across_the_expert_parallel_boundary_is_refused_in_one_line(setup):
     """megatron-core gives expert parameters (here: LoL's block library, sharded over EP) their own
     optimizer only under expert parallelism, so optimizer state saved at EP=2 does not fit one

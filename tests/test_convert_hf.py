@@ -307,6 +307,7 @@ def test_lol_single_process_logits_and_greedy_generation(lol_1proc, tmp_path, co
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_lol_tp2_pp2_logits_and_greedy_generation(lol_tp2pp2, tmp_path, corpus):
     info = json.loads(
         json.dumps(
@@ -318,6 +319,7 @@ def test_lol_tp2_pp2_logits_and_greedy_generation(lol_tp2pp2, tmp_path, corpus):
     print(f"lol TP=2 x PP=2: max abs logit diff {diff:.2e}")
 
 
+@pytest.mark.multiprocess
 def test_dense_exports_as_stock_llama_and_round_trips(dense_1proc, tmp_path, corpus):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM

@@ -109,6 +109,7 @@ def test_moe_bf16_export(moe_single, tmp_path, corpus):  # noqa: F811
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(EP2))
+@pytest.mark.multiprocess
 def test_moe_expert_parallel_checkpoint(moe_ep2, name, tmp_path, corpus):  # noqa: F811
     info = __import__("yaml").safe_load(open(next(moe_ep2[name].glob("iter_*/run_config.yaml"))))["checkpoint"]
     assert info["layout"]["ep"] == 2, info["layout"]

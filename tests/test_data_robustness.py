@@ -52,6 +52,7 @@ def assert_no_output(directory, keep=()):
 
 @pytest.mark.parametrize("workers", [1, 2])
 @pytest.mark.parametrize("case", sorted(BAD))
+@pytest.mark.multiprocess
 def test_bad_line_stops_with_file_and_line(tmp_path, tok_files, capsys, case, workers):
     bad, msg = BAD[case]
     inp = tmp_path / "in" / "corpus.jsonl"

@@ -133,6 +133,7 @@ def test_megatron_lm_flags_without_equivalent_and_abbreviations(capsys):
     assert code == 2 and "--exit-interval" in err
 
 
+@pytest.mark.multiprocess
 def test_configuration_error_names_the_flag_and_is_printed_once(tmp_path):
     """The two ranks of a launch with a bad value (torchrun's environment; the value is refused before
     any process group): rank 0 prints one line naming key and flag, rank 1 nothing; both exit 2."""
@@ -539,6 +540,7 @@ def _relative(got: list, ref: list) -> float:
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.multiprocess
 def test_training_journeys_layouts_traces_and_evaluate(corpus, tmp_path):
     # one process of its own (not a daemon: checkpoint saves start a writer process)
     env = dict(

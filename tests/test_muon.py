@@ -449,6 +449,7 @@ def _relative(got: list, ref: list) -> float:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.multiprocess
 def test_layouts_equal_one_process():
     ref = run_distributed(_references, 1, timeout=300)[0]
     results = run_distributed(_layouts, 2, timeout=800)
@@ -486,6 +487,7 @@ MUON_ARGS = ("--optimizer", "muon", "--set", "optimizer.muon_fp32_matmul_prec=hi
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.multiprocess
 def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
     from test_checkpointing import TRAIN_ITERS, assert_same_losses, kill9, launch, metrics, run, tracker, wait_for
 
@@ -536,6 +538,7 @@ def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.multiprocess
 def test_layer_wise_checkpoint_reshards_over_data_parallel(corpus):
     """DP=2 with the layer-wise distributed optimizer saves; its checkpoint resumes on one
     process; resuming it without the layer-wise optimizer is a one-line error."""

@@ -130,6 +130,7 @@ def _write_dataset(tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_torchrun_launch_and_layout_error(tmp_path):
     """torchrun --nproc-per-node 2 -m megatron_lol train works with gloo; a bad layout fails first."""
     from corpus_fixtures import stdlib_documents, train_sentencepiece

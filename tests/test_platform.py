@@ -310,6 +310,7 @@ def _layouts_check():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_layouts_match_single_process():
     t0 = time.perf_counter()
     per_rank = run_distributed(_layouts_check, 2, timeout=150)
@@ -370,6 +371,7 @@ def _train_step(ddp, opt, i):
 
 @pytest.mark.skipif(plat.has_apex(), reason="torch Adam fallback only")
 @pytest.mark.parametrize("sharding", ["fully_reshardable", "dp_reshardable"])
+@pytest.mark.multiprocess
 def test_distrib_optimizer_checkpoint_resumes_adam_step(single_process, tmp_path, sharding):
     from megatron.core import dist_checkpointing
 
@@ -407,6 +409,7 @@ def _fail_on_rank_one():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_run_distributed_reports_failing_rank():
     from distributed import DistributedTestError
 

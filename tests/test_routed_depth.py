@@ -524,6 +524,7 @@ def _tensor_parallel_check():
     return results
 
 
+@pytest.mark.multiprocess
 def test_grouped_core_under_tensor_parallelism_matches_with_one_collective_per_projection():
     from distributed import run_distributed
 
@@ -622,6 +623,7 @@ def _expert_parallel_check():
     return results
 
 
+@pytest.mark.multiprocess
 def test_grouped_core_under_expert_parallelism_equals_the_reference_and_one_process():
     """EP=2, each rank holding half of the library: the grouped depth (one exchange per depth, the ranks'
     blocks as one grouped computation) equals the per-block expert-parallel reference and one process
@@ -682,6 +684,7 @@ def _tensor_and_expert_parallel_check():
     return results
 
 
+@pytest.mark.multiprocess
 def test_grouped_core_under_tensor_and_expert_parallelism_equals_the_reference():
     """TP=2 with SP inside EP=2 (4 ranks): the exchange between EP peers of one TP rank, then the grouped
     projections' TP collectives, equal the per-block reference in both layouts; one read per depth."""
@@ -889,6 +892,7 @@ def _train_both(parallel: dict, **model) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_training_with_the_grouped_core_under_expert_parallelism_equals_the_reference():
     """EP=2 through the trainer (host layouts, megatron-core's DDP with the library sharded like experts):
     three steps of the grouped core have the reference's losses and gradient norms."""
@@ -902,6 +906,7 @@ def test_training_with_the_grouped_core_under_expert_parallelism_equals_the_refe
             torch.testing.assert_close(torch.tensor(n[key]), torch.tensor(r[key]), rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.multiprocess
 def test_training_with_the_grouped_core_under_pipeline_parallelism_equals_the_reference():
     """PP=2 through the trainer: each stage runs its share of the routed depths grouped, from the layout
     built with its micro-batch; three steps with the reference's losses and gradient norms."""
@@ -914,6 +919,7 @@ def test_training_with_the_grouped_core_under_pipeline_parallelism_equals_the_re
             torch.testing.assert_close(torch.tensor(n[key]), torch.tensor(r[key]), rtol=1e-5, atol=1e-6, msg=key)
 
 
+@pytest.mark.multiprocess
 def test_bf16_training_with_the_grouped_core_overlaps_the_gradient_reduction():
     """DP=2, BF16, ``--overlap-grad-reduce`` and the distributed optimizer (a Megatron-LM user's GPU flags):
     the grouped core's per-depth gradient placeholders fire megatron-core's DDP hooks D times per block

@@ -140,6 +140,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_same_config_same_model_at_tp1_and_tp2(runs):
     out, _ = runs
     assert out["tp1"]["vocab"] == out["tp2"]["vocab"] == 576
