@@ -40,6 +40,7 @@ def test_config_keeps_a_fractional_base():
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.multiprocess
 def test_fractional_rope_theta_survives_import_model_and_export(tmp_path):
     from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
