@@ -67,8 +67,6 @@ def build(args, depth: int, dtype: str):
 def block_grads(net, impl: str, layout, seeds, x0, grad_out, depth: int) -> dict:
     """One core forward + backward; each block weight's gradient as megatron-core's DDP would see it
     (``main_grad`` plus a gradient autograd left in ``.grad``)."""
-    from megatron_lol.model.grouped_core import grouped_core_forward
-
     core = net.core
     for p in core.parameters():
         p.grad = None
@@ -78,7 +76,7 @@ def block_grads(net, impl: str, layout, seeds, x0, grad_out, depth: int) -> dict
     rope = net.rotary(x0.shape[0])
     steps = core.plan.steps()
     if impl == "grouped":
-        out = grouped_core_forward(core, x, layout, rope, steps, depth=depth)
+        out = core(x, layout.document_layout(), rope, steps, depth=depth, layout=layout)
     else:
         out = core(x, layout.document_layout(), rope, steps, depth=depth, noise_seeds=seeds)
     out.states.backward(grad_out.to(x.dtype))

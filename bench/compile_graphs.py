@@ -92,7 +92,6 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"  # the path a GPU runs
     setup_megatron(args.threads)
-    from megatron_lol.model.grouped_core import grouped_core_forward
     from megatron_lol.model.lol_model import LoLGPTModel
 
     tokens, layout, seeds = tokens_and_layout(args)
@@ -103,7 +102,7 @@ def main(argv=None) -> int:
         rope, steps, h = net.rotary(args.seq), net.core.plan.steps(), net.cfg.hidden_size
 
         def core(x, net=net, rope=rope, steps=steps):
-            out = grouped_core_forward(net.core, x, layout, rope, steps, depth=args.depth, backprop_depth=2)
+            out = net.core(x, layout.document_layout(), rope, steps, depth=args.depth, backprop_depth=2, layout=layout)
             return out.states, out.aux_loss
 
         shape = (args.batch * args.seq, 1, h) if packed else (args.seq, args.batch, h)

@@ -144,8 +144,6 @@ def host_layout(args, net, tokens, seeds):
 
 def core_runner(net, impl, layout, seeds, args):
     """A closure: one core forward from fixed prelude-like states, returning a scalar loss."""
-    from megatron_lol.model.grouped_core import grouped_core_forward
-
     core, b, s = net.core, args.batch, args.seq
     docs = layout.document_layout()
     rope = net.rotary(s)
@@ -156,7 +154,7 @@ def core_runner(net, impl, layout, seeds, args):
     def run():
         x = x0.clone().requires_grad_(True)
         if impl == "grouped":
-            out = grouped_core_forward(core, x, layout, rope, steps, depth=len(steps))
+            out = core(x, docs, rope, steps, depth=len(steps), layout=layout)
         else:
             out = core(x, docs, rope, steps, depth=len(steps), noise_seeds=seeds)
         return out.states.float().square().mean() + out.aux_loss

@@ -118,7 +118,6 @@ def grouped_core(expert_exchange: bool = False) -> dict:
     import torch.distributed as dist
 
     from megatron_lol.model.core import ForcedPath
-    from megatron_lol.model.grouped_core import grouped_core_forward
     from megatron_lol.model.host_layout import build_host_layout
 
     cfg = model_config(**PLANS["lol"], input_injection=True)
@@ -138,16 +137,17 @@ def grouped_core(expert_exchange: bool = False) -> dict:
         with context as dev, collectives as seen:
             x = torch.randn(24, 2, 32, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_(True)
             steps = net.core.plan.steps()
-            out = grouped_core_forward(
-                net.core,
+            on_dev = layout.to(dev)
+            out = net.core(
                 x,
-                layout.to(dev),
+                on_dev.document_layout(),
                 net.rotary(24),
                 steps,
                 depth=3,
-                forced=forced,
+                forced_path=forced,
                 backprop_depth=1,
                 record=True,
+                layout=on_dev,
             )
             (out.states.square().sum() + out.aux_loss).backward()
         grads = {n: p.grad for n, p in net.core.named_parameters() if p.grad is not None}

@@ -57,7 +57,6 @@ def test_host_layout_equals_the_device_layout(b, s, W, S, short):
         for name in ("window_ordinal", "window_doc", "window_first_token", "window_length"):
             assert torch.equal(getattr(win, name)[:n], getattr(ref, name)), name
         assert bool((win.window_length[n:] == 0).all()) and int(win.window_valid.sum()) == n
-        assert torch.equal(win.as_window_layout(depth).window_length, ref.window_length)
         cu, _ = thd_params(ref.token_window, W)
         assert torch.equal(win.cu_seqlens[: n + 1], cu.cu_seqlens_q) and bool((win.cu_seqlens[n:] == b * s).all())
         first = ref.window_first_token.index_select(0, ref.token_window)
@@ -65,7 +64,6 @@ def test_host_layout_equals_the_device_layout(b, s, W, S, short):
         assert int(win.token_is_first.sum()) == n
         docs_of = torch.repeat_interleave(torch.arange(C), win.doc_window_offsets[1:] - win.doc_window_offsets[:-1])
         assert torch.equal(docs_of, ref.window_doc)
-        assert torch.equal(win.window_doc_start[:n], torch.arange(n) - ref.window_ordinal)
         noise = window_noise(ref, seeds, depth, L, s)
         assert torch.equal(layout.noise[depth][:n], noise), "noise must be bit for bit the device's draw"
     moved = layout.pin_memory().to("cpu")
@@ -96,12 +94,15 @@ def test_host_layout_for_a_trainer_batch_draws_the_trainers_noise():
     cfg = tiny_config(routed_depth=3)
     tokens = _tokens(2, 24, 3)
     batch = {"tokens": tokens, "sample_ids": torch.tensor([40, 41])}
-    layout = host_layout_for_batch(batch, cfg, 0, run_seed=7)
-    assert routed_depths(cfg) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
+    plan = cfg.execution_plan()
+    layout = host_layout_for_batch(batch, cfg, plan, 0, run_seed=7, pin=False)
+    assert routed_depths(plan) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
     ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.window_size, cfg.window_shift)
     seeds = batch["sample_ids"] + 7 * 1_000_000_007
     assert torch.equal(layout.noise[3][: ref.num_windows], window_noise(ref, seeds, 3, cfg.num_blocks, 24))
-    assert host_layout_for_batch({"tokens": tokens}, cfg, 0, run_seed=7).noise == {}
+    assert host_layout_for_batch({"tokens": tokens}, cfg, plan, 0, run_seed=7, pin=False).noise == {}
+    quiet = tiny_config(routed_depth=3, router_noise=False)
+    assert host_layout_for_batch(batch, quiet, quiet.execution_plan(), 0, run_seed=7, pin=False).noise == {}
 
 
 # ---------------------------------------------------------------- sync-free routing functions
@@ -270,8 +271,6 @@ def _build_lol(packed, parallel, vocab=97, **model):
 
 
 def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window, record):
-    from megatron_lol.model.grouped_core import grouped_core_forward
-
     core = net.core
     core.zero_grad(set_to_none=True)
     if core.balancer is not None:
@@ -281,17 +280,17 @@ def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window
     rope = net.rotary(layout.row_length)
     with OpCounter() as count:
         if impl == "grouped":
-            out = grouped_core_forward(
-                core,
+            out = core(
                 x,
-                layout,
+                layout.document_layout(),
                 rope,
                 steps,
                 depth=len(steps),
-                forced=forced,
+                forced_path=forced,
                 record=record,
                 backprop_depth=backprop_depth,
                 first_window_full_backprop=first_window,
+                layout=layout,
             )
         else:
             out = core(
@@ -300,7 +299,7 @@ def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window
                 rope,
                 steps,
                 depth=len(steps),
-                forced=forced,
+                forced_path=forced,
                 record=record,
                 backprop_depth=backprop_depth,
                 first_window_full_backprop=first_window,
@@ -403,8 +402,6 @@ def test_grouped_core_equals_the_per_block_reference(monkeypatch, case):
 
 def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
     """The whole model (prelude, core, coda, loss) with the grouped core and the host layout's documents."""
-    from megatron_lol.model.grouped_core import grouped_core_forward
-
     net = _lol(monkeypatch, False, film="depth").train()
     b, s = 2, 40
     tokens = _tokens(b, s, 12)
@@ -426,7 +423,7 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
         torch.testing.assert_close(grads_g[name], grad, **TOL, msg=name)
     # a broadcast gradient (loss = states.sum()) reaches the grouped GEMMs with zero strides
     x = torch.randn(s, b, net.cfg.hidden_size, requires_grad=True)
-    out = grouped_core_forward(net.core, x, layout, net.rotary(s), net.plan.steps(), depth=net.plan.depth)
+    out = net.core(x, layout.document_layout(), net.rotary(s), net.plan.steps(), depth=net.plan.depth, layout=layout)
     out.states.sum().backward()
     assert bool(torch.isfinite(x.grad).all())
 
@@ -767,14 +764,12 @@ def test_the_whole_grouped_core_compiles_as_one_graph(monkeypatch):
     given the host layout: one ``torch.compile(fullgraph=True)`` graph, forward and backward, with the eager
     values (BF16: torch's meta function of ``_grouped_mm`` takes BF16 only). Static shapes: nothing in the
     core depends on the routes' values."""
-    from megatron_lol.model.grouped_core import grouped_core_forward
-
     net = _lol(monkeypatch, True, num_blocks=4, params_dtype="bf16", film="depth_block", input_injection=True).train()
     layout = build_host_layout(_tokens(2, 40, 3), 0, 8, 4, range(1, 5), 4, torch.tensor([1, 2]))
     rope, steps = net.rotary(40), net.core.plan.steps()
 
     def core(x):
-        out = grouped_core_forward(net.core, x, layout, rope, steps, depth=4, backprop_depth=2)
+        out = net.core(x, layout.document_layout(), rope, steps, depth=4, backprop_depth=2, layout=layout)
         return out.states, out.aux_loss
 
     x0 = torch.randn(80, 1, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
@@ -34,6 +34,7 @@ from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.balancing import BalancingBias
 from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.core_steps import CoreContext, CoreState, DepthRecord, FixedStep, RoutedStep
+from megatron_lol.model.forward_options import ForwardOptions
 from megatron_lol.model.grouped_core import GroupedRoutedStep
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
@@ -330,38 +331,30 @@ class Core(nn.Module):
         docs: DocumentLayout,
         rope: Optional[torch.Tensor],
         steps: Sequence[Step],
+        options: Optional[ForwardOptions] = None,
         *,
-        depth: int,
-        forced: Optional[ForcedPath] = None,
-        record: bool = False,
-        record_moe: bool = False,
-        backprop_depth: Optional[int] = None,
-        first_window_full_backprop: bool = True,
-        noise_seeds: Optional[torch.Tensor] = None,
-        routing_check: Optional[Callable] = None,
-        layout=None,
         router_only: Optional[torch.Tensor] = None,
+        **overrides,
     ) -> CoreOutput:
-        """Run ``steps`` (this pipeline stage's share of the first ``depth`` steps of the plan).
+        """Run ``steps`` (this pipeline stage's share of the first ``options.depth`` steps of the plan).
 
         ``states``: [s, b, h] output of the prelude (or the previous stage); packed: the
         micro-batch as one row-major stream [b*s, 1, h]. ``docs`` always has the rows' shape
-        [b, s]. ``rope``: [s, 1, 1, d] row-position frequencies. ``noise_seeds`` [b]: one
-        seed per row for the router noise (see ``window_noise``); None draws it
-        from the global RNG. ``backprop_depth`` ``k``: only the last ``k`` of the
-        ``depth`` steps get gradients (first windows excepted when
-        ``first_window_full_backprop``). ``routing_check(depth, decision)``: called with each routed
-        depth's decision before its blocks run (the tensor-parallel agreement check of
-        :mod:`megatron_lol.parallel.routing_agreement`). ``layout``: the micro-batch's host-built
-        :class:`~.host_layout.HostLayout` on the states' device: the routed depths then run grouped
-        (:class:`~.grouped_core.GroupedRoutedStep`, see :meth:`step_for`; the caller checked
+        [b, s]. ``rope``: [s, 1, 1, d] row-position frequencies. ``options``: the forward's
+        :class:`~.forward_options.ForwardOptions` (keyword arguments named like its fields override
+        it); its ``depth`` must be given. With ``options.layout`` (the micro-batch's host-built
+        :class:`~.host_layout.HostLayout` on the states' device) the routed depths run grouped
+        (:class:`~.grouped_core.GroupedRoutedStep`, see :meth:`step_for`; the trainer checked
         ``grouped_core_support``), routed by the layout's noise instead of ``noise_seeds``.
         ``router_only`` [b, s]: each token's index in ``model.router_only_tokens`` (-1: an ordinary
         token), for the router's router-only term.
         """
-        if layout is not None and record_moe:
+        opts = ForwardOptions.of(options, overrides, "Core.forward")
+        if opts.depth is None:
+            raise ValueError("Core.forward: options.depth is required (the model resolves it from the plan)")
+        if opts.layout is not None and opts.record_moe:
             raise ValueError("Core.forward: record_moe with a grouped core (MoE blocks do not run grouped)")
-        if layout is not None and router_only is not None:
+        if opts.layout is not None and router_only is not None:
             raise ValueError("Core.forward: router-only tokens with a grouped core (no router-only term there)")
         backend = select_backend(states.device)
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
@@ -375,22 +368,15 @@ class Core(nn.Module):
                 rows=rows,
                 row_length=row_len,
                 stream_shape=(s_len, b),
-                depth=depth,
                 training=self.training,
-                forced=forced,
-                noise_seeds=noise_seeds,
-                backprop_depth=backprop_depth,
-                first_window_full_backprop=first_window_full_backprop,
+                options=opts,
                 backend=backend,
-                routing_check=routing_check,
-                moe_records=[] if record_moe else None,
-                record=record,
+                moe_records=[] if opts.record_moe else None,
                 router_only=None
                 if router_only is None
                 else router_only_prefix_means(
                     self.router_only_embeddings, router_only.reshape(-1), docs.positions.reshape(-1), row_len
                 ),
-                layout=layout,
             )
             flat = states.transpose(0, 1).reshape(b * s_len, h)
             state = CoreState(flat=flat, injected=flat)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 
@@ -31,6 +31,7 @@ from megatron_lol.convert.hf_modeling.parts_lol import inject
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
 from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
+from megatron_lol.model.forward_options import ForwardOptions
 from megatron_lol.model.router import RoutingDecision
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
@@ -55,13 +56,11 @@ class CoreContext:
 
     ``rope``: megatron's RoPE table ``[s, 1, 1, d]`` (row positions);
     ``token_rope``: the same angles per flat token ``[b*s, 1, 1, d]``, row-major.
-    ``backprop_depth`` ``k``: only the last ``k`` of the ``depth`` steps get
-    gradients (first windows excepted when ``first_window_full_backprop``).
-    ``routing_check(depth, decision)``: the tensor-parallel agreement check, called
-    before a routed depth's blocks run. ``moe_records``: the list MoE block calls
-    append to (None: not recorded). ``layout``: the micro-batch's host-built
-    :class:`~.host_layout.HostLayout` on the device; with it the core's routed
-    depths are :class:`~.grouped_core.GroupedRoutedStep` (``Core.step_for``).
+    ``options``: the forward's :class:`~.forward_options.ForwardOptions` (depth, forced path,
+    noise seeds, truncated backprop, records, routing check, host layout), read through the
+    properties below. ``moe_records``: the list MoE block calls append to (None: not recorded).
+    With ``options.layout`` the core's routed depths are
+    :class:`~.grouped_core.GroupedRoutedStep` (``Core.step_for``).
     """
 
     docs: DocumentLayout
@@ -70,19 +69,22 @@ class CoreContext:
     rows: int  # of the micro-batch (docs' shape [rows, row_length])
     row_length: int
     stream_shape: tuple  # (s, b) of the core's input states: (b*s, 1) when packed
-    depth: int
     training: bool
-    forced: Optional[object] = None  # ForcedPath
-    noise_seeds: Optional[torch.Tensor] = None
-    backprop_depth: Optional[int] = None
-    first_window_full_backprop: bool = True
+    options: ForwardOptions  # what the caller asked (its depth resolved to an int)
     backend: Optional[object] = None
-    routing_check: Optional[Callable] = None
     moe_records: Optional[list] = None
-    record: bool = False
     router_only: Optional[torch.Tensor] = None  # [b*s, h] router-only means per token (Router.router_only_prefix_means)
-    layout: Optional[object] = None  # HostLayout on the device: routed depths run grouped
     cache: dict = field(default_factory=dict)  # what the steps of one forward compute once
+
+    # the caller's options, read by the steps under their own names
+    depth = property(lambda self: self.options.depth)
+    forced = property(lambda self: self.options.forced_path)
+    noise_seeds = property(lambda self: self.options.noise_seeds)
+    backprop_depth = property(lambda self: self.options.backprop_depth)
+    first_window_full_backprop = property(lambda self: self.options.first_window_full_backprop)
+    routing_check = property(lambda self: self.options.routing_check)
+    record = property(lambda self: self.options.record)
+    layout = property(lambda self: self.options.layout)
 
     def truncated(self, step: Step) -> bool:
         """Whether ``step``'s updates are constants for autograd (truncated backprop through depth)."""

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, replace
-from typing import Optional, Sequence
+from typing import Optional
 
 import torch
 
@@ -32,7 +32,7 @@ from megatron_lol.model.attention import chunk_bias
 from megatron_lol.model.core_steps import CoreContext, RoutedStep
 from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, grouped_support, stack_library
 from megatron_lol.model.grouped_exchange import exchange_rows
-from megatron_lol.model.host_layout import DepthWindows, HostLayout
+from megatron_lol.model.host_layout import DepthWindows
 from megatron_lol.model.precision import fp8_disabled
 from megatron_lol.model.static_routing import (
     Decision,
@@ -143,46 +143,6 @@ def _forced_on(forced, device):
         return None
     return replace(
         forced, ids=forced.ids.to(device, non_blocking=True), gates=forced.gates.to(device, non_blocking=True)
-    )
-
-
-def grouped_core_forward(
-    core,
-    states: torch.Tensor,
-    layout: HostLayout,
-    rope: Optional[torch.Tensor],
-    steps: Sequence,
-    *,
-    depth: int,
-    forced=None,
-    record: bool = False,
-    backprop_depth: Optional[int] = None,
-    first_window_full_backprop: bool = True,
-    routing_check=None,
-):
-    """``core.forward`` of the routed ``steps`` given ``layout`` (their :class:`GroupedRoutedStep`): the
-    form a caller holding the prelude's output and the layout, but no documents, calls it in.
-
-    ``states``: ``[s, b, h]`` (local layout) or the packed stream ``[b*s, 1, h]``;
-    ``layout``: the micro-batch's :class:`HostLayout` on the states' device
-    (router noise from its seeds; without them a training forward draws the
-    noise from the global RNG); ``rope``: megatron's RoPE angles ``[s, 1, 1, c]``.
-    """
-    fixed = [step for step in steps if not step.routed]
-    if fixed:
-        raise ValueError(f"grouped_core_forward: step {fixed[0]} is not routed (see grouped_core_support)")
-    return core.forward(
-        states,
-        layout.document_layout(),
-        rope,
-        steps,
-        depth=depth,
-        forced=forced,
-        record=record,
-        backprop_depth=backprop_depth,
-        first_window_full_backprop=first_window_full_backprop,
-        routing_check=routing_check,
-        layout=layout,
     )
 
 

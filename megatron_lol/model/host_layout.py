@@ -67,8 +67,6 @@ class DepthWindows:
     window_first_token: torch.Tensor  # [C] long: flat index of the first token (padding: 0)
     window_length: torch.Tensor  # [C] long (padding: 0)
     window_valid: torch.Tensor  # [C] bool
-    window_doc_start: torch.Tensor  # [C] long: index of the first window of its document (padding: itself)
-    window_doc_end: torch.Tensor  # [C] long: one past the last window of its document (padding: itself + 1)
     cu_seqlens: torch.Tensor  # [C + 1] int32: THD offsets of the windows in token order
     doc_window_offsets: torch.Tensor  # [C + 1] long: windows [o[d], o[d+1]) belong to document d
     num_windows: int  # real windows (host integer: never read from the device)
@@ -83,20 +81,6 @@ class DepthWindows:
     def ordinal_bound(self) -> int:
         """An upper bound of a window's ordinal + 1 (a document has at most ``C`` windows): a shape, no read."""
         return max(1, self.capacity)
-
-    def as_window_layout(self, depth: int) -> WindowLayout:
-        """Today's :class:`~.windows.WindowLayout` (real windows only), for the reference path."""
-        n = self.num_windows
-        return WindowLayout(
-            depth=depth,
-            token_window=self.token_window,
-            window_ordinal=self.window_ordinal[:n],
-            window_doc=self.window_doc[:n],
-            window_first_token=self.window_first_token[:n],
-            window_length=self.window_length[:n],
-            num_windows=n,
-            num_docs=self.num_docs,
-        )
 
 
 def _depth_windows(windows: WindowLayout, capacity: int) -> DepthWindows:
@@ -123,10 +107,6 @@ def _depth_windows(windows: WindowLayout, capacity: int) -> DepthWindows:
         window_first_token=_pad(windows.window_first_token, capacity, 0),
         window_length=length,
         window_valid=index < n,
-        window_doc_start=torch.where(index < n, index - ordinal, index),
-        window_doc_end=torch.where(
-            index < n, doc_offsets.index_select(0, _pad(windows.window_doc, capacity, 0) + 1), index + 1
-        ),
         cu_seqlens=cu.to(torch.int32),
         doc_window_offsets=doc_offsets,
         num_windows=n,
@@ -252,26 +232,31 @@ def build_host_layout(
     )
 
 
-def routed_depths(model_cfg) -> list:
-    """The depths of ``model_cfg``'s plan whose steps use windows (routed or strided)."""
-    plan = model_cfg.execution_plan()
+def routed_depths(plan) -> list:
+    """The depths of execution ``plan`` whose steps use windows (routed or strided)."""
     return sorted({step.depth for step in plan.steps() if step.windowed})
 
 
-def host_layout_for_batch(batch: dict, model_cfg, eod_id: Optional[int], run_seed: Optional[int]) -> HostLayout:
-    """What the trainer attaches to a micro-batch (``batch["tokens"]`` ``[b, s]`` and, when present,
-    ``batch["sample_ids"]`` for the router-noise seeds), pinned when CUDA is present."""
-    plan = model_cfg.execution_plan()
+def noise_seeds(sample_ids: torch.Tensor, run_seed: int) -> torch.Tensor:
+    """One router-noise seed per row: its global sample number offset by the run's seed (the same
+    draw on every layout and after a resume, since both are functions of the sample)."""
+    return sample_ids + run_seed * 1_000_000_007
+
+
+def host_layout_for_batch(batch: dict, model_cfg, plan, eod_id: Optional[int], run_seed: int, pin: bool):
+    """The layout a micro-batch carries to the device (the trainer, ``evaluate`` and the benches build
+    it here): ``batch["tokens"]`` ``[b, s]`` on the CPU and, for the router noise of a training
+    forward, ``batch["sample_ids"]``. ``pin``: page-locked, so the copy to a GPU is asynchronous."""
     seeds = None
-    if "sample_ids" in batch and run_seed is not None and plan.routed and model_cfg.router_noise:
-        seeds = batch["sample_ids"] + run_seed * 1_000_000_007
+    if "sample_ids" in batch and plan.routed and model_cfg.router_noise:
+        seeds = noise_seeds(batch["sample_ids"], run_seed)
     layout = build_host_layout(
         batch["tokens"],
         eod_id,
         model_cfg.window_size,
         model_cfg.window_shift,
-        routed_depths(model_cfg),
+        routed_depths(plan),
         num_blocks=plan.num_stored_blocks,
         row_seeds=seeds,
     )
-    return layout.pin_memory()
+    return layout.pin_memory() if pin else layout

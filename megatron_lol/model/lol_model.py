@@ -34,7 +34,8 @@ from megatron_lol.backends import select_backend
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import call_block
-from megatron_lol.model.core import Core, ForcedPath
+from megatron_lol.model.core import Core
+from megatron_lol.model.forward_options import ForwardOptions
 from megatron_lol.model.init import seed_experts_by_global_index, seeded
 from megatron_lol.model.library import (
     LocalRMSNorm,
@@ -235,40 +236,28 @@ class LoLGPTModel(_language_module()):
         self,
         input_ids: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
+        options: Optional[ForwardOptions] = None,
         *,
         docs: Optional[DocumentLayout] = None,
-        depth: Optional[int] = None,
-        budget: Optional[int] = None,
-        forced_path: Optional[ForcedPath] = None,
-        record: bool = False,
-        record_moe: bool = False,
-        backprop_depth: Optional[int] = None,
-        first_window_full_backprop: bool = True,
-        noise_seeds: Optional[torch.Tensor] = None,
-        aux_loss_scale: float = 1.0,
         return_hidden: bool = False,
         return_core: bool = False,
-        routing_check=None,
-        layout=None,
+        **overrides,
     ):
         """``input_ids`` [b, s]. With ``labels`` returns the per-token loss [b, s],
         else the logits [b, s, vocab] (this rank's vocab shard under TP). A
         pipeline stage without the head returns its output hidden states.
 
-        ``depth``: how many of the plan's steps run (growing depth; default all).
-        ``budget``: Accordion's loop budget ``k`` (default: ``model.loop_budget``,
-        else the largest); it sets the depth to ``loop_window + k``.
-        ``aux_loss_scale``: the weight of the balancing loss's gradient (the
-        trainer passes ``1 / num_microbatches``, as the LM loss is scaled).
-        ``return_core``: return ``(output, CoreOutput or None)``: the routing
-        records (``record``), MoE records (``record_moe``), block loads and
-        balancing loss of this stage's core. ``routing_check``: see ``Core.forward``.
-        ``layout``: the micro-batch's host-built layout on the device (``model.routed_core: grouped``):
-        the documents come from it and the core's routed depths run grouped (``Core.forward``).
+        ``options``: a :class:`~.forward_options.ForwardOptions` (depth, budget, forced path, records,
+        truncated backprop, router-noise seeds, balancing-gradient scale, routing check, host layout);
+        keyword arguments named like its fields override it (``model(x, depth=2)``).
+        ``docs``: the documents (default: from the EOD tokens, or the layout's when there is one).
+        ``return_core``: return ``(output, CoreOutput or None)``: the routing records, MoE records,
+        block loads and balancing loss of this stage's core.
         """
+        opts = ForwardOptions.of(options, overrides, "LoLGPTModel.forward")
         b, s = input_ids.shape
-        if layout is not None:
-            docs = layout.document_layout()
+        if opts.layout is not None:
+            docs = opts.layout.document_layout()
         if docs is None:
             docs = DocumentLayout.from_tokens(input_ids, self.eod_id)
         router_only = self.router_only_index(input_ids)
@@ -284,51 +273,18 @@ class LoLGPTModel(_language_module()):
             hidden = self.input_tensor
         rope = self.rotary(s)  # [s, 1, 1, d]
         with fp8_autocast(self.config):  # FP8 (when configured) for the layers' GEMMs, not the head
-            hidden, core = self._layers(
-                hidden,
-                docs,
-                rope,
-                depth=depth,
-                budget=budget,
-                forced_path=forced_path,
-                record=record,
-                record_moe=record_moe,
-                backprop_depth=backprop_depth,
-                first_window_full_backprop=first_window_full_backprop,
-                noise_seeds=noise_seeds,
-                aux_loss_scale=aux_loss_scale,
-                routing_check=routing_check,
-                layout=layout,
-                router_only=router_only,
-            )
+            hidden, core = self._layers(hidden, docs, rope, opts, router_only)
         out = self._head(hidden, labels, return_hidden, b, s)
         if labels is not None and router_only is not None and not (return_hidden or not self.post_process):
             # a router-only token is given, never predicted: its label carries no loss
             out = torch.where(self.router_only_index(labels) >= 0, 0.0, out)
         return (out, core) if return_core else out
 
-    def _layers(
-        self,
-        hidden,
-        docs,
-        rope,
-        *,
-        depth,
-        budget,
-        forced_path,
-        record,
-        record_moe,
-        backprop_depth,
-        first_window_full_backprop,
-        noise_seeds,
-        aux_loss_scale,
-        routing_check=None,
-        layout=None,
-        router_only=None,
-    ) -> tuple:
+    def _layers(self, hidden, docs, rope, opts: ForwardOptions, router_only=None) -> tuple:
         """Prelude, core and coda of this stage: ``(hidden states, CoreOutput or None)``."""
         from megatron.core import tensor_parallel
 
+        layout = opts.layout
         # documents as THD sequences: offsets from the host-built layout when there is one (no device read)
         # and, packed, every token's position in its document: RoPE angles per token (no THD RoPE host reads)
         doc_mask = SegmentMask(
@@ -346,37 +302,22 @@ class LoLGPTModel(_language_module()):
         core = None
         if self.core is not None:
             if self.plan.has_budgets:
-                depth = self.plan.depth_for(budget)
+                depth = self.plan.depth_for(opts.budget)
             else:
-                self.plan.resolve_budget(budget)  # refuses a budget for a plan without one
-                depth = self.plan.depth if depth is None else depth
+                self.plan.resolve_budget(opts.budget)  # refuses a budget for a plan without one
+                depth = self.plan.depth if opts.depth is None else opts.depth
             first, last = self.stage.depths
             steps = [step for step in self.plan.steps(depth) if first <= step.depth <= last]
             sequence_parallel = self.config.sequence_parallel and self.plan.gathers_sequence
             if sequence_parallel:
                 # router inputs (window means) need every token of the sequence
                 hidden = tensor_parallel.gather_from_sequence_parallel_region(hidden, tensor_parallel_output_grad=False)
-            core = self.core(
-                hidden,
-                docs,
-                rope,
-                steps,
-                depth=depth,
-                forced=forced_path,
-                record=record,
-                record_moe=record_moe,
-                backprop_depth=backprop_depth,
-                first_window_full_backprop=first_window_full_backprop,
-                noise_seeds=noise_seeds,
-                routing_check=routing_check,
-                layout=layout,
-                router_only=router_only,
-            )
+            core = self.core(hidden, docs, rope, steps, opts, depth=depth, router_only=router_only)
             hidden = core.states
             if sequence_parallel:
                 hidden = tensor_parallel.scatter_to_sequence_parallel_region(hidden)
             if core.aux_loss is not None and torch.is_grad_enabled():
-                hidden = AuxLossAttach.apply(hidden, core.aux_loss, aux_loss_scale)
+                hidden = AuxLossAttach.apply(hidden, core.aux_loss, opts.aux_loss_scale)
         with trace_range("coda"):
             for layer in self.coda.values():
                 hidden, _ = call_block(

@@ -350,23 +350,14 @@ class Trainer:
     def _host_layout(self, batch: dict, pin: bool):
         """The micro-batch's documents, windows of every depth and router noise, built here on the host
         while the device runs the previous micro-batch: the grouped core reads no value back."""
-        from megatron_lol.model.host_layout import build_host_layout
+        from megatron_lol.model.host_layout import host_layout_for_batch
 
-        m, plan = self.cfg.model, self.plan
-        layout = build_host_layout(
-            batch["tokens"],
-            self.eod_id,
-            m.window_size,
-            m.window_shift,
-            range(1, plan.depth + 1),
-            plan.num_stored_blocks,
-            row_seeds=self._noise_seeds(batch["sample_ids"]),
-        )
-        return layout.pin_memory() if pin else layout
+        return host_layout_for_batch(batch, self.cfg.model, self.plan, self.eod_id, self.cfg.training.seed, pin)
 
     def _noise_seeds(self, sample_ids: torch.Tensor) -> torch.Tensor:
-        """One router-noise seed per row: its global sample number, offset by the run's seed."""
-        return sample_ids + self.cfg.training.seed * 1_000_000_007
+        from megatron_lol.model.host_layout import noise_seeds
+
+        return noise_seeds(sample_ids, self.cfg.training.seed)
 
     def data_iterator(self, dataset, start_sample: int):
         """What the schedule consumes: one iterator, or one per virtual pipeline chunk
