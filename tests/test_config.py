@@ -22,8 +22,8 @@ TINY = os.path.join(REPO, "examples", "configs", "tiny-cpu.yaml")
         ({"window_size": -4}, "model.window_size: must be > 0 (got -4)"),
         ({"window_shift": 32}, "model.window_shift: must be in [0, window_size=32) (got 32)"),
         ({"window_shift": -1}, "model.window_shift: must be in [0, window_size=32) (got -1)"),
-        ({"routed_depth": 0}, "model.routed_depth: must be > 0 (got 0)"),
-        ({"num_blocks": 0}, "model.num_blocks: must be > 0 (got 0)"),
+        ({"routed_depth": 0}, "model.plan.routed_depth: must be > 0 (got 0)"),
+        ({"num_blocks": 0}, "model.plan.num_blocks: must be > 0 (got 0)"),
         (
             {"hidden_size": 130, "num_attention_heads": 4},
             "model.num_attention_heads: 4 does not divide model.hidden_size=130",

@@ -125,10 +125,10 @@ def test_growth_period_is_exact():
         ),
         (
             dict(plan="foil", foil_layers=2, foil_loops=2, moe_layers="all", num_experts=4),
-            "model.foil_experts: plan foil needs it",
+            "model.plan.experts: plan foil needs it",
         ),
-        (dict(plan="looped", loop_layers=2), "model.loop_count: plan looped needs it"),
-        (dict(plan="accordion", loop_window=0), "model.loop_window: must be > 0 (got 0)"),
+        (dict(plan="looped", loop_layers=2), "model.plan.loops: plan looped needs it"),
+        (dict(plan="accordion", loop_window=0), "model.plan.window: must be > 0 (got 0)"),
         (
             dict(plan="lol", untie_attention=True),
             "model.untie_attention: not used by plan lol (an option of plan looped / foil)",
@@ -140,6 +140,34 @@ def test_plan_keys_are_validated(model, message):
     with pytest.raises(ConfigError) as err:
         config_from_dict({"model": dict(BASE, **model)})
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+SECTIONS_MISSING_AN_OPTION = [
+    ({"kind": "dense"}, {}, "model.plan.layers: plan dense needs it"),
+    ({"kind": "looped", "layers": 2}, {}, "model.plan.loops: plan looped needs it"),
+    ({"kind": "looped", "loops": 2}, {}, "model.plan.layers: plan looped needs it"),
+    ({"kind": "foil", "layers": 2, "experts": 4}, dict(moe_layers="all", num_experts=4), "model.plan.loops: plan foil"),
+    ({"kind": "foil", "loops": 2, "experts": 4}, dict(moe_layers="all", num_experts=4), "model.plan.layers: plan foil"),
+    ({"kind": "foil", "layers": 2, "loops": 2}, dict(moe_layers="all", num_experts=4), "model.plan.experts: plan foil"),
+    ({"kind": "accordion"}, {}, "model.plan.window: plan accordion needs it"),
+    (
+        {"kind": "accordion", "window": 4, "budgets": [0, 5]},
+        {},
+        "model.plan.budgets: every budget must be in [0, window=4]",
+    ),
+    ({"kind": "accordion", "window": 4, "budgets": [0, 2], "budget": 1}, {}, "model.plan.budget: 1 is not one of"),
+    ({"kind": "lol", "num_blocks": 0}, {}, "model.plan.num_blocks: must be > 0 (got 0)"),
+    ({"kind": "lol", "routed_depth": 0}, {}, "model.plan.routed_depth: must be > 0 (got 0)"),
+]
+
+
+@pytest.mark.parametrize("section, model, message", SECTIONS_MISSING_AN_OPTION)
+def test_plan_section_errors_name_the_key_as_written_in_the_section(section, model, message):
+    """Every built-in kind answers a missing or bad option with ``model.plan.<key>`` (what the config
+    writes), not the field the option is stored in."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": dict(BASE, plan=section, **model)})
+    assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
 OLD_SPELLING = {

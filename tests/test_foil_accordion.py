@@ -392,10 +392,10 @@ def test_accordion_config_errors():
         with pytest.raises(ConfigError, match=match):
             config_from_dict(raw).validate(check_data=False)
 
-    check({"loop_budgets": [0, 4]}, r"model.loop_budgets: every budget must be in \[0, loop_window=3\]")
-    check({"loop_budgets": [3, 0]}, "model.loop_budgets: must be increasing")
-    check({"loop_budget": 2}, "model.loop_budget: 2 is not one of loop_budgets")
-    check({"second_pass_router": "own"}, "model.second_pass_router: must be one of shared, separate")
+    check({"loop_budgets": [0, 4]}, r"model.plan.budgets: every budget must be in \[0, window=3\]")
+    check({"loop_budgets": [3, 0]}, "model.plan.budgets: must be increasing")
+    check({"loop_budget": 2}, "model.plan.budget: 2 is not one of budgets")
+    check({"second_pass_router": "own"}, "model.plan.second_pass_router: must be one of shared, separate")
     check({"dense_attention": "sliding"}, "model.dense_attention: accordion uses full causal attention")
     check({}, "parallel.pipeline_model_parallel_size: plan accordion", parallel={"pipeline_model_parallel_size": 2})
     check({}, "curriculum.initial_depth: plan accordion", curriculum={"initial_depth": 2})

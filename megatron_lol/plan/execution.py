@@ -257,13 +257,25 @@ class ExecutionPlan:
         return out
 
     # ------------------------------------------------------------ validation
+    def key(self, name: str) -> str:
+        """The config key of option ``name`` as the user writes it: ``model.plan.<key>`` for an option
+        of this kind's section (given by its section key or by the ``ModelConfig`` field a built-in
+        kind stores it in), else ``model.<name>``. Errors name this, not the storage."""
+        section = {flat: key for key, flat in flat_keys(type(self)).items()}
+        own = {f.name for f in dataclasses.fields(self.Options)} if dataclasses.is_dataclass(self.Options) else set()
+        if name in section:
+            return f"{self.prefix}.plan.{section[name]}"
+        if name in own:
+            return f"{self.prefix}.plan.{name}"
+        return f"{self.prefix}.{name}"
+
     def _require(self, key: str, value, minimum: int = 1) -> int:
         if value is None:
-            raise ConfigError(f"{self.prefix}.{key}: plan {self.name} needs it")
+            raise ConfigError(f"{self.key(key)}: plan {self.name} needs it")
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"{self.prefix}.{key}: must be an integer (got {value!r})")
+            raise ConfigError(f"{self.key(key)}: must be an integer (got {value!r})")
         if value < minimum:
-            raise ConfigError(f"{self.prefix}.{key}: must be > {minimum - 1} (got {value!r})")
+            raise ConfigError(f"{self.key(key)}: must be > {minimum - 1} (got {value!r})")
         return value
 
     def _refuse_other_kinds(self) -> None:

@@ -36,7 +36,7 @@ class AccordionPlan(ExecutionPlan):
         m, o = self.model, self.options
         n = self._require("loop_window", o.window)
         budgets = o.budgets
-        key = f"{self.prefix}.loop_budgets"
+        key = self.key("loop_budgets")
         if (
             not isinstance(budgets, list)
             or not budgets
@@ -46,15 +46,15 @@ class AccordionPlan(ExecutionPlan):
         if len(set(budgets)) != len(budgets) or budgets != sorted(budgets):
             raise ConfigError(f"{key}: must be increasing without repeats (got {budgets})")
         if budgets[0] < 0 or budgets[-1] > n:
-            raise ConfigError(f"{key}: every budget must be in [0, loop_window={n}] (got {budgets})")
+            raise ConfigError(f"{key}: every budget must be in [0, window={n}] (got {budgets})")
         if o.budget is not None and o.budget not in budgets:
-            raise ConfigError(f"{self.prefix}.loop_budget: {o.budget} is not one of loop_budgets {budgets}")
+            raise ConfigError(f"{self.key('loop_budget')}: {o.budget} is not one of budgets {budgets}")
         if o.second_pass_router not in ("shared", "separate"):
             raise ConfigError(
-                f"{self.prefix}.second_pass_router: must be one of shared, separate (got {o.second_pass_router!r})"
+                f"{self.key('second_pass_router')}: must be one of shared, separate (got {o.second_pass_router!r})"
             )
         if o.second_pass_router == "separate" and m.moe_layers != "all":
-            raise ConfigError(f"{self.prefix}.second_pass_router: separate needs MoE blocks (moe_layers: all)")
+            raise ConfigError(f"{self.key('second_pass_router')}: separate needs MoE blocks (moe_layers: all)")
         if m.dense_attention != "full":
             raise ConfigError(
                 f"{self.prefix}.dense_attention: accordion uses full causal attention (got {m.dense_attention})"

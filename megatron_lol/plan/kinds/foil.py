@@ -44,7 +44,7 @@ class FoilPlan(LoopedPlan):
             )
         self._require("foil_experts", self.options.experts)
         if m.core_num_experts is not None:
-            raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from foil_experts")
+            raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from plan.experts")
         return n
 
     @property
