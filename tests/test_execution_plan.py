@@ -170,6 +170,12 @@ def test_plan_section_errors_name_the_key_as_written_in_the_section(section, mod
     assert message in str(err.value) and "\n" not in str(err.value), str(err.value)
 
 
+def test_a_misspelt_plan_option_gets_a_suggestion_from_the_section():
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": dict(BASE, plan={"kind": "looped", "layers": 2, "loop": 2})})
+    assert "model.plan.loop is not an option of plan looped; did you mean loops?" in str(err.value)
+
+
 OLD_SPELLING = {
     "foil-2": (
         """plan: looped

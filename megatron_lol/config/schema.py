@@ -14,6 +14,7 @@ paper in their docstrings (L, D, W, S).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import warnings
 from dataclasses import dataclass, field
@@ -247,7 +248,11 @@ class ModelConfig:
         fields = {f.name: f for f in dataclasses.fields(cls.Options)}
         if key not in fields:
             known = ", ".join(fields) or "none"
-            raise ConfigError(f"{source}: model.plan.{key} is not an option of plan {cls.name} (its options: {known})")
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
+            )
         hint = typing_hints(cls.Options)[key]
         coerced = coerce_value(hint, value, source, f"model.plan.{key}")
         flat = fields[key].metadata.get("flat")
