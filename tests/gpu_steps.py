@@ -118,6 +118,7 @@ def run_one(spec: dict) -> dict:
         "grad_norms": [r.grad_norm for r in results],
         "device": str(trainer.device),
         "use_te": bool(trainer.model.use_te),
+        "grouped_core": bool(trainer.grouped_core),
         "params_dtype": cfg.model.params_dtype,
         "fp8_recipe": cfg.model.fp8_recipe if cfg.model.fp8 else None,
         "tf32_enabled": tf32,

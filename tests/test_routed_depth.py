@@ -10,6 +10,8 @@ not read anything back to the host (``megatron_lol.perf.op_count``).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -930,3 +932,67 @@ def test_bf16_training_with_the_grouped_core_overlaps_the_gradient_reduction():
         assert n["grad_norm"][0] == pytest.approx(r["grad_norm"][0], rel=1e-3)
         torch.testing.assert_close(torch.tensor(n["loss"]), torch.tensor(r["loss"]), rtol=2e-2, atol=0)
         torch.testing.assert_close(torch.tensor(n["grad_norm"]), torch.tensor(r["grad_norm"]), rtol=5e-2, atol=0)
+
+
+def test_auto_runs_the_library_grouped_under_the_transformer_engine_spec(monkeypatch):
+    """``routed_core: auto`` on CUDA with the Transformer Engine spec: the prelude and coda are TE layers, the
+    library is built from the local spec so its routed depths run grouped (``torch._grouped_mm``), with FP8
+    (when configured) left to the fixed layers. TE is stood in on the CPU: its layer spec by a subclass of
+    the local layer (so the prelude shows which spec built it), CUDA by the build-time flag. The model then
+    equals the plain local model run per block, values and gradients."""
+    from conftest import ensure_megatron, tiny_config
+
+    import megatron_lol.model.library as library
+    import megatron_lol.model.lol_model as lol_model
+    from megatron_lol.model.block_call import LoLTransformerLayer
+    from megatron_lol.model.grouped_core import grouped_core_support, routes_grouped
+
+    class StandInTELayer(LoLTransformerLayer):
+        """The TE spec's layer, stood in (TE does not build on a CPU)."""
+
+    def stand_in_te_spec(num_experts=None, film=False):
+        spec = library.block_spec(False, num_experts=num_experts, film=film)
+        return dataclasses.replace(spec, module=StandInTELayer)
+
+    monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")
+    ensure_megatron()
+    torch.set_num_threads(1)
+    cfg = tiny_config(film="depth_block", routed_depth=3)
+    assert routes_grouped(cfg, cuda=True) and not routes_grouped(cfg, cuda=False)
+    assert not routes_grouped(tiny_config(routed_core="reference"), cuda=True)
+    assert not routes_grouped(tiny_config(router_input="depth"), cuda=True)
+    assert routes_grouped(tiny_config(routed_core="grouped"), cuda=False)
+    tconfig = library.transformer_config(cfg)  # the stand-in layers run megatron's unfused RoPE on the CPU
+
+    reference = lol_model.LoLGPTModel(cfg, 97, 0, tconfig=tconfig, init_seed=3, packed_sequences=True)
+    monkeypatch.setattr(lol_model, "use_te_for", lambda model: True)
+    monkeypatch.setattr(lol_model, "cuda_available", lambda: True)
+    monkeypatch.setattr(library, "te_block_spec", stand_in_te_spec)
+    net = lol_model.LoLGPTModel(cfg, 97, 0, tconfig=tconfig, init_seed=3)
+    assert net.use_te and net.packed and net.grouped_library
+    assert all(type(layer) is StandInTELayer for layer in [*net.prelude.values(), *net.coda.values()])
+    assert all(type(block) is LoLTransformerLayer for block in net.core.blocks.values())
+    assert grouped_core_support(net.core) is None, "what the trainer checks before it runs the core grouped"
+    assert net.core.tconfig.fp8 is None and not net.core.tconfig.apply_rope_fusion
+
+    gen = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        weights = [torch.randn(r.logits.weight.shape, generator=gen) for r in net.core.routers]
+        for model in (reference, net):
+            for router, w in zip(model.core.routers, weights):
+                router.logits.weight.copy_(w)
+    tokens = _tokens(2, 40, 5)
+    labels = torch.roll(tokens, -1, dims=1)
+    seeds = torch.tensor([3, 4])
+    layout = build_host_layout(tokens, 0, 8, 4, range(1, 4), net.plan.num_stored_blocks, seeds)
+    results = []
+    for model, forward in ((reference, {"docs": layout.document_layout()}), (net, {"layout": layout})):
+        model.train()
+        loss = model(tokens, labels=labels, noise_seeds=seeds, **forward)
+        loss.mean().backward()
+        results.append((loss.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (loss_r, grads_r), (loss_g, grads_g) = results
+    torch.testing.assert_close(loss_g, loss_r, **TOL)
+    assert set(grads_g) == set(grads_r)
+    for name, grad in grads_r.items():
+        torch.testing.assert_close(grads_g[name], grad, **TOL, msg=name)

@@ -36,6 +36,7 @@ from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import call_block
 from megatron_lol.model.core import Core
 from megatron_lol.model.forward_options import ForwardOptions
+from megatron_lol.model.grouped_core import routes_grouped
 from megatron_lol.model.init import seed_experts_by_global_index, seeded
 from megatron_lol.model.library import (
     LocalRMSNorm,
@@ -48,6 +49,7 @@ from megatron_lol.model.library import (
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
+from megatron_lol.platform import cuda_available
 from megatron_lol.platform.trace_ranges import trace_range
 
 
@@ -170,8 +172,11 @@ class LoLGPTModel(_language_module()):
 
             get_moe_layer_wise_logging_tracker().clear()
         fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
-        # FiLM modulates the core's blocks: under TE they get separate norm modules for it
-        spec = block_spec(self.use_te, num_experts=moe if model.moe_layers == "all" else None, film=model.film != "off")
+        # the library runs grouped (stacked local-spec weights, torch._grouped_mm) or per block, in TE layers
+        # under the TE spec; FiLM modulates the core's blocks: under TE they get separate norm modules for it
+        self.grouped_library = self.use_te and routes_grouped(model, cuda_available())
+        core_te = self.use_te and not self.grouped_library
+        spec = block_spec(core_te, num_experts=moe if model.moe_layers == "all" else None, film=model.film != "off")
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:
@@ -195,6 +200,9 @@ class LoLGPTModel(_language_module()):
             # The core packs windows of the whole sequence, so it runs on the gathered
             # (TP-replicated) sequence: its blocks are tensor parallel without SP.
             core_cfg = core_config(self.config, model, self.packed)  # Foil: the core's own expert count
+            if self.grouped_library:
+                # local-spec blocks: megatron's unfused RoPE and no FP8 (the grouped GEMMs run in BF16)
+                core_cfg = dataclasses.replace(core_cfg, apply_rope_fusion=False, fp8=None)
             if core_cfg.sequence_parallel and plan.gathers_sequence:
                 core_cfg = dataclasses.replace(core_cfg, sequence_parallel=False)
             self.core = Core(

@@ -273,6 +273,12 @@ class Trainer:
                     )
                 return False
         log_rank0(" routed core: grouped (host-built window layouts, one grouped computation per depth)")
+        if getattr(self.model_chunks[0].module, "grouped_library", False):
+            fp8 = "; FP8 covers the prelude and coda only" if self.cfg.model.fp8 else ""
+            log_rank0(
+                " routed core: prelude and coda in Transformer Engine layers, the library's blocks stacked "
+                f"for torch._grouped_mm in {self.cfg.model.params_dtype}{fp8}"
+            )
         return True
 
     def _finalize_model_grads(self, *args, **kwargs):
