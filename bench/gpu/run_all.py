@@ -22,10 +22,11 @@ Parts, in order:
   bench/gpu/wheelhouse.txt or provided by the GPU machine (:data:`GPU_MACHINE_PROVIDES`);
 * ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (JUnit XML parsed: passed / failed / skipped);
 * ``throughput_bf16`` / ``throughput_fp8``: ``lol_<precision>``, ``megatron-lol profile --no-breakdown`` of
-  the LoL config (whole steps timed with CUDA events, no section timers; ``routed_core: auto`` runs the routed
-  depths grouped on CUDA), and ``dense_<precision>``, megatron-core's ``GPTModel`` with the same layer spec
-  (bench/gpu/gpt_baseline.py) whose executed FLOPs per step (perf/flops.py) are the LoL model's, at sequence
-  length 2048; FP8 (current scaling for both) only where Transformer Engine imports on a GPU with FP8; then
+  the LoL config (whole steps timed with CUDA events, no section timers; the routed core is the one
+  ``routed_core: auto`` picks, the grouped core on CUDA where the layers allow it: docs/gpu.md), and
+  ``dense_<precision>``, megatron-core's ``GPTModel`` with the same layer spec (bench/gpu/gpt_baseline.py)
+  whose executed FLOPs per step (perf/flops.py) are the LoL model's, at sequence length 2048; FP8 (current
+  scaling for both) only where Transformer Engine imports on a GPU with FP8; then
   ``lol_<precision>_breakdown``, a separate, labelled run of the LoL config with the section breakdown
   (:data:`BREAKDOWN_STEPS` steps: its module timers synchronise the GPU, so its step times are not throughput);
 * ``goals``: the dense model's BF16 MFU against 40% (Megatron-LM's published ~41% for GPT-2B class models)
