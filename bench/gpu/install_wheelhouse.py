@@ -8,8 +8,12 @@ system's packages: torch stays the machine's CUDA build) or ``PYTHONPATH=<direct
 
 Methods, tried in this order by ``auto``:
 
-* ``venv``: ``python -m venv --system-site-packages`` and pip inside it. Needs ``ensurepip``, which some
-  distributions ship separately (Debian's ``python3-venv``): without it ``python -m venv`` fails;
+* ``venv``: ``python -m venv --system-site-packages``, then a check that the system's torch is the one
+  the virtualenv imports (``import torch; torch.cuda.is_available()`` run there gives this interpreter's
+  version and answer; it does not where this interpreter is itself a virtualenv, whose
+  ``--system-site-packages`` child sees the base installation's packages instead), then pip inside it.
+  A failed check removes the virtualenv and says why in one line, and ``auto`` goes on to the next method.
+  Pip needs ``ensurepip``, which some distributions ship separately (Debian's ``python3-venv``);
 * ``pip``: the system's pip installs into ``--target`` (``pip install --target``);
 * ``unpack``: no pip at all. A wheel is a zip archive laid out as its installed files, so each required
   wheel is extracted into ``--target`` (``<name>.data/purelib`` and ``platlib`` moved to the top, as pip does);
@@ -102,6 +106,32 @@ def _run(cmd: list) -> bool:
     return subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode == 0
 
 
+#: how the virtualenv is made: it must see the system's packages (torch, the machine's CUDA build)
+VENV_OPTIONS = ["--system-site-packages"]
+#: what the proof needs of torch in the environment it runs in
+TORCH_PROBE = "import torch; print(torch.__version__, torch.cuda.is_available())"
+
+
+def _torch_probe(python) -> tuple:
+    """``(True, "<version> <cuda available>")`` from ``python``, or ``(False, the error's last line)``."""
+    proc = subprocess.run([str(python), "-c", TORCH_PROBE], capture_output=True, text=True)
+    if proc.returncode != 0:
+        lines = proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"]
+        return False, lines[-1]
+    return True, proc.stdout.strip()
+
+
+def venv_torch_problem(python) -> str | None:
+    """Why the virtualenv's ``python`` cannot run the proof with this interpreter's torch, or None."""
+    ok, there = _torch_probe(python)
+    if not ok:
+        return f"import torch fails there ({there})"
+    ok, here = _torch_probe(sys.executable)
+    if ok and here != there:
+        return f"torch, CUDA available: {there} there, {here} for {sys.executable}"
+    return None
+
+
 def install(wheels: Path, reqs_file: Path, target: Path, method: str) -> str:
     reqs = requirements(reqs_file)
     wheel_files = find_wheels(wheels, reqs)
@@ -109,11 +139,19 @@ def install(wheels: Path, reqs_file: Path, target: Path, method: str) -> str:
     if method in ("auto", "venv"):
         venv = target / "venv"
         python = venv / ("Scripts" if os.name == "nt" else "bin") / "python"
-        if _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)]) and _run(
-            [str(python), "-m", "pip", *pip_args]
-        ):
-            return f"PYTHON={python}"
-        if method == "venv":
+        problem = None
+        if _run([sys.executable, "-m", "venv", *VENV_OPTIONS, "--without-pip", str(venv)]):
+            problem = venv_torch_problem(python)
+            if problem is None and _run([str(python), "-m", "ensurepip", "--default-pip"]):
+                if _run([str(python), "-m", "pip", *pip_args]):
+                    return f"PYTHON={python}"
+        if problem is not None:
+            shutil.rmtree(venv, ignore_errors=True)
+            why = f"the virtualenv {venv} does not see this interpreter's torch: {problem}"
+            if method == "venv":
+                raise SystemExit(f"install_wheelhouse.py: {why}")
+            sys.stderr.write(f"install_wheelhouse.py: {why}; installing into a directory on PYTHONPATH instead\n")
+        elif method == "venv":
             raise SystemExit(
                 "install_wheelhouse.py: python -m venv with pip failed (no ensurepip?): use --method pip or unpack"
             )
