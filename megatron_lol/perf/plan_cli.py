@@ -33,8 +33,10 @@ DEFAULT_DEVICE_GIB = 80.0
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     from megatron_lol.config import add_config_arguments
+    from megatron_lol.config.loader import add_threads_argument
 
     add_config_arguments(parser)
+    add_threads_argument(parser)  # not used here: the Slurm scripts pass the train arguments unchanged
     group = parser.add_argument_group("allocation and estimate")
     group.add_argument("--nodes", type=int, default=None, metavar="N", help="nodes (default: SLURM_JOB_NUM_NODES)")
     group.add_argument(
@@ -84,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
     overrides = overrides_from_args(args)
     if _requested_dtype(args.config, overrides) == "auto" and target.gpus_per_node > 0:
         cfg.model.params_dtype = "bf16"  # what `auto` runs in on a GPU, whatever this machine has
-    vocab = _vocab(cfg)
-    error = layout_error(cfg, target.world)
+    error = layout_error(cfg, target.world)  # needs no vocabulary: a pipeline's tokenizer may not exist yet
     if error is None and args.check and args.device_memory is not None:
-        error = _memory_error(cfg, vocab, target)
+        error = _memory_error(cfg, _vocab(cfg), target)
     if args.check and error is None:
         par, tr = cfg.parallel, cfg.training
         dp = par.data_parallel_size(target.world)
@@ -99,11 +100,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from megatron_lol.perf.planner import plan_layouts
 
-    proposals = plan_layouts(cfg, target, vocab, top=1 if args.check else args.top)
     if args.check:  # error is set
         from megatron_lol.perf.plan_report import flags_for
 
         print(f"megatron-lol plan-layout: error: {error}", file=sys.stderr, flush=True)
+        try:
+            proposals = plan_layouts(cfg, target, _vocab(cfg), top=1)
+        except CliError as err:
+            print(f"megatron-lol plan-layout: no proposal: {err}", file=sys.stderr, flush=True)
+            return 2
         if proposals:
             p = proposals[0]
             print(
@@ -114,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
                 flush=True,
             )
         return 2
+    proposals = plan_layouts(cfg, target, _vocab(cfg), top=args.top)
     if args.output:
         _write_derived(args, overrides, proposals, target, error)
     if args.json:
