@@ -117,8 +117,10 @@ if [ "${VALIDATE:-1}" = 1 ]; then
         a+=($extra)
         # the layout against the allocation first: on failure, the planner's first proposal
         mem=(); [ -n "${DEVICE_MEMORY:-}" ] && mem=(--device-memory "$DEVICE_MEMORY")
+        # (other errors, e.g. a typo, are left to the dry run below, which names them in train's words)
         if ! out=$(cd "$RUN_DIR" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m megatron_lol plan-layout \
-                   --check --nodes "$NODES" --gpus-per-node "$PROCS_PER_NODE" "${mem[@]}" "${a[@]}" 2>&1); then
+                   --check --nodes "$NODES" --gpus-per-node "$PROCS_PER_NODE" "${mem[@]}" "${a[@]}" 2>&1) &&
+           grep -q '^megatron-lol plan-layout: \(first\|no\) proposal' <<<"$out"; then
             out=$(grep '^megatron-lol' <<<"$out" || true)
             echo "submit_pipeline.sh: $stage stage: ${out%%$'\n'*} -- nothing submitted" >&2
             [ "$out" = "${out#*$'\n'}" ] || echo "${out#*$'\n'}" >&2

@@ -109,7 +109,13 @@ def run(args: argparse.Namespace) -> int:
         except CliError as err:
             print(f"megatron-lol plan-layout: no proposal: {err}", file=sys.stderr, flush=True)
             return 2
-        if proposals:
+        if not proposals:
+            print(
+                f"megatron-lol plan-layout: no proposal: no layout the trainer accepts at {target.world} ranks",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
             p = proposals[0]
             print(
                 f"megatron-lol plan-layout: first proposal for {target.nodes} x {target.gpus_per_node} ranks "
