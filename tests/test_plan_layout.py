@@ -114,9 +114,10 @@ def test_paper_configs_at_every_cluster_size_take_the_first_proposal(tmp_path, t
             cfg = load_config(derived, check_data=False)
             assert cfg.training.micro_batch_size == first["micro_batch"]
             assert cfg.training.global_batch_size == first["global_batch"]
-            assert cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size * first[
-                "dp"
-            ] == world
+            assert (
+                cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size * first["dp"]
+                == world
+            )
             cfg.model.params_dtype = "bf16"  # the target's (auto is fp32 on this CPU machine)
             need = memory_bytes(cfg, cfg.model.vocab_size, world)
             assert first["fits"] and need == pytest.approx(first["memory_bytes"], rel=1e-9)
@@ -364,7 +365,12 @@ def test_pretrain_sbatch_launches_nothing_when_the_layout_does_not_fit(tmp_path)
         SAVE_DIR=tmp_path / "save",
     )
     run = subprocess.run(
-        ["bash", str(REPO / "slurm/pretrain.sbatch")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        ["bash", str(REPO / "slurm/pretrain.sbatch")],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert run.returncode == 2, run.stdout + run.stderr
     assert "layout check failed (status 2), nothing launched" in run.stdout

@@ -147,8 +147,10 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0 if proposals else 2
     from megatron_lol.perf.plan_report import format_plan
+    from megatron_lol.perf.planner import memory_bytes
 
-    print(format_plan(args.config, cfg, target, error, proposals))
+    own = None if error is not None else memory_bytes(cfg, _vocab(cfg), target.world)
+    print(format_plan(args.config, cfg, target, error, proposals, own))
     if args.output and proposals:
         print(f"wrote {args.output}: the config with proposal 1's values")
     return 0 if proposals else 2

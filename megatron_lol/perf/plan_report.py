@@ -51,7 +51,9 @@ def describe_changes(p: Proposal, seq: int) -> list:
                 f"the learning rate is the config's)"
             )
         if key == "training.train_iters" and p.config_tokens:
-            line += f" (total tokens {p.config_tokens:,} -> {p.tokens:,}, {100 * (p.tokens / p.config_tokens - 1):+.3f}%)"
+            line += (
+                f" (total tokens {p.config_tokens:,} -> {p.tokens:,}, {100 * (p.tokens / p.config_tokens - 1):+.3f}%)"
+            )
         lines.append(line)
     if "training.train_iters" not in p.changes and p.config_tokens and p.tokens != p.config_tokens:
         lines.append(
@@ -61,7 +63,7 @@ def describe_changes(p: Proposal, seq: int) -> list:
     return lines or ["  nothing: the config runs as written"]
 
 
-def format_plan(config: str, cfg, target: Target, error, proposals: list) -> str:
+def format_plan(config: str, cfg, target: Target, error, proposals: list, config_memory=None) -> str:
     seq = cfg.training.seq_length
     par, tr = cfg.parallel, cfg.training
     lines = [
@@ -70,7 +72,12 @@ def format_plan(config: str, cfg, target: Target, error, proposals: list) -> str
         f"{cfg.model.params_dtype}; step times at MFU {target.mfu:g} of {target.peak_tflops:g} TFLOP/s",
         f"config as written: TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size}, "
         f"micro-batch {tr.micro_batch_size}, global batch {tr.global_batch_size}: "
-        + ("runs at this world size" if error is None else f"does not run here ({error})"),
+        + (
+            f"does not run here ({error})"
+            if error is not None
+            else "runs at this world size"
+            + ("" if config_memory is None else f", {_gib(config_memory)} per GPU estimated")
+        ),
     ]
     if not proposals:
         lines.append("no layout the trainer accepts was found for this allocation")

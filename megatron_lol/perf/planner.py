@@ -215,7 +215,11 @@ def run_length(cfg: ExperimentConfig, vocab: int) -> tuple[int, float]:
     from megatron_lol.perf.budget import RunFlops
 
     run = RunFlops(cfg, vocab)
-    iters = run.iterations_for(cfg.training.train_flops) if cfg.training.train_flops is not None else cfg.training.train_iters
+    iters = (
+        run.iterations_for(cfg.training.train_flops)
+        if cfg.training.train_flops is not None
+        else cfg.training.train_iters
+    )
     return iters, run(iters)
 
 
@@ -448,7 +452,7 @@ def _rank_key(p: Proposal, target: Target, config_mbs: int) -> tuple:
     return (
         not p.fits,
         0.0 if dev <= target.batch_tolerance else dev,
-        -round(p.tokens_per_s_per_gpu, 6),
+        -float(f"{p.tokens_per_s_per_gpu:.6g}"),  # equal speeds compare equal whatever the float noise
         p.model_parallel,
         p.ep,
         p.vpp or 0,
