@@ -50,6 +50,7 @@ VERBS: dict[str, tuple[str, str]] = {
     "train": ("megatron_lol.training.cli", "pretrain a model from a YAML config"),
     "params": ("megatron_lol.perf.params_cli", "count total / non-embedding / active parameters"),
     "memory": ("megatron_lol.perf.memory_cli", "estimate per-rank memory of a parallel layout before a run"),
+    "plan-layout": ("megatron_lol.perf.plan_cli", "propose parallel layouts and batch sizes for an allocation"),
     "preprocess": ("megatron_lol.data.preprocess", "tokenize corpora into Megatron indexed datasets"),
     "merge-datasets": ("megatron_lol.data.merge", "merge shard outputs of preprocess into one dataset"),
     "prepare-quickstart": (

@@ -188,6 +188,31 @@ lol_srun() {
     return $rc
 }
 
+# lol_check_layout TRAIN_ARGS...: before the launch, stop the job (status 2) when the layout of these
+# `megatron-lol train` arguments does not run on this allocation (SLURM_JOB_NUM_NODES x PROCS_PER_NODE
+# ranks): `megatron-lol plan-layout --check` prints why and the planner's first proposal (the flags to
+# pass, or `plan-layout --output` for a derived config); other errors are the trainer's to report.
+# CHECK_LAYOUT=0 skips it; in a container the
+# batch host may have no python with megatron-lol, and the trainer's own check (status 2) stands.
+lol_check_layout() {
+    [ "${CHECK_LAYOUT:-1}" = 1 ] || return 0
+    if [ -n "$CONTAINER_IMAGE" ]; then lol_log "layout check left to the trainer (container)"; return 0; fi
+    local out rc=0
+    out=$("$MEGATRON_LOL_PYTHON" -m megatron_lol plan-layout --check --nodes "${SLURM_JOB_NUM_NODES:-1}" \
+          --gpus-per-node "$PROCS_PER_NODE" "$@" 2>&1) || rc=$?
+    out=$(grep '^megatron-lol' <<<"$out" || true)
+    # a layout that does not fit says so with a proposal line; any other error (a config typo) is
+    # left to the trainer, which reports it in its own words
+    if [ "$rc" -ne 0 ] && grep -q '^megatron-lol plan-layout: \(first\|no\) proposal' <<<"$out"; then
+        lol_log "layout check failed (status $rc), nothing launched:"
+        echo "$out" >&2
+        lol_job_comment "megatron-lol: status 2: $(head -n 1 <<<"$out")"
+        exit 2
+    fi
+    [ "$rc" -eq 0 ] && lol_log "${out#megatron-lol plan-layout: }"
+    return 0
+}
+
 # lol_rank_status DIR: "STATUS MESSAGE" recorded by the lowest rank that failed, or nothing
 lol_rank_status() {
     local f

@@ -5,14 +5,18 @@
 #
 #   preprocess (array over NUM_SHARDS shards) -> merge -> pretrain -> context extension
 #
-# Every stage's configuration is validated first (`megatron-lol train --dry-run=config`:
-# every key, the parallel layout against NODES x PROCS_PER_NODE, the batch sizes, the
+# Every stage's configuration is validated first: its parallel layout and batch sizes against
+# NODES x PROCS_PER_NODE (`megatron-lol plan-layout --check`: when they do not fit, status 2 with
+# the planner's first proposal), then `megatron-lol train --dry-run=config` (every key, the
 # tokenizer), as are INPUT and TOKENIZER_MODEL; nothing is submitted unless all pass.
 # Run it from any directory: relative paths are relative to it, and the jobs run there.
 #
-#   INPUT='/data/raw/*.jsonl.zst' TOKENIZER_MODEL=/data/tok.model NUM_SHARDS=64 \
-#   PARTITION=h100 ACCOUNT=myproj NODES=16 GPUS_PER_NODE=8 CPUS_PER_NODE=96 \
-#   PRETRAIN_CONFIG=/repo/examples/configs/paper/lol-360m-L4.yaml CONTEXT_CONFIG=my-ctx.yaml \
+#   megatron-lol plan-layout --config /repo/examples/configs/paper/lol-360m-L4.yaml \
+#       --nodes 16 --gpus-per-node 8 --device-memory 80 --output lol-360m-L4-16x8.yaml
+#   INPUT='/data/raw/*.jsonl.zst' TOKENIZER_TYPE=HuggingFaceTokenizer \
+#   TOKENIZER_MODEL=/data/gpt-neox-20b/tokenizer.json NUM_SHARDS=64 \
+#   PARTITION=h100 ACCOUNT=myproj NODES=16 GPUS_PER_NODE=8 CPUS_PER_NODE=96 DEVICE_MEMORY=80 \
+#   PRETRAIN_CONFIG=lol-360m-L4-16x8.yaml CONTEXT_CONFIG= \
 #   WORK_DIR=/lustre/me/lol360m bash /repo/slurm/submit_pipeline.sh
 #
 # Variables (defaults):
@@ -38,6 +42,7 @@
 #   PRETRAIN_LAUNCHER / CONTEXT_LAUNCHER   per-stage LAUNCHER override    (LAUNCHER)
 #   PRETRAIN_ARGS / CONTEXT_ARGS           extra `megatron-lol train` flags per stage (empty)
 #   VALIDATE          1 = dry-run every stage's config before submitting  (1; needs a local python)
+#   DEVICE_MEMORY     GiB per GPU: the layout check also compares the memory estimate with it (empty: not)
 #   CONTAINER_IMAGE, CONTAINER_MOUNTS, MEGATRON_LOL_PYTHON, NCCL_*: see slurm/common.sh
 # Prints the job ids and writes them to $WORK_DIR/jobs.env.
 set -euo pipefail
@@ -110,6 +115,17 @@ if [ "${VALIDATE:-1}" = 1 ]; then
         if [ "$stage" = pretrain ]; then extra="${PRETRAIN_ARGS:-}"; else extra="${CONTEXT_ARGS:-}"; fi
         # shellcheck disable=SC2086,SC2206
         a+=($extra)
+        # the layout against the allocation first: on failure, the planner's first proposal
+        mem=(); [ -n "${DEVICE_MEMORY:-}" ] && mem=(--device-memory "$DEVICE_MEMORY")
+        # (other errors, e.g. a typo, are left to the dry run below, which names them in train's words)
+        if ! out=$(cd "$RUN_DIR" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -m megatron_lol plan-layout \
+                   --check --nodes "$NODES" --gpus-per-node "$PROCS_PER_NODE" "${mem[@]}" "${a[@]}" 2>&1) &&
+           grep -q '^megatron-lol plan-layout: \(first\|no\) proposal' <<<"$out"; then
+            out=$(grep '^megatron-lol' <<<"$out" || true)
+            echo "submit_pipeline.sh: $stage stage: ${out%%$'\n'*} -- nothing submitted" >&2
+            [ "$out" = "${out#*$'\n'}" ] || echo "${out#*$'\n'}" >&2
+            exit 2
+        fi
         if ! out=$(cd "$RUN_DIR" && WORLD_SIZE=$((NODES * PROCS_PER_NODE)) PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" \
                    "$PY" -m megatron_lol train --dry-run=config "${a[@]}" 2>&1); then
             die "$stage stage: $(grep -v '^usage:\|^  ' <<<"$out" | tail -n 1) -- nothing submitted"

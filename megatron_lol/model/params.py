@@ -80,6 +80,7 @@ embeddings. Everything else is in the breakdown.
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -335,14 +336,25 @@ def loop_accounting(model: ModelConfig) -> Optional[dict]:
     }
 
 
+_COUNTS: dict = {}
+
+
 def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     """Counts for ``model`` with a ``vocab_size``-row embedding (TP size 1), from the built model's walk.
 
     ``vocab_size`` is the size the model is built with (already padded, as
-    ``LoLGPTModel`` takes it).
+    ``LoLGPTModel`` takes it). Cached per (model, vocabulary) like the walk
+    itself: the layout planner estimates thousands of layouts of one model.
     """
     if vocab_size is None or vocab_size <= 0:
         raise ValueError(f"vocab_size must be a positive integer (got {vocab_size!r})")
+    key = (repr(model), vocab_size)
+    if key not in _COUNTS:
+        _COUNTS[key] = _count_parameters(model, vocab_size)
+    return copy.deepcopy(_COUNTS[key])
+
+
+def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     shapes = parameter_shapes(model, vocab_size)
     plan = model.execution_plan()
     topk = model.moe_router_topk
