@@ -23,4 +23,6 @@ if [ "$workers" -gt 1 ]; then
 else
   parallel=(-p no:xdist)
 fi
-python -m pytest -q -p no:cacheprovider --durations=30 "${parallel[@]}" "${args[@]}" tests
+# PYTEST_RUNNER: what runs pytest (tools/coverage.sh sets "coverage run"; default plain python)
+# shellcheck disable=SC2086
+python -m ${PYTEST_RUNNER:-} pytest -q -p no:cacheprovider --durations=30 "${parallel[@]}" "${args[@]}" tests
