@@ -3,8 +3,10 @@
 ``megatron_lol.model`` holds the plain reference computation. A backend offers
 faster implementations of some of its steps and declines where they do not
 apply. :func:`select_backend` gives the CPU backend for CPU tensors (unless
-``MEGATRON_LOL_CPU_BACKEND=0``) and None (the reference) otherwise: GPU runs
-use megatron-core / Transformer Engine kernels through the reference path.
+``MEGATRON_LOL_CPU_BACKEND=0``) and None (the reference) otherwise: on a GPU the
+routed depths run grouped where the model allows (``model.routed_core``,
+:mod:`megatron_lol.model.grouped_core`) and the layers on megatron-core /
+Transformer Engine kernels.
 """
 
 from __future__ import annotations
