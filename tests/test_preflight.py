@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from corpus_fixtures import WORDS, write_tiny_dataset, write_tiny_tokenizer
+
 REPO = Path(__file__).resolve().parents[1]
 
 CONFIG = """\
@@ -27,36 +29,11 @@ optimizer: {lr: 3.0e-3, lr_warmup_iters: 1}
 training: {train_iters: 3, micro_batch_size: 2, global_batch_size: 2, seq_length: 16, log_interval: 1,
            eval_interval: 100, eval_iters: 0}
 """
-WORDS = ["<|endoftext|>", "[UNK]", "the", "cat", "sat", "on", "a", "mat"]
-
-
-def write_tokenizer(directory: Path) -> Path:
-    """A HuggingFace tokenizer.json of eight words (built in memory: no training)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    return directory / "tokenizer.json"
-
-
-def write_dataset(prefix: Path, documents: int = 40) -> str:
-    from megatron_lol.data.indexed import StreamingIndexWriter
-
-    writer = StreamingIndexWriter(str(prefix), np.uint16)
-    rng = np.random.default_rng(0)
-    for _ in range(documents):
-        writer.add_document(list(rng.integers(2, len(WORDS), size=int(rng.integers(5, 30)))) + [0])
-    writer.finalize()
-    return str(prefix)
-
-
 @pytest.fixture
 def run_dir(tmp_path):
     """``(config, tokenizer.json, dataset prefix)`` under tmp_path."""
-    tok = write_tokenizer(tmp_path / "tok")
-    prefix = write_dataset(tmp_path / "corpus")
+    tok = write_tiny_tokenizer(tmp_path / "tok")
+    prefix = write_tiny_dataset(tmp_path / "corpus")
     cfg = tmp_path / "cfg.yaml"
     cfg.write_text(CONFIG % {"prefix": prefix, "tok": tok})
     return cfg, tok, prefix
