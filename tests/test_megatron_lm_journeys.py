@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,8 @@ def test_quickstart_suggests_the_bundled_split():
     from megatron_lol.data.quickstart import BUNDLED_SPLIT
 
     assert yaml.safe_load(TINY.read_text())["data"]["split"] == BUNDLED_SPLIT
+    quickstart = (REPO / "docs" / "data.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"`(\d+,\d+,\d+)`", quickstart) == [BUNDLED_SPLIT]  # the docs say what the config has
 
 
 def test_convert_hf_refuses_an_existing_save_before_importing_torch(tmp_path):
