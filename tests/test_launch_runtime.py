@@ -93,9 +93,9 @@ def test_config_error_is_recorded_for_the_batch_script(tmp_path, monkeypatch, ca
 
 
 def test_dry_run_validates_layout_batch_and_files(tmp_path, monkeypatch, capsys):
-    from megatron_lol.cli import main
-
     from corpus_fixtures import write_tiny_tokenizer
+
+    from megatron_lol.cli import main
 
     tok = write_tiny_tokenizer(tmp_path / "tok")  # the dry run loads it, as the run does
     cfg = _yaml(tmp_path, tok=str(tok))

@@ -355,7 +355,6 @@ def test_memory_estimate_follows_the_layout(capsys):
     assert code == 0 and laid.startswith(plain.rstrip("\n")) and "per rank (TP 2 x PP 2" in laid
 
 
-
 def test_memory_estimates_the_target_device_not_the_login_node(capsys):
     """params_dtype auto is BF16 on the GPU the job will have, on this CPU machine too (--target gpu, the
     default); --target cpu estimates a CPU run; an explicit dtype is kept."""
@@ -368,10 +367,16 @@ def test_memory_estimates_the_target_device_not_the_login_node(capsys):
         assert code == 0, err
         runs[extra[:2]] = json.loads(out)
     gpu, cpu, fp32 = runs[()], runs[("--target", "cpu")], runs[("--set", "model.params_dtype=fp32")]
-    assert (gpu["target"], gpu["params_dtype"], cpu["params_dtype"], fp32["params_dtype"]) == ("gpu", "bf16", "fp32", "fp32")
+    assert (gpu["target"], gpu["params_dtype"], cpu["params_dtype"], fp32["params_dtype"]) == (
+        "gpu",
+        "bf16",
+        "fp32",
+        "fp32",
+    )
     assert gpu["device_memory_bytes"] is None  # no local GPU here to compare with
     assert gpu["ranks"][0]["weights"] * 2 == cpu["ranks"][0]["weights"]
     assert gpu["ranks"][0]["total"] < cpu["ranks"][0]["total"]
+
 
 # ------------------------------------------------------------------ --use-checkpoint-args
 def test_use_checkpoint_args_takes_model_and_tokenizer_from_the_checkpoint(tmp_path):

@@ -7,7 +7,6 @@ its one-line message, exit status 2, and the directory tree unchanged. Everythin
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -15,8 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-
-from corpus_fixtures import WORDS, write_tiny_dataset, write_tiny_tokenizer
+from corpus_fixtures import write_tiny_dataset, write_tiny_tokenizer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -29,6 +27,8 @@ optimizer: {lr: 3.0e-3, lr_warmup_iters: 1}
 training: {train_iters: 3, micro_batch_size: 2, global_batch_size: 2, seq_length: 16, log_interval: 1,
            eval_interval: 100, eval_iters: 0}
 """
+
+
 @pytest.fixture
 def run_dir(tmp_path):
     """``(config, tokenizer.json, dataset prefix)`` under tmp_path."""
@@ -90,11 +90,18 @@ def test_tokenizer_type_against_the_files(run_dir, capsys, tmp_path):
         capsys, tmp_path, "--config", str(cfg), "--dry-run", "--tokenizer-type", "SentencePieceTokenizer",
         "--tokenizer-model", str(sp),
     )  # fmt: skip
-    assert line.startswith(f"megatron-lol train: error: data.tokenizer_model (--tokenizer-model): cannot load ")
+    assert line.startswith("megatron-lol train: error: data.tokenizer_model (--tokenizer-model): cannot load ")
     line = one_line_exit_2(
         capsys, tmp_path, "--config", str(cfg), "--dry-run", "--tokenizer-model", str(tmp_path / "missing.json")
     )
     assert line.endswith("missing.json does not exist")
+    line = one_line_exit_2(
+        capsys, tmp_path, "--config", str(cfg), "--dry-run=config", "--set", "data.tokenizer_model=null"
+    )
+    assert line == (
+        "megatron-lol train: error: data.tokenizer_model (--tokenizer-model): --tokenizer-type "
+        "HuggingFaceTokenizer needs --tokenizer-model"
+    )
 
 
 def test_corrupt_index_lengths(run_dir, capsys, tmp_path):
@@ -125,7 +132,9 @@ def test_load_of_a_directory_that_is_not_a_checkpoint(run_dir, capsys, tmp_path)
     notckpt.mkdir()
     (notckpt / "notes.txt").write_text("x")
     save = tmp_path / "runs" / "stage2"
-    line = one_line_exit_2(capsys, tmp_path, "--config", str(cfg), "--dry-run", "--load", str(notckpt), "--save", str(save))
+    line = one_line_exit_2(
+        capsys, tmp_path, "--config", str(cfg), "--dry-run", "--load", str(notckpt), "--save", str(save)
+    )
     assert line == (
         f"megatron-lol train: error: training.load (--load): {notckpt} has no "
         "latest_checkpointed_iteration.txt: no checkpoint to load (found: none)"
@@ -168,7 +177,9 @@ def test_hub_tokenizer_offline_from_the_cache(run_dir, capsys, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     code, out, err = dry_run(capsys, "--config", str(cfg), "--dry-run", "--tokenizer-model", name)
     assert code == 0 and "tokenizer HuggingFaceTokenizer (8 tokens)" in out, err
-    line = one_line_exit_2(capsys, tmp_path, "--config", str(cfg), "--dry-run=config", "--tokenizer-model", "nobody/none")
+    line = one_line_exit_2(
+        capsys, tmp_path, "--config", str(cfg), "--dry-run=config", "--tokenizer-model", "nobody/none"
+    )
     assert "HuggingFace tokenizer nobody/none: not a local file or directory, and the Hub could not" in line
 
 
@@ -225,7 +236,9 @@ def test_a_failed_analysis_leaves_no_output_directory(tmp_path, capsys):
     from megatron_lol.cli import main
 
     out = tmp_path / "plots" / "run1"
-    code = main(["analyze", "utilisation", "--load", str(tmp_path / "nockpt"), "--data-path", "x", "--output", str(out)])
+    code = main(
+        ["analyze", "utilisation", "--load", str(tmp_path / "nockpt"), "--data-path", "x", "--output", str(out)]
+    )
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []

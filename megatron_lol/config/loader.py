@@ -483,9 +483,9 @@ def flag_for_key(key: str, message: str = "") -> Optional[str]:
     """The Megatron-LM flag that sets dotted config ``key`` (None when only ``--set`` does); of several
     (``--bf16``, ``--fp16``), the one whose value ``message`` names first."""
     flags = [flag for table in (MEGATRON_FLAGS, BOOL_FLAGS) for flag, (k, *_) in table.items() if k == key]
-    hits = [(m.start(), f) for f in flags if f in BOOL_FLAGS for m in [re.search(rf"\b{BOOL_FLAGS[f][1]}\b", message)] if m]
+    hits = [(message.find(str(BOOL_FLAGS[f][1])), f) for f in flags if f in BOOL_FLAGS]
     other = {"data.paths": "--data-path", "training.profile_ranks": "--profile-ranks"}.get(key)
-    return min(hits)[1] if hits else flags[0] if flags else other
+    return min((h for h in hits if h[0] >= 0), default=(0, flags[0] if flags else other))[1]
 
 
 _LEADING_KEY = re.compile(r"^([a-z_]+\.[a-z_0-9]+)(?=[:= ])")

@@ -57,7 +57,11 @@ def check_tokenizer_type(data) -> None:
     if not model:
         extra = " (--vocab-file / --merge-file are GPT2BPETokenizer's)" if data.vocab_file else ""
         raise ConfigError(f"data.tokenizer_model: --tokenizer-type {kind} needs --tokenizer-model{extra}")
-    if found is not None and found[1] != kind and not (found[1] == "SentencePieceTokenizer" and kind in SENTENCEPIECE_TYPES):
+    if (
+        found is not None
+        and found[1] != kind
+        and not (found[1] == "SentencePieceTokenizer" and kind in SENTENCEPIECE_TYPES)
+    ):
         raise ConfigError(f"data.tokenizer_type: {kind} cannot read {model} ({found[0]}): --tokenizer-type {found[1]}")
 
 
@@ -69,7 +73,10 @@ def config_tokenizer(data):
     check_tokenizer_type(data)
     try:
         return build_tokenizer(
-            data.tokenizer_type, tokenizer_model=data.tokenizer_model, vocab_file=data.vocab_file, merge_file=data.merge_file
+            data.tokenizer_type,
+            tokenizer_model=data.tokenizer_model,
+            vocab_file=data.vocab_file,
+            merge_file=data.merge_file,
         )
     except TokenizerError as err:
         key = "data.vocab_file" if data.tokenizer_type == "GPT2BPETokenizer" else "data.tokenizer_model"

@@ -269,9 +269,7 @@ def run(args: argparse.Namespace) -> int:
         source = args.jsonl
     else:
         part = data_part(args, loaded.cfg)
-        docs = list(
-            indexed_documents(args.data_path, tokenizer, eod, args.max_documents, part, loaded.cfg.data.split)
-        )
+        docs = list(indexed_documents(args.data_path, tokenizer, eod, args.max_documents, part, loaded.cfg.data.split))
         source = args.data_path if part == "all" else f"{args.data_path} ({part} part of split {loaded.cfg.data.split})"
     if not docs:
         raise CliError(f"{source}: no document to evaluate")

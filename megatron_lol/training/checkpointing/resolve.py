@@ -45,7 +45,9 @@ class LoadPlan:
         return checkpoint_dir(self.directory, self.iteration)
 
 
-def load_plan(save: Optional[str], load: Optional[str], resume: bool, load_iteration: Optional[int]) -> Optional[LoadPlan]:
+def load_plan(
+    save: Optional[str], load: Optional[str], resume: bool, load_iteration: Optional[int]
+) -> Optional[LoadPlan]:
     """The checkpoint a run with these settings loads (None: it starts fresh), or the one-line
     :class:`CheckpointError` the run would stop with.
 
