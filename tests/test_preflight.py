@@ -158,6 +158,8 @@ def test_save_directory_must_be_creatable(run_dir, capsys, tmp_path):
     blocker.write_text("x")
     line = one_line_exit_2(capsys, tmp_path, "--config", str(cfg), "--dry-run=config", "--save", str(blocker / "save"))
     assert line.endswith(f"{blocker / 'save'} cannot be created: {blocker} is not a directory")
+    line = one_line_exit_2(capsys, tmp_path, "--config", str(cfg), "--dry-run", "--set", f"data.cache_dir={blocker}")
+    assert line == f"megatron-lol train: error: data.cache_dir (--data-cache-path): {blocker} is not a directory"
 
 
 def test_hub_tokenizer_offline_from_the_cache(run_dir, capsys, tmp_path, monkeypatch):
@@ -242,6 +244,12 @@ def test_a_failed_analysis_leaves_no_output_directory(tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1, err
     assert list(tmp_path.iterdir()) == []
+    (tmp_path / "file").write_text("x")  # an --output that cannot be made: said before the checkpoint is read
+    code = main(["analyze", "utilisation", "--load", "x", "--data-path", "x", "--output", str(tmp_path / "file" / "o")])
+    assert code == 2 and capsys.readouterr().err.strip().endswith(
+        f"cannot be created: {tmp_path / 'file'} is not a directory"
+    )
+    (tmp_path / "file").unlink()
     with pytest.raises(RuntimeError):  # an analysis that fails after it started writing
         with output_dir(str(out)):
             (out / "utilisation.png").write_bytes(b"partial")

@@ -516,6 +516,11 @@ def run(args) -> int:
         raise CliError("--label needs --label-field")
     if args.max_examples < 1:
         raise CliError("--max-examples must be >= 1")
+    from megatron_lol.training.checkpointing.resolve import check_save_dir
+
+    problem = check_save_dir(args.output)  # before the checkpoint is read, not after
+    if problem is not None:
+        raise CliError(f"--output: {problem}")
     ckpt = _load(args)
     toks, labels = _examples(args, ckpt)
     with output_dir(args.output), torch.no_grad():

@@ -11,7 +11,8 @@ names the key (and, through the CLI, its flag), exit status 2:
   ``.model`` under ``GPT2BPETokenizer`` is named as such, not a missing vocab);
 * :func:`check_datasets` -- every ``.idx`` against itself and its ``.bin``
   (:func:`~megatron_lol.data.indexed.validate_dataset`: the header, lengths,
-  pointers and document indices, vectorised over memory-mapped chunks);
+  pointers and document indices, vectorised over memory-mapped chunks), and a
+  ``data.cache_dir`` the run can create;
 * :func:`check_checkpoints` -- the checkpoint the run will load (the resume
   rules of :func:`~megatron_lol.training.checkpointing.resolve.load_plan`) and a
   save directory this user can write.
@@ -84,9 +85,15 @@ def config_tokenizer(data):
 
 
 def check_datasets(data) -> list:
-    """Every dataset of ``data.paths`` checked against its ``.bin``; their headers."""
+    """Every dataset of ``data.paths`` checked against its ``.bin``, and a ``data.cache_dir`` the run can
+    create or write (its sample indices go there); the datasets' headers."""
     from megatron_lol.data.datasets import parse_blend
     from megatron_lol.data.indexed import validate_dataset
+    from megatron_lol.training.checkpointing.resolve import check_save_dir
+
+    problem = check_save_dir(data.cache_dir)
+    if problem is not None:
+        raise ConfigError(f"data.cache_dir: {problem}")
 
     try:
         prefixes, _ = parse_blend(data.paths)

@@ -89,7 +89,8 @@ def load_plan(
 
 
 def check_save_dir(save: Optional[str]) -> Optional[str]:
-    """Why this process cannot write checkpoints to ``save`` (None: it can, or there is no ``save``).
+    """Why this process cannot write checkpoints to ``save`` (None: it can, or there is no ``save``); the
+    same for any directory a command creates for its output (a dataset cache, ``analyze --output``).
 
     An existing ``save`` must be a writable directory; a missing one is created by the run, so its
     nearest existing parent must be a writable directory. Nothing is created here.
