@@ -24,7 +24,8 @@ Console hygiene lives here because it is the same for every verb:
   shown unchanged.
 * an unknown verb or option gets a "did you mean" from the known ones, a
   Megatron-LM flag without an equivalent here what to use instead; abbreviated
-  options are refused.
+  options are refused. A flag error is one line (no usage: ``--help`` prints
+  that), printed by rank 0 only under torchrun; the status is 2.
 * a configuration error is printed by rank 0 only (every rank has the same
   configuration and exits with status 2), naming the flag beside the key.
 """
@@ -156,14 +157,27 @@ class Parser(argparse.ArgumentParser):
                 if hint(flag):
                     answers.append(f"{flag}: {hint(flag)}")
                     continue
-                close = difflib.get_close_matches(flag, known, n=1, cutoff=0.6)
+                close = closest_option(flag, known)
                 if close:
-                    guesses.append(f"{arg} -> {close[0]}")
+                    guesses.append(f"{arg} -> {close}")
             if guesses:
                 message += f" (did you mean: {', '.join(guesses)}?)"
             if answers:
                 message += f" (Megatron-LM's {'; '.join(answers)})"
-        super().error(message)
+        # one line, not argparse's usage first (`--help` prints that); under torchrun every rank parses
+        # the same arguments, so rank 0 says it and every rank exits 2
+        if os.environ.get("RANK", "0") == "0":
+            self._print_message(f"{self.prog}: error: {message} (--help lists the options)\n", sys.stderr)
+        self.exit(2)
+
+
+def closest_option(flag: str, known: list):
+    """The known option ``flag`` is likely a typo of, or None. A known option that is a leading part
+    of ``flag`` is not a typo of it (``--weight-decay-incr-style`` is not ``--weight-decay``)."""
+    for close in difflib.get_close_matches(flag, known, n=3, cutoff=0.6):
+        if not flag.startswith(close + "-"):
+            return close
+    return None
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> set:

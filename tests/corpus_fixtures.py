@@ -19,6 +19,7 @@ import base64
 import glob
 import json
 import os
+from pathlib import Path
 
 
 def stdlib_documents(max_bytes: int = 3_000_000, max_doc: int = 60_000) -> list:
@@ -269,3 +270,33 @@ def indexed_corpus(out_dir: str, max_bytes: int, max_doc: int, vocab_size: int) 
             writer.add_document(sp.encode(d) + [sp.eos_id()])
         writer.finalize()
     return prefix, model
+
+
+WORDS = ["<|endoftext|>", "[UNK]", "the", "cat", "sat", "on", "a", "mat"]
+
+
+def write_tiny_tokenizer(directory) -> Path:
+    """A HuggingFace tokenizer.json of eight words, EOD ``<|endoftext|>`` = 0 (built in memory, no
+    training: for checks of a config, not of tokenization)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    tok.save(str(directory / "tokenizer.json"))
+    return directory / "tokenizer.json"
+
+
+def write_tiny_dataset(prefix, documents: int = 40) -> str:
+    """An indexed dataset of ``documents`` random documents over WORDS' ids, each ending in EOD 0."""
+    import numpy as np
+
+    from megatron_lol.data.indexed import StreamingIndexWriter
+
+    writer = StreamingIndexWriter(str(prefix), np.uint16)
+    rng = np.random.default_rng(0)
+    for _ in range(documents):
+        writer.add_document(list(rng.integers(2, len(WORDS), size=int(rng.integers(5, 30)))) + [0])
+    writer.finalize()
+    return str(prefix)

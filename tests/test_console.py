@@ -483,6 +483,28 @@ def test_did_you_mean(tmp_path, capsys):
     assert "did you mean 'params'?" in capsys.readouterr().err
 
 
+def test_flag_errors_are_one_line_with_a_suggestion_that_matches(capsys, monkeypatch):
+    """No usage before the error (``--help`` prints it); a Megatron-LM flag without an equivalent is
+    answered with its own line, not with the known flag it starts with; a refused value names the
+    flag that asked for it; under torchrun only rank 0 speaks."""
+    with pytest.raises(SystemExit) as stop:
+        _main("train", "--config", TINY, "--weight-decay-incr-style", "linear")
+    err = capsys.readouterr().err
+    assert stop.value.code == 2 and err.count("\n") == 1 and not err.startswith("usage:"), err
+    assert "--weight-decay-incr-style: the weight decay is constant over the run: --weight-decay" in err
+    assert "did you mean" not in err
+    with pytest.raises(SystemExit):
+        _main("train", "--config", TINY, "--weight-decay-incr")  # longer than --weight-decay: not its typo
+    assert "did you mean: --weight-decay-incr -> --weight-decay?" not in capsys.readouterr().err
+    assert _main("train", "--config", TINY, "--fp16", "--dry-run=config") == 2
+    err = capsys.readouterr().err
+    assert err.startswith("megatron-lol train: error: model.params_dtype (--fp16): fp16 is not offered"), err
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(SystemExit) as stop:
+        _main("train", "--config", TINY, "--lrr", 1)
+    assert stop.value.code == 2 and capsys.readouterr().err == ""
+
+
 def _params(cwd, *args):
     return subprocess.run(
         [sys.executable, "-m", "megatron_lol", "params", "--config", str(TINY), *args],

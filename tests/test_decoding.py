@@ -866,3 +866,35 @@ if __name__ == "__main__":  # a rank of the lol_ckpt launch (torch.distributed.r
 
     for job in json.loads(sys.argv[1]):
         train_spread_save(*job)
+
+
+def test_evaluate_part_reads_the_split_as_training_does(tmp_path):
+    """``evaluate --part`` takes the documents of the run's split that ``analyze --part`` takes (megatron-core's
+    ranges); without it, a prefix the run trained on is scored on its valid part, any other prefix whole."""
+    import argparse
+    from types import SimpleNamespace
+
+    from corpus_fixtures import write_tiny_dataset, write_tiny_tokenizer
+
+    from megatron_lol.analysis.loading import read_indexed
+    from megatron_lol.data.tokenizers import build_tokenizer
+    from megatron_lol.errors import CliError
+    from megatron_lol.inference import evaluate
+
+    prefix = write_tiny_dataset(tmp_path / "corpus", documents=50)
+    tok = build_tokenizer("HuggingFaceTokenizer", str(write_tiny_tokenizer(tmp_path / "tok")))
+    split = "80,12,8"
+    for part, count in (("train", 40), ("valid", 6), ("test", 4), ("all", 50)):
+        docs = [t for t, _ in evaluate.indexed_documents(prefix, tok, 0, None, part, split)]
+        assert len(docs) == count
+        assert [d + [0] for d in docs] == read_indexed(prefix, part, split, max_examples=100)
+    with pytest.raises(CliError, match=r"the test part of split '90,10,0' holds none of its 50 sequences"):
+        list(evaluate.indexed_documents(prefix, tok, 0, None, "test", "90,10,0"))
+    parser = argparse.ArgumentParser()
+    evaluate.add_arguments(parser)
+    args = parser.parse_args(["--load", "x", "--data-path", prefix])
+    run = SimpleNamespace(data=SimpleNamespace(paths=[str(tmp_path / "." / "corpus")], split=split))
+    assert args.part is None and evaluate.data_part(args, run) == "valid"
+    assert evaluate.data_part(args, SimpleNamespace(data=SimpleNamespace(paths=["1", "other"]))) == "all"
+    args = parser.parse_args(["--load", "x", "--data-path", prefix, "--part", "train"])
+    assert evaluate.data_part(args, run) == "train"

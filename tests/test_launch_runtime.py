@@ -93,11 +93,13 @@ def test_config_error_is_recorded_for_the_batch_script(tmp_path, monkeypatch, ca
 
 
 def test_dry_run_validates_layout_batch_and_files(tmp_path, monkeypatch, capsys):
+    from corpus_fixtures import write_tiny_tokenizer
+
     from megatron_lol.cli import main
 
-    tok = tmp_path / "tok.model"
-    tok.write_text("x")
+    tok = write_tiny_tokenizer(tmp_path / "tok")  # the dry run loads it, as the run does
     cfg = _yaml(tmp_path, tok=str(tok))
+    Path(cfg).write_text(Path(cfg).read_text().replace("SentencePieceTokenizer", "HuggingFaceTokenizer"))
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert main(["train", "--config", cfg, "--dry-run=config", "--global-batch-size", "4"]) == 0
     assert "config OK: lol model, world size 2 = TP 1 x PP 1 x DP 2" in capsys.readouterr().out

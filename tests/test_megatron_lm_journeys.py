@@ -21,6 +21,7 @@ import io
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -221,6 +222,8 @@ def test_quickstart_suggests_the_bundled_split():
     from megatron_lol.data.quickstart import BUNDLED_SPLIT
 
     assert yaml.safe_load(TINY.read_text())["data"]["split"] == BUNDLED_SPLIT
+    quickstart = (REPO / "docs" / "data.md").read_text().split("## Quick start", 1)[1].split("\n## ", 1)[0]
+    assert re.findall(r"`(\d+,\d+,\d+)`", quickstart) == [BUNDLED_SPLIT]  # the docs say what the config has
 
 
 def test_convert_hf_refuses_an_existing_save_before_importing_torch(tmp_path):
@@ -350,6 +353,29 @@ def test_memory_estimate_follows_the_layout(capsys):
         "--use-distributed-optimizer",
     )
     assert code == 0 and laid.startswith(plain.rstrip("\n")) and "per rank (TP 2 x PP 2" in laid
+
+
+def test_memory_estimates_the_target_device_not_the_login_node(capsys):
+    """params_dtype auto is BF16 on the GPU the job will have, on this CPU machine too (--target gpu, the
+    default); --target cpu estimates a CPU run; an explicit dtype is kept."""
+    import json
+
+    paper = REPO / "examples" / "configs" / "paper" / "lol-360m-L8.yaml"
+    runs = {}
+    for extra in ((), ("--target", "cpu"), ("--set", "model.params_dtype=fp32")):
+        code, out, err = _main(capsys, "memory", "--config", paper, "--world-size", 8, "--json", *extra)
+        assert code == 0, err
+        runs[extra[:2]] = json.loads(out)
+    gpu, cpu, fp32 = runs[()], runs[("--target", "cpu")], runs[("--set", "model.params_dtype=fp32")]
+    assert (gpu["target"], gpu["params_dtype"], cpu["params_dtype"], fp32["params_dtype"]) == (
+        "gpu",
+        "bf16",
+        "fp32",
+        "fp32",
+    )
+    assert gpu["device_memory_bytes"] is None  # no local GPU here to compare with
+    assert gpu["ranks"][0]["weights"] * 2 == cpu["ranks"][0]["weights"]
+    assert gpu["ranks"][0]["total"] < cpu["ranks"][0]["total"]
 
 
 # ------------------------------------------------------------------ --use-checkpoint-args

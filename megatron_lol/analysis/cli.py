@@ -23,8 +23,10 @@ validation documents of the run's split) or ``--jsonl FILE`` with ``--text-field
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import shutil
 import time
 
 from megatron_lol.errors import CliError
@@ -189,6 +191,28 @@ def _meta(ckpt, args, n: int) -> dict:
         "data": args.data_path or args.jsonl,
         "part": args.part if args.data_path else None,
     }
+
+
+@contextlib.contextmanager
+def output_dir(path: str):
+    """Create ``--output`` (and missing parents) for the analysis inside; if it fails, remove the
+    directories created here, so a failed analysis leaves nothing behind (files it wrote into a
+    directory that existed before stay: they may sit beside the user's own)."""
+    created, parent = None, os.path.abspath(path)
+    while not os.path.exists(parent):
+        created, parent = parent, os.path.dirname(parent)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise CliError(f"--output: cannot create {path}: {err.strerror or err}") from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise CliError(f"--output: {path} is not a writable directory")
+    try:
+        yield
+    except BaseException:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
 
 
 # ------------------------------------------------------------------ subcommands
@@ -492,10 +516,14 @@ def run(args) -> int:
         raise CliError("--label needs --label-field")
     if args.max_examples < 1:
         raise CliError("--max-examples must be >= 1")
-    os.makedirs(args.output, exist_ok=True)
+    from megatron_lol.training.checkpointing.resolve import check_save_dir
+
+    problem = check_save_dir(args.output)  # before the checkpoint is read, not after
+    if problem is not None:
+        raise CliError(f"--output: {problem}")
     ckpt = _load(args)
     toks, labels = _examples(args, ckpt)
-    with torch.no_grad():
+    with output_dir(args.output), torch.no_grad():
         RUNNERS[args.analysis](args, ckpt, toks, labels)
     print(f"analyze {args.analysis}: done in {time.perf_counter() - t0:.1f} s -> {args.output}")
     return 0

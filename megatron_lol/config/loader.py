@@ -479,13 +479,13 @@ def overrides_from_args(args: argparse.Namespace) -> list[tuple[str, Any, str]]:
     return overrides
 
 
-def flag_for_key(key: str) -> Optional[str]:
-    """The Megatron-LM flag that sets dotted config ``key`` (None when only ``--set`` does)."""
-    for table in (MEGATRON_FLAGS, BOOL_FLAGS):
-        for flag, (k, *_) in table.items():
-            if k == key:
-                return flag
-    return {"data.paths": "--data-path", "training.profile_ranks": "--profile-ranks"}.get(key)
+def flag_for_key(key: str, message: str = "") -> Optional[str]:
+    """The Megatron-LM flag that sets dotted config ``key`` (None when only ``--set`` does); of several
+    (``--bf16``, ``--fp16``), the one whose value ``message`` names first."""
+    flags = [flag for table in (MEGATRON_FLAGS, BOOL_FLAGS) for flag, (k, *_) in table.items() if k == key]
+    hits = [(message.find(str(BOOL_FLAGS[f][1])), f) for f in flags if f in BOOL_FLAGS]
+    other = {"data.paths": "--data-path", "training.profile_ranks": "--profile-ranks"}.get(key)
+    return min((h for h in hits if h[0] >= 0), default=(0, flags[0] if flags else other))[1]
 
 
 _LEADING_KEY = re.compile(r"^([a-z_]+\.[a-z_0-9]+)(?=[:= ])")
@@ -497,7 +497,7 @@ def name_flag(message: str, known_options=None) -> str:
     match = _LEADING_KEY.match(message)
     if not match:
         return message
-    flag = flag_for_key(match.group(1))
+    flag = flag_for_key(match.group(1), message[match.end() :])
     if flag is None or (known_options is not None and flag not in known_options):
         return message
     return f"{match.group(1)} ({flag}){message[match.end() :]}"

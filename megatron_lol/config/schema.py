@@ -38,12 +38,12 @@ MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
 
 
 def resolve_params_dtype(value: str) -> str:
-    """``auto``: ``bf16`` where CUDA is present (Megatron-LM's ``--bf16`` mixed precision), ``fp32`` on CPUs."""
+    """``auto``: ``bf16`` on a CUDA target (Megatron-LM's ``--bf16``), ``fp32`` on CPUs (:mod:`.target`)."""
     if value != "auto":
         return value
-    from megatron_lol.platform import cuda_available
+    from megatron_lol.config.target import target_has_cuda
 
-    return "bf16" if cuda_available() else "fp32"
+    return "bf16" if target_has_cuda() else "fp32"
 
 
 def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:

@@ -41,6 +41,8 @@ import os
 import re
 from collections import OrderedDict
 
+from megatron_lol.errors import CliError
+
 TOKENIZER_TYPES = (
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
@@ -66,8 +68,9 @@ TIKTOKEN_DEFAULT_VOCAB = 2**17
 HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>")
 
 
-class TokenizerError(ValueError):
-    """A tokenizer file or option is unusable (message names the file)."""
+class TokenizerError(CliError, ValueError):
+    """A tokenizer file or option is unusable (message names the file): one line and exit status 2
+    from the CLI, wherever it is raised (a trainer built from a config, ``preprocess``, ``evaluate``)."""
 
 
 # a Hub repository id, ``namespace/name`` (huggingface_hub's own check is stricter; this one only tells

@@ -1,7 +1,9 @@
 """``megatron-lol evaluate``: loss, perplexity and bits per byte of a checkpoint on held-out text.
 
 Documents come from a Megatron indexed dataset (``--data-path PREFIX``, read with
-megatron-core's ``IndexedDataset``; a trailing EOD token is dropped) or a JSONL file
+megatron-core's ``IndexedDataset``; a trailing EOD token is dropped; ``--part`` picks
+the train / valid / test documents of the run's ``data.split`` as training splits the
+prefix, by default ``valid`` of a prefix the run trained on and all of any other) or a JSONL file
 (``--jsonl FILE``, the ``--json-key`` string of each line, tokenized with the run's
 tokenizer). Each document is scored as lm-evaluation-harness scores a rolling
 log-likelihood: an EOD token stands before it (the end of a previous document, as in
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from megatron_lol.analysis.loading import split_range
 from megatron_lol.errors import CliError
 from megatron_lol.inference.loading import add_model_arguments, jsonl_texts, load_run, load_tokenizer
 from megatron_lol.log import log_rank0
@@ -56,6 +59,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument("--data-path", help="Megatron indexed dataset prefix (PREFIX.bin / PREFIX.idx)")
     src.add_argument("--jsonl", help="JSONL file, one document per line")
     parser.add_argument("--json-key", default="text", help="--jsonl: the key holding the text (default text)")
+    parser.add_argument(
+        "--part",
+        default=None,
+        choices=("train", "valid", "test", "all"),
+        help="documents of --data-path: this part of the run's data.split, as training splits the prefix "
+        "(default: valid when --data-path is a prefix the run trained on, else all)",
+    )
     parser.add_argument(
         "--seq-length", type=int, default=None, help="predicted tokens per row (default: the run's training.seq_length)"
     )
@@ -161,8 +171,25 @@ def jsonl_documents(path: str, key: str, tokenizer, limit):
             yield tokens, len(text.encode("utf-8"))
 
 
-def indexed_documents(prefix: str, tokenizer, eod_id, limit):
-    """``(tokens, utf-8 bytes of the detokenized text)`` of each document of an indexed dataset."""
+def data_part(args, cfg) -> str:
+    """``--part``, or its default: ``valid`` when ``--data-path`` is one of the prefixes the run trained
+    on (its training documents are not held out), ``all`` for any other prefix."""
+    if args.part is not None:
+        return args.part
+    from megatron_lol.data.datasets import parse_blend
+
+    try:
+        trained = parse_blend(cfg.data.paths)[0]
+    except CliError:
+        trained = []
+    same = any(os.path.realpath(args.data_path) == os.path.realpath(p) for p in trained)
+    return "valid" if same else "all"
+
+
+def indexed_documents(prefix: str, tokenizer, eod_id, limit, part: str = "all", split: str = "98,2,0"):
+    """``(tokens, utf-8 bytes of the detokenized text)`` of each document of an indexed dataset whose
+    first sequence lies in ``part`` of ``split``: megatron-core's split of the prefix into train / valid /
+    test, the bounds times the sequence count, rounded (``analyze --part`` reads the same ranges)."""
     for ext in (".bin", ".idx"):
         if not os.path.isfile(prefix + ext):
             raise CliError(f"--data-path {prefix}: {prefix}{ext} does not exist")
@@ -173,10 +200,18 @@ def indexed_documents(prefix: str, tokenizer, eod_id, limit):
     except (ValueError, AssertionError, OSError) as err:
         raise CliError(f"--data-path {prefix}: not a readable Megatron indexed dataset ({err})") from None
     docs = ds.document_indices
+    lo, hi = (0, len(ds)) if part == "all" else split_range(split, part, len(ds))
+    if hi <= lo:
+        raise CliError(
+            f"--data-path {prefix}: the {part} part of split {split!r} holds none of its {len(ds)} "
+            f"sequences; choose another --part"
+        )
     count = 0
     for d in range(len(docs) - 1):
         if limit is not None and count >= limit:
             return
+        if not lo <= int(docs[d]) < hi:
+            continue
         parts = [ds[i] for i in range(int(docs[d]), int(docs[d + 1]))]
         tokens = [int(t) for part in parts for t in part.tolist()]
         if tokens and tokens[-1] == eod_id:
@@ -233,8 +268,9 @@ def run(args: argparse.Namespace) -> int:
         docs = list(jsonl_documents(args.jsonl, args.json_key, tokenizer, args.max_documents))
         source = args.jsonl
     else:
-        docs = list(indexed_documents(args.data_path, tokenizer, eod, args.max_documents))
-        source = args.data_path
+        part = data_part(args, loaded.cfg)
+        docs = list(indexed_documents(args.data_path, tokenizer, eod, args.max_documents, part, loaded.cfg.data.split))
+        source = args.data_path if part == "all" else f"{args.data_path} ({part} part of split {loaded.cfg.data.split})"
     if not docs:
         raise CliError(f"{source}: no document to evaluate")
     pieces_ = [row for i, (tokens, _) in enumerate(docs) for row in pieces(i, tokens, eod, seq_length)]

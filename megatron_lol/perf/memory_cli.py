@@ -6,6 +6,12 @@
 Takes the layout flags ``train`` takes; the data-parallel size is the rest of
 ``--world-size`` (default ``WORLD_SIZE``, else the smallest world the layout
 needs). Nothing is built and megatron-core is not imported.
+
+The estimate is for the device the run will have, not the machine that asks:
+``--target gpu`` (the default) resolves ``model.params_dtype: auto`` to BF16 as
+a GPU run does, also on a CPU login node, and compares with ``--device-memory``
+(else the local CUDA device's memory, if there is one); ``--target cpu``
+estimates a CPU run (FP32, compared with this machine's RAM).
 """
 
 from __future__ import annotations
@@ -14,7 +20,13 @@ import argparse
 import json
 import os
 
+from megatron_lol.config.target import TARGETS, device_target
 from megatron_lol.errors import CliError
+
+
+def name_is_cuda(name: str) -> bool:
+    """Whether :func:`~megatron_lol.perf.memory.device_memory_bytes` measured a CUDA device (not RAM)."""
+    return name not in ("this machine's RAM", "unknown")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,11 +43,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="ranks of the run (default: WORLD_SIZE, else the smallest the layout needs)",
     )
     group.add_argument(
+        "--target",
+        choices=TARGETS,
+        default="gpu",
+        help="the device the run will have (default gpu: params_dtype auto is bf16, whatever this machine has)",
+    )
+    group.add_argument(
         "--device-memory",
         type=float,
         default=None,
         metavar="GIB",
-        help="memory per device in GiB to compare with (default: the CUDA device's, else RAM)",
+        help="memory per device in GiB to compare with (default: the local CUDA device's for a gpu target, "
+        "RAM for a cpu target)",
     )
     group.add_argument(
         "--vocab-size",
@@ -52,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
     from megatron_lol.perf.memory import Layout, device_memory_bytes, format_estimate, rank_memory
     from megatron_lol.perf.params_cli import resolve_vocab
 
-    cfg = config_from_args(args, check_data=False)
+    with device_target(args.target):
+        cfg = config_from_args(args, check_data=False)
     world = (
         args.world_size
         if args.world_size is not None
@@ -70,6 +90,8 @@ def run(args: argparse.Namespace) -> int:
         device, name = args.device_memory * 2**30, "the device"
     else:
         device, name = device_memory_bytes()
+        if (args.target == "gpu") != name_is_cuda(name):
+            device, name = None, "unknown"  # the local machine is not the target: nothing to compare with
     if args.json:
         print(
             json.dumps(
@@ -78,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
                     "layout": vars(layout),
                     "world_size": layout.world,
                     "vocab_size": vocab,
+                    "target": args.target,
+                    "params_dtype": cfg.model.params_dtype,
                     "device_memory_bytes": device,
                     "ranks": [r.to_dict() for r in ranks],
                 }
@@ -85,4 +109,6 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         print(format_estimate(cfg, ranks, layout, device, name))
+        if device is None and args.target == "gpu":
+            print("  (--device-memory GIB compares with the target GPU's memory)")
     return 0

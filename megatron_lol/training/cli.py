@@ -3,11 +3,15 @@
 Launch with ``torchrun --nproc-per-node N -m megatron_lol train --config ...``
 (or the console script); the backend (gloo on CPU, NCCL on GPU) follows the device.
 
-``--dry-run`` validates the config (every key, the parallel layout against
-``WORLD_SIZE``, the batch sizes, data and tokenizer files) and exits without
-importing torch: ``slurm/submit_pipeline.sh`` runs it for every stage before it
-submits anything. ``--dry-run=config`` skips the data files (a pipeline builds
-them later).
+``--dry-run`` checks what the run checks before its first step and exits
+without importing torch or creating a file: every key, the parallel layout
+against ``WORLD_SIZE``, the batch sizes, the tokenizer built as the run builds it
+(its type against the files given; a Hub name from the Hub cache, offline under
+``HF_HUB_OFFLINE=1``), every dataset's ``.idx`` against its ``.bin``, the
+checkpoint ``--load`` / ``--save`` will start from and a writable save directory
+(:mod:`megatron_lol.config.preflight`). ``slurm/submit_pipeline.sh`` runs it for
+every stage before it submits anything. ``--dry-run=config`` skips the data files
+and the checkpoint to load (a pipeline builds them later).
 
 The preemption handlers are installed before anything else, so a SIGUSR1 that
 arrives during start-up is honoured at the first step boundary; every exit
@@ -38,8 +42,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         const="all",
         default=None,
         choices=("all", "config"),
-        help="validate and exit: the config, the layout against WORLD_SIZE, data and tokenizer "
-        "files (=config: not the data files)",
+        help="check what the run checks and exit: the config, the layout against WORLD_SIZE, the "
+        "tokenizer, the datasets, the checkpoint to load, the save directory (=config: not the data "
+        "files or the checkpoint to load)",
     )
 
 
@@ -84,6 +89,11 @@ def _run(args: argparse.Namespace, faults: FaultHooks) -> tuple[int, str]:
     dp = cfg.parallel.data_parallel_size(world)  # layout vs world size
     if args.dry_run:
         return _dry_run(cfg, world, dp, check_data), ""
+    from megatron_lol.config.preflight import check_checkpoints
+
+    # the checkpoint to start from and the save directory, decided before anything is created (the dry
+    # run's check): a --load that names no checkpoint stops here, leaving no save directory or lock behind
+    check_checkpoints(cfg.training)
     from megatron_lol.training.console import announce_startup
 
     announce_startup(cfg, args.config or "(--use-checkpoint-args)")  # before the heavy imports (megatron-core: 5-25 s)
@@ -145,35 +155,43 @@ def _lost_peer(trainer, err: RuntimeError) -> str | None:
 
 
 def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
+    """What the run checks before its first step, without torch or process groups
+    (:mod:`megatron_lol.config.preflight`, the same functions the trainer calls)."""
+    from megatron_lol.config.preflight import check_checkpoints, check_datasets, config_tokenizer
+
     tr, d = cfg.training, cfg.data
     if not check_data:
         d.validate(check_files=False)
-        if d.tokenizer_model and not os.path.exists(d.tokenizer_model) and not d.tokenizer_on_hub():
-            raise ConfigError(f"data.tokenizer_model: {d.tokenizer_model} does not exist")
     gbs = tr.global_batch_size or tr.micro_batch_size * dp
     if gbs % (tr.micro_batch_size * dp):
         raise ConfigError(
             f"training.global_batch_size: {gbs} is not a multiple of micro_batch_size x "
             f"data_parallel_size = {tr.micro_batch_size * dp} (world size {world})"
         )
+    tokenizer = config_tokenizer(d)  # as the trainer builds it: a Hub name offline under HF_HUB_OFFLINE=1
+    headers = check_datasets(d) if check_data else []
+    plan = check_checkpoints(tr, check_load=check_data)
     if tr.train_flops is not None:
         from megatron_lol.perf.budget import apply_flop_budget
-        from megatron_lol.perf.params_cli import padded_vocab
+        from megatron_lol.perf.params_cli import _padded
 
-        vocab = padded_vocab(cfg)
-        if vocab is None:
-            raise ConfigError(
-                "model.vocab_size: training.train_flops needs the vocabulary: set model.vocab_size "
-                "or data.tokenizer_model"
-            )
+        vocab = cfg.model.vocab_size or _padded(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
         apply_flop_budget(cfg, vocab)
     if _rank0():
         par = cfg.parallel
+        if not check_data:
+            start = "data files and --load not checked"
+        elif plan is None:
+            start = "starts from scratch"
+        else:
+            start = f"{'resumes' if plan.resume else 'starts from'} {plan.path}"
+        tokens = sum(int(h.sequence_count) for h in headers)
+        data = f"{len(headers)} dataset(s) of {tokens:,} sequences, " if headers else ""
         print(
             f"megatron-lol train: config OK: {cfg.model.execution_plan().name} model, world size {world} = TP "
             f"{par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size} x DP {dp}, "
-            f"{tr.train_iters} iterations of {gbs} x {tr.seq_length} tokens"
-            f"{'' if check_data else ' (data files not checked)'}",
+            f"{tr.train_iters} iterations of {gbs} x {tr.seq_length} tokens; tokenizer {d.tokenizer_type} "
+            f"({tokenizer.vocab_size:,} tokens); {data}{start}",
             flush=True,
         )
     return 0

@@ -174,18 +174,15 @@ def build_trainer(cfg, synthetic: bool):
 
     if not synthetic:
         return Trainer(cfg).setup()
-    tokenizer = None
-    if cfg.data.tokenizer_model or cfg.data.vocab_file:
-        from megatron_lol.data.tokenizers import build_tokenizer
-
-        d = cfg.data
-        tokenizer = build_tokenizer(
-            d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file, merge_file=d.merge_file
-        )
-    elif cfg.model.vocab_size is None:
-        raise CliError("--synthetic-data needs model.vocab_size or data.tokenizer_model")
-    else:
+    if cfg.model.vocab_size is not None:
+        # the config's vocabulary: random tokens need no tokenizer (a Hub name is not looked up)
         tokenizer = _StubTokenizer(cfg.model.vocab_size, eod=0)
+    elif cfg.data.tokenizer_model or cfg.data.vocab_file:
+        from megatron_lol.config.preflight import config_tokenizer
+
+        tokenizer = config_tokenizer(cfg.data)
+    else:
+        raise CliError("--synthetic-data needs model.vocab_size or data.tokenizer_model")
     eod = tokenizer.eod
     ds = SyntheticDataset(cfg.training.seq_length, tokenizer.vocab_size, eod, seed=cfg.training.seed)
     return Trainer(cfg, tokenizer=tokenizer, datasets=(ds, None, None)).setup()

@@ -32,6 +32,7 @@ from typing import Iterator, Optional
 
 import torch
 
+from megatron_lol.config.preflight import config_tokenizer
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
 from megatron_lol.perf.budget import apply_flop_budget
@@ -175,11 +176,7 @@ class Trainer:
         if self._given_tokenizer is not None:
             self.tokenizer, self.eod_id = self._given_tokenizer, self._given_tokenizer.eod
             return
-        from megatron_lol.data.tokenizers import build_tokenizer
-
-        self.tokenizer = build_tokenizer(
-            d.tokenizer_type, tokenizer_model=d.tokenizer_model, vocab_file=d.vocab_file, merge_file=d.merge_file
-        )
+        self.tokenizer = config_tokenizer(d)  # as train --dry-run builds it
         self.eod_id = self.tokenizer.eod
 
     def _apply_flop_budget(self) -> None:

@@ -26,7 +26,9 @@ and stops the run with a one-line :class:`CheckpointError`.
 Modules: :mod:`.files` (names, tracker, completeness, checksums, metrics
 truncation), :mod:`.lock` (one writer per save directory), :mod:`.safe_load`
 (restricted unpickling of ``.metadata``, one-line load errors), :mod:`.state`
-(what is saved), :mod:`.checkpointer` (:class:`Checkpointer`, :class:`CheckpointHook`).
+(what is saved), :mod:`.resolve` (what a run will load, and whether it may write its save
+directory: the checks ``train --dry-run`` shares with the run), :mod:`.checkpointer`
+(:class:`Checkpointer`, :class:`CheckpointHook`).
 
 Keys inside the ``torch_dist`` checkpoint (what a converter reads):
 
@@ -86,76 +88,55 @@ and reads ``.metadata`` through a restricted unpickler. A resumed run drops the
 records of ``metrics.jsonl`` after its checkpoint's step (they are logged again).
 """
 
-from megatron_lol.training.checkpointing.checkpointer import (
-    Checkpointer,
-    CheckpointHook,
-    agree,
-    prepare_writer_processes,
-)
-from megatron_lol.training.checkpointing.files import (
-    MANIFEST,
-    RUN_CONFIG,
-    TMP_PREFIX,
-    TRACKER,
-    CheckpointError,
-    CheckpointNotFoundError,
-    checkpoint_dir,
-    iter_name,
-    latest_checkpoint,
-    list_checkpoints,
-    read_tracker,
-    resume_iteration,
-    tmp_dir,
-    write_tracker,
-)
-from megatron_lol.training.checkpointing.lock import LOCK_FILE, SaveDirLock
-from megatron_lol.training.checkpointing.safe_load import RestrictedUnpickler, read_metadata_file, restricted_unpickling
-from megatron_lol.training.checkpointing.state import (
-    DISTRIB_OPTIM_METADATA,
-    FORMAT_VERSION,
-    KEY_PREFIX,
-    NonFiniteWeightsError,
-    build_save_state,
-    model_sharded_state_dict,
-    parallel_layout,
-    read_run_config,
-    run_config_dict,
-    weights_finite,
-)
+# each name of the interface, by the submodule that defines it; imported on first use, so that the
+# file-level checks (:mod:`.files`, :mod:`.resolve`: what ``train --dry-run`` reads) do not import torch
+_SOURCES = {
+    "checkpointer": ("CheckpointHook", "Checkpointer", "agree", "prepare_writer_processes"),
+    "files": (
+        "MANIFEST",
+        "RUN_CONFIG",
+        "TMP_PREFIX",
+        "TRACKER",
+        "CheckpointError",
+        "CheckpointNotFoundError",
+        "checkpoint_dir",
+        "iter_name",
+        "latest_checkpoint",
+        "list_checkpoints",
+        "read_tracker",
+        "resume_iteration",
+        "tmp_dir",
+        "write_tracker",
+    ),
+    "lock": ("LOCK_FILE", "SaveDirLock"),
+    "resolve": ("LoadPlan", "load_plan", "check_save_dir"),
+    "safe_load": ("RestrictedUnpickler", "read_metadata_file", "restricted_unpickling"),
+    "state": (
+        "DISTRIB_OPTIM_METADATA",
+        "FORMAT_VERSION",
+        "KEY_PREFIX",
+        "NonFiniteWeightsError",
+        "build_save_state",
+        "model_sharded_state_dict",
+        "parallel_layout",
+        "read_run_config",
+        "run_config_dict",
+        "weights_finite",
+    ),
+}
+_MODULE_OF = {name: module for module, names in _SOURCES.items() for name in names}
 
-# the package's interface: each name is defined in the submodule it is imported from
-__all__ = [
-    "CheckpointHook",
-    "Checkpointer",
-    "agree",
-    "prepare_writer_processes",
-    "MANIFEST",
-    "RUN_CONFIG",
-    "TMP_PREFIX",
-    "TRACKER",
-    "CheckpointError",
-    "CheckpointNotFoundError",
-    "checkpoint_dir",
-    "iter_name",
-    "latest_checkpoint",
-    "list_checkpoints",
-    "read_tracker",
-    "resume_iteration",
-    "tmp_dir",
-    "write_tracker",
-    "LOCK_FILE",
-    "SaveDirLock",
-    "RestrictedUnpickler",
-    "read_metadata_file",
-    "restricted_unpickling",
-    "DISTRIB_OPTIM_METADATA",
-    "FORMAT_VERSION",
-    "KEY_PREFIX",
-    "NonFiniteWeightsError",
-    "build_save_state",
-    "model_sharded_state_dict",
-    "parallel_layout",
-    "read_run_config",
-    "run_config_dict",
-    "weights_finite",
-]
+
+def __getattr__(name: str):
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+# the package's interface: each name is defined in the submodule _SOURCES names
+__all__ = [name for names in _SOURCES.values() for name in names]

@@ -39,7 +39,6 @@ from megatron_lol.training.checkpointing.files import (
     list_checkpoints,
     read_manifest,
     read_tracker,
-    resume_iteration,
     tmp_dir,
     truncate_metrics,
     verify_files,
@@ -47,7 +46,14 @@ from megatron_lol.training.checkpointing.files import (
     write_tracker,
 )
 from megatron_lol.training.checkpointing.lock import SaveDirLock
-from megatron_lol.training.checkpointing.safe_load import describe_error, load_common, load_sharded, read_metadata_file
+from megatron_lol.training.checkpointing.resolve import load_plan
+from megatron_lol.training.checkpointing.safe_load import (
+    check_optimizer_fits,
+    describe_error,
+    load_common,
+    load_sharded,
+    read_metadata_file,
+)
 from megatron_lol.training.checkpointing.schedule import check_schedule
 from megatron_lol.training.checkpointing.schedule import load_schedule as load_schedule_state
 from megatron_lol.training.checkpointing.state import (
@@ -380,7 +386,7 @@ class Checkpointer:
             )
         if has_optimizer:
             request["optimizer"] = optimizer_sharded_state_dict(trainer, model_sd, is_loading=True)
-            _check_optimizer_fits(path, directory, request["optimizer"], metadata, common.get("layout"), layout)
+            check_optimizer_fits(path, directory, request["optimizer"], metadata, common.get("layout"), layout)
         # a resume whose schedules differ from the checkpoint's stops here, before any state is read,
         # unless told which wins; a stage takes its own settings (.schedule)
         keep_schedule = (
@@ -421,45 +427,38 @@ class Checkpointer:
         return iteration
 
     def resolve_and_load(self) -> Optional[str]:
-        """Apply the resume rules of the package docstring; returns the path loaded, if any."""
+        """Apply the resume rules of the package docstring (:func:`.resolve.load_plan`, which
+        ``train --dry-run`` runs too); returns the path loaded, if any."""
         tr = self.trainer.cfg.training
-        if tr.save and tr.resume:
-            it, how = resume_iteration(tr.save)
-            if it is not None:
-                if how != "tracker":
-                    log_rank0(f" checkpoint: {how}: resuming from {checkpoint_dir(tr.save, it)}")
-                newer = [i for i in list_checkpoints(tr.save) if i > it]
-                if newer:
-                    log_rank0(
-                        f" checkpoint: {', '.join(iter_name(i) for i in newer)} in {tr.save} "
-                        f"{'is' if len(newer) == 1 else 'are'} newer than {iter_name(it)} but not named "
-                        f"by {TRACKER}: a save of the same iteration replaces it"
-                    )
-                self.load(tr.save, it, resume=True)
-                self.resumed = True
-                if how != "tracker" and rank() == 0:
-                    write_tracker(tr.save, it)
-                return self.loaded_from
-        elif tr.save and (list_checkpoints(tr.save) or read_tracker(tr.save) is not None):
-            found = ", ".join(iter_name(i) for i in list_checkpoints(tr.save)) or TRACKER
-            raise CheckpointError(
-                f"{tr.save} already holds checkpoints ({found}); --no-resume would train "
-                f"from scratch and replace them: pass another --save, or remove them"
-            )
-        if tr.load:
-            same = tr.save and os.path.abspath(tr.load) == os.path.abspath(tr.save)
-            if same and not tr.resume:
+        plan = load_plan(tr.save, tr.load, tr.resume, tr.load_iteration)
+        if plan is None:
+            if tr.load and tr.save and not tr.resume:
                 log_rank0(f" checkpoint: --no-resume: not loading {tr.load}")
-                return None
+            return None
+        if not plan.resume:
             self.load(
-                tr.load,
-                tr.load_iteration,
+                plan.directory,
+                plan.iteration,
                 resume=False,
                 load_optimizer=not tr.reset_optimizer,
                 load_schedule=not tr.reset_schedule,
             )
             return self.loaded_from
-        return None
+        it = plan.iteration
+        if plan.how:
+            log_rank0(f" checkpoint: {plan.how}: resuming from {plan.path}")
+        newer = [i for i in list_checkpoints(tr.save) if i > it]
+        if newer:
+            log_rank0(
+                f" checkpoint: {', '.join(iter_name(i) for i in newer)} in {tr.save} "
+                f"{'is' if len(newer) == 1 else 'are'} newer than {iter_name(it)} but not named "
+                f"by {TRACKER}: a save of the same iteration replaces it"
+            )
+        self.load(tr.save, it, resume=True)
+        self.resumed = True
+        if plan.how and rank() == 0:
+            write_tracker(tr.save, it)
+        return self.loaded_from
 
     def drop_relogged_metrics(self) -> None:
         """Rank 0, after loading: remove the records of ``metrics.jsonl`` that this run logs again.
@@ -501,9 +500,18 @@ class CheckpointHook(Hook):
         if save:
             self.lock = SaveDirLock(save)
             agree(self.lock.acquire() if rank() == 0 else None)
-            prepare_writer_processes()
-        self.ckpt.resolve_and_load()
-        self.ckpt.drop_relogged_metrics()
+        try:
+            if save:
+                prepare_writer_processes()
+            self.ckpt.resolve_and_load()
+            self.ckpt.drop_relogged_metrics()
+        except BaseException:
+            # a run that stops before its first step leaves no trace: no lock file, no save directory
+            # it created (SaveDirLock.discard)
+            if self.lock is not None:
+                self.lock.discard()
+                self.lock = None
+            raise
         signals.install_handlers()  # a signal caught during start-up (train's CLI listens early) stays set
         if rank() == 0:
             signals.clear_requeue_marker(save)
@@ -573,34 +581,3 @@ class CheckpointHook(Hook):
                 self.lock.release()
                 self.lock = None
             signals.clear()  # handled: a later run in this process starts without it
-
-
-def _check_optimizer_fits(path: str, directory: str, optimizer_request, metadata, saved_layout, layout) -> None:
-    """Refuse, in one line, optimizer state laid out for another optimizer chain.
-
-    megatron-core gives expert parameters an optimizer of their own only when
-    ``expert_model_parallel_size > 1`` (their ``allreduce`` flag), so the optimizer
-    state of a MoE model saved at EP=1 and at EP>1 has different keys; loading
-    across that boundary would otherwise fail deep inside dist-checkpointing
-    with a message that reads like a corrupt file. The weights load at any layout.
-    """
-    from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
-
-    saved = metadata.state_dict_metadata
-    missing = sorted(
-        {t.key for t in nested_values(optimizer_request) if isinstance(t, ShardedTensor) and t.key not in saved}
-    )
-    if not missing:
-        return
-    why = ""
-    if saved_layout and (saved_layout.get("ep", 1) > 1) != (layout["ep"] > 1):
-        why = (
-            f" (saved at expert-model-parallel-size {saved_layout.get('ep', 1)}, now {layout['ep']}: megatron-core "
-            f"keeps expert parameters in an optimizer of their own only when it is > 1)"
-        )
-    raise CliError(
-        f"{path}: its optimizer state does not fit this run's optimizer{why}: {len(missing)} of this "
-        f"run's optimizer tensors are not in it, e.g. {missing[0]}; load its weights into a new --save "
-        f"(--load {directory}) with training.reset_optimizer: true"
-    )

@@ -42,6 +42,7 @@ class SaveDirLock:
         self.root = root
         self.path = os.path.join(root, LOCK_FILE)
         self.fd: Optional[int] = None
+        self.created: list = []  # what acquire() created (directories, then the lock file), for discard()
 
     def _read(self, fd: int) -> dict:
         try:
@@ -58,7 +59,12 @@ class SaveDirLock:
 
     def acquire(self) -> Optional[str]:
         """Take the lock; returns None, or why not (one line)."""
+        missing, parent = [], os.path.abspath(self.root)
+        while not os.path.exists(parent):
+            missing.append(parent)
+            parent = os.path.dirname(parent)
         os.makedirs(self.root, exist_ok=True)
+        self.created = missing + ([] if os.path.exists(self.path) else [self.path])
         previous = _held.pop(os.path.realpath(self.path), None)
         if previous is not None:
             previous.release()
@@ -121,3 +127,21 @@ class SaveDirLock:
             pass
         os.close(self.fd)  # closing drops the flock
         self.fd = None
+
+    def discard(self) -> None:
+        """Release, and remove what :meth:`acquire` created (the lock file, the directories up to the
+        first that existed) as long as nothing else was written there: a run that stopped before its
+        first step leaves the file system as it found it."""
+        self.release()
+        created, self.created = self.created, []
+        if created and created[-1] == self.path:
+            try:
+                os.remove(self.path)
+            except OSError:
+                return
+            created = created[:-1]
+        for directory in created:  # deepest first
+            try:
+                os.rmdir(directory)
+            except OSError:  # not empty: something else is there now
+                return

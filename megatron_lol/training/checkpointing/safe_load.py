@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from megatron_lol.errors import CliError
 from megatron_lol.training.checkpointing.files import CheckpointError
 
 _ALLOWED_MODULES = (
@@ -238,3 +239,34 @@ def find_os_error(err: Optional[BaseException], _seen=None) -> Optional[OSError]
                     return found
         err = err.__cause__ or err.__context__
     return None
+
+
+def check_optimizer_fits(path: str, directory: str, optimizer_request, metadata, saved_layout, layout) -> None:
+    """Refuse, in one line, optimizer state laid out for another optimizer chain.
+
+    megatron-core gives expert parameters an optimizer of their own only when
+    ``expert_model_parallel_size > 1`` (their ``allreduce`` flag), so the optimizer
+    state of a MoE model saved at EP=1 and at EP>1 has different keys; loading
+    across that boundary would otherwise fail deep inside dist-checkpointing
+    with a message that reads like a corrupt file. The weights load at any layout.
+    """
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    saved = metadata.state_dict_metadata
+    missing = sorted(
+        {t.key for t in nested_values(optimizer_request) if isinstance(t, ShardedTensor) and t.key not in saved}
+    )
+    if not missing:
+        return
+    why = ""
+    if saved_layout and (saved_layout.get("ep", 1) > 1) != (layout["ep"] > 1):
+        why = (
+            f" (saved at expert-model-parallel-size {saved_layout.get('ep', 1)}, now {layout['ep']}: megatron-core "
+            f"keeps expert parameters in an optimizer of their own only when it is > 1)"
+        )
+    raise CliError(
+        f"{path}: its optimizer state does not fit this run's optimizer{why}: {len(missing)} of this "
+        f"run's optimizer tensors are not in it, e.g. {missing[0]}; load its weights into a new --save "
+        f"(--load {directory}) with training.reset_optimizer: true"
+    )
