@@ -1,0 +1,503 @@
+"""The ``model`` section: what the network computes (:class:`ModelConfig`), with its validation.
+
+The plan kind's options live in its section (``model.plan: {kind: ..., ...}``,
+:mod:`megatron_lol.plan`); the rest of the model (sizes, windows, router,
+balancing, FiLM, injection, MoE, precision) is here. :mod:`.schema` holds the
+other sections of a run and re-exports these names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from megatron_lol.config.checks import asdict, choice, nonnegative, positive
+from megatron_lol.errors import ConfigError
+from megatron_lol.plan import PLANS, ExecutionPlan, build_plan, plan_kind
+from megatron_lol.plan.execution import DENSE_ATTENTION, all_flat_keys, flat_keys
+from megatron_lol.plan.legacy import ConfigDeprecationWarning
+
+BALANCING = ("loss_free", "aux_loss", "none")
+FILM_MODES = ("off", "depth", "depth_block")
+ROUTED_CORES = ("auto", "reference", "grouped")
+ROUTER_INPUTS = ("windows", "depth")
+PARAMS_DTYPES = ("auto", "fp32", "bf16")
+FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+
+
+def resolve_params_dtype(value: str) -> str:
+    """``auto``: ``bf16`` on a CUDA target (Megatron-LM's ``--bf16``), ``fp32`` on CPUs (:mod:`.target`)."""
+    if value != "auto":
+        return value
+    from megatron_lol.config.target import target_has_cuda
+
+    return "bf16" if target_has_cuda() else "fp32"
+
+
+def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
+    """Whether a forward may call one layer more than once, or a layer on some ranks only: routed plans
+    (a block runs at every depth that routes windows to it) and plans whose steps reuse a block."""
+    blocks = [step.block for step in plan.steps()]
+    return plan.routed or len(set(blocks)) < len(blocks)
+
+
+def fp8_recipe_default(plan: ExecutionPlan) -> str:
+    """Megatron-LM's ``delayed`` where every layer runs once per forward; current (``tensorwise``)
+    scaling for plans that run layers repeatedly or data-dependently (delayed scaling is refused there)."""
+    return "tensorwise" if runs_layers_repeatedly(plan) else "delayed"
+
+
+def fp8_row_multiple(recipe: Optional[str]) -> int:
+    """Rows an FP8 GEMM operand needs in multiples of: megatron-core's ``fp8_utils.get_fp8_align_size``
+    (32 for MXFP8, else 16), restated here so that validation does not import megatron-core."""
+    return 32 if recipe == "mxfp8" else 16
+
+
+@dataclass
+class ModelConfig:
+    """What the network computes (docs/model.md).
+
+    ``plan`` is how the stored blocks are executed: a tagged section whose ``kind``
+    names a registered plan kind (:mod:`megatron_lol.plan.kinds`) and whose other
+    keys are that kind's own options, e.g. ``plan: {kind: lol, num_blocks: 8,
+    routed_depth: 8}`` or ``plan: {kind: foil, experts: 8, layers: 8, loops: 2}``:
+
+    * ``lol``: ``num_blocks`` (L) blocks in the library, ``routed_depth`` (D)
+      routed depths, windows ``window_size`` (W) shifted by ``window_shift`` (S);
+    * ``dense``: ``layers`` distinct layers in order;
+    * ``looped``: ``layers`` layers looped ``loops`` times (Huginn);
+    * ``foil``: a looped block of ``layers`` MoE layers with ``experts`` experts,
+      looped ``loops`` times, attention untied per pass;
+    * ``accordion``: the ``window`` layers once, then the first ``k`` again
+      (``budgets``; ``k = 0`` is the unlooped model).
+
+    A bare kind name (``plan: lol``) takes the kind's defaults. The built-in kinds keep
+    their options in flat fields below (``num_blocks``, ``foil_layers``, ...); writing those
+    at the top of ``model`` is the deprecated spelling, read with a deprecation warning, as
+    is the older one (``num_blocks`` / ``routed_depth`` for every plan, Foil as ``plan:
+    looped`` with MoE blocks). ``to_dict`` writes the section.
+    """
+
+    plan: Any = "lol"  # the kind's name once read; a mapping {kind: ..., ...} as written
+    # options of a plan kind registered from outside the package (written inside model.plan)
+    plan_options: dict = field(default_factory=dict)
+    hidden_size: int = 128
+    num_attention_heads: int = 4
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None  # default: SwiGLU 8/3 * h rounded up to 64
+    kv_channels: Optional[int] = None
+    n_prelude: int = 1
+    n_coda: int = 1
+    num_blocks: Optional[int] = None  # lol: L, blocks stored in the library (default 4)
+    routed_depth: Optional[int] = None  # lol: D, routed depths (default 4)
+    core_layers: Optional[int] = None  # dense: layers of the core
+    loop_layers: Optional[int] = None  # looped: layers of the recurrent block
+    loop_count: Optional[int] = None  # looped: passes over it
+    foil_experts: Optional[int] = None  # foil: E, experts per MoE layer of the looped block
+    foil_layers: Optional[int] = None  # foil: D, layers of the looped block
+    foil_loops: Optional[int] = None  # foil: L, passes over it
+    loop_window: Optional[int] = None  # accordion: layers of the loopable window
+    window_size: int = 32  # W
+    window_shift: int = 16  # S: depth l is shifted by ((l-1)*S) mod W
+    # dense-plan attention inside the core: full causal, sliding window W, or
+    # LoL's shifted windows with a fixed block per depth ("strided")
+    dense_attention: str = "full"
+    vocab_size: Optional[int] = None  # default: the tokenizer's, padded
+    make_vocab_size_divisible_by: int = 128
+    untie_embeddings_and_output_weights: bool = True
+    rotary_base: float = 10000.0
+    rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
+    norm_epsilon: float = 1e-5
+    init_method_std: float = 0.02
+    # router (docs/model.md, "Router")
+    router_tied: bool = True
+    router_noise: bool = True
+    router_noise_clamp: float = 10.0
+    # what the router reads (docs/model.md, "Router"): "windows" = the past windows' states (LoL);
+    # "depth" = only the depth vector e^(l), a learned route that ignores the input (the control run
+    # that separates input adaptivity from the shared library, masks, FiLM and growth schedule)
+    router_input: str = "windows"
+    # router-only tokens (docs/model.md, "Router-only tokens"): these ids reach the router only (the mean
+    # of their router embeddings, up to each window's first token, is added to the router's input); the
+    # layers see router_only_filler in their place and their labels carry no loss (a strategy field)
+    router_only_tokens: list = field(default_factory=list)
+    router_only_filler: Optional[int] = None
+    # balancing (docs/model.md, "Load balancing")
+    balancing: str = "loss_free"
+    bias_update_speed: float = 1e-3
+    bias_clamp: float = 16.0
+    bias_update_stop_fraction: float = 0.966
+    per_depth_bias: bool = False
+    seq_aux_loss_coeff: float = 1e-4
+    aux_loss_coeff: float = 0.02
+    # options (docs/model.md, "FiLM" and "Input injection")
+    film: str = "off"
+    input_injection: bool = False
+    # how a LoL core's routed depths run (docs/gpu.md, "The routed depth on a GPU"): "reference" = per-block
+    # calls on a layout measured on the device; "grouped" = the host-built layout, sync-free routing and all
+    # blocks of a depth as one grouped computation (model/grouped_core.py); "auto" = grouped on CUDA where the
+    # model supports it, the reference elsewhere (on CPU the reference with the CPU backend is faster)
+    routed_core: str = "auto"
+    # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
+    num_experts: Optional[int] = None
+    moe_ffn_hidden_size: Optional[int] = None
+    moe_router_topk: int = 2
+    moe_layers: str = "none"  # none | fixed (prelude+coda) | all
+    core_num_experts: Optional[int] = None  # experts per MoE layer of the core (Foil's E); default num_experts
+    moe_shared_expert_intermediate_size: Optional[int] = None  # one always-on shared expert (Accordion)
+    moe_aux_loss_coeff: float = 0.01  # Switch load-balancing loss (megatron-core "aux_loss")
+    moe_z_loss_coeff: Optional[float] = None  # router z-loss (Foil: 1e-3)
+    # megatron-core's router score (Megatron-LM's --moe-router-score-function): softmax over the top-k logits,
+    # or sigmoid scores normalised over the chosen k
+    moe_router_score_function: str = "softmax"
+    # megatron-core's auxiliary-loss-free balancing (--moe-router-enable-expert-bias, sigmoid scores only): a
+    # per-expert bias added to the scores for the top-k choice only, moved after every optimizer step by
+    # moe_router_bias_update_rate toward equal loads (the global batch's token counts)
+    moe_router_enable_expert_bias: bool = False
+    moe_router_bias_update_rate: float = 1e-3
+    # Foil: average the two losses over all MoE layer executions (every layer on every pass)
+    # instead of megatron-core's sum over layers
+    moe_loss_average_over_executions: bool = False
+    # looped plans: one attention (and its input norm) per (block, pass); MLP/experts stay shared
+    # (default: true for foil, false for looped)
+    untie_attention: Optional[bool] = None
+    # accordion: budgets k (second-pass executions of the window's first k layers)
+    loop_budgets: list = field(default_factory=lambda: [0])
+    loop_budget: Optional[int] = None  # fixed budget for training/eval/inference; None: sample in training
+    second_pass_router: str = "shared"  # shared | separate (one extra MoE router per loopable layer)
+    loop_gates: bool = True  # per-channel gates on the second pass's attention and MLP writes
+    # auto | fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md); auto: bf16 where
+    # CUDA is present, fp32 on CPUs, resolved by validation (run_config.yaml records the result)
+    params_dtype: str = "auto"
+    use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
+    # FP8 through Transformer Engine, Megatron-LM's flags (--fp8-format, --fp8-recipe, --fp8-margin,
+    # --fp8-amax-history-len, --fp8-amax-compute-algo); the layers' GEMMs only, see model/precision.py
+    fp8: Optional[str] = None  # e4m3 | hybrid
+    # delayed | tensorwise (current scaling) | mxfp8 | blockwise; default (resolved by validation): delayed for
+    # plans that run each layer once per forward, tensorwise for the others (see fp8_recipe_default)
+    fp8_recipe: Optional[str] = None
+    fp8_margin: int = 0
+    fp8_amax_history_len: int = 1
+    fp8_amax_compute_algo: str = "most_recent"  # most_recent | max
+
+    @property
+    def ffn_hidden(self) -> int:
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        return 64 * math.ceil(8 * self.hidden_size / 3 / 64)
+
+    def __post_init__(self) -> None:
+        self.normalize()
+
+    def normalize(self) -> "ModelConfig":
+        """Read a ``plan`` section into the kind and its options, the deprecated shape keys into the
+        plan's own (deprecation warning), and fill LoL's defaults; idempotent, so it also runs after
+        ``--set`` overrides."""
+        from megatron_lol.plan.legacy import migrate_model_keys
+
+        if isinstance(self.plan, dict):
+            self.read_plan_section(self.plan)
+        migrate_model_keys(self)
+        return self
+
+    # ------------------------------------------------------------- plan section
+    def read_plan_section(self, section: dict, source: str = "model.plan") -> None:
+        """Take ``plan: {kind: NAME, key: value, ...}``: the kind, then each key as its option."""
+        if "kind" not in section:
+            raise ConfigError(f"{source}: a plan section needs kind: one of {', '.join(PLANS)}")
+        cls = plan_kind(section["kind"], "model")
+        # the section is the whole plan: options of other kinds go back to their defaults
+        own = set(flat_keys(cls).values())
+        defaults = {f.name: f for f in dataclasses.fields(self)}
+        for flat in all_flat_keys():
+            if flat not in own:
+                f = defaults[flat]
+                setattr(self, flat, f.default_factory() if f.default is dataclasses.MISSING else f.default)
+        self.plan_options = {}
+        self.plan = cls.name
+        for key, value in section.items():
+            if key == "kind":
+                continue
+            flat = flat_keys(cls).get(key)
+            if flat is not None:
+                before, default = getattr(self, flat), defaults[flat].default
+                if default is not dataclasses.MISSING and before != default and before != value:
+                    raise ConfigError(
+                        f"{source}: model.{flat}={before!r} given together with model.plan.{key}={value!r}; "
+                        f"remove model.{flat}"
+                    )
+            self.set_plan_option(key, value, source)
+
+    def set_plan_option(self, key: str, value: Any, source: str = "model.plan") -> None:
+        """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``)."""
+        from megatron_lol.config.loader import coerce_value
+
+        cls = plan_kind(self.plan, "model")
+        fields = {f.name: f for f in dataclasses.fields(cls.Options)}
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
+            )
+        hint = typing_hints(cls.Options)[key]
+        coerced = coerce_value(hint, value, source, f"model.plan.{key}")
+        flat = fields[key].metadata.get("flat")
+        if flat:
+            setattr(self, flat, coerced)
+        else:
+            self.plan_options[key] = coerced
+
+    def plan_section(self) -> dict:
+        """The current kind's options ``{key: value}`` (defaults filled in)."""
+        cls = plan_kind(self.plan, "model")
+        out = {}
+        for f in dataclasses.fields(cls.Options):
+            flat = f.metadata.get("flat")
+            if flat:
+                out[f.name] = getattr(self, flat)
+            elif f.name in self.plan_options:
+                out[f.name] = self.plan_options[f.name]
+            elif f.default is not dataclasses.MISSING:
+                out[f.name] = f.default
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = f.default_factory()
+        return out
+
+    def to_dict(self) -> dict:
+        """Plain data with the plan as its tagged section (no flat plan keys): what run_config.yaml holds."""
+        out = asdict(self)
+        for flat in all_flat_keys():
+            out.pop(flat, None)
+        out.pop("plan_options", None)
+        out["plan"] = {"kind": self.plan, **self.plan_section()}
+        return out
+
+    def execution_plan(self, prefix: str = "model") -> ExecutionPlan:
+        """The plan's steps for this config (one-line ConfigError on bad shape keys)."""
+        return build_plan(self, prefix)
+
+    @property
+    def core_depth(self) -> int:
+        """Steps of the full core (Accordion: at its largest budget)."""
+        return self.execution_plan().depth
+
+    def uses_transformer_engine(self) -> bool:
+        """The layer spec: ``use_transformer_engine``, or (unset) whether TE imports with CUDA."""
+        if self.use_transformer_engine is not None:
+            return bool(self.use_transformer_engine)
+        from megatron_lol.platform import has_transformer_engine
+
+        return has_transformer_engine()
+
+    @property
+    def core_experts(self) -> Optional[int]:
+        """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
+        return self.execution_plan().core_experts
+
+    def _validate_router_only(self, prefix: str) -> None:
+        ids = self.router_only_tokens
+        if not ids:
+            if self.router_only_filler is not None:
+                raise ConfigError(f"{prefix}.router_only_filler: set without {prefix}.router_only_tokens")
+            return
+        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
+            raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
+        if not self.execution_plan().routed:
+            raise ConfigError(f"{prefix}.router_only_tokens: only a routed plan has a window router (plan {self.plan})")
+        if self.router_input != "windows":
+            raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
+        filler = self.router_only_filler
+        if not isinstance(filler, int) or filler < 0 or filler in ids:
+            raise ConfigError(
+                f"{prefix}.router_only_filler: the token id the layers see in place of a router-only token, "
+                f"not one of router_only_tokens (got {filler})"
+            )
+
+    def validate(self, prefix: str = "model") -> None:
+        self.normalize()
+        choice(f"{prefix}.plan", self.plan, tuple(PLANS))
+        choice(f"{prefix}.balancing", self.balancing, BALANCING)
+        choice(f"{prefix}.film", self.film, FILM_MODES)
+        choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
+        self._validate_router_only(prefix)
+        choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
+        choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
+        if self.params_dtype == "fp16":
+            raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")
+        choice(f"{prefix}.params_dtype", self.params_dtype, PARAMS_DTYPES)
+        self.params_dtype = resolve_params_dtype(self.params_dtype)
+        positive(f"{prefix}.hidden_size", self.hidden_size)
+        positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
+        if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
+            raise ConfigError(
+                f"{prefix}.num_attention_heads: {self.num_attention_heads} does not divide "
+                f"{prefix}.hidden_size={self.hidden_size}"
+            )
+        if self.num_query_groups is not None:
+            positive(f"{prefix}.num_query_groups", self.num_query_groups)
+            if self.num_attention_heads % self.num_query_groups:
+                raise ConfigError(
+                    f"{prefix}.num_query_groups: {self.num_query_groups} does not divide "
+                    f"num_attention_heads={self.num_attention_heads}"
+                )
+        if self.ffn_hidden_size is not None:
+            positive(f"{prefix}.ffn_hidden_size", self.ffn_hidden_size)
+        nonnegative(f"{prefix}.n_prelude", self.n_prelude)
+        nonnegative(f"{prefix}.n_coda", self.n_coda)
+        positive(f"{prefix}.window_size", self.window_size)
+        if not 0 <= self.window_shift < self.window_size:
+            raise ConfigError(
+                f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) (got {self.window_shift})"
+            )
+        self.execution_plan(prefix)  # the plan's own shape keys and options
+        if self.vocab_size is not None:
+            positive(f"{prefix}.vocab_size", self.vocab_size)
+        positive(f"{prefix}.make_vocab_size_divisible_by", self.make_vocab_size_divisible_by)
+        positive(f"{prefix}.rotary_base", self.rotary_base)
+        positive(f"{prefix}.rotary_scaling_factor", self.rotary_scaling_factor)
+        positive(f"{prefix}.init_method_std", self.init_method_std)
+        nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
+        positive(f"{prefix}.bias_clamp", self.bias_clamp)
+        if not 0 <= self.bias_update_stop_fraction <= 1:
+            raise ConfigError(
+                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] (got {self.bias_update_stop_fraction})"
+            )
+        nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
+        nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
+        positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
+        choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
+        if self.fp8 is not None:
+            self._validate_fp8(prefix)
+        if self.use_transformer_engine:
+            from megatron_lol.platform import has_transformer_engine
+
+            if not has_transformer_engine():
+                raise ConfigError(
+                    f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
+                    f"is not available on this machine"
+                )
+        if self.params_dtype == "fp32" and self.uses_transformer_engine():
+            # TE 2.9/2.10 get_attention_backend: FlashAttention and FusedAttention take fp16/bf16 only and
+            # UnfusedDotProductAttention no THD, the packed layout of this spec (docs/gpu.md, "Precision")
+            raise ConfigError(
+                f"{prefix}.params_dtype: fp32 under the Transformer Engine spec has no attention "
+                f"backend (TE's fused attention needs bf16, its unfused one does not take the packed "
+                f"THD layout); use bf16 (or auto), or model.use_transformer_engine: false"
+            )
+        if self.moe_layers != "none":
+            if self.num_experts is None or self.num_experts < 1:
+                raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
+            if not 1 <= self.moe_router_topk <= self.num_experts:
+                raise ConfigError(
+                    f"{prefix}.moe_router_topk: must be in [1, num_experts={self.num_experts}] "
+                    f"(got {self.moe_router_topk})"
+                )
+            if self.core_num_experts is not None:
+                if self.moe_layers != "all":
+                    raise ConfigError(f"{prefix}.core_num_experts: needs moe_layers: all (got {self.moe_layers})")
+                if not self.moe_router_topk <= self.core_num_experts:
+                    raise ConfigError(
+                        f"{prefix}.core_num_experts: must be >= moe_router_topk="
+                        f"{self.moe_router_topk} (got {self.core_num_experts})"
+                    )
+            if self.moe_shared_expert_intermediate_size is not None:
+                positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
+            nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
+            if self.moe_z_loss_coeff is not None:
+                nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
+            choice(f"{prefix}.moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
+            nonnegative(f"{prefix}.moe_router_bias_update_rate", self.moe_router_bias_update_rate)
+            if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
+                # megatron-core's TransformerConfig refuses it too: the bias is added to sigmoid scores
+                raise ConfigError(
+                    f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
+                    f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
+                    f"{self.moe_router_score_function})"
+                )
+        else:
+            for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
+                if getattr(self, key) is not None:
+                    raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
+            if self.moe_router_enable_expert_bias:
+                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs MoE layers (moe_layers is none)")
+
+    def _validate_fp8(self, prefix: str) -> None:
+        """FP8 needs TE on CUDA (and Blackwell for MXFP8); the block GEMMs it runs need rows in
+        multiples of 16 (checked with the batch shape in :meth:`ExperimentConfig.validate`)."""
+        from megatron_lol.platform import cuda_available, has_transformer_engine
+
+        choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
+        if self.fp8_recipe is None:
+            self.fp8_recipe = fp8_recipe_default(self.execution_plan(prefix))
+        choice(f"{prefix}.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
+        choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
+        positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
+        nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
+        if self.use_transformer_engine is False or not has_transformer_engine():
+            why = (
+                "disabled by use_transformer_engine: false"
+                if self.use_transformer_engine is False
+                else "not available on this machine"
+            )
+            raise ConfigError(f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA ({why})")
+        if self.params_dtype != "bf16":
+            raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
+        if self.fp8_recipe == "mxfp8" and cuda_available():
+            import torch
+
+            major, _ = torch.cuda.get_device_capability()
+            if major < 10:
+                raise ConfigError(
+                    f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
+                    f"this one has {major}.x); use delayed or tensorwise"
+                )
+        plan = self.execution_plan(prefix)
+        if self.fp8_recipe == "delayed" and runs_layers_repeatedly(plan):
+            # TE's autocast: with reduce_amax a module must not run more than once per region, and every
+            # rank must register the same modules in the same order for the amax all-reduce
+            raise ConfigError(
+                f"{prefix}.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward "
+                f"on every rank, but plan {plan.name} runs its blocks "
+                f"{'where windows are routed' if plan.routed else 'several times'}; "
+                f"use tensorwise (current scaling, the default for this plan)"
+            )
+        if plan.routed and self.moe_layers == "all":
+            raise ConfigError(
+                f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
+                f"windows to FP8's row multiple to experts; use moe_layers: fixed or no fp8"
+            )
+
+
+def typing_hints(cls) -> dict:
+    import typing
+
+    return typing.get_type_hints(cls)
+
+
+def deprecated_flat_keys(model: dict) -> list:
+    """``(flat key, kind, section key)`` of the current kind's options written at the top of a raw
+    ``model`` mapping (keys of other kinds are the older spelling or a mistake: the plan judges them)."""
+    plan = model.get("plan", "lol")
+    cls = PLANS.get(plan.get("kind") if isinstance(plan, dict) else plan)
+    if cls is None:
+        return []
+    own = {flat: key for key, flat in flat_keys(cls).items()}
+    return [(key, cls.name, own[key]) for key in model if key in own]
+
+
+def warn_flat_plan_keys(model: dict, source: str) -> None:
+    """The deprecation warning for plan options written at the top of ``model``."""
+    for key, kind, section_key in deprecated_flat_keys(model):
+        warnings.warn(
+            f"config: {source}: model.{key} is deprecated; write it in the plan's section "
+            f"(model.plan: {{kind: {kind}, {section_key}: ...}})",
+            ConfigDeprecationWarning,
+            stacklevel=3,
+        )
