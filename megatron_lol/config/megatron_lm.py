@@ -5,7 +5,7 @@ one; for a Megatron-LM flag that guess is usually wrong (``--num-layers`` is
 not ``--min-lr``). A flag listed here is answered with its own line instead:
 what sets the same thing in this project, or why nothing needs to. Flags that
 do have an equivalent are aliases of their config keys
-(:data:`megatron_lol.config.loader.MEGATRON_FLAGS`) and never reach this table.
+(:data:`megatron_lol.config.flags.MEGATRON_FLAGS`) and never reach this table.
 """
 
 from __future__ import annotations
