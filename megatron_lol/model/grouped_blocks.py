@@ -340,15 +340,16 @@ def grouped_blocks(
     x: torch.Tensor,
     grouping: TokenGrouping,
     rope: Optional[RowRope],
-    attention_bias: torch.Tensor,
+    attention_bias,
     chunk: int,
     film: Optional[tuple] = None,
 ) -> torch.Tensor:
     """``E_m(x)`` of every grouped row ``x`` ``[T, h]`` (row ``r`` through block ``block_of_row[r]``).
 
     The operations of megatron-core's local layer (``block_call.reference_layer``)
-    in its order, on all blocks' rows at once. ``attention_bias``: the chunked
-    algorithm's mask of the grouped stream (``chunk_bias(grouping.segments, chunk, [0], [T])``).
+    in its order, on all blocks' rows at once. ``attention_bias``: the grouped stream's window
+    mask (``window_mask(grouping.segments, chunk)``: the chunked algorithm's additive mask on the CPU,
+    a FlexAttention block mask on GPUs).
     ``film``: the step's ``(gamma, beta)``, ``[2, h]`` per depth or ``[L, 2, h]`` per block.
     """
     t = x.shape[0]
