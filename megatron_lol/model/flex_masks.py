@@ -51,6 +51,10 @@ BLOCK = 128
 #: :func:`masked_reference`
 FLEX_DEVICES = ("cuda", "cpu", "xpu", "hpu", "mps")
 
+#: the smallest head dimension of FlexAttention's CUDA kernel (``tl.dot``: "embedding dimension ... must be
+#: at least 16", torch/_inductor/kernel/flex/flex_attention.py); smaller heads are zero-padded to it
+MIN_HEAD_DIM = 16
+
 _compiled_flex = None
 
 
@@ -62,7 +66,9 @@ def flex_kernel(device: torch.device):
     if device.type != "cuda":
         return flex_attention
     if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
+        # default dynamic-shape policy: a second stream length (the per-block core's streams follow the
+        # routing) recompiles once with dynamic lengths instead of once per length
+        _compiled_flex = torch.compile(flex_attention)
     return _compiled_flex
 
 
@@ -126,7 +132,10 @@ def flex_segment_attention(q, k, v, block_mask, scale: float) -> torch.Tensor:
         q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     ):
         return masked_reference(q, k, v, block_mask, scale)  # no FlexAttention there (or no CPU backward)
-    return flex_kernel(q.device)(q, k, v, block_mask=block_mask, scale=scale)
+    d = q.shape[-1]
+    if d < MIN_HEAD_DIM:  # zero columns: the same dot products and outputs, sliced off after
+        q, k, v = (torch.nn.functional.pad(t, (0, MIN_HEAD_DIM - d)) for t in (q, k, v))
+    return flex_kernel(q.device)(q, k, v, block_mask=block_mask, scale=scale)[..., :d]
 
 
 def _tiles(num: torch.Tensor, idx: torch.Tensor, n_kv: int) -> torch.Tensor:
