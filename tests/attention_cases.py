@@ -22,7 +22,9 @@ def attention_module(window_size=None):
     from megatron_lol.model.attention import SegmentCausalAttention
     from megatron_lol.model.library import transformer_config
 
-    config = transformer_config(tiny_config(hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_query_groups=GROUPS))
+    config = transformer_config(
+        tiny_config(hidden_size=HEADS * DIM, num_attention_heads=HEADS, num_query_groups=GROUPS)
+    )
     config.window_size = window_size
     return SegmentCausalAttention(config, 1).eval()
 
@@ -77,11 +79,18 @@ def make_cases(seed: int = 0) -> dict:
             (_causal(total) & _same(windows.view(1, -1))),
         ),
         "window": (dict(kind="grouped", segments=grouped), (total, 1), _causal(total) & _same(grouped.view(1, -1))),
-        "packed": (dict(kind="thd", cu_seqlens=cu, max_seqlen=W), (total, 1), _causal(total) & _same(windows.view(1, -1))),
-        "packed-sliding": (
-            dict(kind="thd", cu_seqlens=torch.tensor([0, 150, 320, total], dtype=torch.int32), max_seqlen=170, sliding=W),
+        "packed": (
+            dict(kind="thd", cu_seqlens=cu, max_seqlen=W),
             (total, 1),
-            _causal(total, W) & _same(torch.repeat_interleave(torch.arange(3), torch.tensor([150, 170, total - 320])).view(1, -1)),
+            _causal(total) & _same(windows.view(1, -1)),
+        ),
+        "packed-sliding": (
+            dict(
+                kind="thd", cu_seqlens=torch.tensor([0, 150, 320, total], dtype=torch.int32), max_seqlen=170, sliding=W
+            ),
+            (total, 1),
+            _causal(total, W)
+            & _same(torch.repeat_interleave(torch.arange(3), torch.tensor([150, 170, total - 320])).view(1, -1)),
         ),
     }
 

@@ -149,7 +149,10 @@ def attention_dispatch() -> dict:
         out[name] = {
             **seen,
             "on_gpu": isinstance(o, FakeGpuTensor) and all(isinstance(g, FakeGpuTensor) for g in grads),
-            "diff": max([float((o.elem - ref).abs().max())] + [float((g.elem - r).abs().max()) for g, r in zip(grads, ref_grads)]),
+            "diff": max(
+                [float((o.elem - ref).abs().max())]
+                + [float((g.elem - r).abs().max()) for g, r in zip(grads, ref_grads)]
+            ),
         }
     return out
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from attention_cases import inputs, make_cases, reference, run_case
 
 CASES = make_cases()
@@ -100,8 +99,9 @@ def test_block_tables_cover_exactly_the_segment_mask_without_host_reads(sliding,
     any_ = torch.nn.functional.pad(want, (0, pad, 0, pad)).view(3, n, BLOCK, n, BLOCK).any(4).any(2)
     real_rows = torch.nn.functional.pad(want, (0, pad, 0, pad), value=True)  # padded queries / keys: no constraint
     all_ = real_rows.view(3, n, BLOCK, n, BLOCK).all(4).all(2)
-    partial, full = _tile_table(mask.kv_num_blocks, mask.kv_indices, n), _tile_table(
-        mask.full_kv_num_blocks, mask.full_kv_indices, n
+    partial, full = (
+        _tile_table(mask.kv_num_blocks, mask.kv_indices, n),
+        _tile_table(mask.full_kv_num_blocks, mask.full_kv_indices, n),
     )
     assert torch.equal(partial | full, any_) and not (partial & full).any()
     assert not (full & ~all_).any()

@@ -114,9 +114,7 @@ class SegmentMask:
             from megatron_lol.model.flex_masks import segment_block_mask
 
             segments = None if self.segments is None else self.segments.reshape(batch, seq_len)
-            self.flex_cache[key] = segment_block_mask(
-                segments, seq_len, sliding=self.sliding, batch=1, device=device
-            )
+            self.flex_cache[key] = segment_block_mask(segments, seq_len, sliding=self.sliding, batch=1, device=device)
         return self.flex_cache[key]
 
 

@@ -88,8 +88,14 @@ def _ordered(tiles: torch.Tensor) -> tuple:
     return count.unsqueeze(1).contiguous(), order.unsqueeze(1).contiguous()
 
 
-def segment_block_mask(segments: Optional[torch.Tensor], seq_len: int, *, sliding: Optional[int] = None,
-                       batch: int = 1, device: Optional[torch.device] = None):
+def segment_block_mask(
+    segments: Optional[torch.Tensor],
+    seq_len: int,
+    *,
+    sliding: Optional[int] = None,
+    batch: int = 1,
+    device: Optional[torch.device] = None,
+):
     """The :class:`BlockMask` of segment-causal attention over ``seq_len`` tokens.
 
     ``segments``: ``[b, s]`` ids, each id one contiguous run (None: one segment per row);
