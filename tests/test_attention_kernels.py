@@ -145,3 +145,34 @@ def test_block_masks_are_built_once_per_mask(megatron_env, gpu_algorithm):
     finally:
         flex_masks.segment_block_mask = real
     assert len(built) == 2
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_a_forward_builds_one_block_mask_per_document_layout(megatron_env, gpu_algorithm, recompute):
+    """A dense model (prelude, two full core layers, coda) builds two block masks per forward: one shared
+    by the prelude and coda (the micro-batch's documents), one by the core layers; the same under full
+    activation recomputation of the prelude and coda (the checkpointed calls keep the mask's block
+    masks), whose recomputation in the backward builds one per recomputed layer."""
+    from conftest import tiny_config
+
+    from megatron_lol.model import flex_masks
+    from megatron_lol.model.lol_model import LoLGPTModel
+
+    cfg = tiny_config(plan="dense", core_layers=2, num_blocks=None, routed_depth=None)
+    net = LoLGPTModel(cfg, 97, 0, init_seed=3).train()
+    if recompute:
+        net.config.recompute_granularity = "full"  # the prelude's and coda's calls (call_block)
+    tokens = torch.randint(1, 97, (2, 24), generator=torch.Generator().manual_seed(0))
+    tokens[0, 9] = 0
+    built = []
+    real = flex_masks.segment_block_mask
+    flex_masks.segment_block_mask = lambda *a, **kw: built.append(1) or real(*a, **kw)
+    try:
+        loss = net(tokens, labels=tokens).sum()
+        in_forward = len(built)
+        loss.backward()
+    finally:
+        flex_masks.segment_block_mask = real
+    assert in_forward == 2
+    # recomputation is a second forward of the prelude's and coda's layers, from detached segments
+    assert len(built) == (4 if recompute else 2)
