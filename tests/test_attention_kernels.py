@@ -176,3 +176,37 @@ def test_a_forward_builds_one_block_mask_per_document_layout(megatron_env, gpu_a
     assert in_forward == 2
     # recomputation is a second forward of the prelude's and coda's layers, from detached segments
     assert len(built) == (4 if recompute else 2)
+
+
+def test_the_dense_gpt_baseline_calls_sdpa_causal_without_a_mask(megatron_env):
+    """The GPU proof's dense baseline (megatron-core's ``GPTModel`` on ``library.block_spec(False)``, as
+    ``bench/gpu/gpt_baseline.py`` builds it, called with ``attention_mask=None``): every attention call is
+    ``F.scaled_dot_product_attention(is_causal=True)`` with no mask tensor, the flash-eligible call."""
+    import torch.nn.functional as F
+    from conftest import tiny_config
+    from megatron.core.models.gpt import GPTModel
+
+    from megatron_lol.model.library import block_spec, transformer_config
+
+    cfg = tiny_config(plan="dense", core_layers=1, num_blocks=None, routed_depth=None)
+    model = GPTModel(
+        config=transformer_config(cfg, None, 3),
+        transformer_layer_spec=block_spec(False),
+        vocab_size=64,
+        max_sequence_length=16,
+        position_embedding_type="rope",
+    )
+    calls = []
+    real = F.scaled_dot_product_attention
+
+    def sdpa(q, k, v, attn_mask=None, *args, **kwargs):
+        calls.append((attn_mask is None, bool(kwargs.get("is_causal"))))
+        return real(q, k, v, attn_mask, *args, **kwargs)
+
+    F.scaled_dot_product_attention = sdpa
+    try:
+        tokens = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+        model(tokens, torch.arange(16).expand(2, 16), None, labels=tokens).sum().backward()
+    finally:
+        F.scaled_dot_product_attention = real
+    assert calls == [(True, True)] * 3
