@@ -8,7 +8,7 @@ and a :class:`~torch.nn.attention.flex_attention.BlockMask` that lists, per
 128-query tile, the key tiles with at least one allowed pair (partial tiles run
 the ``mask_mod``, full tiles skip it). Its kernel never holds a ``[s, s]`` mask
 or scores, and it skips the tiles outside the segments, so a depth's windows cost
-about ``T * (W + 128)`` scores instead of ``T^2`` (docs/gpu.md, "Attention kernels").
+at most about ``T * (W + 2 * 128)`` scores instead of ``T^2`` (docs/gpu.md, "Attention kernels").
 
 Why the block mask is not ``create_block_mask``: in eager mode that function
 evaluates ``mask_mod`` on the whole ``[B, H, Q, KV]`` grid (``create_mask``) before
@@ -28,8 +28,9 @@ contiguous run": the same as "same id" for every caller here (document indices
 are a cumulative sum, window ids and THD sequences are contiguous by
 construction; see :class:`~.attention.SegmentMask`).
 
-On CUDA the kernel is ``torch.compile(flex_attention)`` (compiled once per process,
-recompiled only for new shapes or dtypes); elsewhere the eager ``flex_attention``,
+On CUDA the kernel is ``torch.compile(flex_attention)`` (compiled once per process;
+torch.compile's default policy recompiles a second stream length once with dynamic lengths,
+a new dtype or head size again); elsewhere the eager ``flex_attention``,
 its math reference, which applies only the ``mask_mod`` (not the tile tables) and
 has no backward on the CPU. :func:`implied_mask` is what the kernel computes
 from both, the tables included; :func:`masked_reference` (softmax under that mask,
