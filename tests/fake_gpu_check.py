@@ -79,6 +79,84 @@ def batch(b: int = 2, s: int = 24):
     return tokens, torch.randint(1, VOCAB, (b, s), generator=g), torch.arange(11, 11 + b)
 
 
+@contextlib.contextmanager
+def attention_calls():
+    """Record which attention kernel every call selects: ``F.scaled_dot_product_attention`` (whether with
+    an explicit ``attn_mask`` or ``is_causal``), and FlexAttention (``flex_masks.flex_segment_attention``,
+    whether its inputs and block mask are on the fake GPU), plus the host syncs of every block mask build
+    (the dispatch counter). The calls then run as they would: SDPA on the tensors' values, FlexAttention,
+    which cannot run on a ``fakegpu`` device, as ``flex_masks.masked_reference`` (the mask its tables imply)."""
+    import torch.nn.functional as F
+
+    from megatron_lol.model import flex_masks
+    from megatron_lol.perf.op_count import OpCounter
+
+    seen = {"sdpa_with_mask": 0, "sdpa_causal": 0, "sdpa_other": 0, "flex": 0, "flex_off_device": 0, "mask_syncs": 0}
+    real_sdpa, real_flex, real_build = (
+        F.scaled_dot_product_attention,
+        flex_masks.flex_segment_attention,
+        flex_masks.segment_block_mask,
+    )
+
+    def sdpa(query, key, value, attn_mask=None, *args, **kwargs):
+        if attn_mask is not None:
+            seen["sdpa_with_mask"] += 1
+        elif kwargs.get("is_causal"):
+            seen["sdpa_causal"] += 1
+        else:
+            seen["sdpa_other"] += 1
+        return real_sdpa(query, key, value, attn_mask, *args, **kwargs)
+
+    def flex(q, k, v, block_mask, scale):
+        seen["flex"] += 1
+        tensors = (q, k, v, block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.full_kv_indices)
+        seen["flex_off_device"] += sum(not isinstance(t, FakeGpuTensor) for t in tensors)
+        return real_flex(q, k, v, block_mask, scale)
+
+    def build(*args, **kwargs):
+        with OpCounter() as count:
+            mask = real_build(*args, **kwargs)
+        seen["mask_syncs"] += count.syncs
+        return mask
+
+    F.scaled_dot_product_attention = sdpa
+    flex_masks.flex_segment_attention, flex_masks.segment_block_mask = flex, build
+    try:
+        yield seen
+    finally:
+        F.scaled_dot_product_attention = real_sdpa
+        flex_masks.flex_segment_attention, flex_masks.segment_block_mask = real_flex, real_build
+
+
+def attention_dispatch() -> dict:
+    """Every mask kind of tests/attention_cases.py with its inputs on the fake GPU, forward and backward
+    under :func:`attention_calls`; the values and gradients of the same call on the CPU."""
+    from attention_cases import inputs, make_cases, run_case
+
+    out = {}
+    for name, (layout, shape, _) in make_cases().items():
+        q, k, v, up = inputs(shape)
+        results = []
+        for on_gpu in (False, True):
+            context = fake_gpu() if on_gpu else contextlib.nullcontext(torch.device("cpu"))
+            calls = attention_calls() if on_gpu else contextlib.nullcontext({})
+            with context as dev, calls as seen:
+                args = [t.to(dev).requires_grad_(True) for t in (q, k, v)]
+                o = run_case(layout, *args, device=dev)
+                grads = torch.autograd.grad(o, args, up.to(dev))
+            results.append((o, grads))
+        (ref, ref_grads), (o, grads) = results
+        out[name] = {
+            **seen,
+            "on_gpu": isinstance(o, FakeGpuTensor) and all(isinstance(g, FakeGpuTensor) for g in grads),
+            "diff": max(
+                [float((o.elem - ref).abs().max())]
+                + [float((g.elem - r).abs().max()) for g, r in zip(grads, ref_grads)]
+            ),
+        }
+    return out
+
+
 def run_plan(name: str, packed: bool = False, row_multiple: int = 1) -> dict:
     """Forward + backward on the fake GPU; the same on the CPU (a model built alike) for the values."""
     from megatron_lol.model.lol_model import LoLGPTModel
@@ -92,9 +170,10 @@ def run_plan(name: str, packed: bool = False, row_multiple: int = 1) -> dict:
         if net.core is not None:
             net.core.row_multiple = row_multiple
         context = fake_gpu() if on_gpu else contextlib.nullcontext(torch.device("cpu"))
+        calls = attention_calls() if on_gpu else contextlib.nullcontext({})
         if on_gpu:
             to_fake_gpu(net)
-        with context as dev:
+        with context as dev, calls as seen:
             loss = net(tokens.to(dev), labels=labels.to(dev), noise_seeds=seeds.to(dev), **fw)
             loss.sum().backward()
         grads = {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
@@ -106,6 +185,7 @@ def run_plan(name: str, packed: bool = False, row_multiple: int = 1) -> dict:
         "same_grads": sorted(grads) == sorted(ref_grads) and len(grads) > 5,
         "loss_diff": float((loss.elem - ref).abs().max()),
         "grad_diff": max(float((grads[n].elem - ref_grads[n]).abs().max()) for n in grads),
+        "attention": seen,
     }
 
 
@@ -129,12 +209,13 @@ def grouped_core(expert_exchange: bool = False) -> dict:
         net = _train_model(cfg)
         context = fake_gpu() if on_gpu else contextlib.nullcontext(torch.device("cpu"))
         collectives = contextlib.nullcontext([])
+        calls = attention_calls() if on_gpu else contextlib.nullcontext({})
         if on_gpu:
             to_fake_gpu(net)
             if expert_exchange:
                 net.core.expert_group = lambda: dist.group.WORLD
                 collectives = strict_collectives()
-        with context as dev, collectives as seen:
+        with context as dev, collectives as seen, calls as attention:
             x = torch.randn(24, 2, 32, generator=torch.Generator().manual_seed(1)).to(dev).requires_grad_(True)
             steps = net.core.plan.steps()
             on_dev = layout.to(dev)
@@ -155,6 +236,7 @@ def grouped_core(expert_exchange: bool = False) -> dict:
     (ref, ref_dx, ref_grads), (states, dx, grads) = results
     return {
         "collectives": sorted(set(seen)),
+        "attention": attention,
         "on_gpu": isinstance(states, FakeGpuTensor)
         and isinstance(dx, FakeGpuTensor)
         and all(isinstance(g, FakeGpuTensor) for g in grads.values()),
@@ -364,6 +446,7 @@ def main() -> int:
     cases["planted-cpu-tensor"] = (planted_cpu_tensor, ())
     cases["expert-parallel-dispatch"] = (expert_parallel_dispatch, ())
     cases["trainer"] = (trainer_step, ())
+    cases["attention-dispatch"] = (attention_dispatch, ())
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     only = set(sys.argv[1:])

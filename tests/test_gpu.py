@@ -14,7 +14,9 @@ synthetic tokens):
   every routed depth of every step; a disagreement would stop the run);
 * a library block's FP32 main gradients in BF16 training (fused accumulation on the GPU) against the float64
   sum of its calls' gradients, closer than autograd's BF16 sum;
-* precision defaults on the GPU: ``params_dtype: auto`` is BF16, FP32 runs get TF32, batches are pinned.
+* precision defaults on the GPU: ``params_dtype: auto`` is BF16, FP32 runs get TF32, batches are pinned;
+* the attention kernels (compiled FlexAttention, SDPA ``is_causal``) for every mask kind against the masked
+  softmax, in process.
 
 TE tests need Transformer Engine; the two-GPU test needs two GPUs. CUDA alone runs the rest.
 """
@@ -234,3 +236,30 @@ def test_gpu_precision_defaults_tf32_and_pinned_batches():
     assert out["auto"]["params_dtype"] == "bf16" and not out["auto"]["tf32_enabled"]
     assert out["fp32"]["tf32_enabled"]
     assert out["auto"]["pinned_batches"] and out["fp32"]["pinned_batches"]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attention_kernels_on_the_gpu_equal_the_masked_softmax(megatron_env, dtype):
+    """Every mask kind of tests/attention_cases.py on CUDA, in process: compiled FlexAttention (and SDPA
+    ``is_causal`` for plain causal attention) against the written-out masked softmax on the CPU in FP32,
+    values and gradients (FP32: 1e-5 with TF32 off; BF16: 3e-2)."""
+    from attention_cases import inputs, make_cases, reference, run_case
+
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    saved = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        for name, (layout, shape, allowed) in make_cases().items():
+            q, k, v, up = inputs(shape)
+            ref_in = [t.clone().requires_grad_(True) for t in (q, k, v)]
+            ref = reference(*ref_in, allowed)
+            ref_grads = torch.autograd.grad(ref, ref_in, up)
+            gpu_in = [t.to("cuda", dtype).requires_grad_(True) for t in (q, k, v)]
+            out = run_case(layout, *gpu_in)
+            grads = torch.autograd.grad(out, gpu_in, up.to("cuda", dtype))
+            torch.testing.assert_close(out.float().cpu(), ref, rtol=tol, atol=tol, msg=name)
+            for g, r in zip(grads, ref_grads):
+                torch.testing.assert_close(g.float().cpu(), r, rtol=tol, atol=tol, msg=name)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = saved

@@ -183,8 +183,10 @@ def _grads_of(net, tokens, labels, fused):
 
 @pytest.mark.parametrize("case", list(FUSED_CASES))
 def test_fused_attention_equals_the_explicit_path(megatron_env, case):
-    """PyTorch's fused attention (what the local spec runs on GPUs) against the explicit masked softmax (the
-    CPU's): document, sliding, strided and routed-window masks, unpacked and packed, values and gradients."""
+    """The GPU's attention algorithm (``SegmentCausalAttention.fused = True``: FlexAttention block masks,
+    here run as the softmax under the mask their tables and ``mask_mod`` imply, since FlexAttention has no
+    CPU backward) against the CPU's explicit algorithms, whole models: document, sliding, strided and
+    routed-window masks, unpacked and packed, values and gradients."""
     from megatron_lol.model.lol_model import LoLGPTModel
 
     model, packed = FUSED_CASES[case]

@@ -66,6 +66,14 @@ def test_every_plan_forward_and_backward_on_a_fake_gpu(fake_gpu_results, case):
     assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
     assert r["loss_on_gpu"] and r["grads_on_gpu"] and r["same_grads"]
     assert r["loss_diff"] <= 1e-6 and r["grad_diff"] <= 1e-5
+    _fused_kernels_only(r["attention"])
+
+
+def _fused_kernels_only(calls):
+    """No attention call materialised a mask: no SDPA call with ``attn_mask``; FlexAttention calls had their
+    inputs and block tables on the device, and building the block masks read nothing back to the host."""
+    assert calls["sdpa_with_mask"] == 0 and calls["sdpa_other"] == 0, calls
+    assert calls["flex"] > 0 and calls["flex_off_device"] == 0 and calls["mask_syncs"] == 0, calls
 
 
 @pytest.mark.timeout(700)
@@ -75,6 +83,38 @@ def test_grouped_routed_core_on_a_fake_gpu(fake_gpu_results):
     r = fake_gpu_results["grouped-core"]
     assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
     assert r["on_gpu"] and r["same_grads"] and r["diff"] <= 1e-6
+    _fused_kernels_only(r["attention"])
+
+
+ATTENTION_KERNELS = {
+    "causal": "sdpa_causal",
+    "document": "flex",
+    "sliding": "flex",
+    "strided": "flex",
+    "window": "flex",
+    "packed": "flex",
+    "packed-sliding": "flex",
+}
+
+
+@pytest.mark.timeout(700)
+@pytest.mark.parametrize("kind", list(ATTENTION_KERNELS))
+def test_attention_takes_the_fused_kernels_on_a_fake_gpu(fake_gpu_results, kind):
+    """Dispatch check of each mask kind (tests/attention_cases.py) with its tensors on the fake GPU, forward
+    and backward: plain causal attention is one ``F.scaled_dot_product_attention(is_causal=True)`` call with
+    no mask tensor; document, sliding, strided, grouped-window and packed (THD) masks are one FlexAttention
+    call with a block mask built on the device (no host read) and no SDPA call at all. What this does not
+    check: FlexAttention's compiled kernel itself (it cannot run on the fake device; the call runs as the
+    softmax under the mask its tables imply, whose values and gradients equal the CPU's here) nor which
+    SDPA backend a real GPU picks (``is_causal`` without a mask is what makes the flash kernel eligible)."""
+    r = fake_gpu_results["attention-dispatch"]
+    assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
+    calls = r[kind]
+    assert calls["on_gpu"] and calls["diff"] <= 1e-5, calls
+    assert calls["sdpa_with_mask"] == 0 and calls["sdpa_other"] == 0, calls
+    expected = ATTENTION_KERNELS[kind]
+    assert calls[expected] == 1 and calls["sdpa_causal" if expected == "flex" else "flex"] == 0, calls
+    assert calls["flex_off_device"] == 0 and calls["mask_syncs"] == 0, calls
 
 
 @pytest.mark.timeout(700)

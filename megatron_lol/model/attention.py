@@ -6,23 +6,34 @@ prelude and coda, a window in the routed core (docs/model.md, "Windows"). This m
 projections, RoPE and tensor parallelism stay megatron-core's); it receives a
 :class:`SegmentMask` through the ``attention_mask`` argument.
 
-Two algorithms, chosen by the mask:
+Which kernel computes the masked softmax (docs/gpu.md, "Attention kernels"):
 
-* dense ``[b, heads, s, s]`` scores masked to ``j <= i`` and same segment
-  (documents: segments may be as long as the row);
-* chunked, for packed windows ``[T, 1, ...]`` whose segments are at most
-  ``chunk`` tokens long: queries of chunk ``c`` only look at keys of chunks
-  ``c-1`` and ``c``, so the work is ``2 * T * chunk`` instead of ``T^2`` and no
-  window is padded (only the packed stream is, to a multiple of ``chunk``).
+* plain causal attention (no segments, no sliding window: megatron-core's
+  ``GPTModel`` baseline) is ``F.scaled_dot_product_attention(is_causal=True)``
+  with no mask tensor, on every device: PyTorch's flash / memory-efficient
+  kernels on GPUs;
+* every other mask where the tensors are not on the CPU
+  (:func:`uses_flex`): FlexAttention with a block mask built on the device
+  (:mod:`~.flex_masks`; documents, sliding windows, a depth's packed windows,
+  THD sequences), never a materialised ``[s, s]`` mask; the block mask is built
+  once per :class:`SegmentMask` and shared by the layers that receive it;
+* on the CPU, two explicit algorithms, chosen by the mask:
 
-Both compute the masked softmax with PyTorch's fused attention
-(``F.scaled_dot_product_attention``, the mask passed as a boolean or additive
-tensor) where the tensors are not on the CPU (:attr:`SegmentCausalAttention.fused`):
-on a GPU the ``[b, heads, s, s]`` FP32 scores of the dense algorithm would be
-about 2 GB per layer at s=2048, micro-batch 8, 16 heads; the fused kernel never
-holds them. On the CPU the explicit computation stays (the same values within
-rounding: ``tests/test_gpu_first_run.py``), bit for bit what the CPU backend
-and earlier results assume.
+  - dense ``[b, heads, s, s]`` scores masked to ``j <= i`` and same segment
+    (documents: segments may be as long as the row);
+  - chunked, for packed windows ``[T, 1, ...]`` whose segments are at most
+    ``chunk`` tokens long: queries of chunk ``c`` only look at keys of chunks
+    ``c-1`` and ``c``, so the work is ``2 * T * chunk`` instead of ``T^2`` and no
+    window is padded (only the packed stream is, to a multiple of ``chunk``).
+
+  They are bit for bit what the CPU backend and earlier results assume, and
+  faster on the CPU than FlexAttention's eager path (which is its math
+  reference: full scores, no backward on the CPU).
+
+Attention dropout in training (FlexAttention has none) keeps the GPU on
+``F.scaled_dot_product_attention`` with the explicit boolean / additive mask of
+the CPU algorithms (the LoL configs train without attention dropout, and the
+grouped core refuses it).
 
 On GPUs with Transformer Engine the same packing is expressed as THD
 ``PackedSeqParams`` for TE's fused attention instead (see ``library.py``).
@@ -46,7 +57,7 @@ and stays as it is.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Optional
 
 import torch
@@ -57,11 +68,15 @@ from megatron.core.models.common.embeddings.yarn_rotary_pos_embedding import (
 )
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.module import MegatronModule
+from torch.nn.attention.flex_attention import BlockMask
 
 
 @dataclass
 class SegmentMask:
     """Which keys a query may see: ``j <= i`` and ``segment[j] == segment[i]``.
+
+    Every segment id is one contiguous run of tokens (documents, windows, THD
+    sequences): the GPU's block mask (:mod:`~.flex_masks`) relies on it.
 
     ``segments``: ``[b, s]`` segment ids (None: one segment per row, plain
     causal). ``chunk``: every segment is at most this long and the tensor is a
@@ -83,6 +98,31 @@ class SegmentMask:
     bias: Optional[torch.Tensor] = None
     cu_seqlens: Optional[torch.Tensor] = None
     positions: Optional[torch.Tensor] = None
+    #: FlexAttention block masks of this mask by ``(seq_len, batch)``, built on first use (not copied
+    #: by ``dataclasses.replace``: a replaced mask may have other segments)
+    flex_cache: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    @property
+    def plain_causal(self) -> bool:
+        """No segments, no sliding window, no chunk: ``is_causal=True`` attention."""
+        return self.segments is None and self.sliding is None and self.chunk is None and self.bias is None
+
+    def block_mask(self, seq_len: int, batch: int, device: torch.device):
+        """The FlexAttention block mask of this mask over ``seq_len`` tokens (built once, on the device)."""
+        key = (seq_len, batch)
+        if key not in self.flex_cache:
+            from megatron_lol.model.flex_masks import segment_block_mask
+
+            segments = None if self.segments is None else self.segments.reshape(batch, seq_len)
+            self.flex_cache[key] = segment_block_mask(segments, seq_len, sliding=self.sliding, batch=1, device=device)
+        return self.flex_cache[key]
+
+
+def uses_flex(t: torch.Tensor) -> bool:
+    """Whether masked attention of ``t`` runs on FlexAttention (off the CPU; the
+    :attr:`SegmentCausalAttention.fused` switch overrides it, e.g. to check the GPU algorithm on the CPU)."""
+    fused = SegmentCausalAttention.fused
+    return t.device.type != "cpu" if fused is None else bool(fused)
 
 
 @dataclass
@@ -131,7 +171,8 @@ class SegmentCausalAttention(MegatronModule):
     accepts_segment_mask = True
     #: applies the per-token RoPE of :class:`TokenRopeParams` to queries and keys (packed calls)
     accepts_token_rope = True
-    #: PyTorch's fused attention (SDPA) for the masked softmax: None = wherever the tensors are not on the CPU
+    #: the GPU's kernels (FlexAttention) for masked attention: None = wherever the tensors are not on the
+    #: CPU; True on the CPU checks the GPU algorithm there (eager FlexAttention, :mod:`~.flex_masks`)
     fused: Optional[bool] = None
 
     def __init__(
@@ -175,6 +216,7 @@ class SegmentCausalAttention(MegatronModule):
 
             def run(q, k, v, segments):
                 m = SegmentMask(segments=segments, chunk=mask.chunk, sliding=mask.sliding, bias=mask.bias)
+                m.flex_cache = mask.flex_cache  # the same segments: the same block masks
                 return self._attend(q, k, v, m)
 
             return tensor_parallel.checkpoint(run, False, query, key, value, mask.segments)
@@ -207,7 +249,11 @@ class SegmentCausalAttention(MegatronModule):
             rep = self.heads // self.groups
             key = key.repeat_interleave(rep, dim=2)
             value = value.repeat_interleave(rep, dim=2)
-        if mask.chunk is not None:
+        if mask.plain_causal:
+            out = self._causal(query, key, value)
+        elif self._use_fused(query) and not (self.training and self.dropout.p > 0):
+            out = self._flex(query, key, value, mask)
+        elif mask.chunk is not None:
             out = self._chunked(query, key, value, mask)
         else:
             out = self._dense(query, key, value, mask)
@@ -217,9 +263,28 @@ class SegmentCausalAttention(MegatronModule):
     def _use_fused(self, t: torch.Tensor) -> bool:
         return t.device.type != "cpu" if self.fused is None else bool(self.fused)
 
+    def _causal(self, q, k, v):
+        """Plain causal attention, ``[s, b, h, d]``: SDPA with ``is_causal=True`` and no mask tensor
+        (the flash and memory-efficient kernels on GPUs, the CPU's flash kernel on the CPU)."""
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        p = self.dropout.p if self.training else 0.0
+        out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True, scale=self.softmax_scale)
+        return out.permute(2, 0, 1, 3)
+
+    def _flex(self, q, k, v, mask: SegmentMask):
+        """Every other mask off the CPU, ``[s, b, h, d]``: FlexAttention under the mask's block mask
+        (:mod:`~.flex_masks`; a packed stream's windows are ``b = 1``, the chunk only bounds them)."""
+        from megatron_lol.model.flex_masks import flex_segment_attention
+
+        s, b = q.shape[0], q.shape[1]
+        block_mask = mask.block_mask(s, b if mask.segments is not None else 1, q.device)
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+        return flex_segment_attention(q, k, v, block_mask, self.softmax_scale).permute(2, 0, 1, 3)
+
     def _fused_attention(self, q, k, v, mask) -> torch.Tensor:
         """``softmax(q k^T * scale + mask) v`` by PyTorch's fused attention (``mask``: boolean, True = may
-        attend, or additive in the query's dtype); every query sees at least one key."""
+        attend, or additive in the query's dtype); every query sees at least one key. Only for attention
+        dropout off the CPU (FlexAttention has none): the mask rules out the flash kernel."""
         if mask.dtype != torch.bool:
             mask = mask.to(q.dtype)
         p = self.dropout.p if self.training else 0.0
@@ -294,7 +359,8 @@ def chunked_attention(
     fused=None,
 ) -> torch.Tensor:
     """Segment-causal attention of a packed stream ``[T, heads, dim]`` whose segments are at most ``c``
-    long, with the additive mask ``bias`` of :func:`chunk_bias`; returns ``[T, heads, dim]``.
+    long, with the additive mask ``bias`` of :func:`chunk_bias`, or (off the CPU, :func:`window_mask`)
+    the stream's FlexAttention block mask, which replaces the whole algorithm; returns ``[T, heads, dim]``.
 
     The algorithm of :meth:`SegmentCausalAttention._chunked`, as a function of
     tensors only (attention has no weights), so the windows of several blocks can
@@ -302,6 +368,11 @@ def chunked_attention(
     keys, the bias as the mask), when given, replaces the explicit softmax: PyTorch's fused
     attention on GPUs (``SegmentCausalAttention._fused_attention``).
     """
+    if isinstance(bias, BlockMask):
+        from megatron_lol.model.flex_masks import flex_segment_attention
+
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, h, T, d]
+        return flex_segment_attention(q, k, v, bias, softmax_scale).squeeze(0).transpose(0, 1)
     t_len, h, d = q.shape
     n = -(-t_len // c)
     pad = n * c - t_len
@@ -323,6 +394,16 @@ def chunked_attention(
         probs = dropout(probs)
     out = torch.matmul(probs, v2.transpose(1, 2))  # [n, h, c, d]
     return out.transpose(1, 2).reshape(n * c, h, d)[:t_len]
+
+
+def window_mask(segments: torch.Tensor, c: int):
+    """The mask :func:`chunked_attention` takes for one packed stream of windows (flat ``segments``, each
+    at most ``c`` long): its FlexAttention block mask where :func:`uses_flex`, else :func:`chunk_bias`."""
+    if uses_flex(segments):
+        from megatron_lol.model.flex_masks import segment_block_mask
+
+        return segment_block_mask(segments.view(1, -1), segments.numel())
+    return chunk_bias(segments, c, [0], [segments.numel()])
 
 
 def chunk_bias(segments: torch.Tensor, c: int, starts, lengths) -> torch.Tensor:

@@ -179,6 +179,8 @@ def call_block(
 
         def run(h, segments, rope_):
             m = replace(mask, segments=segments)
+            if segments is mask.segments:  # the same segments: the same FlexAttention block masks
+                m.flex_cache = mask.flex_cache
             out, holder["route"] = call_block(layer, h, m, rope_, parts, packed=packed, backend=backend, pad_to=pad_to)
             return out
 

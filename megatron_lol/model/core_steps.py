@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 
 from megatron_lol.convert.hf_modeling.parts_lol import inject
-from megatron_lol.model.attention import SegmentMask
+from megatron_lol.model.attention import SegmentMask, uses_flex
 from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
 from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
 from megatron_lol.model.forward_options import ForwardOptions
@@ -157,9 +157,14 @@ class FixedStep(CoreStep):
                 s_len, b = ctx.stream_shape
                 x = flat.view(b, s_len, -1).transpose(0, 1)
                 sliding = cfg.window_size if step.attention == "sliding" else None
-                mask = SegmentMask(
-                    segments=ctx.docs.doc_index, sliding=sliding, positions=ctx.docs.positions if core.packed else None
-                )
+                key = ("document mask", sliding)  # one per forward: the GPU's block mask is built once
+                if key not in ctx.cache:
+                    ctx.cache[key] = SegmentMask(
+                        segments=ctx.docs.doc_index,
+                        sliding=sliding,
+                        positions=ctx.docs.positions if core.packed else None,
+                    )
+                mask = ctx.cache[key]
                 # the whole sequence's positions: under sequence parallelism x holds s/tp rows and
                 # megatron's attention gathers them before RoPE
                 new = core.call(step, step.block, x, mask, ctx.rope, ctx)
@@ -274,10 +279,14 @@ class RoutedStep(CoreStep):
 
             return run_block
 
+        def biases(grouping):
+            """The chunked algorithm's masks of every block's windows (CPU; FlexAttention builds its own)."""
+            return None if core.packed or uses_flex(flat) else grouping.chunk_biases(W)
+
         def updates(grouping):
             """``E(s) - s`` of the grouped tokens (under EP their windows travel to their block's rank)."""
             if ep_group is None:
-                return block_updates(grouping, flat, runner(None if core.packed else grouping.chunk_biases(W)))
+                return block_updates(grouping, flat, runner(biases(grouping)))
             from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
 
             if core.packed:
@@ -287,7 +296,7 @@ class RoutedStep(CoreStep):
 
         def update(states, grouping, gate):
             if ep_group is None:
-                run_block = runner(None if core.packed else grouping.chunk_biases(W))
+                run_block = runner(biases(grouping))
                 backend = ctx.backend
                 new = backend.gated_update(states, grouping, gate, run_block) if backend is not None else None
                 return new if new is not None else gated_update(states, grouping, gate, run_block)

@@ -13,9 +13,9 @@ collectives. Here the depth's tokens, grouped by block
   an ordered segment-sum backward (:func:`~.static_routing.gather_segment_rows`);
   a per-depth FiLM broadcasts;
 * attention has no weights: the windows of every block are one segment-causal
-  call (the chunked algorithm of :mod:`.attention` over the grouped stream,
-  whose segments are the windows), with PyTorch's fused attention where the
-  blocks' ``SegmentCausalAttention`` uses it (off the CPU);
+  call over the grouped stream, whose segments are the windows: FlexAttention
+  with the stream's block mask off the CPU, the chunked algorithm of
+  :mod:`.attention` on it (:func:`~.attention.window_mask` decides);
 * under tensor parallelism the weights are this rank's ColumnParallelLinear /
   RowParallelLinear shards and each projection makes one collective per depth
   (megatron-core's ``tensor_parallel.mappings``), not one per block.
@@ -74,8 +74,6 @@ class StackedLibrary:
     head_dim: int
     softmax_scale: float
     tp_group: Optional[object]  # the tensor-parallel group (None: no collectives)
-    #: the first block's SegmentCausalAttention: its policy for PyTorch's fused attention (SDPA off the CPU)
-    core_attention: Optional[object] = None
     #: the blocks' parameters behind each stacked field, when their gradients go to FP32 ``main_grad``
     #: depth by depth (:func:`for_depth`); None: the stacks carry autograd to the parameters themselves
     sources: Optional[dict] = None
@@ -219,7 +217,6 @@ def stack_library(blocks) -> StackedLibrary:
         groups=sa.num_query_groups_per_partition,
         head_dim=sa.hidden_size_per_attention_head,
         softmax_scale=sa.core_attention.softmax_scale,
-        core_attention=sa.core_attention,
         tp_group=tp,
     )
 
@@ -340,15 +337,16 @@ def grouped_blocks(
     x: torch.Tensor,
     grouping: TokenGrouping,
     rope: Optional[RowRope],
-    attention_bias: torch.Tensor,
+    attention_bias,
     chunk: int,
     film: Optional[tuple] = None,
 ) -> torch.Tensor:
     """``E_m(x)`` of every grouped row ``x`` ``[T, h]`` (row ``r`` through block ``block_of_row[r]``).
 
     The operations of megatron-core's local layer (``block_call.reference_layer``)
-    in its order, on all blocks' rows at once. ``attention_bias``: the chunked
-    algorithm's mask of the grouped stream (``chunk_bias(grouping.segments, chunk, [0], [T])``).
+    in its order, on all blocks' rows at once. ``attention_bias``: the grouped stream's window
+    mask (``window_mask(grouping.segments, chunk)``: the chunked algorithm's additive mask on the CPU,
+    a FlexAttention block mask on GPUs).
     ``film``: the step's ``(gamma, beta)``, ``[2, h]`` per depth or ``[L, 2, h]`` per block.
     """
     t = x.shape[0]
@@ -366,9 +364,8 @@ def grouped_blocks(
     if per_group > 1:  # grouped-query attention: share each key/value head
         key = key.repeat_interleave(per_group, dim=1)
         value = value.repeat_interleave(per_group, dim=1)
-    attention = lib.core_attention
-    fused = attention._fused_attention if attention is not None and attention._use_fused(query) else None
-    context = chunked_attention(query, key, value, attention_bias, chunk, lib.softmax_scale, fused=fused)
+    # FlexAttention when the mask is a block mask (off the CPU), else the chunked algorithm
+    context = chunked_attention(query, key, value, attention_bias, chunk, lib.softmax_scale)
     attn = _grouped_linear(context.reshape(t, lib.heads * c), lib.proj, offs)
     h1 = x + _row_output(attn, lib)
     y = _film(_norm(h1, lib.norm2, lib.eps, grouping), film, 1, grouping)

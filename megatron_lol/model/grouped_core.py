@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.model.attention import chunk_bias
+from megatron_lol.model.attention import window_mask
 from megatron_lol.model.core_steps import CoreContext, RoutedStep
 from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, grouped_support, stack_library
 from megatron_lol.model.grouped_exchange import exchange_rows
@@ -181,7 +181,7 @@ class GroupedDepth:
     rows: torch.Tensor  # [T, h] the depth's input in grouped order
     positions: torch.Tensor  # [T] RoPE position of every grouped row
     rope: Optional[RowRope]  # cos / sin of every grouped row (None where the rows run on other ranks)
-    attention_bias: Optional[torch.Tensor]  # the chunked algorithm's mask of the grouped stream (idem)
+    attention_bias: Optional[object]  # the grouped stream's window mask (attention.window_mask; idem)
     gate: torch.Tensor  # [T] every token's window gate (token order)
 
 
@@ -207,7 +207,7 @@ def group_depth(
         rows=permute_rows(flat, grouping.order, grouping.inverse),
         positions=grouped_positions,
         rope=row_rope,
-        attention_bias=chunk_bias(grouping.segments, window_size, [0], [flat.shape[0]]) if run_here else None,
+        attention_bias=window_mask(grouping.segments, window_size) if run_here else None,
         gate=token_gates(windows, decision.gate),
     )
 
@@ -231,7 +231,7 @@ def expert_parallel_blocks(
         film = tuple(part[rank * per_rank : (rank + 1) * per_rank] for part in film)
     dtype = depth.rows.dtype
     row_rope = RowRope.from_table(rope, received.positions, dtype) if rope is not None else None
-    bias = chunk_bias(received.grouping.segments, window_size, [0], [received.rows.shape[0]])
+    bias = window_mask(received.grouping.segments, window_size)
     outputs = grouped_blocks(library, received.rows, received.grouping, row_rope, bias, window_size, film)
     return received.send_back(outputs)
 
