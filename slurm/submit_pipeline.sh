@@ -21,7 +21,7 @@
 #
 # Variables (defaults):
 #   INPUT             corpus files / glob / directory for preprocess      (required)
-#   TOKENIZER_TYPE    (SentencePieceTokenizer)    TOKENIZER_MODEL (required for SentencePiece)
+#   TOKENIZER_TYPE    (SentencePieceTokenizer)    TOKENIZER_MODEL (required for SentencePiece; a file or a Hub name)
 #   NUM_SHARDS        preprocess array size                                (4)
 #   PREPROCESS_CPUS   CPUs per preprocess task (= tokenizer workers)       (4)
 #   WORK_DIR          data/, pretrain/, context_ext/, logs/, jobs.env go here (runs/pipeline)
@@ -63,7 +63,17 @@ WORK_DIR="$(abspath "${WORK_DIR:-runs/pipeline}")"
 PRETRAIN_CONFIG="$(abspath "${PRETRAIN_CONFIG:-$REPO/examples/configs/tiny-slurm.yaml}")"
 CONTEXT_CONFIG="${CONTEXT_CONFIG-$REPO/examples/configs/tiny-context-ext.yaml}"
 [ -n "$CONTEXT_CONFIG" ] && CONTEXT_CONFIG="$(abspath "$CONTEXT_CONFIG")"
-[ -n "${TOKENIZER_MODEL:-}" ] && TOKENIZER_MODEL="$(abspath "$TOKENIZER_MODEL")"
+# TOKENIZER_MODEL: a local file, or a HuggingFace Hub name (namespace/name, no such local path), which is
+# resolved below on this host into the Hub cache (HF_HUB_CACHE / HF_HOME: put it where the compute nodes
+# read); the jobs then run with HF_HUB_OFFLINE=1
+TOKENIZER_ON_HUB=0
+if [ -n "${TOKENIZER_MODEL:-}" ]; then
+    if [ ! -e "$(abspath "$TOKENIZER_MODEL")" ] && [[ "$TOKENIZER_MODEL" =~ ^[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*$ ]]; then
+        TOKENIZER_ON_HUB=1
+    else
+        TOKENIZER_MODEL="$(abspath "$TOKENIZER_MODEL")"
+    fi
+fi
 NODES="${NODES:-2}"
 if [ -z "${GPUS_PER_NODE:-}" ]; then
     if command -v nvidia-smi >/dev/null 2>&1; then GPUS_PER_NODE=8; else GPUS_PER_NODE=0; fi
@@ -86,7 +96,19 @@ for l in "$LAUNCHER" "${PRETRAIN_LAUNCHER:-$LAUNCHER}" "${CONTEXT_LAUNCHER:-$LAU
 done
 # shellcheck disable=SC2086
 if ! compgen -G "$INPUT" >/dev/null && [ ! -e "$INPUT" ]; then die "INPUT=$INPUT matches no file"; fi
-[ -n "${TOKENIZER_MODEL:-}" ] && [ ! -e "$TOKENIZER_MODEL" ] && die "TOKENIZER_MODEL=$TOKENIZER_MODEL does not exist"
+if [ -n "${TOKENIZER_MODEL:-}" ] && [ "$TOKENIZER_ON_HUB" = 0 ] && [ ! -e "$TOKENIZER_MODEL" ]; then
+    die "TOKENIZER_MODEL=$TOKENIZER_MODEL does not exist"
+fi
+PY="${MEGATRON_LOL_PYTHON:-$REPO/.venv/bin/python}"
+if [ "$TOKENIZER_ON_HUB" = 1 ]; then
+    # downloaded here (or found in the cache) before anything is queued: the compute nodes have no internet
+    if ! out=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c \
+               'import sys; from megatron_lol.data.tokenizers import hub_tokenizer_file; print(hub_tokenizer_file(sys.argv[1]))' \
+               "$TOKENIZER_MODEL" 2>&1); then
+        die "TOKENIZER_MODEL=$TOKENIZER_MODEL: $(grep -v '^\s' <<<"$out" | tail -n 1) -- nothing submitted"
+    fi
+    echo "tokenizer: $TOKENIZER_MODEL from the Hub cache (${out##*$'\n'}); the jobs read it offline"
+fi
 
 mkdir -p "$WORK_DIR/logs" "$WORK_DIR/data"
 DATA_PREFIX_BASE="$WORK_DIR/data/corpus"
@@ -106,7 +128,6 @@ stage_args() {
 }
 
 if [ "${VALIDATE:-1}" = 1 ]; then
-    PY="${MEGATRON_LOL_PYTHON:-$REPO/.venv/bin/python}"
     command -v "$PY" >/dev/null 2>&1 || [ -x "$PY" ] || \
         die "cannot validate the configs: $PY not found (set MEGATRON_LOL_PYTHON, or VALIDATE=0 to skip)"
     stages=(pretrain); [ -n "$CONTEXT_CONFIG" ] && stages+=(context)
@@ -135,6 +156,8 @@ if [ "${VALIDATE:-1}" = 1 ]; then
 fi
 
 # ------------------------------------------------------------------ submission
+# the jobs read tokenizers given by Hub name from the cache the checks above filled (compute nodes are offline)
+export HF_HUB_OFFLINE=1
 common=(--parsable --chdir="$RUN_DIR")
 [ -n "${PARTITION:-}" ] && common+=(--partition="$PARTITION")
 [ -n "${ACCOUNT:-}" ] && common+=(--account="$ACCOUNT")

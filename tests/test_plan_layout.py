@@ -351,6 +351,66 @@ def test_submit_pipeline_queues_nothing_when_the_layout_does_not_fit(tmp_path, t
     assert len(calls) == 3 and calls[2].endswith("slurm/pretrain.sbatch") and "--nodes=4" in calls[2]
 
 
+def test_submit_pipeline_resolves_a_hub_tokenizer_before_queueing_and_the_jobs_run_offline(tmp_path, tokenizers):
+    """TOKENIZER_MODEL=<Hub name>: resolved on the submitting host (here from a prepared Hub cache: this
+    machine has no Hub), validated with it, and every job submitted with HF_HUB_OFFLINE=1 in its
+    environment (sbatch exports the submitting shell's); a name the Hub cannot give stops the script with
+    one line, status 2, nothing queued."""
+    name = "EleutherAI/gpt-neox-20b"
+    commit = "0" * 40
+    repo = tmp_path / "hub" / f"models--{name.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "tokenizer.json").write_bytes(Path(tokenizers["HuggingFaceTokenizer"]).read_bytes())
+    log = tmp_path / "sbatch.log"
+    _recorder(tmp_path / "bin", "sbatch", log, output='echo "offline=$HF_HUB_OFFLINE" >> "' + str(log) + '"; echo 4242')
+    corpus = tmp_path / "raw.jsonl"
+    corpus.write_text('{"text": "the a of"}\n')
+    fitted = tmp_path / "lol-360m-L4-1x8.yaml"
+    code, out, err = _cli(
+        "plan-layout", "--config", REPO / "examples/configs/paper/lol-360m-L4.yaml", "--nodes", 1, "--output", fitted
+    )
+    assert code == 0, err
+
+    def submit(tokenizer):
+        env = _script_env(
+            tmp_path,
+            INPUT=corpus,
+            TOKENIZER_TYPE="HuggingFaceTokenizer",
+            TOKENIZER_MODEL=tokenizer,
+            NODES=1,
+            GPUS_PER_NODE=8,
+            CONTEXT_CONFIG="",
+            WORK_DIR=tmp_path / "work",
+            PRETRAIN_CONFIG=fitted,
+            HF_HUB_CACHE=tmp_path / "hub",
+            HF_HUB_OFFLINE=1,  # the prepared cache stands in for the Hub
+        )
+        return subprocess.run(
+            ["bash", str(REPO / "slurm/submit_pipeline.sh")],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+
+    run = submit("nobody/no-such-tokenizer")
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 2 and len(lines) == 1, run.stderr
+    assert lines[0].startswith("submit_pipeline.sh: TOKENIZER_MODEL=nobody/no-such-tokenizer: ")
+    assert lines[0].endswith("-- nothing submitted") and not log.exists()
+
+    run = submit(name)
+    assert run.returncode == 0, run.stderr
+    assert f"tokenizer: {name} from the Hub cache ({snapshot / 'tokenizer.json'})" in run.stdout
+    calls = log.read_text().splitlines()
+    jobs = [c for c in calls if c.startswith("sbatch ")]
+    assert len(jobs) == 3 and calls.count("offline=1") == 3, calls
+
+
 def test_pretrain_sbatch_launches_nothing_when_the_layout_does_not_fit(tmp_path):
     """The job's own check (before srun): status 2, the planner's first proposal in the log."""
     log = tmp_path / "srun.log"
