@@ -271,3 +271,19 @@ def test_profile_counts_the_host_syncs_of_its_steps(megatron_env):
     from megatron_lol.training.profile import format_report
 
     assert "host syncs/step" in format_report(lol) and "untimed step(s) of its own" in format_report(lol)
+
+
+def test_profile_keeps_its_timed_figures_when_counting_fails(megatron_env, monkeypatch):
+    """A counter that cannot follow the step (e.g. a kernel library's tensor subclass) is reported, not fatal:
+    the timed steps' report stands, and the routing steps are not run on a step left half done."""
+    import megatron_lol.perf.host_syncs as host_syncs
+    from megatron_lol.training.profile import format_report
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot follow this op")
+
+    monkeypatch.setattr(host_syncs, "count_step_syncs", broken)
+    rep = _profiled({"plan": "lol", "num_blocks": 3, "routed_depth": 4, "window_size": 8, "window_shift": 4})
+    assert rep["host_syncs"] == {"error": "RuntimeError: cannot follow this op"} and rep["routing"] is None
+    assert rep["tokens_per_s"] > 0 and len(rep["step_time_s"]["all"]) == 2
+    assert "not counted: RuntimeError" in format_report(rep)

@@ -194,7 +194,9 @@ def format_report(rep: dict) -> str:
         f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB"
     )
     hs = rep.get("host_syncs")
-    if hs:
+    if hs and hs.get("error"):
+        lines.append(f"  host syncs/step  not counted: {hs['error']}")
+    elif hs:
         names = ", ".join(f"{k} {v:g}" for k, v in hs["by_name"].items()) or "none"
         lines.append(
             f"  host syncs/step  {hs['per_step']:g} ({names}); {hs['ops_per_step']:,.0f} ATen ops/step "
