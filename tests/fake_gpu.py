@@ -84,11 +84,12 @@ class FakeGpuTensor(torch.Tensor):
     def __repr__(self) -> str:
         return f"FakeGpuTensor({self.elem!r})"
 
+    # as on a GPU, through a copy to the host (aten._to_copy): a dispatch mode sees the device read
     def tolist(self):
-        return self.elem.tolist()
+        return self.to("cpu").tolist()
 
     def numpy(self, *, force: bool = False):
-        return self.elem.numpy(force=force)
+        return self.to("cpu").numpy(force=force)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):

@@ -431,6 +431,32 @@ def trainer_step() -> dict:
     return results
 
 
+def profile_host_syncs() -> dict:
+    """``profile``'s counted steps on the fake GPU (dense, and LoL on the grouped core): reads of device
+    values per step, CPU tensors (the data loader's, torch.optim's step counters) left out."""
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.training.profile import build_trainer, profile_trainer
+
+    out = {}
+    for name, plan in (
+        ("dense", dict(plan="dense", core_layers=2, dense_attention="full")),
+        ("lol", dict(plan="lol", num_blocks=3, routed_depth=4, window_size=8, window_shift=4, routed_core="grouped")),
+    ):
+        model = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, n_prelude=1, n_coda=1, vocab_size=128)
+        cfg = config_from_dict(
+            {
+                "model": {**model, **plan},
+                "training": {"train_iters": 6, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 32},
+                "optimizer": {"clip_grad": 1.0},
+            }
+        )
+        with fake_gpu(), strict_collectives():
+            trainer = build_trainer(cfg, synthetic=True)
+            rep = profile_trainer(trainer, 1, 1, breakdown=False, count_steps=2, routing_steps=0)
+        out[name] = {"device": str(trainer.device), **rep["host_syncs"]}
+    return out
+
+
 def main() -> int:
     torch.set_num_threads(1)
     fake_gpu_device()  # before any backward of the process (the autograd engine sizes its device queues once)
@@ -447,6 +473,7 @@ def main() -> int:
     cases["expert-parallel-dispatch"] = (expert_parallel_dispatch, ())
     cases["trainer"] = (trainer_step, ())
     cases["attention-dispatch"] = (attention_dispatch, ())
+    cases["profile-host-syncs"] = (profile_host_syncs, ())
     from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 
     only = set(sys.argv[1:])

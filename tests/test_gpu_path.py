@@ -157,6 +157,21 @@ def test_trainer_steps_on_a_fake_gpu_equal_the_cpu(fake_gpu_results):
             assert a == pytest.approx(b, rel=1e-6)
 
 
+@pytest.mark.timeout(700)
+def test_profile_host_syncs_on_a_fake_gpu(fake_gpu_results):
+    """``profile``'s counted steps with the model on the fake GPU: only reads of device values count (the
+    step's scalars in one copy to the host, the gradient norm once); dense at most 4 per step, the grouped
+    LoL step at most 2 more (issue 36)."""
+    r = fake_gpu_results["profile-host-syncs"]
+    assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
+    dense, lol = r["dense"], r["lol"]
+    for p in (dense, lol):
+        assert p["device"] == "fakegpu:0" and p["steps"] == 2 and p["ops_per_step"] > 500
+        assert p["by_name"].get("_local_scalar_dense") == 1.0 and p["by_name"].get("_to_copy (to host)") == 1.0
+        assert p["host_reads_per_step"] > 0  # CPU tensors read on the host: not device reads
+    assert dense["per_step"] <= 4 and lol["per_step"] <= dense["per_step"] + 2
+
+
 def test_to_device_is_the_identity_on_cpu():
     from megatron_lol.platform import device, to_device
 

@@ -75,6 +75,59 @@ def test_cpu_emulation_is_installed_in_one_place_and_listed_with_why(single_proc
         assert set(marked) <= set(plat.applied_patches())
 
 
+def test_gradient_norm_stand_in_equals_megatron_core_and_reads_nothing_back(single_process, monkeypatch):
+    """Without TE's or apex's multi-tensor kernels, megatron-core's clipping computes the gradient norm with
+    ``local_multi_tensor_l2_norm`` (one host read per parameter); setup_platform puts the ``_foreach_norm``
+    stand-in in its place: the same norm within FP32 rounding, over the gradients clip_grads keeps of
+    TP-sharded, TP-duplicated and shared parameters, reduced over the ranks by megatron-core as before."""
+    from megatron.core import tensor_parallel, utils
+    from megatron.core.optimizer import clip_grads
+    from megatron.core.transformer.module import param_is_not_shared
+
+    from megatron_lol.perf.op_count import OpCounter
+    from megatron_lol.platform.no_te import foreach_l2_norm
+
+    if not (plat.has_transformer_engine() or plat.has_apex()):  # their fused kernels are used where they import
+        assert clip_grads.l2_norm_impl is foreach_l2_norm
+        assert "grad_norm_without_host_reads" in plat.applied_patches()
+    g = torch.Generator().manual_seed(0)
+    params = []
+    for shape, kind in (((64, 32), "tp"), ((32,), "dup"), ((128, 16), "tp"), ((7, 3, 5), "dup"), ((32, 32), "shared")):
+        p = torch.nn.Parameter(torch.empty(shape))
+        p.grad = torch.randn(shape, generator=g) * torch.rand(1, generator=g).item() * 10
+        if kind == "tp":
+            tensor_parallel.set_tensor_model_parallel_attributes(p, True, 0, 1)
+        p.shared = kind == "shared"
+        params.append((p, kind))
+
+    def kept(tp_rank: int) -> list:  # what MegatronOptimizer.get_main_grads_for_grad_norm keeps on a TP rank
+        group = types.SimpleNamespace(rank=lambda: tp_rank)
+        return [
+            p.grad
+            for p, _ in params
+            if param_is_not_shared(p) and tensor_parallel.param_is_not_tensor_parallel_duplicate(p, group)
+        ]
+
+    assert len(kept(0)) == 4 and len(kept(1)) == 2  # the duplicates count on TP rank 0 only
+    for grads in (kept(0), kept(1)):
+        flag = torch.zeros(1, dtype=torch.int)
+        with OpCounter() as theirs:
+            ref, _ = utils.local_multi_tensor_l2_norm(2048 * 32, flag, [grads], False)
+        with OpCounter() as ours:
+            out, none = foreach_l2_norm(2048 * 32, flag, [grads], False)
+        assert none is None and out.shape == (1,) and out.dtype == torch.float32
+        assert out.item() == pytest.approx(ref.item(), rel=2e-7)
+        assert ours.syncs == 0, ours.sync_names
+        assert theirs.sync_names["tensor (from tensors)"] == len(grads)  # one read per parameter
+        # megatron-core's get_grad_norm_fp32, reduction over the (world) group included, with either norm
+        total = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=torch.distributed.group.WORLD)
+        monkeypatch.setattr(clip_grads, "l2_norm_impl", utils.local_multi_tensor_l2_norm)
+        total_ref = clip_grads.get_grad_norm_fp32(grads, grad_stats_parallel_group=torch.distributed.group.WORLD)
+        monkeypatch.setattr(clip_grads, "l2_norm_impl", foreach_l2_norm)
+        exact = torch.linalg.vector_norm(torch.cat([t.double().reshape(-1) for t in grads])).item()
+        assert total == pytest.approx(total_ref, rel=2e-7) and total == pytest.approx(exact, rel=1e-6)
+
+
 def test_init_distributed_idempotent(single_process):
     import torch.distributed as dist
 

@@ -183,6 +183,7 @@ def test_profile_cli_on_cpu_writes_json(tmp_path, capsys):
     assert rc == 0
     text = capsys.readouterr().out
     assert "tokens/s" in text and "MFU              -" in text and "distinct blocks per path" in text
+    assert "host syncs/step" in text
     rep = json.loads(out.read_text())
     assert rep["steps"] == 2 and rep["mfu"] is None and rep["device"]["kind"] == "cpu"
     assert rep["tokens_per_step"] == 64 and rep["tokens_per_s_per_device"] > 0
@@ -219,3 +220,70 @@ def test_profile_errors(tmp_path):
     assert main(["profile", "--merge", str(tmp_path / "missing.json")]) == 2
     assert main(["profile", "--steps", "2"]) == 2  # neither --config nor --merge
     assert main(["profile", "--config", _tiny_yaml(tmp_path), "--synthetic-data", "--steps", "0"]) == 2
+
+
+def _profiled(plan: dict, count_steps: int = 2) -> dict:
+    """``profile``'s timed steps, then its counted and routing steps, in this process: a tiny model with
+    2 micro-batches per step (the loss and the balancing loss summed over them on the device)."""
+    from megatron_lol.config import config_from_dict
+    from megatron_lol.training.profile import build_trainer, profile_trainer
+
+    model = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, n_prelude=1, n_coda=1, vocab_size=128)
+    model.update(plan)
+    cfg = config_from_dict(
+        {
+            "model": model,
+            "training": {"train_iters": 8, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 32},
+            "optimizer": {"clip_grad": 1.0},
+        }
+    )
+    trainer = build_trainer(cfg, synthetic=True)
+    rep = profile_trainer(trainer, 2, 1, breakdown=False, count_steps=count_steps, routing_steps=1)
+    return json.loads(json.dumps(rep))  # what --json writes
+
+
+def test_profile_counts_the_host_syncs_of_its_steps(megatron_env):
+    """Issue 36's acceptance: a dense step reads the loss and metrics once (one batched read) and the gradient
+    norm once (megatron-core's clipping with the foreach stand-in), beside megatron-core's cross entropy's two
+    boolean-mask writes; the grouped LoL step at most 2 more; routing statistics come from steps of their own."""
+    dense = _profiled({"plan": "dense", "core_layers": 2, "dense_attention": "full"})
+    lol = _profiled(
+        {
+            "plan": "lol",
+            "num_blocks": 3,
+            "routed_depth": 4,
+            "window_size": 8,
+            "window_shift": 4,
+            "routed_core": "grouped",
+        }
+    )
+    for rep in (dense, lol):
+        hs = rep["host_syncs"]
+        assert hs["steps"] == 2 and hs["ops_per_step"] > 500 and "OpCounter" in hs["method"]
+        assert hs["by_name"].get("tolist") == 1.0  # the step's scalars: one read
+        assert hs["by_name"].get("_local_scalar_dense") == 1.0  # the gradient norm
+        assert sum(hs["by_name"].values()) == hs["per_step"]
+        assert hs["host_reads_per_step"] > 0  # torch.optim's step counters: on the host on a GPU too
+    assert dense["host_syncs"]["per_step"] <= 4
+    assert lol["host_syncs"]["per_step"] <= dense["host_syncs"]["per_step"] + 2
+    assert dense["routing"] is None and lol["routing"]["steps"] == 1 and "untimed" in lol["routing"]["source"]
+    assert len(lol["block_utilisation_trainer"]) == 4  # the timed steps' own, from their one read
+    from megatron_lol.training.profile import format_report
+
+    assert "host syncs/step" in format_report(lol) and "untimed step(s) of its own" in format_report(lol)
+
+
+def test_profile_keeps_its_timed_figures_when_counting_fails(megatron_env, monkeypatch):
+    """A counter that cannot follow the step (e.g. a kernel library's tensor subclass) is reported, not fatal:
+    the timed steps' report stands, and the routing steps are not run on a step left half done."""
+    import megatron_lol.perf.host_syncs as host_syncs
+    from megatron_lol.training.profile import format_report
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot follow this op")
+
+    monkeypatch.setattr(host_syncs, "count_step_syncs", broken)
+    rep = _profiled({"plan": "lol", "num_blocks": 3, "routed_depth": 4, "window_size": 8, "window_shift": 4})
+    assert rep["host_syncs"] == {"error": "RuntimeError: cannot follow this op"} and rep["routing"] is None
+    assert rep["tokens_per_s"] > 0 and len(rep["step_time_s"]["all"]) == 2
+    assert "not counted: RuntimeError" in format_report(rep)

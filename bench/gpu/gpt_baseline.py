@@ -9,7 +9,8 @@ megatron-core's own ``GPTModel`` (its ``TransformerBlock``, embedding, RoPE, fin
 from ``library.block_spec``, the spec every LoL layer uses (local: megatron-core's local layer with
 megatron-lol's attention, fused on GPUs; Transformer Engine where it imports), trained by megatron-core's
 DDP, optimizer (the config's: AdamW or Muon) and schedule, on synthetic tokens. Step times are CUDA events
-around whole steps (``perf.timing.StepTimer``); FLOPs are the FLOP model's for the dense plan
+around whole steps (``perf.timing.StepTimer``), then the host synchronisations of a step counted in untimed
+steps after them (``perf.host_syncs``, as ``megatron-lol profile`` does); FLOPs are the FLOP model's for the dense plan
 (``perf.flops``), so run_all.py can match them to a LoL run's executed FLOPs. Writes a JSON report with the
 fields run_all.py reads from ``megatron-lol profile``.
 """
@@ -77,6 +78,7 @@ def run(args) -> dict:
     from megatron_lol.model.lol_model import padded_vocab_size
     from megatron_lol.model.precision import enable_tf32
     from megatron_lol.perf import flops as fl
+    from megatron_lol.perf.host_syncs import count_step_syncs
     from megatron_lol.perf.peaks import mfu, peak_tflops
     from megatron_lol.perf.timing import StepTimer
     from megatron_lol.platform import device, init_distributed, setup_platform, to_device
@@ -128,13 +130,13 @@ def run(args) -> dict:
     iterator = batches()
     losses = []
 
-    def step():
+    def step(data_iterator=iterator):
         model.train()
         model.zero_grad_buffer()
         optimizer.zero_grad()
         out = fb(
             forward_step_func=forward_step,
-            data_iterator=iterator,
+            data_iterator=data_iterator,
             model=[model],
             num_microbatches=micro,
             seq_length=tr.seq_length,
@@ -159,6 +161,8 @@ def run(args) -> dict:
         timer.stop()
     times = timer.seconds()
     losses = [float(x[0] / x[1]) for x in losses]
+    # the host reads of a step, counted in untimed steps after the timed ones (megatron_lol/perf/host_syncs.py)
+    host_syncs = count_step_syncs(step, iterator, args.count_steps, device(), optimizer) if args.count_steps else None
     median = statistics.median(times)
     tokens = gbs * tr.seq_length
     model_flops = fl.training_flops_per_step(cfg, None, gbs, tr.seq_length, vocab_size=vocab)
@@ -184,6 +188,7 @@ def run(args) -> dict:
         "peak_tflops": peak,
         "mfu": mfu(tflops, peak),
         "peak_memory": _peak_memory_bytes(),
+        "host_syncs": host_syncs,
         "loss": losses,
     }
 
@@ -195,6 +200,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--precision", default=None, choices=("bf16", "fp8", "tf32"))
+    ap.add_argument("--count-steps", type=int, default=2, help="untimed steps whose host syncs are counted")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--json", dest="json_out", required=True)
     args = ap.parse_args(argv)
@@ -209,6 +215,7 @@ def main(argv=None) -> int:
         f"GPTModel baseline: {report['num_layers']} layers, {report['tokens_per_s_per_device']:,.0f} tokens/s, "
         f"{report['tflops_per_device']:.4g} TFLOP/s, step {report['step_time_s']['median'] * 1e3:.1f} ms "
         f"({report['timing']['steps']})"
+        + (f", {report['host_syncs']['per_step']:g} host syncs per step" if report["host_syncs"] else "")
     )
     return 0
 

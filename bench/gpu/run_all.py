@@ -406,6 +406,7 @@ def _summary(report: Path, seconds: float) -> dict:
         "flops_per_step_executed": r["flops_per_step_executed"],
         "peak_memory_bytes": r["peak_memory"]["bytes"],
         "loss": r["loss"],
+        "host_syncs": r.get("host_syncs"),  # per step, counted in untimed steps after the timed ones
         **({"model": r["model"], "spec": r["spec"]} if "model" in r else {}),
     }
 

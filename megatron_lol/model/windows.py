@@ -66,18 +66,26 @@ def earliest_reach(n: int, token: int, depths: int, window_size: int, window_shi
     return out
 
 
-@dataclass
 class DocumentLayout:
     """Where documents start in a micro-batch ``[b, s]`` of packed rows.
 
     ``positions`` counts from the start of each document; ``doc_index`` numbers
     the documents of the whole micro-batch 0..num_docs-1 in row-major order. A
     row always starts a new document (tokens before the row are not visible).
+    ``num_docs`` is read from the device only when asked for (the routed depths'
+    windows need it; a dense model's attention does not, and its step reads nothing).
     """
 
-    positions: torch.Tensor  # [b, s] long
-    doc_index: torch.Tensor  # [b, s] long, global over the micro-batch
-    num_docs: int
+    def __init__(self, positions: torch.Tensor, doc_index: torch.Tensor, num_docs: Optional[int] = None):
+        self.positions = positions  # [b, s] long
+        self.doc_index = doc_index  # [b, s] long, global over the micro-batch
+        self._num_docs = num_docs
+
+    @property
+    def num_docs(self) -> int:
+        if self._num_docs is None:  # the last token's document is the last one
+            self._num_docs = int(self.doc_index[-1, -1]) + 1 if self.doc_index.numel() else 0
+        return self._num_docs
 
     @property
     def shape(self) -> torch.Size:
@@ -103,7 +111,7 @@ class DocumentLayout:
         start_of = torch.cummax(torch.where(flat, idx, torch.zeros_like(idx)), dim=0).values
         positions = (idx - start_of).view(b, s)
         doc_index = (torch.cumsum(flat.long(), 0) - 1).view(b, s)
-        return cls(positions=positions, doc_index=doc_index, num_docs=int(flat.sum()))
+        return cls(positions=positions, doc_index=doc_index)
 
     @classmethod
     def single(cls, b: int, s: int, device=None) -> "DocumentLayout":

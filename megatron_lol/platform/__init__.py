@@ -45,7 +45,10 @@ the submodule named:
    ``_patch_wgrad_accumulation_fusion`` (whenever apex's
    ``fused_weight_gradient_mlp_cuda`` is absent): megatron-core refuses
    ``gradient_accumulation_fusion`` without it; a torch version of its two
-   functions takes its place (FP32 weight-gradient accumulation of the local spec).
+   functions takes its place (FP32 weight-gradient accumulation of the local spec);
+   ``_patch_grad_norm_without_host_reads`` (whenever megatron-core's gradient clipping
+   falls back to its local multi-tensor norm): a ``torch._foreach_norm`` version that
+   reads nothing back per parameter (``no_te.foreach_l2_norm``).
 7. (always) ``megatron_fixes._patch_moe_aux_loss_scale_shape``: a MoE backward outside
    megatron's schedules leaves a 0-dim aux-loss scale that every later schedule-driven
    step fails to ``copy_`` its ``[1]`` scale into.
@@ -168,6 +171,7 @@ def setup_platform() -> str:
         if not (has_transformer_engine() or has_apex()):
             no_te._patch_distrib_optimizer_torch_adam_step()
         no_te._patch_wgrad_accumulation_fusion()  # a no-op where apex's extension imports
+        no_te._patch_grad_norm_without_host_reads()  # a no-op where TE's or apex's kernels are used
         megatron_fixes._patch_moe_aux_loss_scale_shape()
         megatron_fixes._patch_float16_optimizer_fp32_params()
         megatron_fixes._patch_distributed_optimizer_fp32_params()

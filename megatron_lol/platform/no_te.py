@@ -183,3 +183,37 @@ def _patch_wgrad_accumulation_fusion() -> None:
     )
     layers.fused_weight_gradient_mlp_cuda = TorchWgradAccumulation
     layers._grad_accum_fusion_available = True
+
+
+def foreach_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+    """megatron-core's ``local_multi_tensor_l2_norm`` (megatron/core/utils.py), read back nowhere.
+
+    Same signature and result: the L2 norm of all tensors of ``tensor_lists`` together, as a ``[1]`` float32
+    tensor on their device, and None. megatron-core's fallback takes ``torch.norm`` of every tensor, builds
+    a tensor of those norms with ``torch.tensor(list)`` (one ``.item()`` per tensor, so one host read per
+    parameter every step) and ``float()``s the result; here ``torch._foreach_norm`` (one fused launch per
+    device and dtype on CUDA) gives the per-tensor norms and the norm of their stack stays on the device.
+    Norms are taken in FP32, as the fallback's are for the FP32 main gradients it gets."""
+    del chunk_size, noop_flag, args
+    assert not per_tensor, "per-tensor norms are not asked for by clip_grads"
+    tensors = [t for tensor_list in tensor_lists for t in tensor_list]
+    norms = torch._foreach_norm(tensors, 2, dtype=torch.float32)
+    return torch.linalg.vector_norm(torch.stack(norms)).reshape(1), None
+
+
+def _patch_grad_norm_without_host_reads() -> None:
+    """Item 6d (without TE's and apex's multi-tensor kernels): megatron-core's gradient clipping takes
+    :func:`foreach_l2_norm` as its ``l2_norm_impl``, so the gradient norm is read to the host once per step
+    (``get_grad_norm_fp32``'s ``total_norm.item()``, after the reduction over ranks) instead of once per
+    parameter. The reduction across ranks is megatron-core's own, unchanged."""
+    if not _mark("grad_norm_without_host_reads"):
+        return
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads
+
+    name = "grad_norm_without_host_reads"
+    local = _require(utils, "local_multi_tensor_l2_norm", name)
+    if _require(clip_grads, "l2_norm_impl", name) is not local:
+        return  # TE's or apex's fused kernel: already on the device
+    _require_source(clip_grads.get_grad_norm_fp32, "l2_norm_impl", name)
+    clip_grads.l2_norm_impl = foreach_l2_norm

@@ -31,9 +31,16 @@ depth, whatever the growing curriculum would use). It reports:
   machine: the median-based figures are then not the model's);
 * with several ranks, the slowest and fastest rank (``stragglers``) by their
   median time to the gradient reduction (a rank's own work; whole steps are equal);
+* the host synchronisations of a step (``host_syncs``: reads of device values, total and by
+  name, and ATen operations), counted by :mod:`megatron_lol.perf.host_syncs` in
+  ``--count-steps`` untimed steps right after the timed ones (its counter costs host time per
+  operation, so the timed steps run without it);
 * routing statistics: block utilisation per depth (share of windows), the mean
   number of distinct blocks on a token's path through the core (with the
-  uniform-routing expectation ``L (1 - (1 - 1/L)^D)`` beside it);
+  uniform-routing expectation ``L (1 - (1 - 1/L)^D)`` beside it), recorded in
+  ``--routing-steps`` untimed steps of their own after those (:class:`RoutingStats`
+  reads every depth's choices back to the host: the report's ``routing.source`` says so),
+  beside the trainer's own utilisation of the timed steps (``block_utilisation_trainer``);
 * with GPUs, a background NVML sampler (:mod:`.gpu_monitor`): utilisation,
   memory, power, SM clock (mean and minimum) and throttle reasons per GPU.
 
@@ -68,6 +75,8 @@ from megatron_lol.training.profile_report import (  # noqa: F401 - the report AP
     write_json,
 )
 from megatron_lol.training.step_sections import RoutingStats, SectionTimer, TimedIterator, module_list
+from megatron_lol.training.synthetic_data import StubTokenizer as _StubTokenizer  # noqa: F401 - re-exported
+from megatron_lol.training.synthetic_data import SyntheticDataset, build_trainer  # noqa: F401 - re-exported
 
 
 # ----------------------------------------------------------------------- arguments
@@ -107,6 +116,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="no section timers: whole-step times only (what throughput should be read from)",
     )
+    parser.add_argument(
+        "--count-steps",
+        type=int,
+        default=2,
+        help="untimed steps after the timed ones whose host synchronisations are counted (default 2; 0: none)",
+    )
+    parser.add_argument(
+        "--routing-steps",
+        type=int,
+        default=2,
+        help="untimed steps after those that record routing statistics (default 2; 0: none)",
+    )
     parser.add_argument("--sample-interval", type=float, default=0.5, help="NVML sampling period in seconds")
     parser.add_argument(
         "--merge",
@@ -131,61 +152,6 @@ def step_time_warning(step_times: list) -> Optional[str]:
         f"another load on the machine, or steps doing different work; the figures use the median "
         f"(rerun with more --steps / --warmup on an idle machine)"
     )
-
-
-# --------------------------------------------------------------------- data / setup
-class SyntheticDataset:
-    """Deterministic random tokens: documents of random length separated by EOD."""
-
-    def __init__(self, seq_length: int, vocab_size: int, eod: Optional[int], seed: int = 0, size: int = 1 << 20):
-        self.seq, self.vocab, self.eod, self.seed, self.size = seq_length, vocab_size, eod, seed, size
-
-    def __len__(self) -> int:
-        return self.size
-
-    def __getitem__(self, idx: int) -> dict:
-        import torch
-
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + int(idx))
-        low = 1 if self.eod == 0 else 0
-        tokens = torch.randint(low, self.vocab, (self.seq + 1,), generator=g)
-        if self.eod is not None:
-            pos = 0
-            while True:  # documents of mean length ~ seq / 2
-                pos += int(torch.randint(max(2, self.seq // 4), max(3, self.seq), (1,), generator=g))
-                if pos >= self.seq:
-                    break
-                tokens[pos] = self.eod
-        return {
-            "tokens": tokens[:-1].clone(),
-            "labels": tokens[1:].clone(),
-            "loss_mask": torch.ones(self.seq, dtype=torch.float32),
-        }
-
-
-class _StubTokenizer:
-    def __init__(self, vocab_size: int, eod: int = 0):
-        self.vocab_size = vocab_size
-        self.eod = eod
-
-
-def build_trainer(cfg, synthetic: bool):
-    from megatron_lol.training.trainer import Trainer
-
-    if not synthetic:
-        return Trainer(cfg).setup()
-    if cfg.model.vocab_size is not None:
-        # the config's vocabulary: random tokens need no tokenizer (a Hub name is not looked up)
-        tokenizer = _StubTokenizer(cfg.model.vocab_size, eod=0)
-    elif cfg.data.tokenizer_model or cfg.data.vocab_file:
-        from megatron_lol.config.preflight import config_tokenizer
-
-        tokenizer = config_tokenizer(cfg.data)
-    else:
-        raise CliError("--synthetic-data needs model.vocab_size or data.tokenizer_model")
-    eod = tokenizer.eod
-    ds = SyntheticDataset(cfg.training.seq_length, tokenizer.vocab_size, eod, seed=cfg.training.seed)
-    return Trainer(cfg, tokenizer=tokenizer, datasets=(ds, None, None)).setup()
 
 
 # ------------------------------------------------------------------------ running
@@ -231,16 +197,20 @@ def profile_trainer(
     precision: Optional[str] = None,
     sampler=None,
     breakdown: bool = True,
+    count_steps: int = 2,
+    routing_steps: int = 2,
 ) -> dict:
-    """Run ``warmup`` + ``steps`` training steps of a set-up trainer; return this rank's report.
+    """Run ``warmup`` + ``steps`` timed training steps of a set-up trainer, then ``count_steps`` whose host
+    synchronisations are counted and ``routing_steps`` that record routing statistics (untimed, each
+    kind on its own); return this rank's report.
 
     ``breakdown``: time sections with module hooks too (synchronised on GPUs when ``sync``); without it the
     report has whole-step times only (``breakdown_s`` None)."""
     import torch
 
     from megatron_lol.perf.gpu_monitor import start_if_available
+    from megatron_lol.perf.host_syncs import count_step_syncs
 
-    cfg = trainer.cfg
     plan = trainer.plan
     full = plan.depth
     depth = full if depth is None else depth
@@ -250,9 +220,6 @@ def profile_trainer(
     timer = SectionTimer(sync=cuda and sync)
     model = trainer.model
     core = getattr(model, "core", None)
-    routing = None
-    if core is not None and core.plan.routed:
-        routing = RoutingStats(core, cfg.model.window_size, cfg.model.window_shift, core.plan.num_stored_blocks)
     if breakdown:
         _hook_sections(timer, trainer, core)
 
@@ -273,34 +240,68 @@ def profile_trainer(
             sampler.reset()
         timer.enabled = True
         timer.totals = {}
-        if routing is not None:
-            routing.enabled = True
         results = []
         for _ in range(steps):
             steps_timer.start()
             results.append(trainer.train_step(data, depth=depth))
             steps_timer.stop()
         step_times = steps_timer.seconds()
+        timer.enabled = False
     finally:
         timer.remove()
-        if routing is not None:
-            routing.remove()
+        # the GPU samples and the memory peak are the timed steps' (the counted steps run slower)
+        gpu = sampler.stop() if own_sampler and sampler is not None else None
+    peak_memory = _peak_memory_bytes()
+    host_syncs = None
+    if count_steps > 0:
+        try:
+            host_syncs = count_step_syncs(
+                lambda it: trainer.train_step(it, depth=depth), data, count_steps, trainer.device, trainer.optimizer
+            )
+        except Exception as err:  # a kernel library the dispatch counter cannot follow: keep the timed figures
+            host_syncs = {"error": f"{type(err).__name__}: {err}"[:500]}
+    routing = None
+    if routing_steps > 0 and core is not None and core.plan.routed and not (host_syncs or {}).get("error"):
+        routing = _routing_run(trainer, core, data, depth, routing_steps)
     return _report(
         trainer,
         timer,
         routing,
         results,
         step_times,
+        host_syncs=host_syncs,
         method=steps_timer.method,
         breakdown=breakdown,
         depth=depth,
         full=full,
         precision=precision,
         peak_override=peak_override,
-        sampler=sampler if own_sampler else None,
+        gpu=gpu,
+        peak_memory=peak_memory,
         warmup=warmup,
         synced=sync and cuda,
     )
+
+
+def _routing_run(trainer, core, data, depth: int, steps: int) -> Optional[dict]:
+    """Routing statistics from ``steps`` training steps of their own, with :class:`RoutingStats` attached
+    (it reads every depth's choices back to the host, so it never rides along in the timed steps)."""
+    m = trainer.cfg.model
+    stats = RoutingStats(core, m.window_size, m.window_shift, core.plan.num_stored_blocks)
+    stats.enabled = True
+    try:
+        for _ in range(steps):
+            trainer.train_step(data, depth=depth)
+    finally:
+        stats.remove()
+    summary = stats.summary()
+    if summary is not None:
+        summary["source"] = (
+            f"{steps} untimed steps after the timed ones with routing recorded (RoutingStats reads the "
+            f"routing back to the host)"
+        )
+        summary["steps"] = steps
+    return summary
 
 
 def _hook_sections(timer: SectionTimer, trainer, core) -> None:
@@ -329,13 +330,15 @@ def _report(
     results,
     step_times,
     *,
+    host_syncs=None,
     method,
     breakdown,
     depth,
     full,
     precision,
     peak_override,
-    sampler,
+    gpu,
+    peak_memory,
     warmup,
     synced,
 ) -> dict:
@@ -345,7 +348,6 @@ def _report(
     from megatron_lol.perf.peaks import mfu, peak_tflops
 
     cfg, plan = trainer.cfg, trainer.plan
-    gpu = sampler.stop() if sampler is not None else None
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     seq = cfg.training.seq_length
@@ -391,7 +393,7 @@ def _report(
         "data": per.get("data", 0.0),
     }
     sections["backward"] = max(0.0, step_mean - forward - sections["optimizer"] - sections["data"])
-    mem = _peak_memory_bytes()
+    mem = peak_memory
     from megatron.core import parallel_state
 
     from megatron_lol.perf.memory import Layout, rank_memory
@@ -454,8 +456,9 @@ def _report(
         "timing": {"steps": method, "section_timers": breakdown, "synchronised_sections": breakdown and synced},
         "peak_memory": mem,
         "memory_model_bytes": mem_model.to_dict(),
-        "routing": routing.summary() if routing is not None else None,
-        "block_utilisation_trainer": utilisation,
+        "host_syncs": host_syncs,
+        "routing": routing,
+        "block_utilisation_trainer": utilisation,  # the timed steps' own (read with their loss)
         # this rank's own work per step, before it waits for the others in the gradient reduction
         "compute_time_s": median_or_none([r.compute_seconds for r in results]),
         "loss": [r.loss for r in results],
@@ -482,8 +485,13 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--config is required (or --merge REPORT ...)")
     if args.steps < 1:
         raise CliError(f"--steps: must be >= 1 (got {args.steps})")
-    if args.warmup < 0:
-        raise CliError(f"--warmup: must be >= 0 (got {args.warmup})")
+    for flag, value in (
+        ("--warmup", args.warmup),
+        ("--count-steps", args.count_steps),
+        ("--routing-steps", args.routing_steps),
+    ):
+        if value < 0:
+            raise CliError(f"{flag}: must be >= 0 (got {value})")
     from megatron_lol.config import config_from_args
 
     cfg = config_from_args(args, check_data=not args.synthetic_data)
@@ -504,6 +512,8 @@ def run(args: argparse.Namespace) -> int:
         peak_override=args.peak_tflops,
         precision=args.precision,
         breakdown=not args.no_breakdown,
+        count_steps=args.count_steps,
+        routing_steps=args.routing_steps,
     )
     import torch
 

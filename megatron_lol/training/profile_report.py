@@ -193,8 +193,18 @@ def format_report(rep: dict) -> str:
         f"  peak memory      {m['bytes'] / 2**20:,.0f} MiB ({m['kind']}); model estimate "
         f"{rep['memory_model_bytes']['total'] / 2**20:,.0f} MiB"
     )
+    hs = rep.get("host_syncs")
+    if hs and hs.get("error"):
+        lines.append(f"  host syncs/step  not counted: {hs['error']}")
+    elif hs:
+        names = ", ".join(f"{k} {v:g}" for k, v in hs["by_name"].items()) or "none"
+        lines.append(
+            f"  host syncs/step  {hs['per_step']:g} ({names}); {hs['ops_per_step']:,.0f} ATen ops/step "
+            f"(counted in {hs['steps']} untimed steps after the timed ones)"
+        )
     r = rep.get("routing")
     if r:
+        lines.append(f"  routing          from {r.get('steps', '?')} untimed step(s) of its own (not the timed steps)")
         lines.append(
             f"  distinct blocks per path {r['distinct_blocks_per_path']:.2f} "
             f"(uniform routing: {r['distinct_blocks_uniform_expectation']:.2f})"

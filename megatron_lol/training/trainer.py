@@ -39,27 +39,8 @@ from megatron_lol.perf.budget import apply_flop_budget
 from megatron_lol.plan import depth_at
 from megatron_lol.training.heartbeat import start_heartbeat
 from megatron_lol.training.hooks import NO_FAULTS, FaultHooks, default_hooks
+from megatron_lol.training.step_stats import StepStats, loss_on_device, step_scalars
 from megatron_lol.training.vocab import resolve_vocab_size
-
-
-@dataclass
-class StepStats:
-    """What the micro-batches of one step observed, collected from the model's return values."""
-
-    loads: Optional[torch.Tensor] = None  # [depth, L] windows per block, summed over micro-batches
-    aux: list = field(default_factory=list)  # balancing loss per micro-batch
-    budgets: list = field(default_factory=list)  # accordion: the budget of each micro-batch
-    moe_records: list = field(default_factory=list)  # MoERecord of the step (log steps only)
-
-    def add(self, core) -> None:
-        if core is None:
-            return
-        if core.block_loads is not None:
-            loads = core.block_loads.double()
-            self.loads = loads if self.loads is None else self.loads + loads
-        if core.aux_loss is not None:
-            self.aux.append(float(core.aux_loss.detach()))
-        self.moe_records.extend(core.moe_records)
 
 
 @dataclass
@@ -449,22 +430,10 @@ class Trainer:
 
     def _reduce_loss(self, outputs) -> float:
         """Token-mean LM loss over the global batch (summed over micro-batches and DP ranks)."""
-        from megatron.core import parallel_state
-
-        stat = torch.zeros(2, dtype=torch.float64, device=self.device)
-        if parallel_state.is_pipeline_last_stage(ignore_virtual=True):
-            for out in outputs:
-                stat += out["lm loss"].double()
-        torch.distributed.all_reduce(stat, group=parallel_state.get_data_parallel_group())
-        # the last pipeline stage holds the loss: share it with every stage
-        if parallel_state.get_pipeline_model_parallel_world_size() > 1:
-            torch.distributed.all_reduce(stat, group=parallel_state.get_pipeline_model_parallel_group())
-        return float(stat[0] / stat[1].clamp(min=1))
+        return float(loss_on_device(outputs, self.device))
 
     def train_step(self, data_iterator, depth: Optional[int] = None) -> StepResult:
         """One optimizer step at ``depth`` (default: the curriculum's depth at this iteration)."""
-        from megatron.core import parallel_state
-
         t0 = self._step_started = time.perf_counter()
         self._compute_seconds = None
         depth = self.depth_at(self.iteration) if depth is None else depth
@@ -483,7 +452,7 @@ class Trainer:
         finally:
             self._routing_check = None
         moe_routing = self._moe_routing_metrics(stats.moe_records) if record_moe else None
-        loss = self._reduce_loss(outputs)
+        loss, aux, utilisation = step_scalars(outputs, stats, depth, self.plan, self.device)
         finite = math.isfinite(loss)
         if finite:
             update_ok, grad_norm, _ = self.optimizer.step()
@@ -505,20 +474,6 @@ class Trainer:
             self.scheduler.step(increment=1)
             self._update_balancing_bias(self.iteration)
         lr = self.optimizer.param_groups[0]["lr"]
-        utilisation = []
-        if self.plan.routed:
-            L = self.plan.num_stored_blocks
-            loads = (
-                stats.loads.clone()
-                if stats.loads is not None
-                else torch.zeros(self.plan.depth, L, dtype=torch.float64, device=self.device)
-            )
-            torch.distributed.all_reduce(loads, group=parallel_state.get_data_parallel_group())
-            if parallel_state.get_pipeline_model_parallel_world_size() > 1:  # depths live on several stages
-                torch.distributed.all_reduce(loads, group=parallel_state.get_pipeline_model_parallel_group())
-            loads = loads[:depth]
-            utilisation = (loads / loads.sum(dim=1, keepdim=True).clamp(min=1)).tolist()
-        aux = sum(stats.aux) / max(1, len(stats.aux))
         self.iteration += 1
         self.consumed_train_samples += self.global_batch_size
         tokens = self.global_batch_size * self.cfg.training.seq_length
