@@ -28,7 +28,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 
@@ -40,6 +40,8 @@ from megatron_lol.plan import depth_at
 from megatron_lol.training.heartbeat import start_heartbeat
 from megatron_lol.training.hooks import NO_FAULTS, FaultHooks, default_hooks
 from megatron_lol.training.step_stats import StepStats, loss_on_device, step_scalars
+from megatron_lol.training.trainer_data import TrainerData, stack_batch  # noqa: F401 - stack_batch re-exported
+from megatron_lol.training.trainer_logging import TrainerLogging
 from megatron_lol.training.vocab import resolve_vocab_size
 
 
@@ -72,7 +74,7 @@ class StepResult:
     compute_seconds: Optional[float] = None
 
 
-class Trainer:
+class Trainer(TrainerData, TrainerLogging):
     def __init__(
         self,
         cfg: ExperimentConfig,
@@ -276,79 +278,6 @@ class Trainer:
 
         self.optimizer = build_optimizer(self.cfg, self.model_chunks)
         self.scheduler = build_scheduler(self.cfg, self.optimizer)
-
-    def _build_data(self) -> None:
-        tr, d = self.cfg.training, self.cfg.data
-        if self._given_datasets is not None:
-            self.train_ds, self.valid_ds, self.test_ds = self._given_datasets
-            return
-        from megatron_lol.data.datasets import build_train_valid_test_datasets
-
-        evals = (tr.train_iters // tr.eval_interval + 1) * tr.eval_iters * self.global_batch_size
-        num_samples = (tr.train_iters * self.global_batch_size, evals, tr.eval_iters * self.global_batch_size)
-        self.train_ds, self.valid_ds, self.test_ds = build_train_valid_test_datasets(
-            d.paths,
-            d.split,
-            tr.seq_length,
-            tr.seed,
-            d.cache_dir,
-            num_samples,
-            self.tokenizer,
-            vocab_size=self.vocab_size,
-        )  # every token id checked against the embedding once, here
-
-    # ----------------------------------------------------------------- data
-    def _batches(self, dataset, start_sample: int) -> Iterator[dict]:
-        """Micro-batches of this data-parallel rank, from global sample ``start_sample`` on.
-
-        Global batch ``i`` holds samples ``[i*G, (i+1)*G)``; each DP rank takes a
-        contiguous slice, cut into micro-batches. Deterministic in
-        ``start_sample``, so a resumed run sees exactly the samples it would have.
-        """
-        from megatron.core import parallel_state
-
-        mbs = self.cfg.training.micro_batch_size
-        dp_rank = parallel_state.get_data_parallel_rank()
-        per_rank = self.global_batch_size // self.dp_size
-        sample = start_sample
-        n = len(dataset)
-        pin = self.device.type == "cuda"  # page-locked, so the forward's non_blocking copy does not wait
-        while True:
-            base = sample + dp_rank * per_rank
-            for m in range(self.num_microbatches):
-                idx = [(base + m * mbs + j) % n for j in range(mbs)]
-                items = [dataset[i] for i in idx]
-                batch = {
-                    k: stack_batch([torch.as_tensor(it[k]) for it in items], pin)
-                    for k in ("tokens", "labels", "loss_mask")
-                }
-                # global sample numbers: router noise is drawn per sample from them
-                batch["sample_ids"] = stack_batch(
-                    [torch.tensor(base + m * mbs + j, dtype=torch.long) for j in range(mbs)], pin
-                )
-                if self.grouped_core:
-                    batch["layout"] = self._host_layout(batch, pin)
-                yield batch
-            sample += self.global_batch_size
-
-    def _host_layout(self, batch: dict, pin: bool):
-        """The micro-batch's documents, windows of every depth and router noise, built here on the host
-        while the device runs the previous micro-batch: the grouped core reads no value back."""
-        from megatron_lol.model.host_layout import host_layout_for_batch
-
-        return host_layout_for_batch(batch, self.cfg.model, self.plan, self.eod_id, self.cfg.training.seed, pin)
-
-    def _noise_seeds(self, sample_ids: torch.Tensor) -> torch.Tensor:
-        from megatron_lol.model.host_layout import noise_seeds
-
-        return noise_seeds(sample_ids, self.cfg.training.seed)
-
-    def data_iterator(self, dataset, start_sample: int):
-        """What the schedule consumes: one iterator, or one per virtual pipeline chunk
-        (the interleaved schedule pulls each chunk's micro-batches separately)."""
-        if len(self.model_chunks) == 1:
-            return self._batches(dataset, start_sample)
-        return [self._batches(dataset, start_sample) for _ in self.model_chunks]
 
     # ---------------------------------------------------------------- steps
     def depth_at(self, step: int) -> int:
@@ -603,103 +532,3 @@ class Trainer:
         heartbeat, self.heartbeat = getattr(self, "heartbeat", None), None
         if heartbeat is not None:
             heartbeat.stop()
-
-    def _console(self):
-        """The console line, ``metrics.jsonl`` and the metric sinks (:mod:`.console`), made on first use."""
-        if getattr(self, "console", None) is None:
-            from megatron_lol.training.console import TrainingConsole
-
-            self.console = TrainingConsole(
-                self.cfg,
-                self.metrics_path,
-                self.global_batch_size,
-                torch.distributed.get_world_size(),
-                torch.distributed.get_rank() == 0,
-            )
-        return self.console
-
-    def _log_eval_only(self, eval_loss: float) -> None:
-        """The evaluation of the untrained model (``training.eval_at_start``): step 0."""
-        self._console().log_eval(eval_loss, self.depth_at(0), self.last_eval_by_budget)
-
-    def _step_flops(self, res: StepResult) -> float:
-        """Model FLOPs of one step (FLOP model of :mod:`megatron_lol.perf.flops`), all ranks together;
-        Accordion's micro-batches ran the depths of their sampled budgets."""
-        from megatron_lol.perf.flops import training_flops_per_step
-
-        if res.budgets:
-            return training_flops_per_step(
-                self.cfg,
-                None,
-                self.global_batch_size,
-                self.cfg.training.seq_length,
-                vocab_size=self.vocab_size,
-                budgets=res.budgets,
-            )
-        return training_flops_per_step(
-            self.cfg, res.depth, self.global_batch_size, self.cfg.training.seq_length, vocab_size=self.vocab_size
-        )
-
-    def _device_peak_tflops(self) -> Optional[float]:
-        if not torch.cuda.is_available():
-            return None  # MFU is not defined against a CPU here
-        from megatron_lol.perf.peaks import peak_tflops
-
-        m = self.cfg.model
-        precision = "fp8" if m.fp8 else "bf16" if m.params_dtype == "bf16" else "tf32"
-        return peak_tflops(torch.cuda.get_device_name(), precision)
-
-    def _log(
-        self,
-        res: StepResult,
-        tokens_per_s: float,
-        eval_loss: Optional[float],
-        tflops_per_device: float = 0.0,
-        compute_ms: Optional[float] = None,
-    ) -> None:
-        """The console line (every rank calls this at the same steps: the straggler gather is collective)."""
-        from megatron_lol.training.console import bias_spread
-
-        peak = self._device_peak_tflops()
-        self._console().log_step(
-            res,
-            tokens_per_s=tokens_per_s,
-            tflops_per_device=tflops_per_device,
-            mfu=tflops_per_device / peak if peak else None,
-            eval_loss=eval_loss,
-            eval_by_budget=self.last_eval_by_budget if eval_loss is not None else None,
-            consumed_samples=self.consumed_train_samples,
-            bias_spread=bias_spread(self._balancers()),
-            stragglers=self._stragglers(compute_ms),
-        )
-
-    def _stragglers(self, compute_ms: Optional[float]) -> Optional[dict]:
-        """The fastest and slowest data-parallel rank of the log interval, by ``compute_ms`` (each rank's mean
-        :attr:`StepResult.compute_seconds`, in ms): one ``all_gather`` of one float per rank over the
-        data-parallel group, as Megatron-LM's straggler detector reports them. None with one DP rank."""
-        from megatron.core import parallel_state
-
-        if self.dp_size < 2:
-            return None
-        group = parallel_state.get_data_parallel_group()
-        mine = torch.tensor(
-            [float("nan") if compute_ms is None else compute_ms], dtype=torch.float64, device=self.device
-        )
-        out = [torch.empty_like(mine) for _ in range(self.dp_size)]
-        torch.distributed.all_gather(out, mine, group=group)
-        times = [float(t) for t in out]
-        ranks = torch.distributed.get_process_group_ranks(group)
-        if any(math.isnan(t) for t in times):
-            return None
-        lo, hi = min(range(len(times)), key=times.__getitem__), max(range(len(times)), key=times.__getitem__)
-        return {"min_ms": times[lo], "min_rank": ranks[lo], "max_ms": times[hi], "max_rank": ranks[hi]}
-
-
-def stack_batch(rows: list, pin: bool) -> torch.Tensor:
-    """``torch.stack(rows)``; with ``pin`` into page-locked host memory, so that the copy to the GPU
-    (``platform.to_device``, ``non_blocking=True``) is asynchronous: from pageable memory CUDA first
-    copies to a staging buffer, synchronously."""
-    if not pin:
-        return torch.stack(rows)
-    out = torch.empty((len(rows),) + tuple(rows[0].shape), dtype=rows[0].dtype, pin_memory=True)
-    return torch.stack(rows, out=out)
