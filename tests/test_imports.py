@@ -181,3 +181,16 @@ def long_positional_signatures(limit: int = 8) -> list:
 
 def test_no_function_takes_more_than_eight_positional_parameters():
     assert long_positional_signatures() == []
+
+
+#: the longest a module of the package may be (CONTRIBUTING.md: split along a line a reader would draw)
+MAX_MODULE_LINES = 600
+
+
+def test_no_module_of_the_package_is_longer_than_the_limit():
+    long = {
+        str(path.relative_to(PKG.parent)): n
+        for path in PKG.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_MODULE_LINES
+    }
+    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"

@@ -1,4 +1,4 @@
-"""``train --dry-run`` checks what the run checks (megatron_lol/config/preflight.py), and a run or an
+"""``train --dry-run`` checks what the run checks (megatron_lol/training/preflight.py), and a run or an
 analysis that fails at its start leaves nothing behind.
 
 Each failure mode a run used to meet only after the dry run passed is checked here at the dry run:

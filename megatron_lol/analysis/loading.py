@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
+from megatron_lol.data.datasets import split_range  # noqa: F401 - also used by evaluate (data layer)
 from megatron_lol.errors import CliError
 
 KEY_PREFIX = "model."
@@ -152,19 +153,6 @@ def load_checkpoint(load: str, iteration: Optional[int] = None, with_tokenizer: 
 
 
 # ------------------------------------------------------------------ data
-def split_range(split: str, part: str, num_docs: int) -> tuple:
-    """Document range of ``part`` (train/valid/test) under a ``98,2,0`` split: the
-    normalised cumulative bounds times the document count, rounded (megatron's rule)."""
-    weights = [float(x) for x in str(split).replace("/", ",").split(",")]
-    weights += [0.0] * (3 - len(weights))
-    total = sum(weights)
-    bounds = [0.0]
-    for w in weights:
-        bounds.append(bounds[-1] + w / total)
-    i = {"train": 0, "valid": 1, "test": 2}[part]
-    return int(round(bounds[i] * num_docs)), int(round(bounds[i + 1] * num_docs))
-
-
 def read_indexed(prefix: str, part: str = "valid", split: str = "98,2,0", max_examples: int = 256) -> list:
     """Documents (token lists) of a Megatron indexed dataset ``prefix``: the ``part`` of
     the run's document split (``all`` = every document), at most ``max_examples``."""

@@ -249,3 +249,16 @@ def _process_group_for_build():
             yield
         finally:
             dist.destroy_process_group()
+
+
+def split_range(split: str, part: str, num_docs: int) -> tuple:
+    """Document range of ``part`` (train/valid/test) under a ``98,2,0`` split: the
+    normalised cumulative bounds times the document count, rounded (megatron's rule)."""
+    weights = [float(x) for x in str(split).replace("/", ",").split(",")]
+    weights += [0.0] * (3 - len(weights))
+    total = sum(weights)
+    bounds = [0.0]
+    for w in weights:
+        bounds.append(bounds[-1] + w / total)
+    i = {"train": 0, "valid": 1, "test": 2}[part]
+    return int(round(bounds[i] * num_docs)), int(round(bounds[i + 1] * num_docs))

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megatron_lol.analysis.loading import split_range
+from megatron_lol.data.datasets import split_range
 from megatron_lol.errors import CliError
 from megatron_lol.inference.loading import add_model_arguments, jsonl_texts, load_run, load_tokenizer
 from megatron_lol.log import log_rank0

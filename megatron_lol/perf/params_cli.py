@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--json", action="store_true", help="print the counts as one JSON object")
 
 
-def _padded(vocab: int, divisible_by: int) -> int:
+def pad_vocab(vocab: int, divisible_by: int) -> int:
     """The trainer's padding (``lol_model.padded_vocab_size``, which imports megatron-core)."""
     return ((vocab + divisible_by - 1) // divisible_by) * divisible_by
 
@@ -97,7 +97,7 @@ def padded_vocab(cfg) -> int | None:
     if cfg.model.vocab_size is not None:
         return cfg.model.vocab_size
     vocab = tokenizer_vocab(cfg)
-    return None if vocab is None else _padded(vocab, cfg.model.make_vocab_size_divisible_by)
+    return None if vocab is None else pad_vocab(vocab, cfg.model.make_vocab_size_divisible_by)
 
 
 def training_section(cfg, vocab: int) -> dict | None:
@@ -155,7 +155,7 @@ def resolve_vocab(args, cfg) -> tuple[int, int]:
         raise CliError(f"--vocab-size: must be > 0 (got {vocab})")
     if args.no_pad_vocab:
         return vocab, vocab
-    return vocab, _padded(vocab, cfg.model.make_vocab_size_divisible_by)
+    return vocab, pad_vocab(vocab, cfg.model.make_vocab_size_divisible_by)
 
 
 def _m(n: int) -> str:

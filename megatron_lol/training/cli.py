@@ -9,7 +9,7 @@ against ``WORLD_SIZE``, the batch sizes, the tokenizer built as the run builds i
 (its type against the files given; a Hub name from the Hub cache, offline under
 ``HF_HUB_OFFLINE=1``), every dataset's ``.idx`` against its ``.bin``, the
 checkpoint ``--load`` / ``--save`` will start from and a writable save directory
-(:mod:`megatron_lol.config.preflight`). ``slurm/submit_pipeline.sh`` runs it for
+(:mod:`megatron_lol.training.preflight`). ``slurm/submit_pipeline.sh`` runs it for
 every stage before it submits anything. ``--dry-run=config`` skips the data files
 and the checkpoint to load (a pipeline builds them later).
 
@@ -89,7 +89,7 @@ def _run(args: argparse.Namespace, faults: FaultHooks) -> tuple[int, str]:
     dp = cfg.parallel.data_parallel_size(world)  # layout vs world size
     if args.dry_run:
         return _dry_run(cfg, world, dp, check_data), ""
-    from megatron_lol.config.preflight import check_checkpoints
+    from megatron_lol.training.preflight import check_checkpoints
 
     # the checkpoint to start from and the save directory, decided before anything is created (the dry
     # run's check): a --load that names no checkpoint stops here, leaving no save directory or lock behind
@@ -156,8 +156,8 @@ def _lost_peer(trainer, err: RuntimeError) -> str | None:
 
 def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
     """What the run checks before its first step, without torch or process groups
-    (:mod:`megatron_lol.config.preflight`, the same functions the trainer calls)."""
-    from megatron_lol.config.preflight import check_checkpoints, check_datasets, config_tokenizer
+    (:mod:`megatron_lol.training.preflight`, the same functions the trainer calls)."""
+    from megatron_lol.training.preflight import check_checkpoints, check_datasets, config_tokenizer
 
     tr, d = cfg.training, cfg.data
     if not check_data:
@@ -173,9 +173,9 @@ def _dry_run(cfg, world: int, dp: int, check_data: bool) -> int:
     plan = check_checkpoints(tr, check_load=check_data)
     if tr.train_flops is not None:
         from megatron_lol.perf.budget import apply_flop_budget
-        from megatron_lol.perf.params_cli import _padded
+        from megatron_lol.perf.params_cli import pad_vocab
 
-        vocab = cfg.model.vocab_size or _padded(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
+        vocab = cfg.model.vocab_size or pad_vocab(tokenizer.vocab_size, cfg.model.make_vocab_size_divisible_by)
         apply_flop_budget(cfg, vocab)
     if _rank0():
         par = cfg.parallel

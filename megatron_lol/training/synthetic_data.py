@@ -56,7 +56,7 @@ def build_trainer(cfg, synthetic: bool):
         # the config's vocabulary: random tokens need no tokenizer (a Hub name is not looked up)
         tokenizer = StubTokenizer(cfg.model.vocab_size, eod=0)
     elif cfg.data.tokenizer_model or cfg.data.vocab_file:
-        from megatron_lol.config.preflight import config_tokenizer
+        from megatron_lol.training.preflight import config_tokenizer
 
         tokenizer = config_tokenizer(cfg.data)
     else:

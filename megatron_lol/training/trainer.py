@@ -32,13 +32,13 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.config.preflight import config_tokenizer
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.log import log_rank0
 from megatron_lol.perf.budget import apply_flop_budget
 from megatron_lol.plan import depth_at
 from megatron_lol.training.heartbeat import start_heartbeat
 from megatron_lol.training.hooks import NO_FAULTS, FaultHooks, default_hooks
+from megatron_lol.training.preflight import config_tokenizer
 from megatron_lol.training.step_stats import StepStats, loss_on_device, step_scalars
 from megatron_lol.training.trainer_data import TrainerData, stack_batch  # noqa: F401 - stack_batch re-exported
 from megatron_lol.training.trainer_logging import TrainerLogging
