@@ -300,3 +300,20 @@ def write_tiny_dataset(prefix, documents: int = 40) -> str:
         writer.add_document(list(rng.integers(2, len(WORDS), size=int(rng.integers(5, 30)))) + [0])
     writer.finalize()
     return str(prefix)
+
+
+def hub_cache(root: Path, name: str, tokenizer_json: str, files: dict | None = None) -> Path:
+    """A HuggingFace Hub cache under ``root`` (what ``HF_HUB_CACHE`` points at) holding repository ``name``
+    at one snapshot with ``tokenizer.json`` copied from ``tokenizer_json`` and the text ``files`` given
+    (``{"tokenizer_config.json": "..."}``); returns the snapshot directory. Stands in for the Hub, which
+    the test machines cannot reach."""
+    commit = "0" * 40
+    repo = Path(root) / f"models--{name.replace('/', '--')}"
+    snapshot = repo / "snapshots" / commit
+    snapshot.mkdir(parents=True)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    (snapshot / "tokenizer.json").write_bytes(Path(tokenizer_json).read_bytes())
+    for file, text in (files or {}).items():
+        (snapshot / file).write_text(text)
+    return snapshot

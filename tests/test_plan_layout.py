@@ -356,14 +356,10 @@ def test_submit_pipeline_resolves_a_hub_tokenizer_before_queueing_and_the_jobs_r
     machine has no Hub), validated with it, and every job submitted with HF_HUB_OFFLINE=1 in its
     environment (sbatch exports the submitting shell's); a name the Hub cannot give stops the script with
     one line, status 2, nothing queued."""
+    from corpus_fixtures import hub_cache
+
     name = "EleutherAI/gpt-neox-20b"
-    commit = "0" * 40
-    repo = tmp_path / "hub" / f"models--{name.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    (snapshot / "tokenizer.json").write_bytes(Path(tokenizers["HuggingFaceTokenizer"]).read_bytes())
+    snapshot = hub_cache(tmp_path / "hub", name, tokenizers["HuggingFaceTokenizer"])
     log = tmp_path / "sbatch.log"
     _recorder(tmp_path / "bin", "sbatch", log, output='echo "offline=$HF_HUB_OFFLINE" >> "' + str(log) + '"; echo 4242')
     corpus = tmp_path / "raw.jsonl"

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from corpus_fixtures import train_bytelevel_bpe
+from corpus_fixtures import hub_cache, train_bytelevel_bpe
 
 REPO = Path(__file__).resolve().parents[1]
 NAME = "EleutherAI/gpt-neox-20b"
@@ -46,14 +46,12 @@ def test_hub_name_from_the_local_cache(tmp_path):
     files = train_bytelevel_bpe(
         ["the cat sat on the mat"] * 40 + ["a quick brown fox"] * 40, str(tmp_path / "bpe"), vocab_size=300
     )
-    commit = "0" * 40
-    repo = tmp_path / "hub" / f"models--{NAME.replace('/', '--')}"
-    snapshot = repo / "snapshots" / commit
-    snapshot.mkdir(parents=True)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(commit)
-    (snapshot / "tokenizer.json").write_bytes(Path(files["tokenizer_json"]).read_bytes())
-    (snapshot / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    snapshot = hub_cache(
+        tmp_path / "hub",
+        NAME,
+        files["tokenizer_json"],
+        {"tokenizer_config.json": json.dumps({"eos_token": "<|endoftext|>"})},
+    )
     env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
     proc = subprocess.run(
         [sys.executable, "-c", CHECK, NAME, str(snapshot)],

@@ -28,14 +28,12 @@ from megatron_lol.training.checkpointing.files import (
     TMP_PREFIX,
     TRACKER,
     CheckpointError,
-    CheckpointNotFoundError,
     checkpoint_dir,
     checkpoint_files,
     digest_files,
     files_of_rank,
     fsync_dir,
     iter_name,
-    latest_checkpoint,
     list_checkpoints,
     read_manifest,
     read_tracker,
@@ -46,7 +44,7 @@ from megatron_lol.training.checkpointing.files import (
     write_tracker,
 )
 from megatron_lol.training.checkpointing.lock import SaveDirLock
-from megatron_lol.training.checkpointing.resolve import load_plan
+from megatron_lol.training.checkpointing.resolve import complete_checkpoint, load_plan
 from megatron_lol.training.checkpointing.safe_load import (
     check_optimizer_fits,
     describe_error,
@@ -354,16 +352,7 @@ class Checkpointer:
         data position and skip count stay at 0 (a new stage).
         """
         trainer = self.trainer
-        if iteration is None:
-            iteration = latest_checkpoint(directory)
-            if iteration is None:
-                raise CheckpointNotFoundError(
-                    f"{directory} has no {TRACKER}: no checkpoint to load "
-                    f"(found: {list_checkpoints(directory) or 'none'})"
-                )
-        path = checkpoint_dir(directory, iteration)
-        if not os.path.exists(os.path.join(path, "metadata.json")):
-            raise CheckpointNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
+        iteration, path = complete_checkpoint(directory, iteration)
         t0 = time.perf_counter()
         self.verify(path)
         metadata = read_metadata_file(path)

@@ -72,20 +72,26 @@ def load_plan(
         return None
     if save and os.path.abspath(load) == os.path.abspath(save) and not resume:
         return None
-    iteration = load_iteration
+    if load_iteration is None and not os.path.isdir(load):
+        raise CheckpointNotFoundError(f"{load}: no such directory: no checkpoint to load")
+    iteration, _ = complete_checkpoint(load, load_iteration)
+    return LoadPlan(load, iteration, False)
+
+
+def complete_checkpoint(directory: str, iteration: Optional[int] = None) -> tuple:
+    """``(iteration, path)`` of the checkpoint a load reads: ``iteration`` (default: the tracker's) of
+    ``directory``, which must be complete (its ``metadata.json`` is written last); else one line."""
     if iteration is None:
-        if not os.path.isdir(load):
-            raise CheckpointNotFoundError(f"{load}: no such directory: no checkpoint to load")
-        iteration = latest_checkpoint(load)
+        iteration = latest_checkpoint(directory)
         if iteration is None:
             raise CheckpointNotFoundError(
-                f"{load} has no {TRACKER}: no checkpoint to load "
-                f"(found: {', '.join(iter_name(i) for i in list_checkpoints(load)) or 'none'})"
+                f"{directory} has no {TRACKER}: no checkpoint to load "
+                f"(found: {', '.join(iter_name(i) for i in list_checkpoints(directory)) or 'none'})"
             )
-    path = checkpoint_dir(load, iteration)
+    path = checkpoint_dir(directory, iteration)
     if not os.path.exists(os.path.join(path, "metadata.json")):
         raise CheckpointNotFoundError(f"{path} is not a complete checkpoint (no metadata.json)")
-    return LoadPlan(load, iteration, False)
+    return iteration, path
 
 
 def check_save_dir(save: Optional[str]) -> Optional[str]:
