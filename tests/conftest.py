@@ -35,10 +35,23 @@ def ensure_megatron(seed: int = SEED) -> None:
 
 
 @pytest.fixture(scope="session")
-def megatron_env():
+def _megatron_session():
     # tiny models: one intra-op thread is ~10x faster than OpenMP on a shared 2-core box
     torch.set_num_threads(1)
     ensure_megatron()
+    yield
+
+
+@pytest.fixture
+def megatron_env(_megatron_session):
+    """The world-size-1 megatron-core state, set up again when a test before this one in the same process
+    tore it down (an in-process CLI run or trainer replaces the parallel state with its own layout)."""
+    from megatron.core import parallel_state
+
+    if not parallel_state.model_parallel_is_initialized() or parallel_state._DATA_PARALLEL_GROUP_WITH_CP is None:
+        if parallel_state.model_parallel_is_initialized():
+            parallel_state.destroy_model_parallel()
+        ensure_megatron()
     yield
 
 

@@ -17,7 +17,7 @@ from megatron_lol.config.schema import ModelConfig
 from megatron_lol.convert import mapping
 from megatron_lol.model import inventory
 from megatron_lol.model.params import category, count_parameters, expert_index
-from megatron_lol.perf.params_cli import _padded
+from megatron_lol.perf.params_cli import pad_vocab
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ROOT / "examples" / "configs"
@@ -32,7 +32,7 @@ def test_golden_covers_every_example_config():
 def test_counts_match_golden(megatron_env, name):
     cfg = load_config(CONFIGS / name, check_data=False)
     m = cfg.model
-    vocab = m.vocab_size if m.vocab_size is not None else _padded(8000, m.make_vocab_size_divisible_by)
+    vocab = m.vocab_size if m.vocab_size is not None else pad_vocab(8000, m.make_vocab_size_divisible_by)
     got = json.loads(json.dumps(count_parameters(m, vocab).to_dict()))
     want = GOLDEN[name]
     assert sorted(got) == sorted(want)

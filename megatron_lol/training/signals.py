@@ -64,8 +64,11 @@ def install_handlers(names=HANDLED_SIGNALS) -> None:
         return
     for name in names:
         sig = getattr(signal, name)
-        if sig not in _installed:
-            _installed[sig] = signal.signal(sig, _handler)
+        if signal.getsignal(sig) is _handler:
+            continue
+        # what was there before (restore_handlers puts it back); also when something reset the handler since
+        previous = signal.signal(sig, _handler)
+        _installed.setdefault(sig, previous)
 
 
 def ignore_preemption_signals() -> None:
