@@ -64,22 +64,29 @@ def routes_grouped(model, cuda: bool) -> bool:
     if mode == "reference" or (mode == "auto" and not cuda):
         return False
     plan = model.execution_plan()
-    if not plan.routed or any(not step.routed for step in plan.steps()):
-        return False
     if mode == "grouped":
-        return True
-    return not model.router_only_tokens and model.router_input == "windows" and model.moe_layers != "all"
+        return plan.routed and all(step.routed for step in plan.steps())
+    # MoE blocks: grouped_support declines them from the built blocks; here from the config
+    return grouped_config_support(model, plan) is None and model.moe_layers != "all"
+
+
+def grouped_config_support(model, plan) -> Optional[str]:
+    """What the config alone says against running ``plan``'s routed depths grouped (one line), or None: the
+    rules :func:`routes_grouped` (at build time) and :func:`grouped_core_support` (on the built core) share."""
+    if not plan.routed or any(not step.routed for step in plan.steps()):
+        return f"plan {plan.name!r} has fixed steps (only routed LoL depths run grouped)"
+    if model.router_only_tokens:
+        return "router_only_tokens (the grouped depth has no router-only term)"
+    if model.router_input != "windows":
+        return f"router_input: {model.router_input} (the grouped depth runs the window router)"
+    return None
 
 
 def grouped_core_support(core) -> Optional[str]:
     """Why ``core`` cannot run grouped (one line), or None when it can."""
-    plan = core.plan
-    if not plan.routed or any(not step.routed for step in plan.steps()):
-        return f"plan {plan.name!r} has fixed steps (only routed LoL depths run grouped)"
-    if core.cfg.router_only_tokens:
-        return "router_only_tokens (the grouped depth has no router-only term)"
-    if core.cfg.router_input != "windows":
-        return f"router_input: {core.cfg.router_input} (the grouped depth runs the window router)"
+    reason = grouped_config_support(core.cfg, core.plan)
+    if reason is not None:
+        return reason
     return grouped_support([core.block(i) for i in core.local_block_ids()])
 
 
