@@ -8,6 +8,7 @@ floats in metrics.jsonl round-trip exactly) against one uninterrupted run.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -102,29 +103,34 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=()) -> subprocess.Popen:
+def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=(), torchrun=False):
     """``megatron-lol train`` on ``nproc`` processes; ``faults`` (``pause=8:60``, ``nan=6``) run it
-    through tests/fault_rank_runner.py."""
+    through tests/fault_rank_runner.py. The processes are forked from the preloaded forkserver
+    (tests/cli_processes.py), ranks as ``srun`` starts them; ``torchrun=True`` starts a real
+    ``torchrun`` (agent and fresh interpreters) instead, for what only its launch shows."""
     entry = [str(FAULT_RUNNER), *faults, "--"] if faults else ["-m", "megatron_lol"]
-    if nproc == 1:
-        cmd = [sys.executable, *entry, "train"]
-    else:
-        from distributed import free_port
+    train = [*entry, "train", "--config", str(config), "--save", str(save), *map(str, args)]
+    if not torchrun:
+        import cli_processes
 
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(nproc),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            *entry,
-            "train",
-        ]
-    cmd += ["--config", str(config), "--save", str(save), *map(str, args)]
+        out = log or os.devnull
+        if nproc == 1:
+            return cli_processes.start(train, env=subprocess_env(**(env or {})), log=out, cwd=REPO)
+        return cli_processes.start_ranks(train, nproc, env=subprocess_env(**(env or {})), log=out, cwd=REPO)
+    from distributed import free_port
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *train,
+    ]
     out = open(log, "ab") if log else subprocess.DEVNULL
     return subprocess.Popen(
         cmd,
@@ -141,8 +147,8 @@ def run(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int 
     try:
         return proc.wait(timeout=LAUNCH_TIMEOUT)
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+        if proc.poll() is None or any(r.poll() is None for r in getattr(proc, "ranks", [])):
+            kill9(proc)
 
 
 def metrics(save: Path) -> dict:
@@ -178,11 +184,14 @@ def kill9(proc: subprocess.Popen) -> None:
     process sessions, so killing the launcher's process group alone leaves them running."""
     import psutil
 
-    try:
-        victims = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        victims = []
-    os.killpg(proc.pid, signal.SIGKILL)
+    victims = []
+    for rank in getattr(proc, "ranks", [proc]):  # a RankGroup: every rank's session
+        try:
+            victims += psutil.Process(rank.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            pass
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(rank.pid, signal.SIGKILL)
     for child in victims:
         try:
             child.kill()

@@ -1,15 +1,16 @@
 """Faults of one rank among many: a rank that stalls, dies or fails alone, and stragglers.
 
 Each case runs real processes (gloo on CPU), one process per rank as ``srun``
-starts them (no torchrun teardown to end the survivors) or under torchrun, and
+starts them (no torchrun teardown to end the survivors; forked from a preloaded
+interpreter, tests/cli_processes.py) or under torchrun (fresh interpreters), and
 asserts how fast every rank stops, the exit status, the one line naming the
 culprit (rank, host, pid or path) on every surviving rank, and what is left on
 disk. The four-rank torchrun kills need no reference run: the killed run's own
-losses after its last complete checkpoint are what the relaunch must repeat. Every launch
-runs under a timeout that turns a hang into a failure. The training runs are
-the tiny LoL model of ``test_checkpointing.py``; two processes wherever four
-would prove nothing more (each process pays ~10 s of megatron-core import on
-one core).
+losses after its last complete checkpoint are what the relaunch must repeat; the
+relaunches prove the resume, so they start as ``srun`` would. Every launch runs
+under a timeout that turns a hang into a failure. The training runs are the tiny
+LoL model of ``test_checkpointing.py``; two processes wherever four would prove
+nothing more (a fresh interpreter pays ~6 s of CPU for its imports).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import cli_processes
 import pytest
 from distributed import free_port
 from suite_support import load_factor, scheduling_slack
@@ -63,18 +65,9 @@ def launch_ranks(argv: list, world: int, log_dir: Path, env=None, name: str = "r
             MASTER_PORT=port,
             **(env or {}),
         )
-        log = open(log_dir / f"{name}{r}.log", "wb")
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, *map(str, argv)],
-                cwd=str(REPO),
-                env=subprocess_env(**extra),
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
-        )
-        log.close()
+        log = log_dir / f"{name}{r}.log"
+        log.write_bytes(b"")
+        procs.append(cli_processes.start(argv, env=subprocess_env(**extra), log=log, cwd=REPO))
     return procs
 
 
@@ -177,7 +170,7 @@ TRAIN_ITERS = 6
 HB_TIMEOUT = 6  # seconds: short for the tests, long enough that a busy one-core machine never trips it
 HB_INTERVAL = 0.5
 HEARTBEAT = ["--heartbeat-interval", str(HB_INTERVAL), "--heartbeat-timeout", str(HB_TIMEOUT)]
-RUN_TIMEOUT = 75  # two ranks on one core: ~30 s, mostly the megatron-core import
+RUN_TIMEOUT = 75  # a hang guard: two forked ranks train the tiny model in ~10 s
 
 
 def train_ranks(config: Path, save: Path, log_dir: Path, *args, faults=(), name="rank", world=2) -> list:
@@ -526,11 +519,11 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
     kept = tracker(save)
     assert kept in (2, 4) and (save / f"iter_{kept:07d}" / "checksums.json").is_file()
     assert max(metrics(save)) < TRAIN_ITERS, "the kill came too late to be mid-run"
-    with open(log, "ab") as out:
-        again = subprocess.run(
-            cmd + args, cwd=str(REPO), env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT
-        )
-    assert again.returncode == 0, log.read_text()[-3000:]
+    # the relaunch: what it proves is the resume, so its ranks start as srun starts them (forked, no agent)
+    status, out = cli_processes.run_ranks(
+        [RUNNER, *args], 2, env=subprocess_env(), cwd=REPO, log=log, timeout=RUN_TIMEOUT
+    )
+    assert status == 0, out[-3000:]
     got, ref = metrics(save), continued["metrics"]
     assert sorted(got) == list(range(1, TRAIN_ITERS + 1))
     for s in range(1, TRAIN_ITERS + 1):
@@ -620,11 +613,11 @@ def test_kill9_of_one_of_four_torchrun_workers_ends_the_job_and_the_relaunch_res
     assert sorted(p.name for p in save.glob("iter_*"))[-1] == f"iter_{kept:07d}", (killed, list(save.iterdir()))
     if when == "save":
         assert kept == 2 and done == 4, (kept, done)
-    with open(log, "ab") as out:
-        again = subprocess.run(
-            cmd + args, cwd=str(REPO), env=subprocess_env(), stdout=out, stderr=subprocess.STDOUT, timeout=RUN_TIMEOUT
-        )
-    assert again.returncode == 0, log.read_text()[-3000:]
+    # the relaunch (same layout): what it proves is the resume, so its ranks start as srun starts them
+    status, out = cli_processes.run_ranks(
+        [RUNNER, *args], 4, env=subprocess_env(), cwd=REPO, log=log, timeout=RUN_TIMEOUT
+    )
+    assert status == 0, out[-3000:]
     assert tracker(save) == TRAIN_ITERS
     records = []
     for line in (save / "metrics.jsonl").read_text().splitlines():

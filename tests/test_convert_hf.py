@@ -136,11 +136,9 @@ def corpus(tmp_path_factory):
 
 def _train(corpus, world: int, jobs: list, script: str = __file__) -> dict:
     """Train and save each ``(name, parallel, model)`` job in turn, in one launch of ``world`` ranks
-    under torchrun; ``script`` is the rank script (default this file: ``train_and_save`` per job)."""
-    import subprocess
-    import sys
-
-    from distributed import free_port
+    (forked as ``srun`` starts them: tests/cli_processes.py); ``script`` is the rank script (default
+    this file: ``train_and_save`` per job)."""
+    import cli_processes
 
     saves = {name: corpus["root"] / name for name, _, _ in jobs}
     todo = [
@@ -157,21 +155,11 @@ def _train(corpus, world: int, jobs: list, script: str = __file__) -> dict:
         )
         for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(k, None)
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node",
-            str(world),
-            "--master-addr",
-            "127.0.0.1",
-            "--master-port",
-            str(free_port()),
-            script,
-            json.dumps(todo),
-        ]
-        proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        log = corpus["root"] / f"train-{len(list(corpus['root'].glob('train-*.log')))}.log"
+        status, out = cli_processes.run_ranks(
+            [script, json.dumps(todo)], world, env=env, cwd=REPO, log=log, timeout=600
+        )
+        assert status == 0, out[-6000:]
     return saves
 
 
@@ -458,7 +446,7 @@ def test_cli_verbs(lol_1proc, tmp_path, capsys, monkeypatch):
     assert main(["convert-hf", "--load", str(tmp_path / "nowhere"), "--save", str(tmp_path / "x")]) == 2
 
 
-if __name__ == "__main__":  # a rank of _train (launched by torch.distributed.run)
+if __name__ == "__main__":  # a rank of _train (tests/cli_processes.py)
     import sys
 
     for job in json.loads(sys.argv[1]):

@@ -402,6 +402,6 @@ def test_loop_budget_flag(systems, tmp_path):
     assert not (tmp_path / "k2").exists() and not (tmp_path / "k4").exists()
 
 
-if __name__ == "__main__":  # a rank of the ``systems`` launch (torch.distributed.run)
+if __name__ == "__main__":  # a rank of the ``systems`` launch (tests/cli_processes.py)
     for job in json.loads(sys.argv[1]):
         train_perturb_save(*job)

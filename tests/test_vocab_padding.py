@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -106,8 +105,9 @@ def _layouts(root: str) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """One torchrun launch of 2 ranks (the trainer's checkpoint writer needs non-daemonic ranks)."""
-    from distributed import free_port
+    """One launch of 2 ranks (forked as ``srun`` starts them, non-daemonic: the trainer's checkpoint
+    writer starts processes of its own; tests/cli_processes.py)."""
+    import cli_processes
 
     root = tmp_path_factory.mktemp("vocab")
     env = dict(
@@ -118,21 +118,10 @@ def runs(tmp_path_factory):
     )
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        __file__,
-        str(root),
-    ]
-    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    status, out = cli_processes.run_ranks(
+        [__file__, str(root)], 2, env=env, cwd=REPO, log=root / "ranks.log", timeout=600
+    )
+    assert status == 0, out[-6000:]
     out = json.loads((root / "results.json").read_text())
     for run in out.values():
         run["losses"] = {int(k): v for k, v in run["losses"].items()}
@@ -198,7 +187,7 @@ def test_padding_rule_and_errors(tmp_path):
         resolve_vocab_size(_cfg(2, str(save), vocab_size=576), TOKENS)
 
 
-if __name__ == "__main__":  # a rank of the `runs` fixture (launched by torch.distributed.run)
+if __name__ == "__main__":  # a rank of the `runs` fixture (tests/cli_processes.py)
     import torch
 
     torch.set_num_threads(1)
