@@ -250,7 +250,7 @@ def test_accordion_budgets_by_hand():
         fl.forward_flops(m, V, n, depth=2)  # below the unlooped window
     from megatron_lol.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="2 is not one of the model's loop_budgets"):
+    with pytest.raises(ConfigError, match="2 is not one of the model's budgets"):
         plan.depth_for(2)  # not a configured budget
     # a step: the sum over its micro-batches' budgets; without them, the mean over uniform sampling
     from megatron_lol.config import config_from_dict

@@ -100,9 +100,9 @@ def load_model(
     run = load_run(load, iteration, config=config, loop_budget=loop_budget)
     path, it, cfg, info, budget = run.path, run.iteration, run.cfg, run.info, run.loop_budget
     m = cfg.model
-    if m.untie_attention and m.film != "off":
+    if m.execution_plan().untied_attention_sets() and m.film != "off":
         raise CliError(
-            f"{path}: untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
+            f"{path}: model.plan.untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
             f"attention norms is not defined)"
         )
     reader = DistCheckpointReader(path)
