@@ -226,21 +226,29 @@ def flat_layout(model: dict) -> dict:
 
 
 def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, tmp_path):
-    """Two steps saved, the checkpoint's run_config.yaml rewritten to the flat layout, then resumed from
-    it (``--use-checkpoint-args``) for two more: the same config and the losses of one 4-step run."""
+    """A 4-step run stopped and saved at step 2, its run_config.yaml rewritten to the flat layout, then
+    resumed from it (``--use-checkpoint-args``): the same config, and the losses of an uninterrupted run."""
     from megatron_lol.training.checkpoint_args import config_with_checkpoint_args
+    from megatron_lol.training.checkpointing.files import digest_files, read_manifest, write_manifest
 
     ref = _train(config_from_dict(_raw_run(tmp_path / "ref", 4)))
-    first = _train(config_from_dict(_raw_run(tmp_path / "old", 2)))
+    stopped = _raw_run(tmp_path / "old", 4)
+    stopped["training"]["exit_interval"] = 2  # saves at 2 and stops
+    first = _train(config_from_dict(stopped))
     assert first == {1: ref[1], 2: ref[2]}
     run_config = tmp_path / "old" / "iter_0000002" / "run_config.yaml"
     saved = yaml.safe_load(run_config.read_text())
     assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3}
     saved["model"] = flat_layout(saved["model"])
     run_config.write_text(yaml.safe_dump(saved))
-    overrides = [("training.train_iters", 4, "--train-iters 4"), ("training.save", str(tmp_path / "old"), "--save")]
+    # the checkpoint that version saved lists this run_config.yaml in its checksum manifest
+    files = read_manifest(str(run_config.parent))
+    files.update(digest_files(str(run_config.parent), ["run_config.yaml"]))
+    write_manifest(str(run_config.parent), files)
+    overrides = [("training.exit_interval", None, "--exit-interval"), ("training.save", str(tmp_path / "old"), "--save")]
     with pytest.warns(ConfigDeprecationWarning, match="model.num_blocks is deprecated"):
         cfg = config_with_checkpoint_args(None, overrides, check_data=False)
-    assert cfg.model.to_dict() == config_from_dict(_raw_run(tmp_path / "ref", 4)).model.to_dict()
+    section_layout = yaml.safe_load((tmp_path / "ref" / "iter_0000002" / "run_config.yaml").read_text())["model"]
+    assert cfg.model.to_dict() == section_layout
     resumed = _train(cfg)
     assert sorted(resumed) == [3, 4] and resumed == {3: ref[3], 4: ref[4]}
