@@ -245,7 +245,10 @@ def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, t
     files = read_manifest(str(run_config.parent))
     files.update(digest_files(str(run_config.parent), ["run_config.yaml"]))
     write_manifest(str(run_config.parent), files)
-    overrides = [("training.exit_interval", None, "--exit-interval"), ("training.save", str(tmp_path / "old"), "--save")]
+    overrides = [
+        ("training.exit_interval", None, "--exit-interval"),
+        ("training.save", str(tmp_path / "old"), "--save"),
+    ]
     with pytest.warns(ConfigDeprecationWarning, match="model.num_blocks is deprecated"):
         cfg = config_with_checkpoint_args(None, overrides, check_data=False)
     section_layout = yaml.safe_load((tmp_path / "ref" / "iter_0000002" / "run_config.yaml").read_text())["model"]
