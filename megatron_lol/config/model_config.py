@@ -229,6 +229,8 @@ class ModelConfig:
 
     def execution_plan(self, prefix: str = "model") -> ExecutionPlan:
         """The plan's steps for this config (one-line ConfigError on bad shape keys)."""
+        if not hasattr(self.plan, "kind"):  # a name or a mapping assigned since the last read
+            self.normalize()
         return build_plan(self, prefix)
 
     @property

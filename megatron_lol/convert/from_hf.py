@@ -1,7 +1,7 @@
 """``megatron-lol import-hf``: a Llama-architecture HF checkpoint -> a megatron-lol checkpoint.
 
 The result is a dense-plan ``LoLGPTModel`` (``plan: dense``, full attention):
-the HF layers become ``n_prelude`` prelude layers, ``core_layers`` core layers
+the HF layers become ``n_prelude`` prelude layers, ``plan.layers`` core layers
 and ``n_coda`` coda layers, in order. A directory written by ``convert-hf``
 records the original split in ``config.json`` and gets it back. The checkpoint
 has the training layout (:mod:`megatron_lol.training.checkpointing`):

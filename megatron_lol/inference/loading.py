@@ -49,7 +49,7 @@ def add_model_arguments(parser) -> None:
         "--loop-budget",
         type=int,
         default=None,
-        help="plan accordion: the loop budget k (default: the run's model.loop_budget, else the largest)",
+        help="plan accordion: the loop budget k (default: the run's model.plan.budget, else the largest)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
