@@ -349,12 +349,12 @@ def measure_stacking(args):
         cfg = config_from_dict({"model": dict(plan=plan, n_prelude=1, n_coda=1, **shape)}).model
         tconfig = transformer_config(cfg, num_layers=cfg.execution_plan().num_stored_blocks + 2)
         core = Core(cfg, core_config(tconfig, cfg), block_spec(False), first_layer_number=2, init_seed=1).train()
-        blocks = [core.block(i) for i in range(cfg.num_blocks)]
+        blocks = [core.block(i) for i in range(cfg.plan.num_blocks)]
         t = batch * seq
         gen = torch.Generator().manual_seed(0)
-        choice = torch.randint(0, cfg.num_blocks, (t // cfg.window_size + 1,), generator=gen)
+        choice = torch.randint(0, cfg.plan.num_blocks, (t // cfg.window_size + 1,), generator=gen)
         token_window = torch.arange(t) // cfg.window_size
-        grouping = group_tokens(choice.index_select(0, token_window), token_window, cfg.num_blocks)
+        grouping = group_tokens(choice.index_select(0, token_window), token_window, cfg.plan.num_blocks)
         mask = chunk_bias(grouping.segments, cfg.window_size, [0], [t])
         table = torch.randn(seq, 1, 1, cfg.hidden_size // cfg.num_attention_heads, generator=gen)
         rope = RowRope.from_table(table, (torch.arange(t) % seq).index_select(0, grouping.order), torch.float32)
@@ -384,8 +384,11 @@ def measure_stacking(args):
             return 1e3 * statistics.median(times)
 
         s_ms, d_ms = timed(stack), timed(depth)
-        share = s_ms / (cfg.routed_depth * d_ms)
-        print(f"{name:11s} {cfg.num_blocks:2d} {cfg.routed_depth:3d} {t:7d} {s_ms:9.1f} {d_ms:9.1f} {share:19.2%}")
+        share = s_ms / (cfg.plan.routed_depth * d_ms)
+        print(
+            f"{name:11s} {cfg.plan.num_blocks:2d} {cfg.plan.routed_depth:3d} {t:7d} "
+            f"{s_ms:9.1f} {d_ms:9.1f} {share:19.2%}"
+        )
     print(
         "the stacking cost is per micro-batch and does not depend on its tokens; a depth's cost grows with them "
         "(the paper's 360M micro-batch is 26 x 1,024 tokens: 26 times the tokens timed here)"

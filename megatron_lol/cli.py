@@ -42,9 +42,9 @@ import warnings
 from typing import Callable
 
 from megatron_lol import __version__
+from megatron_lol.config.migration import ConfigDeprecationWarning
 from megatron_lol.errors import CliError, ConfigError
 from megatron_lol.log import VERBOSE_ENV, add_general_arguments
-from megatron_lol.plan.legacy import ConfigDeprecationWarning
 
 # verb -> (module, one-line help)
 VERBS: dict[str, tuple[str, str]] = {

@@ -28,7 +28,7 @@ TINY = os.path.join(REPO, "examples", "configs", "tiny-cpu.yaml")
             {"hidden_size": 130, "num_attention_heads": 4},
             "model.num_attention_heads: 4 does not divide model.hidden_size=130",
         ),
-        ({"plan": "moe"}, "model.plan: must be one of dense, looped, foil, lol, accordion (got 'moe')"),
+        ({"plan": "moe"}, "model.plan: kind must be one of dense, looped, foil, lol, accordion (got 'moe')"),
         ({"window_size": "big"}, "model.window_size must be int (got 'big')"),
     ],
 )
@@ -65,9 +65,9 @@ def test_missing_data_path_is_named(tmp_path):
 
 
 def test_overrides_are_typed_and_checked(tmp_path):
-    path = _write(tmp_path, {"model": {"num_blocks": 4}})
-    cfg = load_config(path, [("model.num_blocks", 8, "--set model.num_blocks=8")], check_data=False)
-    assert cfg.model.num_blocks == 8
+    path = _write(tmp_path, {"model": {"plan": {"kind": "lol", "num_blocks": 4}}})
+    cfg = load_config(path, [("model.plan.num_blocks", 8, "--set model.plan.num_blocks=8")], check_data=False)
+    assert cfg.model.plan.num_blocks == 8
     with pytest.raises(ConfigError, match=r"--set model.nope=1: unknown key 'model.nope'"):
         load_config(path, [("model.nope", 1, "--set model.nope=1")], check_data=False)
 

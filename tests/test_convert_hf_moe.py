@@ -244,12 +244,7 @@ def _dense_twin(native, m):
     dense = LoLGPTModel(
         replace(
             m,
-            plan="dense",
-            core_layers=m.loop_window,
-            loop_window=None,
-            loop_budgets=[0],
-            loop_budget=None,
-            second_pass_router="shared",
+            plan={"kind": "dense", "layers": m.plan.window},
         ),
         native.vocab_size,
         native.eod_id,
@@ -391,7 +386,7 @@ def test_loop_budget_flag(systems, tmp_path):
     from megatron_lol.convert.to_hf import convert_checkpoint
     from megatron_lol.errors import CliError
 
-    with pytest.raises(CliError, match=r"^--loop-budget: 2 is not one of the model's loop_budgets \[0, 1, 3\]$"):
+    with pytest.raises(CliError, match=r"^--loop-budget: 2 is not one of the model's budgets \[0, 1, 3\]$"):
         convert_checkpoint(str(systems["accordion"]), str(tmp_path / "k2"), loop_budget=2, export_tokenizer=False)
     with pytest.raises(CliError, match="^--loop-budget: only plan accordion has a loop budget"):
         convert_checkpoint(str(systems["foil"]), str(tmp_path / "k3"), loop_budget=1, export_tokenizer=False)

@@ -685,7 +685,7 @@ def test_generate_and_evaluate_accordion_budget(checkpoints, corpus, tmp_path, c
         assert json.loads(out)["loop_budget"] == budget
     assert losses[0] != losses[3]
     code, _, err = _cli(capsys, "generate", "--load", str(ckpt), "--prompt", "hi", "--loop-budget", "2")
-    assert code == 2 and "--loop-budget: 2 is not one of the model's loop_budgets [0, 1, 3]" in err
+    assert code == 2 and "--loop-budget: 2 is not one of the model's budgets [0, 1, 3]" in err
     code, _, err = _cli(
         capsys, "generate", "--load", str(checkpoints["lol_1proc"]), "--prompt", "hi", "--loop-budget", "1"
     )

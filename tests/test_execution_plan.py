@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 
 from megatron_lol.config import ModelConfig, config_from_dict, load_config
+from megatron_lol.config.migration import ConfigDeprecationWarning
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan import build_plan, depth_at, growth_period
-from megatron_lol.plan.legacy import ConfigDeprecationWarning
 
 REPO = Path(__file__).resolve().parents[1]
 PAPER = REPO / "examples" / "configs" / "paper"
@@ -79,7 +79,7 @@ def test_accordion_budget_rule_lives_in_the_plan():
     assert [acc.depth_for(k) for k in (0, 1, 3)] == [3, 4, 6]
     assert acc.resolve_budget(None) == 3 and acc.eval_budgets() == [0, 1, 3]
     assert acc.steps(acc.depth_for(1))[-1].block == 0
-    with pytest.raises(ConfigError, match=r"^budget: 2 is not one of the model's loop_budgets \[0, 1, 3\]$"):
+    with pytest.raises(ConfigError, match=r"^budget: 2 is not one of the model's budgets \[0, 1, 3\]$"):
         acc.depth_for(2)
     fixed = _plan(plan="accordion", loop_window=3, loop_budgets=[0, 1, 3], loop_budget=1)
     assert fixed.resolve_budget(None) == 1 and fixed.eval_budgets() == [1]
@@ -131,7 +131,7 @@ def test_growth_period_is_exact():
         (dict(plan="accordion", loop_window=0), "model.plan.window: must be > 0 (got 0)"),
         (
             dict(plan="lol", untie_attention=True),
-            "model.untie_attention: not used by plan lol (an option of plan looped / foil)",
+            "model.untie_attention: not used by plan lol (an option of plan looped / foil, model.plan.untie_attention)",
         ),
         (dict(plan="lol", dense_attention="sliding"), "model.dense_attention: plan lol attends inside its windows"),
     ],
@@ -231,7 +231,7 @@ def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_pa
     new_cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
     with pytest.warns(ConfigDeprecationWarning):
         old_cfg = load_config(tmp_path / "old.yaml", check_data=False)
-    assert old_cfg.model.plan == new_cfg.model.plan == plan_name
+    assert old_cfg.model.plan == new_cfg.model.plan and new_cfg.model.plan.kind == plan_name
     assert old_cfg.model.execution_plan().to_dict() == new_cfg.model.execution_plan().to_dict()
     vocab = 49152
     assert count_parameters(old_cfg.model, vocab).total == count_parameters(new_cfg.model, vocab).total
@@ -240,15 +240,14 @@ def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_pa
 def test_flat_plan_keys_of_earlier_run_configs_load_with_a_deprecation():
     """A run_config.yaml written before plan sections (the kind's options as flat ``model`` keys)
     loads, with a deprecation warning, into the same plan."""
-    from megatron_lol.plan import PLANS
-    from megatron_lol.plan.execution import flat_keys
+    from megatron_lol.config.migration import FLAT_KEYS
 
     for path in sorted(PAPER.glob("*.yaml")):
         cfg = load_config(path, check_data=False)
         raw = cfg.to_dict()
         section = raw["model"].pop("plan")
         kind = section.pop("kind")
-        flats = flat_keys(PLANS[kind])
+        flats = {key: flat for flat, (kinds, key) in FLAT_KEYS.items() if kind in kinds}
         raw["model"].update({"plan": kind, **{flats[key]: value for key, value in section.items()}})
         with pytest.warns(ConfigDeprecationWarning, match="deprecated; write it in the plan's section"):
             again = config_from_dict(raw)
@@ -266,19 +265,18 @@ def test_saved_config_round_trips_without_deprecation():
 
 
 def test_python_construction_reads_the_older_spelling_too():
-    with pytest.warns(ConfigDeprecationWarning, match="core_layers"):
+    with pytest.warns(ConfigDeprecationWarning, match="model.num_blocks is now model.plan.layers"):
         m = ModelConfig(plan="dense", num_blocks=3)
-    assert (m.core_layers, m.num_blocks) == (3, None) and build_plan(m).num_stored_blocks == 3
+    assert m.plan.kind == "dense" and m.plan.layers == 3 and build_plan(m).num_stored_blocks == 3
 
 
 def test_schedule_comparisons_live_in_the_plan_package():
     """Nothing outside ``megatron_lol/plan`` compares plan names: everything asks the plan."""
-    out = subprocess.run(
-        ["grep", "-rnE", r"plan (==|!=)|plan (not )?in \(", "megatron_lol"], cwd=REPO, capture_output=True, text=True
-    )
+    pattern = r"plan(\.kind)? (==|!=)|plan(\.kind)? (not )?in \("
+    assert subprocess.run(["grep", "-E", pattern], input='if m.plan.kind == "lol":', text=True).returncode == 0
+    out = subprocess.run(["grep", "-rnE", pattern, "megatron_lol"], cwd=REPO, capture_output=True, text=True)
     lines = [l for l in out.stdout.splitlines() if ".pyc" not in l]
-    assert lines and all(l.startswith(os.path.join("megatron_lol", "plan") + os.sep) for l in lines), lines
-    assert len(lines) <= 6, lines
+    assert all(l.startswith(os.path.join("megatron_lol", "plan") + os.sep) for l in lines), lines
 
 
 def test_hf_export_carries_the_schedule():

@@ -134,7 +134,8 @@ def test_memory_model_is_positive_and_scales():
     d = fl.memory_model(m, 97, 64, 2, data_parallel=4, distributed_optimizer=True)
     assert d.optimizer == pytest.approx(a.optimizer / 4)
     # a routed depth also keeps its input and the block outputs for the gated combine (2 d per token)
-    fixed = fl.memory_model(replace(m, plan="looped", dense_attention="strided"), 97, 64, 2)
+    looped = {"kind": "looped", "layers": 3, "loops": 1}  # the same 3 blocks, each once, strided
+    fixed = fl.memory_model(replace(m, plan=looped, dense_attention="strided"), 97, 64, 2)
     depth = fl.default_depth(m)
     assert a.activations - fixed.activations == pytest.approx(depth * 2 * 64 * 2 * m.hidden_size * 4)
 
@@ -250,7 +251,7 @@ def test_accordion_budgets_by_hand():
         fl.forward_flops(m, V, n, depth=2)  # below the unlooped window
     from megatron_lol.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="2 is not one of the model's loop_budgets"):
+    with pytest.raises(ConfigError, match="2 is not one of the model's budgets"):
         plan.depth_for(2)  # not a configured budget
     # a step: the sum over its micro-batches' budgets; without them, the mean over uniform sampling
     from megatron_lol.config import config_from_dict

@@ -4,6 +4,7 @@ MMR are checked against the properties their definitions state (docs/model.md, "
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -229,7 +230,7 @@ def test_accordion_budget_k_runs_n_plus_k_layers(megatron_env):
         assert len(calls) == 1 + 3 + k + 1
         assert calls == ["prelude", "0", "1", "2"] + [str(i) for i in range(k)] + ["coda"]
     assert not torch.allclose(outs[0], outs[3])
-    with pytest.raises(Exception, match="budget: 2 is not one of the model's loop_budgets"):
+    with pytest.raises(Exception, match="budget: 2 is not one of the model's budgets"):
         model(_tokens(), budget=2)
 
 
@@ -593,5 +594,5 @@ def test_budget_sampling_is_deterministic_and_covers_all():
     counts = {k: draws.count(k) for k in (0, 3, 6, 9, 12)}
     assert all(120 < c < 200 for c in counts.values()), counts  # uniform: 160 each
     assert len({plan.sample_budget(cfg.training.seed, 7, mb) for mb in range(16)}) > 1  # per micro-batch
-    cfg.model.loop_budget = 6
+    cfg.model.plan = dataclasses.replace(cfg.model.plan, budget=6)
     assert {cfg.model.execution_plan().sample_budget(cfg.training.seed, it, 0) for it in range(20)} == {6}

@@ -282,14 +282,14 @@ def test_single_block_golden():
 @pytest.mark.parametrize("L,figure", [(2, 128.5), (4, 154.1), (8, 205.5)])
 def test_lol_360m_and_huginn(L, figure):
     cfg, lol = paper_counts(f"lol-360m-L{L}")
-    assert (cfg.model.plan, cfg.model.num_blocks, cfg.model.routed_depth) == ("lol", L, 16)
+    assert (cfg.model.plan.kind, cfg.model.plan.num_blocks, cfg.model.plan.routed_depth) == ("lol", L, 16)
     assert near(lol.linear_total, figure)
     # docs/model.md, "Parameter accounting": norm gains, routers and per-depth vectors add under 0.05% (FiLM, on in
     # these runs, adds 2 x 16 x 2 x 1024 = 65,536 more)
     assert lol.film == 65_536
     assert (lol.non_embedding - lol.film - lol.linear_total) / lol.linear_total < 5e-4
     hcfg, hug = paper_counts(f"huginn-360m-{L}x{16 // L}")
-    assert (hcfg.model.plan, hcfg.model.loop_layers, hcfg.model.loop_count) == ("looped", L, 16 // L)
+    assert (hcfg.model.plan.kind, hcfg.model.plan.layers, hcfg.model.plan.loops) == ("looped", L, 16 // L)
     assert hug.linear_total == lol.linear_total
     assert near(hug.linear_total, figure)
     # stored-once active = stored for both; per execution both run 8 + 16 layers
@@ -300,7 +300,7 @@ def test_lol_360m_and_huginn(L, figure):
 def test_moe_baseline():
     cfg, c = paper_counts("moe-baseline")
     m = cfg.model
-    assert m.n_prelude + m.core_layers + m.n_coda == 24 and m.plan == "dense" and m.moe_layers == "all"
+    assert m.n_prelude + m.plan.layers + m.n_coda == 24 and m.plan.kind == "dense" and m.moe_layers == "all"
     assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk) == (3, 1408, 2)
     assert near(c.linear_total, 412.1)
     assert near(c.linear_active, 308.3)
@@ -310,7 +310,7 @@ def test_moe_baseline():
 def test_lol_vs_moe():
     cfg, c = paper_counts("lol-vs-moe")
     m = cfg.model
-    assert (m.n_prelude, m.n_coda, m.num_blocks, m.routed_depth, m.moe_layers) == (4, 4, 24, 16, "fixed")
+    assert (m.n_prelude, m.n_coda, m.plan.num_blocks, m.plan.routed_depth, m.moe_layers) == (4, 4, 24, 16, "fixed")
     assert near(c.linear_total, 445.6)
     assert near(c.linear_active, 308.3)
     _, moe = paper_counts("moe-baseline")
@@ -321,12 +321,12 @@ def test_lol_vs_moe():
 def test_math_1b():
     cfg, c = paper_counts("math-1b-lol")
     m = cfg.model
-    assert (m.hidden_size, m.ffn_hidden_size, m.num_blocks, m.routed_depth) == (2048, 5632, 8, 8)
+    assert (m.hidden_size, m.ffn_hidden_size, m.plan.num_blocks, m.plan.routed_depth) == (2048, 5632, 8, 8)
     assert near(c.block.linear, 51.4)
     assert c.router_each == 16_464 and c.router == 16_464  # tied: one router
     for att in ("full", "sliding", "strided"):
         dcfg, d = paper_counts(f"math-1b-dense-{att}")
-        assert dcfg.model.plan == "dense" and dcfg.model.dense_attention == att
+        assert dcfg.model.plan.kind == "dense" and dcfg.model.dense_attention == att
         assert d.linear_total == c.linear_total  # 16 distinct layers each
         assert d.linear_active == c.linear_active
 
@@ -337,7 +337,7 @@ def test_sudoku_and_maze_released_shapes(name):
     fixed layers; "At width 512 a block is 3.4M parameters, so the 24 stored blocks come to about 82M")."""
     cfg, c = paper_counts(name)
     m = cfg.model
-    assert (m.hidden_size, m.num_attention_heads, m.num_blocks, m.routed_depth, m.n_prelude, m.n_coda) == (
+    assert (m.hidden_size, m.num_attention_heads, m.plan.num_blocks, m.plan.routed_depth, m.n_prelude, m.n_coda) == (
         512,
         8,
         16,
@@ -391,14 +391,14 @@ def test_foil_configs(name):
     cfg, c = paper_counts(name, vocab=49152)
     m = cfg.model
     plan = m.execution_plan()
-    assert (m.plan, m.core_experts, plan.num_stored_blocks, plan.loop_passes, plan.untie_attention) == (
+    assert (m.plan.kind, m.core_experts, plan.num_stored_blocks, plan.loop_passes, plan.untie_attention) == (
         "foil",
         E,
         D,
         L,
         untied,
     )
-    assert (m.foil_experts, m.foil_layers, m.foil_loops) == (E, D, L)
+    assert (m.plan.experts, m.plan.layers, m.plan.loops) == (E, D, L)
     assert (m.hidden_size, m.num_attention_heads, m.moe_ffn_hidden_size, m.moe_router_topk) == (1024, 16, 1536, 2)
     assert (m.n_prelude, m.n_coda, m.num_experts, m.moe_layers) == (1, 1, 8, "all")
     assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_loss_average_over_executions) == (0.01, 0.001, True)
@@ -465,7 +465,13 @@ def test_accordion_configs(name):
     h, nq, nkv, f, vocab, total_b, active_b = ACCORDION_TABLE[name]
     cfg, c = paper_counts(name, vocab=vocab)
     m = cfg.model
-    assert (m.plan, m.n_prelude, m.loop_window, m.n_coda, m.loop_budgets) == ("accordion", 6, 12, 6, [0, 3, 6, 9, 12])
+    assert (m.plan.kind, m.n_prelude, m.plan.window, m.n_coda, m.plan.budgets) == (
+        "accordion",
+        6,
+        12,
+        6,
+        [0, 3, 6, 9, 12],
+    )
     assert (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels) == (h, nq, nkv, 128)
     assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (
         128,
@@ -498,7 +504,7 @@ def test_accordion_configs(name):
         assert b["active_compute"] == c.active_per_token + b["k"] * (c.block.active + 2 * h)
     assert c.active_compute == c.budgets[-1]["active_compute"]
     # a separate second-pass router adds one router per window layer, nothing to the unlooped pass
-    sep = count_parameters(replace(m, second_pass_router="separate"), vocab)
+    sep = count_parameters(replace(m, plan=replace(m.plan, second_pass_router="separate")), vocab)
     assert sep.total - c.total == sep.second_pass_router == 12 * 128 * h
     assert sep.active_per_token == c.active_per_token
 

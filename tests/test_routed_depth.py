@@ -101,7 +101,7 @@ def test_host_layout_for_a_trainer_batch_draws_the_trainers_noise():
     assert routed_depths(plan) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
     ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.window_size, cfg.window_shift)
     seeds = batch["sample_ids"] + 7 * 1_000_000_007
-    assert torch.equal(layout.noise[3][: ref.num_windows], window_noise(ref, seeds, 3, cfg.num_blocks, 24))
+    assert torch.equal(layout.noise[3][: ref.num_windows], window_noise(ref, seeds, 3, cfg.plan.num_blocks, 24))
     assert host_layout_for_batch({"tokens": tokens}, cfg, plan, 0, run_seed=7, pin=False).noise == {}
     quiet = tiny_config(routed_depth=3, router_noise=False)
     assert host_layout_for_batch(batch, quiet, quiet.execution_plan(), 0, run_seed=7, pin=False).noise == {}

@@ -36,8 +36,8 @@ def _config(path: str, sets: list, precision):
     if precision == "fp8" and not any(k == "model.fp8" for k, _, _ in overrides):
         overrides.append(("model.fp8", "hybrid", "--precision fp8"))
     cfg = load_config(path, overrides, check_data=False)
-    if cfg.model.plan != "dense":
-        raise SystemExit(f"gpt_baseline.py: the config must describe a dense plan (got plan {cfg.model.plan})")
+    if cfg.model.plan.kind != "dense":
+        raise SystemExit(f"gpt_baseline.py: the config must describe a dense plan (got plan {cfg.model.plan.kind})")
     return cfg
 
 

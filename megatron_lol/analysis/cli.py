@@ -131,17 +131,17 @@ def _load(args):
         if plan.routed or plan.core_experts is None:
             raise CliError(
                 f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
-                f"(model.moe_layers: all); this model is plan {m.plan!r}, moe_layers {m.moe_layers!r}"
+                f"(model.moe_layers: all); this model is plan {m.plan.kind!r}, moe_layers {m.moe_layers!r}"
             )
     elif args.analysis == "budgets":
         if not has_budgets:
-            raise CliError(f"{ckpt.path}: budgets needs plan: accordion (this model is plan {m.plan!r})")
+            raise CliError(f"{ckpt.path}: budgets needs plan: accordion (this model is plan {m.plan.kind!r})")
     elif not plan.routed:
-        raise CliError(f"{ckpt.path}: the model's plan is {m.plan!r}; routing analyses need plan: lol")
+        raise CliError(f"{ckpt.path}: the model's plan is {m.plan.kind!r}; routing analyses need plan: lol")
     budget = getattr(args, "budget", None)
     if budget is not None and budget not in plan.budgets:
         raise CliError(
-            f"--budget: {budget} is not one of the model's loop_budgets "
+            f"--budget: {budget} is not one of the model's budgets "
             f"{plan.budgets if has_budgets else '(not an accordion model)'}"
         )
     return ckpt
@@ -361,15 +361,15 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
     from megatron_lol.analysis import plots
     from megatron_lol.analysis.routing import greedy_generate, lm_loss
 
-    m = ckpt.cfg.model
+    budgets = ckpt.model.plan.budgets
     if not toks and args.generate is None:
         raise CliError("budgets: give examples (--data-path / --jsonl) and/or --generate PROMPT")
     prompt = _prompt_ids(args, ckpt) if args.generate is not None else None
-    out = dict(_meta(ckpt, args, len(toks) if toks else 0), budgets=list(m.loop_budgets))
+    out = dict(_meta(ckpt, args, len(toks) if toks else 0), budgets=list(budgets))
     if toks:
         losses = {
             str(k): lm_loss(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch, budget=k)
-            for k in m.loop_budgets
+            for k in budgets
         }
         out["loss_by_budget"] = losses
         plots.loss_by_budget(
@@ -378,7 +378,7 @@ def run_budgets(args, ckpt, toks, labels) -> dict:
         print("budgets: loss " + " ".join(f"k={k}: {v:.4f}" for k, v in losses.items()))
     if prompt is not None:
         gens = {}
-        for k in m.loop_budgets:
+        for k in budgets:
             ids = greedy_generate(ckpt.model, prompt, args.max_new_tokens, ckpt.eod_id, budget=k)
             gens[str(k)] = ckpt.tokenizer.detokenize(ids)
             print(f"budgets: k={k}: {args.generate!r} -> {gens[str(k)]!r}")

@@ -91,7 +91,7 @@ def collect_moe_records(
 def _core_cfg(model):
     cfg = model.cfg
     if not model.plan.routed:
-        raise ValueError(f"the model's plan is {cfg.plan!r}: nothing is routed (routing analyses need plan: lol)")
+        raise ValueError(f"the model's plan is {cfg.plan.kind!r}: nothing is routed (routing analyses need plan: lol)")
     return cfg
 
 

@@ -22,7 +22,8 @@ from typing import Any, Optional
 import yaml
 
 from megatron_lol.config.flags import BOOL_FLAGS, CHOICE_FLAGS, GROUPS, MEGATRON_FLAGS  # noqa: F401 - re-exported
-from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig, warn_flat_plan_keys
+from megatron_lol.config.migration import FLAT_KEYS, migrate_model, set_flat_key
+from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 PARAMS_GROUPS = ("model", "tokenizer", "parallelism")
 PROFILE_GROUPS = ("model", "data", "tokenizer", "batch", "parallelism", "precision")
@@ -208,7 +209,7 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping")
     if cls is ModelConfig:
-        warn_flat_plan_keys(raw, source)
+        raw = migrate_model(raw, source)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
     kwargs = {}
@@ -224,6 +225,9 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
     if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)
         return
+    if parts[0] == "model" and len(parts) == 2 and parts[1] in FLAT_KEYS:
+        set_flat_key(cfg.model, parts[1], value, source)
+        return
     obj = cfg
     for i, part in enumerate(parts):
         names = {f.name for f in dataclasses.fields(obj)} if dataclasses.is_dataclass(obj) else set()
@@ -232,8 +236,6 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
             hint = _did_you_mean(".".join(parts[:i]) + "." if i else "", part, names, rest) if names else ""
             raise ConfigError(f"{source}: unknown key '{key}'{hint}")
         if i == len(parts) - 1:
-            if obj is cfg.model:
-                warn_flat_plan_keys({"plan": cfg.model.plan, part: value}, source)
             hint = typing.get_type_hints(type(obj))[part]
             setattr(obj, part, _coerce(hint, value, source, key))
         else:
@@ -241,7 +243,7 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
 
 
 def set_plan(model: ModelConfig, rest: list, value: Any, source: str, key: str) -> None:
-    """``model.plan=KIND`` (the kind; its options keep their values), ``model.plan={kind: ..., ...}``
+    """``model.plan=KIND`` (the kind with its defaults), ``model.plan={kind: ..., ...}``
     (a whole section) or ``model.plan.OPTION=VALUE`` (one option of the current kind)."""
     if len(rest) > 1:
         raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION)")
@@ -250,7 +252,7 @@ def set_plan(model: ModelConfig, rest: list, value: Any, source: str, key: str) 
     elif isinstance(value, dict):
         model.read_plan_section(value, source)
     elif isinstance(value, str):
-        model.plan = value
+        model.read_plan_section({"kind": value}, source)
     else:
         raise ConfigError(f"{source}: {key} must be a plan kind or a section {{kind: ..., ...}} (got {value!r})")
 

@@ -10,16 +10,16 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import math
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_lol.config.checks import asdict, choice, nonnegative, positive
+from megatron_lol.config.migration import FLAT_KEYS, migrate_model
 from megatron_lol.errors import ConfigError
-from megatron_lol.plan import PLANS, ExecutionPlan, build_plan, plan_kind
-from megatron_lol.plan.execution import DENSE_ATTENTION, all_flat_keys, flat_keys
-from megatron_lol.plan.legacy import ConfigDeprecationWarning
+from megatron_lol.plan import ExecutionPlan, build_plan, plan_kind
+from megatron_lol.plan.execution import DENSE_ATTENTION, plan_section, section_dict
 
 BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
@@ -76,16 +76,15 @@ class ModelConfig:
     * ``accordion``: the ``window`` layers once, then the first ``k`` again
       (``budgets``; ``k = 0`` is the unlooped model).
 
-    A bare kind name (``plan: lol``) takes the kind's defaults. The built-in kinds keep
-    their options in flat fields below (``num_blocks``, ``foil_layers``, ...); writing those
-    at the top of ``model`` is the deprecated spelling, read with a deprecation warning, as
-    is the older one (``num_blocks`` / ``routed_depth`` for every plan, Foil as ``plan:
-    looped`` with MoE blocks). ``to_dict`` writes the section.
+    A bare kind name (``plan: lol``) takes the kind's defaults. Once read, ``plan`` is the
+    section object (:func:`megatron_lol.plan.execution.plan_section`): ``plan.kind`` and the
+    kind's options as attributes (``plan.window``), the only place they are kept.
+    ``to_dict`` writes the section; earlier spellings (the options as flat ``model`` keys,
+    ``num_blocks`` / ``routed_depth`` for every kind) are rewritten by
+    :mod:`megatron_lol.config.migration`.
     """
 
-    plan: Any = "lol"  # the kind's name once read; a mapping {kind: ..., ...} as written
-    # options of a plan kind registered from outside the package (written inside model.plan)
-    plan_options: dict = field(default_factory=dict)
+    plan: Any = "lol"  # the kind's section object once read; a name or {kind: ..., ...} as written
     hidden_size: int = 128
     num_attention_heads: int = 4
     num_query_groups: Optional[int] = None
@@ -93,15 +92,6 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     n_prelude: int = 1
     n_coda: int = 1
-    num_blocks: Optional[int] = None  # lol: L, blocks stored in the library (default 4)
-    routed_depth: Optional[int] = None  # lol: D, routed depths (default 4)
-    core_layers: Optional[int] = None  # dense: layers of the core
-    loop_layers: Optional[int] = None  # looped: layers of the recurrent block
-    loop_count: Optional[int] = None  # looped: passes over it
-    foil_experts: Optional[int] = None  # foil: E, experts per MoE layer of the looped block
-    foil_layers: Optional[int] = None  # foil: D, layers of the looped block
-    foil_loops: Optional[int] = None  # foil: L, passes over it
-    loop_window: Optional[int] = None  # accordion: layers of the loopable window
     window_size: int = 32  # W
     window_shift: int = 16  # S: depth l is shifted by ((l-1)*S) mod W
     # dense-plan attention inside the core: full causal, sliding window W, or
@@ -163,14 +153,6 @@ class ModelConfig:
     # Foil: average the two losses over all MoE layer executions (every layer on every pass)
     # instead of megatron-core's sum over layers
     moe_loss_average_over_executions: bool = False
-    # looped plans: one attention (and its input norm) per (block, pass); MLP/experts stay shared
-    # (default: true for foil, false for looped)
-    untie_attention: Optional[bool] = None
-    # accordion: budgets k (second-pass executions of the window's first k layers)
-    loop_budgets: list = field(default_factory=lambda: [0])
-    loop_budget: Optional[int] = None  # fixed budget for training/eval/inference; None: sample in training
-    second_pass_router: str = "shared"  # shared | separate (one extra MoE router per loopable layer)
-    loop_gates: bool = True  # per-channel gates on the second pass's attention and MLP writes
     # auto | fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md); auto: bf16 where
     # CUDA is present, fp32 on CPUs, resolved by validation (run_config.yaml records the result)
     params_dtype: str = "auto"
@@ -195,49 +177,39 @@ class ModelConfig:
         self.normalize()
 
     def normalize(self) -> "ModelConfig":
-        """Read a ``plan`` section into the kind and its options, the deprecated shape keys into the
-        plan's own (deprecation warning), and fill LoL's defaults; idempotent, so it also runs after
-        ``--set`` overrides."""
-        from megatron_lol.plan.legacy import migrate_model_keys
-
-        if isinstance(self.plan, dict):
+        """Read ``plan`` (a kind's name or a section mapping) into the kind's section object; idempotent,
+        so it also runs after ``--set`` overrides."""
+        if isinstance(self.plan, str):
+            self.plan = plan_section(self.plan)
+        elif isinstance(self.plan, dict):
             self.read_plan_section(self.plan)
-        migrate_model_keys(self)
+        elif not hasattr(self.plan, "kind"):
+            raise ConfigError(f"model.plan: must be a kind's name or a section {{kind: ..., ...}} (got {self.plan!r})")
         return self
 
     # ------------------------------------------------------------- plan section
     def read_plan_section(self, section: dict, source: str = "model.plan") -> None:
-        """Take ``plan: {kind: NAME, key: value, ...}``: the kind, then each key as its option."""
+        """Take ``plan: {kind: NAME, key: value, ...}``: the kind, then each key as its option (the
+        section is the whole plan: options it leaves out take the kind's defaults)."""
         if "kind" not in section:
+            from megatron_lol.plan import PLANS
+
             raise ConfigError(f"{source}: a plan section needs kind: one of {', '.join(PLANS)}")
         cls = plan_kind(section["kind"], "model")
-        # the section is the whole plan: options of other kinds go back to their defaults
-        own = set(flat_keys(cls).values())
-        defaults = {f.name: f for f in dataclasses.fields(self)}
-        for flat in all_flat_keys():
-            if flat not in own:
-                f = defaults[flat]
-                setattr(self, flat, f.default_factory() if f.default is dataclasses.MISSING else f.default)
-        self.plan_options = {}
-        self.plan = cls.name
-        for key, value in section.items():
-            if key == "kind":
-                continue
-            flat = flat_keys(cls).get(key)
-            if flat is not None:
-                before, default = getattr(self, flat), defaults[flat].default
-                if default is not dataclasses.MISSING and before != default and before != value:
-                    raise ConfigError(
-                        f"{source}: model.{flat}={before!r} given together with model.plan.{key}={value!r}; "
-                        f"remove model.{flat}"
-                    )
-            self.set_plan_option(key, value, source)
+        values = {key: self._option_value(cls, key, value, source) for key, value in section.items() if key != "kind"}
+        self.plan = plan_section(cls.name, values)
 
     def set_plan_option(self, key: str, value: Any, source: str = "model.plan") -> None:
         """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``)."""
+        self.normalize()
+        cls = plan_kind(self.plan.kind, "model")
+        self.plan = dataclasses.replace(self.plan, **{key: self._option_value(cls, key, value, source)})
+
+    @staticmethod
+    def _option_value(cls, key: str, value: Any, source: str) -> Any:
+        """``value`` coerced to option ``key``'s type of kind ``cls``; did-you-mean over its options."""
         from megatron_lol.config.loader import coerce_value
 
-        cls = plan_kind(self.plan, "model")
         fields = {f.name: f for f in dataclasses.fields(cls.Options)}
         if key not in fields:
             known = ", ".join(fields) or "none"
@@ -246,41 +218,19 @@ class ModelConfig:
             raise ConfigError(
                 f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
             )
-        hint = typing_hints(cls.Options)[key]
-        coerced = coerce_value(hint, value, source, f"model.plan.{key}")
-        flat = fields[key].metadata.get("flat")
-        if flat:
-            setattr(self, flat, coerced)
-        else:
-            self.plan_options[key] = coerced
-
-    def plan_section(self) -> dict:
-        """The current kind's options ``{key: value}`` (defaults filled in)."""
-        cls = plan_kind(self.plan, "model")
-        out = {}
-        for f in dataclasses.fields(cls.Options):
-            flat = f.metadata.get("flat")
-            if flat:
-                out[f.name] = getattr(self, flat)
-            elif f.name in self.plan_options:
-                out[f.name] = self.plan_options[f.name]
-            elif f.default is not dataclasses.MISSING:
-                out[f.name] = f.default
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = f.default_factory()
-        return out
+        return coerce_value(typing_hints(cls.Options)[key], value, source, f"model.plan.{key}")
 
     def to_dict(self) -> dict:
-        """Plain data with the plan as its tagged section (no flat plan keys): what run_config.yaml holds."""
+        """Plain data with the plan as its tagged section: what run_config.yaml holds."""
+        self.normalize()
         out = asdict(self)
-        for flat in all_flat_keys():
-            out.pop(flat, None)
-        out.pop("plan_options", None)
-        out["plan"] = {"kind": self.plan, **self.plan_section()}
+        out["plan"] = section_dict(self.plan)
         return out
 
     def execution_plan(self, prefix: str = "model") -> ExecutionPlan:
         """The plan's steps for this config (one-line ConfigError on bad shape keys)."""
+        if not hasattr(self.plan, "kind"):  # a name or a mapping assigned since the last read
+            self.normalize()
         return build_plan(self, prefix)
 
     @property
@@ -310,7 +260,9 @@ class ModelConfig:
         if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
             raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
         if not self.execution_plan().routed:
-            raise ConfigError(f"{prefix}.router_only_tokens: only a routed plan has a window router (plan {self.plan})")
+            raise ConfigError(
+                f"{prefix}.router_only_tokens: only a routed plan has a window router (plan {self.plan.kind})"
+            )
         if self.router_input != "windows":
             raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
         filler = self.router_only_filler
@@ -322,7 +274,6 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
-        choice(f"{prefix}.plan", self.plan, tuple(PLANS))
         choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.film", self.film, FILM_MODES)
         choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
@@ -481,23 +432,34 @@ def typing_hints(cls) -> dict:
     return typing.get_type_hints(cls)
 
 
-def deprecated_flat_keys(model: dict) -> list:
-    """``(flat key, kind, section key)`` of the current kind's options written at the top of a raw
-    ``model`` mapping (keys of other kinds are the older spelling or a mistake: the plan judges them)."""
-    plan = model.get("plan", "lol")
-    cls = PLANS.get(plan.get("kind") if isinstance(plan, dict) else plan)
-    if cls is None:
-        return []
-    own = {flat: key for key, flat in flat_keys(cls).items()}
-    return [(key, cls.name, own[key]) for key in model if key in own]
+_dataclass_init = ModelConfig.__init__
 
 
-def warn_flat_plan_keys(model: dict, source: str) -> None:
-    """The deprecation warning for plan options written at the top of ``model``."""
-    for key, kind, section_key in deprecated_flat_keys(model):
-        warnings.warn(
-            f"config: {source}: model.{key} is deprecated; write it in the plan's section "
-            f"(model.plan: {{kind: {kind}, {section_key}: ...}})",
-            ConfigDeprecationWarning,
-            stacklevel=3,
-        )
+@functools.wraps(_dataclass_init)
+def _init(self, *args, **kwargs) -> None:
+    """The dataclass's ``__init__``, taking the deprecated flat plan keys too (``ModelConfig(<flat key>=...)``,
+    ``dataclasses.replace(model, ...)``): rewritten into the plan's section by the migration table."""
+    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS}
+    if flat:
+        plan = kwargs.get("plan", "lol")
+        raw = {
+            "plan": plan,
+            "moe_layers": kwargs.get("moe_layers", "none"),
+            "num_experts": kwargs.get("num_experts"),
+            "core_num_experts": kwargs.get("core_num_experts"),
+            **flat,
+        }
+        moved = migrate_model(raw, "ModelConfig", override=not isinstance(plan, (str, dict)))
+        kwargs["plan"], kwargs["core_num_experts"] = moved["plan"], moved.get("core_num_experts")
+    _dataclass_init(self, *args, **kwargs)
+
+
+def _setattr(self, name: str, value: Any) -> None:
+    """A deprecated flat plan key is refused, not stored beside the section where nothing reads it."""
+    if name in FLAT_KEYS:
+        raise AttributeError(f"ModelConfig.{name}: a plan option; it lives in model.plan.{FLAT_KEYS[name][1]}")
+    object.__setattr__(self, name, value)
+
+
+ModelConfig.__init__ = _init
+ModelConfig.__setattr__ = _setattr

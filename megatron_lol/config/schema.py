@@ -28,13 +28,11 @@ from megatron_lol.config.model_config import (  # noqa: F401 - the model section
     ROUTED_CORES,
     ROUTER_INPUTS,
     ModelConfig,
-    deprecated_flat_keys,
     fp8_recipe_default,
     fp8_row_multiple,
     resolve_params_dtype,
     runs_layers_repeatedly,
     typing_hints,
-    warn_flat_plan_keys,
 )
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan.stages import check_pipeline_layout
@@ -62,7 +60,7 @@ class CurriculumConfig:
         plan = model.execution_plan()
         if not plan.growable and (self.initial_depth is not None or self.backprop_depth is not None):
             key = "initial_depth" if self.initial_depth is not None else "backprop_depth"
-            raise ConfigError(f"{prefix}.{key}: plan {plan.name} sets its depth by the budget (model.loop_budgets)")
+            raise ConfigError(f"{prefix}.{key}: plan {plan.name} sets its depth by the budget (model.plan.budgets)")
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """``megatron-lol import-hf``: a Llama-architecture HF checkpoint -> a megatron-lol checkpoint.
 
 The result is a dense-plan ``LoLGPTModel`` (``plan: dense``, full attention):
-the HF layers become ``n_prelude`` prelude layers, ``core_layers`` core layers
+the HF layers become ``n_prelude`` prelude layers, ``plan.layers`` core layers
 and ``n_coda`` coda layers, in order. A directory written by ``convert-hf``
 records the original split in ``config.json`` and gets it back. The checkpoint
 has the training layout (:mod:`megatron_lol.training.checkpointing`):
@@ -201,7 +201,7 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
     head_dim = int(conf.get("head_dim") or hidden // heads)
     theta, factor = _rope(conf)
     m = ModelConfig(
-        plan="dense",
+        plan={"kind": "dense", "layers": blocks},
         dense_attention="full",
         hidden_size=hidden,
         num_attention_heads=heads,
@@ -210,7 +210,6 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
         ffn_hidden_size=int(conf["intermediate_size"]),
         n_prelude=n_prelude,
         n_coda=n_coda,
-        core_layers=blocks,
         vocab_size=int(conf["vocab_size"]),
         untie_embeddings_and_output_weights=not conf.get("tie_word_embeddings", False),
         rotary_base=theta,
@@ -258,7 +257,7 @@ def native_tensor(name: str, hf: HFCheckpoint, m: ModelConfig) -> torch.Tensor:
 
 
 def _check_hf_tensors(hf: HFCheckpoint, m: ModelConfig) -> None:
-    layers = m.n_prelude + m.core_layers + m.n_coda
+    layers = m.n_prelude + m.execution_plan().num_stored_blocks + m.n_coda
     expected = {f"model.layers.{layers}.input_layernorm.weight": None}  # must NOT exist
     if hf.has(next(iter(expected))):
         raise CliError(f"{hf.dir} has more than num_hidden_layers={layers} layers")
@@ -402,9 +401,9 @@ def import_hf(
     os.replace(os.path.join(save, TRACKER + ".tmp"), os.path.join(save, TRACKER))
     return {
         "path": final,
-        "num_layers": m.n_prelude + m.core_layers + m.n_coda,
+        "num_layers": m.n_prelude + m.execution_plan().num_stored_blocks + m.n_coda,
         "n_prelude": m.n_prelude,
-        "core_layers": m.core_layers,
+        "core_layers": m.execution_plan().num_stored_blocks,
         "n_coda": m.n_coda,
         "vocab_size": m.vocab_size,
     }

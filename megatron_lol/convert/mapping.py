@@ -78,7 +78,7 @@ def fixed_experts(m: ModelConfig) -> int | None:
 
 
 def core_experts(m: ModelConfig) -> int | None:
-    """Experts of the core blocks' MLPs (None: dense MLPs); Foil's ``foil_experts``."""
+    """Experts of the core blocks' MLPs (None: dense MLPs); Foil's ``plan.experts``."""
     return m.execution_plan().core_experts
 
 

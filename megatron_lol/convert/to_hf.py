@@ -157,7 +157,7 @@ def validate_checkpoint(reader: DistCheckpointReader, cfg: ExperimentConfig, sou
         if key is None:
             raise CliError(
                 f"{source}: tensor model.{name} is missing: the checkpoint was not saved from a "
-                f"model with this config (plan={m.plan}, {m.execution_plan().describe()}, "
+                f"model with this config (plan={m.plan.kind}, {m.execution_plan().describe()}, "
                 f"n_prelude={m.n_prelude}, n_coda={m.n_coda})"
             )
         if reader.shape(key) != tuple(shape):
@@ -231,10 +231,10 @@ def lol_config_json(
         "moe_router_score_function": m.moe_router_score_function,
         "moe_router_expert_bias": bool(d.expert_bias),
         "untie_attention": bool(plan.untied_attention_sets()),
-        "loop_budgets": list(m.loop_budgets) if accordion else [0],
+        "loop_budgets": list(plan.budgets) if accordion else [0],
         "loop_budget": loop_budget if accordion else 0,
-        "second_pass_router": m.second_pass_router if accordion else "shared",
-        "loop_gates": bool(m.loop_gates) if accordion else False,
+        "second_pass_router": m.plan.second_pass_router if accordion else "shared",
+        "loop_gates": bool(m.plan.gates) if accordion else False,
         "rms_norm_eps": m.norm_epsilon,
         "rope_theta": float(m.rotary_base),
         "rope_scaling_factor": m.rotary_scaling_factor,
@@ -315,7 +315,7 @@ def convert_checkpoint(
         )
     if fmt == "llama" and not is_plain_stack(m):
         raise CliError(
-            f"--format llama: plan={m.plan}, dense_attention={m.dense_attention}, film={m.film}, "
+            f"--format llama: plan={m.plan.kind}, dense_attention={m.dense_attention}, film={m.film}, "
             f"input_injection={m.input_injection}, moe_layers={m.moe_layers} is not an ordinary "
             f"Llama stack"
         )
@@ -414,9 +414,7 @@ def tokenizer_files(path: str, cfg: ExperimentConfig, info: dict) -> dict:
 
 
 def _model_dict(m: ModelConfig) -> dict:
-    from dataclasses import asdict
-
-    return asdict(m)
+    return m.to_dict()
 
 
 def hf_tensors(name: str, tensor: torch.Tensor, m: ModelConfig, d: mapping.Dims, llama: bool):

@@ -49,7 +49,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="plan accordion: the default loop budget k of the exported model (one of the run's "
-        "model.loop_budgets; default: the run's model.loop_budget, else the largest)",
+        "model.plan.budgets; default: the run's model.plan.budget, else the largest)",
     )
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (e.g. 2GB, 500MB)")
     parser.add_argument("--force", action="store_true", help="replace an existing non-empty --save directory")

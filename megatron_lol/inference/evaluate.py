@@ -285,7 +285,7 @@ def run(args: argparse.Namespace) -> int:
         "source": source,
         "checkpoint": loaded.path,
         "iteration": loaded.iteration,
-        "plan": loaded.cfg.model.plan,
+        "plan": loaded.cfg.model.plan.kind,
         "loop_budget": loaded.loop_budget,
         "seq_length": seq_length,
         "overall": overall.as_dict(),

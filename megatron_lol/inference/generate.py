@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     limit = args.max_prompt_tokens or loaded.seq_length
     encoded = encode_prompts(prompts, tokenizer, limit)
     if args.record_routes and not any(step["block"] is None for step in loaded.model.config.steps):
-        raise CliError(f"--record-routes: plan {loaded.cfg.model.plan} has no routed depths")
+        raise CliError(f"--record-routes: plan {loaded.cfg.model.plan.kind} has no routed depths")
     torch.manual_seed(args.seed)
     start, produced = time.perf_counter(), 0
     for first in range(0, len(encoded), args.batch_size):
@@ -188,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - start
     msg = (
         f"generated {produced} tokens for {len(encoded)} prompt(s) in {seconds:.2f} s "
-        f"({produced / max(seconds, 1e-9):.1f} tokens/s, plan {loaded.cfg.model.plan}, "
+        f"({produced / max(seconds, 1e-9):.1f} tokens/s, plan {loaded.cfg.model.plan.kind}, "
         f"iteration {loaded.iteration})"
     )
     if args.json:

@@ -49,7 +49,7 @@ def add_model_arguments(parser) -> None:
         "--loop-budget",
         type=int,
         default=None,
-        help="plan accordion: the loop budget k (default: the run's model.loop_budget, else the largest)",
+        help="plan accordion: the loop budget k (default: the run's model.plan.budget, else the largest)",
     )
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32", help="weight dtype (default fp32)")
     parser.add_argument("--device", default="cpu", help="torch device (cpu, cuda, cuda:1, ...)")
@@ -100,9 +100,9 @@ def load_model(
     run = load_run(load, iteration, config=config, loop_budget=loop_budget)
     path, it, cfg, info, budget = run.path, run.iteration, run.cfg, run.info, run.loop_budget
     m = cfg.model
-    if m.untie_attention and m.film != "off":
+    if m.execution_plan().untied_attention_sets() and m.film != "off":
         raise CliError(
-            f"{path}: untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
+            f"{path}: model.plan.untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
             f"attention norms is not defined)"
         )
     reader = DistCheckpointReader(path)

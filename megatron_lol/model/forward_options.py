@@ -26,7 +26,7 @@ class ForwardOptions:
     """The options of one forward (all optional; the defaults run the whole plan, unforced, unrecorded).
 
     ``depth``: how many of the plan's steps run (growing depth; None: all). ``budget``: Accordion's
-    loop budget ``k`` (None: ``model.loop_budget``, else the largest); it sets the depth.
+    loop budget ``k`` (None: ``model.plan.budget``, else the largest); it sets the depth.
     ``forced_path``: a :class:`~.core.ForcedPath` of block ids and gates. ``record`` /
     ``record_moe``: keep the routing / MoE-router records in the returned ``CoreOutput``.
     ``backprop_depth`` ``k``: only the last ``k`` steps get gradients (first windows excepted when

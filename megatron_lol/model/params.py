@@ -332,7 +332,7 @@ def loop_accounting(model: ModelConfig) -> Optional[dict]:
         "D_eff": D * L,
         "E_eq": E * D * L,
         "E_comp": k * D * L,
-        "untie_attention": bool(model.untie_attention),
+        "untie_attention": bool(plan.untied_attention_sets()),
     }
 
 

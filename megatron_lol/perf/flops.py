@@ -21,7 +21,7 @@ loop gates are not matmuls and are not counted (under 1% at every size we use).
 
 Core executions: the first ``depth`` steps of the config's execution plan
 (:mod:`megatron_lol.plan`; default the plan's full depth, for Accordion
-``loop_window + k`` at its fixed budget, else the largest); each step is one
+``window + k`` at its fixed budget, else the largest); each step is one
 block execution with its attention kind. Foil's untied attention (one
 attention per pass) has exactly the FLOPs of the tied attention it replaces; a
 separate second-pass router those of the shared one.
@@ -283,9 +283,9 @@ def training_flops_per_step(
     budgets of the step's micro-batches (``global_batch / len(budgets)``
     sequences each; on one rank's view, the budget of each accumulation step
     is the same on every data-parallel rank), and the step's FLOPs are their
-    sum. Without ``budgets`` and without ``depth``, a fixed ``loop_budget``
+    sum. Without ``budgets`` and without ``depth``, a fixed ``model.plan.budget``
     is used, else the expectation under uniform sampling (the mean over
-    ``loop_budgets``); an explicit ``depth`` counts every sequence at that depth.
+    ``model.plan.budgets``); an explicit ``depth`` counts every sequence at that depth.
     """
     vocab = vocab_size if vocab_size is not None else cfg.model.vocab_size
     if vocab is None:
@@ -312,7 +312,7 @@ def training_flops_per_step(
         if budgets:
             per = global_batch / len(budgets)
             return sum(at(plan.depth_for(k), per) for k in budgets)
-        if m.loop_budget is None:
+        if m.plan.budget is None:
             return sum(at(plan.depth_for(k), global_batch) for k in plan.budgets) / len(plan.budgets)
     return training_flops(
         m,
@@ -445,29 +445,10 @@ def dense_equivalent(model: ModelConfig, depth: Optional[int] = None) -> ModelCo
 
     plan = model.execution_plan()
     depth = plan.depth_for(None) if depth is None else depth
-    shape = {
-        key: None
-        for key in (
-            "num_blocks",
-            "routed_depth",
-            "loop_layers",
-            "loop_count",
-            "foil_experts",
-            "foil_layers",
-            "foil_loops",
-            "loop_window",
-        )
-    }
     over = dict(
-        shape,
-        plan="dense",
-        core_layers=depth,
+        plan={"kind": "dense", "layers": depth},
         dense_attention="full",
-        untie_attention=None,
         core_num_experts=plan.core_experts if model.moe_layers == "all" else None,
-        loop_budgets=[0],
-        loop_budget=None,
-        second_pass_router="shared",
     )
     return dataclasses.replace(model, **over)
 

@@ -7,18 +7,18 @@ docs/model.md, "Execution plans"):
 plan        steps of the core
 ==========  ==================================================================
 dense       step ``i`` runs block ``i`` on every token
-looped      steps cycle ``loop_count`` times through ``loop_layers`` blocks
+looped      steps cycle ``loops`` times through ``layers`` blocks
 foil        looped over a block of MoE layers, shape ``(E, D, L)`` =
-            (``foil_experts``, ``foil_layers``, ``foil_loops``); attention
-            untied per (layer, pass) unless ``untie_attention: false``
+            (``experts``, ``layers``, ``loops``); attention untied per
+            (layer, pass) unless ``untie_attention: false``
 lol         each window, at each of ``routed_depth`` depths, runs the block of
             ``num_blocks`` that its router chose
-accordion   the ``loop_window`` layers once, then the first ``k`` of them
+accordion   the ``window`` layers once, then the first ``k`` of them
             again, ``k`` the loop budget
 ==========  ==================================================================
 
 A forward runs a *prefix* of the plan's steps: the growing-depth curriculum
-shortens it in training, Accordion's budget ``k`` sets it to ``loop_window +
+shortens it in training, Accordion's budget ``k`` sets it to ``window +
 k``. Everything that needs the schedule (the core, parameter counts, the FLOP
 and memory model, the trainer, the HF export, analyses) reads it from here;
 a new variant is one module: an :class:`ExecutionPlan` subclass with its
@@ -27,7 +27,9 @@ config section (:attr:`ExecutionPlan.Options`), registered with
 
 A config names its plan as a tagged section, ``model.plan: {kind: foil,
 experts: 8, layers: 8, loops: 2}``: ``kind`` picks the class, the other keys
-are the fields of its ``Options``.
+are the fields of its ``Options``. Read, the section is ``ModelConfig.plan``:
+an instance of the kind's ``Options`` that also carries ``kind``
+(:func:`plan_section`), the one place the kind's options live.
 
 This module is pure Python (no torch): the config validates against it.
 """
@@ -88,18 +90,13 @@ class Step:
         }
 
 
-def option(default: Any = None, *, flat: Optional[str] = None, help: str = "") -> Any:
-    """A field of a plan kind's ``Options`` (its config section).
-
-    ``flat``: the ``ModelConfig`` field a built-in kind keeps the value in; it is also the
-    key's deprecated top-level spelling (``model.num_blocks`` for ``model.plan.num_blocks``).
-    A kind registered from outside the package has no flat fields: its values live in
-    ``ModelConfig.plan_options``. ``help``: what the key means, for the reader of the kind's module.
-    """
+def option(default: Any = None, *, help: str = "") -> Any:
+    """A field of a plan kind's ``Options`` (its config section); ``help``: what the key means, for
+    the reader of the kind's module."""
     if isinstance(default, list):
         value = list(default)
-        return dataclasses.field(default_factory=lambda: list(value), metadata={"flat": flat, "help": help})
-    return dataclasses.field(default=default, metadata={"flat": flat, "help": help})
+        return dataclasses.field(default_factory=lambda: list(value), metadata={"help": help})
+    return dataclasses.field(default=default, metadata={"help": help})
 
 
 @dataclass(frozen=True)
@@ -126,8 +123,7 @@ class ExecutionPlan:
     def __init__(self, model, prefix: str = "model"):
         self.model = model
         self.prefix = prefix
-        self.options = self.Options(**model.plan_section())
-        self._refuse_other_kinds()
+        self.options = model.plan
         self.num_stored_blocks = self._stored_blocks()
         self._steps = tuple(self._build_steps())
 
@@ -258,13 +254,9 @@ class ExecutionPlan:
 
     # ------------------------------------------------------------ validation
     def key(self, name: str) -> str:
-        """The config key of option ``name`` as the user writes it: ``model.plan.<key>`` for an option
-        of this kind's section (given by its section key or by the ``ModelConfig`` field a built-in
-        kind stores it in), else ``model.<name>``. Errors name this, not the storage."""
-        section = {flat: key for key, flat in flat_keys(type(self)).items()}
-        own = {f.name for f in dataclasses.fields(self.Options)} if dataclasses.is_dataclass(self.Options) else set()
-        if name in section:
-            return f"{self.prefix}.plan.{section[name]}"
+        """The config key of ``name`` as the user writes it: ``model.plan.<name>`` for an option of
+        this kind's section, else ``model.<name>``. Errors name this."""
+        own = {f.name for f in dataclasses.fields(self.Options)}
         if name in own:
             return f"{self.prefix}.plan.{name}"
         return f"{self.prefix}.{name}"
@@ -277,22 +269,6 @@ class ExecutionPlan:
         if value < minimum:
             raise ConfigError(f"{self.key(key)}: must be > {minimum - 1} (got {value!r})")
         return value
-
-    def _refuse_other_kinds(self) -> None:
-        """Keys of other plans must not be set (a typo would otherwise be silently ignored): every
-        flat field of another kind's section that is unset (None) by default and set here. Options
-        with a value by default (Accordion's ``loop_gates``, ``loop_budgets``, ...) are not judged:
-        a config derived from another plan's keeps them, and they mean nothing to this plan."""
-        own = set(flat_keys(type(self)).values())
-        defaults = {f.name: f.default for f in dataclasses.fields(self.model)}
-        for key in all_flat_keys():
-            if key in own or defaults.get(key, dataclasses.MISSING) is not None:
-                continue
-            if getattr(self.model, key) is not None:
-                owners = [cls.name for cls in PLANS.values() if key in flat_keys(cls).values()]
-                raise ConfigError(
-                    f"{self.prefix}.{key}: not used by plan {self.name} (an option of plan {' / '.join(owners)})"
-                )
 
     def _fixed_attention(self) -> str:
         att = self.model.dense_attention
@@ -316,6 +292,8 @@ def register_plan(cls: type) -> type:
         raise ValueError(f"{cls.__name__}: a plan kind needs a name")
     if not dataclasses.is_dataclass(cls.Options):
         raise TypeError(f"{cls.__name__}.Options must be a dataclass (the kind's config section)")
+    if "kind" in {f.name for f in dataclasses.fields(cls.Options)}:
+        raise TypeError(f"{cls.__name__}.Options: 'kind' names the kind, it cannot be an option")
     if cls.name in PLANS and PLANS[cls.name] is not cls:
         raise ValueError(f"plan kind {cls.name!r} is already registered ({PLANS[cls.name].__qualname__})")
     PLANS[cls.name] = cls
@@ -334,20 +312,43 @@ def plan_kind(name: str, prefix: str = "model") -> type:
     return cls
 
 
-def flat_keys(cls: type) -> dict:
-    """``{section key: ModelConfig field}`` of kind ``cls``'s flat-stored options."""
-    return {f.name: f.metadata["flat"] for f in dataclasses.fields(cls.Options) if f.metadata.get("flat")}
+def plan_section(kind: str, values: Optional[dict] = None, prefix: str = "model") -> Any:
+    """The section object of kind ``kind``: an instance of its ``Options`` (``values``, else the
+    defaults) that also says ``kind``; what ``ModelConfig.plan`` holds."""
+    cls = plan_kind(kind, prefix)
+    return _section_class(cls)(**(values or {}))
 
 
-def all_flat_keys() -> dict:
-    """``{ModelConfig field: (kind, section key)}`` of every registered kind's flat-stored options."""
-    out = {}
-    for cls in PLANS.values():
-        for key, flat in flat_keys(cls).items():
-            out.setdefault(flat, (cls.name, key))
-    return out
+_SECTIONS: dict = {}
+
+
+def _section_class(cls: type) -> type:
+    """``cls.Options`` with the kind's name attached (one class per registered kind and Options):
+    the section knows its kind, so nothing else has to keep it, and it pickles by kind and values."""
+    key = (cls.name, cls.Options)
+    if key not in _SECTIONS:
+        frozen = cls.Options.__dataclass_params__.frozen
+        body = {"kind": cls.name, "__repr__": _section_repr, "__reduce__": _section_reduce}
+        section = type(f"{cls.Options.__name__}", (cls.Options,), body)
+        section.__qualname__ = f"{cls.Options.__qualname__}[{cls.name}]"
+        _SECTIONS[key] = dataclasses.dataclass(frozen=frozen)(section)
+    return _SECTIONS[key]
+
+
+def section_dict(section: Any) -> dict:
+    """``{kind: ..., option: value, ...}``: the section as a config writes it."""
+    return {"kind": section.kind, **{f.name: getattr(section, f.name) for f in dataclasses.fields(section)}}
+
+
+def _section_repr(self) -> str:
+    return f"{type(self).__qualname__}({section_dict(self)!r})"
+
+
+def _section_reduce(self):
+    values = section_dict(self)
+    return plan_section, (values.pop("kind"), values)
 
 
 def build_plan(model, prefix: str = "model") -> ExecutionPlan:
     """The execution plan of ``model`` (a ``ModelConfig``); one-line ConfigError on bad fields."""
-    return plan_kind(model.plan, prefix)(model, prefix)
+    return plan_kind(model.plan.kind, prefix)(model, prefix)

@@ -418,7 +418,7 @@ def _report(
         "devices_per_node": local,
         "device": dev,
         "config": {
-            "plan": cfg.model.plan,
+            "plan": cfg.model.plan.kind,
             "hidden_size": cfg.model.hidden_size,
             "num_blocks": plan.num_stored_blocks,
             "core_depth": full,

@@ -12,15 +12,11 @@ from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_pl
 
 @dataclass
 class AccordionOptions:
-    window: Optional[int] = option(flat="loop_window", help="layers of the loopable window")
-    budgets: list = option([0], flat="loop_budgets", help="loop budgets k trained over (increasing)")
-    budget: Optional[int] = option(
-        flat="loop_budget", help="a fixed budget for training, evaluation and inference (default: sampled)"
-    )
-    second_pass_router: str = option(
-        "shared", flat="second_pass_router", help="shared | separate: one extra MoE router per loopable layer"
-    )
-    gates: bool = option(True, flat="loop_gates", help="per-channel gates on the second pass's residual writes")
+    window: Optional[int] = option(help="layers of the loopable window")
+    budgets: list = option([0], help="loop budgets k trained over (increasing)")
+    budget: Optional[int] = option(help="a fixed budget for training, evaluation and inference (default: sampled)")
+    second_pass_router: str = option("shared", help="shared | separate: one extra MoE router per loopable layer")
+    gates: bool = option(True, help="per-channel gates on the second pass's residual writes")
 
 
 @register_plan
@@ -34,9 +30,9 @@ class AccordionPlan(ExecutionPlan):
 
     def _stored_blocks(self) -> int:
         m, o = self.model, self.options
-        n = self._require("loop_window", o.window)
+        n = self._require("window", o.window)
         budgets = o.budgets
-        key = self.key("loop_budgets")
+        key = self.key("budgets")
         if (
             not isinstance(budgets, list)
             or not budgets
@@ -48,7 +44,7 @@ class AccordionPlan(ExecutionPlan):
         if budgets[0] < 0 or budgets[-1] > n:
             raise ConfigError(f"{key}: every budget must be in [0, window={n}] (got {budgets})")
         if o.budget is not None and o.budget not in budgets:
-            raise ConfigError(f"{self.key('loop_budget')}: {o.budget} is not one of budgets {budgets}")
+            raise ConfigError(f"{self.key('budget')}: {o.budget} is not one of budgets {budgets}")
         if o.second_pass_router not in ("shared", "separate"):
             raise ConfigError(
                 f"{self.key('second_pass_router')}: must be one of shared, separate (got {o.second_pass_router!r})"
@@ -89,11 +85,11 @@ class AccordionPlan(ExecutionPlan):
         return True
 
     def resolve_budget(self, budget: Optional[int]) -> int:
-        """The given budget, else the config's ``loop_budget``, else the largest."""
+        """The given budget, else the section's ``budget``, else the largest."""
         o = self.options
         k = budget if budget is not None else o.budget if o.budget is not None else max(o.budgets)
         if k not in o.budgets:
-            raise ConfigError(f"budget: {k} is not one of the model's loop_budgets {o.budgets}")
+            raise ConfigError(f"budget: {k} is not one of the model's budgets {o.budgets}")
         return k
 
     def depth_for(self, budget: Optional[int] = None) -> int:

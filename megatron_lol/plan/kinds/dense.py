@@ -10,7 +10,7 @@ from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_pl
 
 @dataclass
 class DenseOptions:
-    layers: Optional[int] = option(flat="core_layers", help="layers of the core, each run once")
+    layers: Optional[int] = option(help="layers of the core, each run once")
 
 
 @register_plan
@@ -21,7 +21,7 @@ class DensePlan(ExecutionPlan):
     Options = DenseOptions
 
     def _stored_blocks(self) -> int:
-        return self._require("core_layers", self.options.layers)
+        return self._require("layers", self.options.layers)
 
     def _build_steps(self) -> list:
         att = self._fixed_attention()

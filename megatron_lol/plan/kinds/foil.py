@@ -14,12 +14,10 @@ from megatron_lol.plan.kinds.looped import LoopedPlan
 
 @dataclass
 class FoilOptions:
-    experts: Optional[int] = option(flat="foil_experts", help="E, experts per MoE layer of the looped block")
-    layers: Optional[int] = option(flat="foil_layers", help="D, MoE layers of the looped block")
-    loops: Optional[int] = option(flat="foil_loops", help="L, passes over the block")
-    untie_attention: Optional[bool] = option(
-        flat="untie_attention", help="attention untied per (layer, pass); default true (false: Base-tied)"
-    )
+    experts: Optional[int] = option(help="E, experts per MoE layer of the looped block")
+    layers: Optional[int] = option(help="D, MoE layers of the looped block")
+    loops: Optional[int] = option(help="L, passes over the block")
+    untie_attention: Optional[bool] = option(help="attention untied per (layer, pass); default true (false: Base-tied)")
 
 
 @register_plan
@@ -28,7 +26,6 @@ class FoilPlan(LoopedPlan):
 
     name = "foil"
     Options = FoilOptions
-    layers_key, loops_key = "foil_layers", "foil_loops"
 
     @property
     def untie_attention(self) -> bool:
@@ -42,7 +39,7 @@ class FoilPlan(LoopedPlan):
                 f"{self.prefix}.moe_layers: plan foil loops a block of MoE layers: set moe_layers: all "
                 f"(got {m.moe_layers})"
             )
-        self._require("foil_experts", self.options.experts)
+        self._require("experts", self.options.experts)
         if m.core_num_experts is not None:
             raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from plan.experts")
         return n

@@ -14,8 +14,8 @@ LOL_DEFAULT_DEPTH = 4
 
 @dataclass
 class LoLOptions:
-    num_blocks: int = option(LOL_DEFAULT_BLOCKS, flat="num_blocks", help="L, blocks stored in the library")
-    routed_depth: int = option(LOL_DEFAULT_DEPTH, flat="routed_depth", help="D, routed depths")
+    num_blocks: int = option(LOL_DEFAULT_BLOCKS, help="L, blocks stored in the library")
+    routed_depth: int = option(LOL_DEFAULT_DEPTH, help="D, routed depths")
 
 
 @register_plan

@@ -10,10 +10,10 @@ from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_pl
 
 @dataclass
 class LoopedOptions:
-    layers: Optional[int] = option(flat="loop_layers", help="layers of the recurrent block")
-    loops: Optional[int] = option(flat="loop_count", help="passes over the block")
+    layers: Optional[int] = option(help="layers of the recurrent block")
+    loops: Optional[int] = option(help="passes over the block")
     untie_attention: Optional[bool] = option(
-        flat="untie_attention", help="one attention (and its input norm) per (layer, pass); MLPs stay shared"
+        help="one attention (and its input norm) per (layer, pass); MLPs stay shared"
     )
 
 
@@ -23,7 +23,6 @@ class LoopedPlan(ExecutionPlan):
 
     name = "looped"
     Options = LoopedOptions
-    layers_key, loops_key = "loop_layers", "loop_count"
 
     @property
     def untie_attention(self) -> bool:
@@ -34,8 +33,8 @@ class LoopedPlan(ExecutionPlan):
         return not self.untie_attention
 
     def _stored_blocks(self) -> int:
-        self.loops = self._require(self.loops_key, self.options.loops)
-        return self._require(self.layers_key, self.options.layers)
+        self.loops = self._require("loops", self.options.loops)
+        return self._require("layers", self.options.layers)
 
     def _build_steps(self) -> list:
         att = self._fixed_attention()

@@ -1,0 +1,162 @@
+"""Deprecated spellings of the ``model`` section, rewritten to the plan's section (the one table).
+
+A plan kind's options live in ``model.plan`` (``plan: {kind: foil, experts: 8,
+layers: 8, loops: 2}``). Two earlier spellings are read, with a
+:class:`ConfigDeprecationWarning`, and rewritten here before anything else
+sees the config, so that configs and checkpoints' ``run_config.yaml`` of
+earlier versions load to the same model:
+
+* the options as flat ``model`` keys (:data:`FLAT_KEYS`): ``model.loop_window``
+  for ``model.plan.window``; a ``run_config.yaml`` of that version holds every
+  kind's keys, the unused ones at their defaults (dropped here);
+* the older shape keys: ``num_blocks`` / ``routed_depth`` for every kind, Foil
+  as ``plan: looped`` with MoE blocks (``moe_layers: all``)::
+
+    plan        deprecated keys                    current keys
+    dense       num_blocks                         plan.layers
+    looped      num_blocks, routed_depth           plan.layers, plan.loops (= routed_depth / num_blocks)
+    looped with num_blocks, routed_depth,          plan: foil, plan.layers, plan.loops,
+    MoE blocks  core_num_experts                   plan.experts (default num_experts)
+    accordion   num_blocks                         plan.window
+
+This module is the only one in the package that names an option by its flat
+key (tests/test_config_migration.py scans for the others); the loader calls
+:func:`migrate_model` on a raw ``model`` mapping, :func:`set_flat_key` for
+``--set model.<flat key>=...``, and ``ModelConfig(<flat key>=...)`` goes through
+:func:`migrate_model` too.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from megatron_lol.errors import ConfigError
+
+#: flat ``model`` key -> (the kinds whose option it is, the option's key in their section)
+FLAT_KEYS = {
+    "num_blocks": (("lol",), "num_blocks"),
+    "routed_depth": (("lol",), "routed_depth"),
+    "core_layers": (("dense",), "layers"),
+    "loop_layers": (("looped",), "layers"),
+    "loop_count": (("looped",), "loops"),
+    "foil_experts": (("foil",), "experts"),
+    "foil_layers": (("foil",), "layers"),
+    "foil_loops": (("foil",), "loops"),
+    "untie_attention": (("looped", "foil"), "untie_attention"),
+    "loop_window": (("accordion",), "window"),
+    "loop_budgets": (("accordion",), "budgets"),
+    "loop_budget": (("accordion",), "budget"),
+    "second_pass_router": (("accordion",), "second_pass_router"),
+    "loop_gates": (("accordion",), "gates"),
+}
+
+
+#: the defaults of the flat keys that had one (the others defaulted to null): a run_config.yaml of that
+#: version lists every kind's keys, and these values of another kind's keys mean "not set"
+FLAT_DEFAULTS = {"loop_budgets": [0], "second_pass_router": "shared", "loop_gates": True}
+
+
+class ConfigDeprecationWarning(FutureWarning):
+    """A config key in a deprecated spelling (read and rewritten)."""
+
+
+def _warn(message: str) -> None:
+    warnings.warn(f"config: {message}", ConfigDeprecationWarning, stacklevel=5)
+
+
+def migrate_model(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` (a raw mapping of the ``model`` section) with every flat plan key moved into
+    ``model.plan`` as ``{kind: ..., ...}`` (deprecation warnings); unchanged without flat keys.
+
+    ``override``: the flat keys replace the section's values (``--set model.<flat key>``,
+    ``dataclasses.replace``); otherwise a flat key and a different section value are refused.
+    """
+    flat = {k: model[k] for k in FLAT_KEYS if k in model}
+    if not flat:
+        return model
+    out = {k: v for k, v in model.items() if k not in FLAT_KEYS}
+    plan = model.get("plan", "lol")
+    if isinstance(plan, dict):
+        section = dict(plan)
+    elif isinstance(plan, str):
+        section = {"kind": plan}
+    else:  # a section object (Python construction)
+        from megatron_lol.plan.execution import section_dict
+
+        section = section_dict(plan)
+    kind = section.get("kind")
+    flat = {k: v for k, v in flat.items() if v is not None}  # unset: means nothing in any spelling
+    kind = _older_shape_keys(kind, flat, section, out)
+    for key, value in flat.items():
+        kinds, option = FLAT_KEYS[key]
+        if kind not in kinds:
+            if key in FLAT_DEFAULTS and value == FLAT_DEFAULTS[key]:
+                continue  # a run_config.yaml of the flat version lists every kind's options
+            raise ConfigError(
+                f"{source}: model.{key}: not used by plan {kind} (an option of plan {' / '.join(kinds)}, "
+                f"model.plan.{option})"
+            )
+        written = section.get(option)
+        if not override and written is not None and written != value:
+            raise ConfigError(
+                f"{source}: model.{key}={value!r} given together with model.plan.{option}={written!r}; "
+                f"remove model.{key}"
+            )
+        section[option] = value
+        _warn(
+            f"{source}: model.{key} is deprecated; write it in the plan's section "
+            f"(model.plan: {{kind: {kind}, {option}: ...}})"
+        )
+    section["kind"] = kind
+    out["plan"] = section
+    return out
+
+
+def _older_shape_keys(kind: str, flat: dict, section: dict, out: dict) -> str:
+    """The shape in ``num_blocks`` / ``routed_depth`` for a kind other than lol: rewritten into
+    the kind's section (``flat``, ``section`` and ``out`` in place); the kind it reads as."""
+    if kind in ("lol", None) or not ({"num_blocks", "routed_depth"} & set(flat)):
+        return kind
+    blocks, depth = flat.get("num_blocks"), flat.get("routed_depth")
+    own = {"dense": ("core_layers", "layers"), "accordion": ("loop_window", "window")}
+    if kind in own:
+        old_key, option = own[kind]
+        if old_key in flat or section.get(option) is not None:
+            return kind  # the kind's own key is given: num_blocks is a stray key, refused below
+        flat.pop("routed_depth", None)  # always ignored by these plans
+        if blocks is not None:
+            section[option] = flat.pop("num_blocks")
+            _warn(f"plan {kind}: model.num_blocks is now model.plan.{option} (={blocks})")
+        return kind
+    if kind != "looped" or {"loop_layers", "loop_count"} & set(flat) or section.get("layers") is not None:
+        return kind
+    if blocks is None or depth is None:
+        raise ConfigError(
+            f"model.{'num_blocks' if blocks is None else 'routed_depth'}: the older looped spelling needs "
+            f"both num_blocks and routed_depth (better: model.plan: {{kind: looped, layers: ..., loops: ...}})"
+        )
+    if depth % blocks:
+        raise ConfigError(
+            f"model.routed_depth: a looped plan needs routed_depth ({depth}) to be a multiple of num_blocks ({blocks})"
+        )
+    del flat["num_blocks"], flat["routed_depth"]
+    section.update(layers=blocks, loops=depth // blocks)
+    if out.get("moe_layers") == "all":
+        kind = "foil"
+        experts = out.pop("core_num_experts", None) or out.get("num_experts")
+        if section.get("experts") is None:
+            section["experts"] = experts
+        if section.get("untie_attention") is None and flat.get("untie_attention") is None:
+            section["untie_attention"] = False  # the default of this spelling
+    _warn(
+        f"plan looped{' with MoE blocks is now plan foil;' if kind == 'foil' else ':'} "
+        f"num_blocks / routed_depth are now model.plan.layers={blocks} / model.plan.loops={depth // blocks}"
+    )
+    return kind
+
+
+def set_flat_key(model, key: str, value: Any, source: str) -> None:
+    """``--set model.<flat key>=VALUE``: the option of the current plan (deprecation warning)."""
+    migrated = migrate_model({"plan": model.plan, key: value}, source, override=True)
+    model.read_plan_section(migrated["plan"], source)

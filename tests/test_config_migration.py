@@ -1,0 +1,257 @@
+"""A plan kind's options live only in ``model.plan``; earlier spellings are rewritten by one table.
+
+``megatron_lol/config/migration.py`` is the only module that names an option by
+its flat ``model`` key. The scan below reads every module of the package and
+fails on a read of a flat key from anything but a section or a module's own
+attribute; the runtime checks make sure the flat names are not attributes of
+``ModelConfig`` either (a read fails, an assignment is refused).
+"""
+
+from __future__ import annotations
+
+import ast
+import warnings
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_lol.config import ModelConfig, config_from_dict, load_config
+from megatron_lol.config.migration import FLAT_KEYS, ConfigDeprecationWarning
+from megatron_lol.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGE = REPO / "megatron_lol"
+MIGRATION = PACKAGE / "config" / "migration.py"
+# the exported HF model's own config (config.json's published keys), not a ModelConfig
+HF_REMOTE_CODE = PACKAGE / "convert" / "hf_modeling"
+# what a flat name may be read from: a plan's section or options (``m.plan.num_blocks``,
+# ``self.options.untie_attention``, a kind's ``o``), a module's or a plan's own attribute
+# (``self.loop_gates``, a parameter), a ParamCounts (``counts.loop_gates``, a parameter
+# category) and the CLI's arguments / a loaded run (``args.loop_budget``, a flag)
+ALLOWED_BASES = {"plan", "options", "o", "self", "counts", "args", "loaded", "run"}
+
+
+def flat_reads(source: str) -> list:
+    """``(line, text)`` of every read of a flat plan key that is not one of the allowed kinds."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr in FLAT_KEYS:
+            base = ast.unparse(node.value).split(".")[-1]
+            if base not in ALLOWED_BASES:
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call):
+            name = ast.unparse(node.func).split(".")[-1]
+            if name in ("ModelConfig", "replace"):
+                found += [(node.lineno, f"{name}({k.arg}=...)") for k in node.keywords if k.arg in FLAT_KEYS]
+            if name in ("getattr", "setattr", "hasattr") and len(node.args) > 1:
+                key = node.args[1]
+                if isinstance(key, ast.Constant) and key.value in FLAT_KEYS:
+                    found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_the_scan_finds_flat_reads():
+    """The scan is not blind: each way of reading a flat key is caught, the section's spelling is not."""
+    bad = """
+m.loop_window
+cfg.model.num_blocks
+replace(m, core_layers=3)
+ModelConfig(loop_gates=False)
+getattr(model, "foil_experts")
+"""
+    assert len(flat_reads(bad)) == 5
+    good = "m.plan.window\nm.plan.num_blocks\nself.loop_gates\ncounts.second_pass_router\nreplace(m.plan, budget=1)\n"
+    assert flat_reads(good) == []
+
+
+def test_no_module_outside_the_migration_table_reads_a_flat_plan_key():
+    hits = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        if path == MIGRATION or HF_REMOTE_CODE in path.parents:
+            continue
+        hits += [f"{path.relative_to(REPO)}:{line}: {text}" for line, text in flat_reads(path.read_text())]
+    assert hits == [], "\n".join(hits)
+
+
+def test_model_config_has_no_flat_plan_fields():
+    m = ModelConfig(plan={"kind": "accordion", "window": 3, "budgets": [0, 3]})
+    for key, (_, option) in FLAT_KEYS.items():
+        assert not hasattr(m, key), key
+        with pytest.raises(AttributeError, match=f"lives in model.plan.{option}"):
+            setattr(m, key, 1)
+    assert (m.plan.kind, m.plan.window, m.plan.budgets, m.plan.gates) == ("accordion", 3, [0, 3], True)
+
+
+def test_each_flat_key_moves_into_its_kinds_section():
+    """Every row of the table, written flat, reads (with a deprecation) as its section key."""
+    values = {
+        "num_blocks": 3,
+        "routed_depth": 5,
+        "core_layers": 3,
+        "loop_layers": 2,
+        "loop_count": 3,
+        "foil_experts": 6,
+        "foil_layers": 2,
+        "foil_loops": 2,
+        "untie_attention": False,
+        "loop_window": 3,
+        "loop_budgets": [0, 2],
+        "loop_budget": 2,
+        "second_pass_router": "separate",
+        "loop_gates": False,
+    }
+    assert set(values) == set(FLAT_KEYS)
+    moe = {"moe_layers": "all", "num_experts": 4}
+    for key, value in values.items():
+        kinds, option = FLAT_KEYS[key]
+        kind = kinds[-1]
+        model = {"plan": kind, key: value, **(moe if kind in ("foil", "accordion") else {})}
+        required = {
+            "dense": {"layers": 2},
+            "looped": {"layers": 2, "loops": 2},
+            "accordion": {"window": 3, "budgets": [0, 2]},
+        }
+        required["foil"] = dict(required["looped"], experts=4)
+        model["plan"] = {"kind": kind, **{k: v for k, v in required.get(kind, {}).items() if k != option}}
+        with pytest.warns(ConfigDeprecationWarning, match=f"model.{key} is deprecated"):
+            cfg = config_from_dict({"model": model})
+        assert getattr(cfg.model.plan, option) == value, key
+
+
+def test_a_flat_key_against_the_section_is_refused():
+    with pytest.raises(ConfigError, match=r"model.loop_window=4 given together with model.plan.window=3"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigDeprecationWarning)
+            config_from_dict({"model": {"plan": {"kind": "accordion", "window": 3}, "loop_window": 4}})
+
+
+def test_set_of_a_flat_key_sets_the_section(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"plan": {"kind": "dense", "layers": 2}}}))
+    with pytest.warns(ConfigDeprecationWarning, match="model.core_layers is deprecated"):
+        cfg = load_config(path, [("model.core_layers", 5, "--set model.core_layers=5")], check_data=False)
+    assert cfg.model.plan.layers == 5 and cfg.model.execution_plan().num_stored_blocks == 5
+
+
+FLAT_RUN_CONFIG_OF_DENSE = {
+    # a run_config.yaml of the flat version: every kind's keys, the other kinds' at their defaults
+    "plan": "dense",
+    "num_blocks": None,
+    "routed_depth": None,
+    "core_layers": 3,
+    "loop_layers": None,
+    "loop_count": None,
+    "foil_experts": None,
+    "foil_layers": None,
+    "foil_loops": None,
+    "loop_window": None,
+    "untie_attention": None,
+    "loop_budgets": [0],
+    "loop_budget": None,
+    "second_pass_router": "shared",
+    "loop_gates": True,
+    "hidden_size": 32,
+    "num_attention_heads": 4,
+}
+
+
+def test_a_flat_run_config_lists_every_kind_and_reads_as_its_own():
+    with pytest.warns(ConfigDeprecationWarning, match="model.core_layers is deprecated"):
+        cfg = config_from_dict({"model": dict(FLAT_RUN_CONFIG_OF_DENSE)})
+    assert cfg.to_dict()["model"]["plan"] == {"kind": "dense", "layers": 3}
+    with pytest.raises(ConfigError, match=r"model.loop_gates: not used by plan dense"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigDeprecationWarning)
+            config_from_dict({"model": dict(FLAT_RUN_CONFIG_OF_DENSE, loop_gates=False)})
+
+
+# --------------------------------------------------------------------------- a checkpoint of the flat layout
+TOKENS = 96
+
+
+class _Tokenizer:
+    vocab_size = TOKENS
+    eod = 0
+
+
+def _raw_run(save: Path, iters: int) -> dict:
+    return {
+        "model": {
+            "plan": {"kind": "lol", "num_blocks": 3, "routed_depth": 3},
+            "hidden_size": 32,
+            "num_attention_heads": 4,
+            "ffn_hidden_size": 64,
+            "window_size": 8,
+            "window_shift": 4,
+            "make_vocab_size_divisible_by": 32,
+        },
+        "training": {
+            "train_iters": iters,
+            "micro_batch_size": 2,
+            "global_batch_size": 2,
+            "seq_length": 32,
+            "log_interval": 100,
+            "eval_interval": 100,
+            "eval_iters": 0,
+            "seed": 7,
+            "save": str(save),
+            "save_interval": 2,
+        },
+        "optimizer": {"lr": 1e-2, "lr_warmup_iters": 0},
+    }
+
+
+def _train(cfg) -> dict:
+    from megatron_lol.training.profile import SyntheticDataset
+    from megatron_lol.training.trainer import Trainer
+
+    ds = SyntheticDataset(cfg.training.seq_length, TOKENS, eod=0, seed=3)
+    trainer = Trainer(cfg, tokenizer=_Tokenizer(), datasets=(ds, None, None)).setup()
+    return {r.step: r.loss for r in trainer.train().results}
+
+
+def flat_layout(model: dict) -> dict:
+    """``model`` as the version before plan sections wrote it into run_config.yaml: ``plan`` the
+    kind's name and every kind's options as flat keys (the other kinds' at their defaults)."""
+    from megatron_lol.config.migration import FLAT_DEFAULTS
+
+    out = {k: v for k, v in model.items() if k != "plan"}
+    section = dict(model["plan"])
+    kind = section.pop("kind")
+    out["plan"] = kind
+    for key, (kinds, option) in FLAT_KEYS.items():
+        out[key] = section[option] if kind in kinds else FLAT_DEFAULTS.get(key)
+    return out
+
+
+def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, tmp_path):
+    """A 4-step run stopped and saved at step 2, its run_config.yaml rewritten to the flat layout, then
+    resumed from it (``--use-checkpoint-args``): the same config, and the losses of an uninterrupted run."""
+    from megatron_lol.training.checkpoint_args import config_with_checkpoint_args
+    from megatron_lol.training.checkpointing.files import digest_files, read_manifest, write_manifest
+
+    ref = _train(config_from_dict(_raw_run(tmp_path / "ref", 4)))
+    stopped = _raw_run(tmp_path / "old", 4)
+    stopped["training"]["exit_interval"] = 2  # saves at 2 and stops
+    first = _train(config_from_dict(stopped))
+    assert first == {1: ref[1], 2: ref[2]}
+    run_config = tmp_path / "old" / "iter_0000002" / "run_config.yaml"
+    saved = yaml.safe_load(run_config.read_text())
+    assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3}
+    saved["model"] = flat_layout(saved["model"])
+    run_config.write_text(yaml.safe_dump(saved))
+    # the checkpoint that version saved lists this run_config.yaml in its checksum manifest
+    files = read_manifest(str(run_config.parent))
+    files.update(digest_files(str(run_config.parent), ["run_config.yaml"]))
+    write_manifest(str(run_config.parent), files)
+    overrides = [
+        ("training.exit_interval", None, "--exit-interval"),
+        ("training.save", str(tmp_path / "old"), "--save"),
+    ]
+    with pytest.warns(ConfigDeprecationWarning, match="model.num_blocks is deprecated"):
+        cfg = config_with_checkpoint_args(None, overrides, check_data=False)
+    section_layout = yaml.safe_load((tmp_path / "ref" / "iter_0000002" / "run_config.yaml").read_text())["model"]
+    assert cfg.model.to_dict() == section_layout
+    resumed = _train(cfg)
+    assert sorted(resumed) == [3, 4] and resumed == {3: ref[3], 4: ref[4]}
