@@ -85,7 +85,7 @@ TOKENIZER_FROM="TOKENIZER_MODEL"
 if [ -z "${TOKENIZER_TYPE:-}" ] || [ -z "${TOKENIZER_MODEL:-}" ]; then
     [ -f "$PRETRAIN_CONFIG" ] || die "PRETRAIN_CONFIG=$PRETRAIN_CONFIG does not exist"
     if ! out=$(lol_py -c 'import sys; from megatron_lol.config import load_config
-d = load_config(sys.argv[1], check_data=False).data
+d = load_config(sys.argv[1], validate=False).data
 print(f"tokenizer_type={d.tokenizer_type}\ntokenizer_model={d.tokenizer_model or str()}")' \
                "$PRETRAIN_CONFIG" 2>&1); then
         die "PRETRAIN_CONFIG=$PRETRAIN_CONFIG: $(tail -n 1 <<<"$out") -- nothing submitted"
@@ -170,6 +170,7 @@ if [ "${VALIDATE:-1}" = 1 ]; then
     # shellcheck disable=SC2086
     if ! out=$(lol_py -m megatron_lol preprocess --dry-run --input $INPUT --json-keys text \
                --tokenizer-type "$TOKENIZER_TYPE" ${TOKENIZER_MODEL:+--tokenizer-model "$TOKENIZER_MODEL"} \
+               ${VOCAB_FILE:+--vocab-file "$VOCAB_FILE"} ${MERGE_FILE:+--merge-file "$MERGE_FILE"} \
                --output-prefix "$DATA_PREFIX_BASE" --overwrite 2>&1); then
         die "preprocess stage: $(grep -v '^usage:\|^  ' <<<"$out" | tail -n 1) -- nothing submitted"
     fi
