@@ -8,9 +8,12 @@ directory outside the repository with the scripts' absolute paths and with a
 stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
 ``LOCAL_RANK`` in the submitting environment:
 
-* the whole pipeline of ``slurm/submit_pipeline.sh``: preprocess as a job array
-  over 2 shards, merge, pretrain on 2 nodes x 1 process (torchrun, gloo,
-  growing depth), context extension (one task per process) from the
+* the whole pipeline of ``slurm/submit_pipeline.sh`` as the FineWeb recipe runs it: two parquet
+  files in FineWeb's ``sample-10BT`` layout and schema as INPUT, the tokenizer by Hub name
+  (``EleutherAI/gpt-neox-20b``, a small tokenizer in a prepared Hub cache; the Hub itself
+  unreachable), resolved on the submitting host, every job offline (``HF_HUB_OFFLINE=1``, set
+  by the script); preprocess as a job array over 2 shards, merge, pretrain on 2 nodes x 1
+  process (torchrun, gloo, growing depth), context extension (one task per process) from the
   pretraining checkpoint;
 * four pretraining drills preempted by SIGUSR1 -- to the job steps after 3
   steps and to the steps while the trainer is still starting (both under
@@ -22,12 +25,17 @@ stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
   ``REQUEUE_REQUESTED`` (must fail with status 2 and its one-line error, no
   requeue), a non-finite loss under the srun launcher (status 3), a
   preprocess that fails (its dependents must be cancelled, not left pending),
-  ``submit_pipeline.sh`` with a typo (nothing submitted) and held submissions
+  ``submit_pipeline.sh`` with a typo, without a tokenizer or with a parquet file
+  without ``text`` (one line, status 2, nothing submitted) and held submissions
   that show the CPUs each launch style asks for;
 * ``profile.sbatch`` on 2 nodes that share one hostname: a JSON report with a
   row per node.
 
-The campaign runs once (module fixture); each test checks one behaviour. One test
+The campaign runs once (module fixture); each test checks one behaviour. Its time is
+python start-up (about 9 CPU seconds per training process, against 0.13 per tiny step), on
+a machine of 2 cores: the pipeline is submitted first and the submission checks run while
+its jobs do, the drills skip the per-job layout check that the pipeline's job makes, and
+nothing is launched twice that one launch can check. One test
 runs its own job outside the campaign: a node's task killed with ``kill -9`` in a
 2-node job, the reason recorded by the scripts, and the same submission resuming
 from the last complete checkpoint.
