@@ -74,6 +74,12 @@ for _v in MASTER_ADDR MASTER_PORT RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE GR
         unset "$_v"
     fi
 done
+# submit_pipeline.sh submits with HF_HUB_OFFLINE=1 (a tokenizer given by Hub name was fetched on the
+# submitting host; compute nodes may have no internet): say so, so a job's log shows where it reads them
+if [ "${HF_HUB_OFFLINE:-0}" = 1 ]; then
+    lol_log "HF_HUB_OFFLINE=1: Hub files (tokenizers) are read from the local cache only" \
+            "(${HF_HUB_CACHE:-${HF_HOME:-${HOME:-~}/.cache/huggingface}/hub})"
+fi
 
 : "${MEGATRON_LOL_ROOT:?slurm/common.sh: MEGATRON_LOL_ROOT is not set (source it from an sbatch script)}"
 MEGATRON_LOL_ROOT="$(cd "$MEGATRON_LOL_ROOT" && pwd)"

@@ -8,7 +8,10 @@
 # Every stage's configuration is validated first: its parallel layout and batch sizes against
 # NODES x PROCS_PER_NODE (`megatron-lol plan-layout --check`: when they do not fit, status 2 with
 # the planner's first proposal), then `megatron-lol train --dry-run=config` (every key, the
-# tokenizer), as are INPUT and TOKENIZER_MODEL; nothing is submitted unless all pass.
+# tokenizer), and the preprocess array's `megatron-lol preprocess --dry-run` (INPUT, parquet
+# columns, the tokenizer); nothing is submitted unless all pass. The tokenizer is the pretraining
+# config's (data.tokenizer_type / data.tokenizer_model) unless TOKENIZER_TYPE / TOKENIZER_MODEL say
+# otherwise; one given by Hub name is fetched here and the jobs run with HF_HUB_OFFLINE=1.
 # Run it from any directory: relative paths are relative to it, and the jobs run there.
 #
 #   megatron-lol plan-layout --config /repo/examples/configs/paper/lol-360m-L4.yaml \
@@ -21,10 +24,16 @@
 #
 # Variables (defaults):
 #   INPUT             corpus files / glob / directory for preprocess      (required)
-#   TOKENIZER_TYPE    (SentencePieceTokenizer)    TOKENIZER_MODEL (required for SentencePiece; a file or a Hub name)
+#                     (.jsonl[.gz|.zst], .parquet with a `text` column, .txt)
+#   TOKENIZER_TYPE    tokenizer of every stage       (PRETRAIN_CONFIG's data.tokenizer_type)
+#   TOKENIZER_MODEL   a file, or a Hub name such as EleutherAI/gpt-neox-20b (PRETRAIN_CONFIG's data.tokenizer_model)
 #   NUM_SHARDS        preprocess array size                                (4)
 #   PREPROCESS_CPUS   CPUs per preprocess task (= tokenizer workers)       (4)
 #   WORK_DIR          data/, pretrain/, context_ext/, logs/, jobs.env go here (runs/pipeline)
+#   DATA_PREFIX       the dataset preprocess writes and training reads, ending in _text_document,
+#                     e.g. data/paper/fineweb_text_document (the paper configs')
+#                                                      ($WORK_DIR/data/corpus_text_document)
+#   DATA_ONLY         1 = submit the preprocess array and the merge only   (0)
 #   PRETRAIN_CONFIG   ($REPO/examples/configs/tiny-slurm.yaml)
 #   CONTEXT_CONFIG    ($REPO/examples/configs/tiny-context-ext.yaml); empty = no context-extension stage
 #   NODES             nodes for pretrain and context extension           (2)
@@ -63,6 +72,34 @@ WORK_DIR="$(abspath "${WORK_DIR:-runs/pipeline}")"
 PRETRAIN_CONFIG="$(abspath "${PRETRAIN_CONFIG:-$REPO/examples/configs/tiny-slurm.yaml}")"
 CONTEXT_CONFIG="${CONTEXT_CONFIG-$REPO/examples/configs/tiny-context-ext.yaml}"
 [ -n "$CONTEXT_CONFIG" ] && CONTEXT_CONFIG="$(abspath "$CONTEXT_CONFIG")"
+DATA_PREFIX="$(abspath "${DATA_PREFIX:-$WORK_DIR/data/corpus_text_document}")"
+case "$DATA_PREFIX" in
+    *_text_document) DATA_PREFIX_BASE="${DATA_PREFIX%_text_document}" ;;
+    *) die "DATA_PREFIX=$DATA_PREFIX must end in _text_document (preprocess writes PREFIX_text_document)" ;;
+esac
+DATA_ONLY="${DATA_ONLY:-0}"
+PY="${MEGATRON_LOL_PYTHON:-$REPO/.venv/bin/python}"
+lol_py() { (cd "$RUN_DIR" && PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" "$@"); }
+# the tokenizer every stage uses: the pretraining config's unless TOKENIZER_TYPE / TOKENIZER_MODEL are set
+TOKENIZER_FROM="TOKENIZER_MODEL"
+if [ -z "${TOKENIZER_TYPE:-}" ] || [ -z "${TOKENIZER_MODEL:-}" ]; then
+    [ -f "$PRETRAIN_CONFIG" ] || die "PRETRAIN_CONFIG=$PRETRAIN_CONFIG does not exist"
+    if ! out=$(lol_py -c 'import sys; from megatron_lol.config import load_config
+d = load_config(sys.argv[1], validate=False).data
+print(f"tokenizer_type={d.tokenizer_type}\ntokenizer_model={d.tokenizer_model or str()}")' \
+               "$PRETRAIN_CONFIG" 2>&1); then
+        die "PRETRAIN_CONFIG=$PRETRAIN_CONFIG: $(tail -n 1 <<<"$out") -- nothing submitted"
+    fi
+    TOKENIZER_TYPE="${TOKENIZER_TYPE:-$(sed -n 's/^tokenizer_type=//p' <<<"$out")}"
+    if [ -z "${TOKENIZER_MODEL:-}" ]; then
+        TOKENIZER_MODEL="$(sed -n 's/^tokenizer_model=//p' <<<"$out")"
+        TOKENIZER_FROM="TOKENIZER_MODEL (data.tokenizer_model of $PRETRAIN_CONFIG)"
+    fi
+fi
+if [ -z "$TOKENIZER_MODEL" ] && [ "$TOKENIZER_TYPE" != GPT2BPETokenizer ]; then
+    die "no tokenizer: set TOKENIZER_MODEL (a file, or a Hub name such as EleutherAI/gpt-neox-20b) or" \
+        "data.tokenizer_model in $PRETRAIN_CONFIG -- nothing submitted"
+fi
 # TOKENIZER_MODEL: a local file, or a HuggingFace Hub name (namespace/name, no such local path), which is
 # resolved below on this host into the Hub cache (HF_HUB_CACHE / HF_HOME: put it where the compute nodes
 # read); the jobs then run with HF_HUB_OFFLINE=1
@@ -97,22 +134,21 @@ done
 # shellcheck disable=SC2086
 if ! compgen -G "$INPUT" >/dev/null && [ ! -e "$INPUT" ]; then die "INPUT=$INPUT matches no file"; fi
 if [ -n "${TOKENIZER_MODEL:-}" ] && [ "$TOKENIZER_ON_HUB" = 0 ] && [ ! -e "$TOKENIZER_MODEL" ]; then
-    die "TOKENIZER_MODEL=$TOKENIZER_MODEL does not exist"
+    die "${TOKENIZER_FROM/TOKENIZER_MODEL/TOKENIZER_MODEL=$TOKENIZER_MODEL} does not exist -- nothing submitted"
 fi
-PY="${MEGATRON_LOL_PYTHON:-$REPO/.venv/bin/python}"
+export TOKENIZER_TYPE TOKENIZER_MODEL  # the jobs' (preprocess.sbatch, pretrain.sbatch, ...)
 if [ "$TOKENIZER_ON_HUB" = 1 ]; then
     # downloaded here (or found in the cache) before anything is queued: the compute nodes have no internet
-    if ! out=$(PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}" "$PY" -c \
+    if ! out=$(lol_py -c \
                'import sys; from megatron_lol.data.tokenizers import hub_tokenizer_file; print(hub_tokenizer_file(sys.argv[1]))' \
                "$TOKENIZER_MODEL" 2>&1); then
         die "TOKENIZER_MODEL=$TOKENIZER_MODEL: $(grep -v '^\s' <<<"$out" | tail -n 1) -- nothing submitted"
     fi
     echo "tokenizer: $TOKENIZER_MODEL from the Hub cache (${out##*$'\n'}); the jobs read it offline"
 fi
-
-mkdir -p "$WORK_DIR/logs" "$WORK_DIR/data"
-DATA_PREFIX_BASE="$WORK_DIR/data/corpus"
-DATA_PREFIX="${DATA_PREFIX_BASE}_text_document"
+# from here on, the checks below and every job read Hub files from the cache the step above filled, as
+# compute nodes without internet must
+export HF_HUB_OFFLINE=1
 
 # stage_args STAGE: the `megatron-lol train` arguments of the pretrain / context stage
 stage_args() {
@@ -122,7 +158,7 @@ stage_args() {
     else
         args=(--config "$CONTEXT_CONFIG" --save "$WORK_DIR/context_ext" --load "$WORK_DIR/pretrain")
     fi
-    args+=(--data-path "$DATA_PREFIX")
+    args+=(--data-path "$DATA_PREFIX" --tokenizer-type "$TOKENIZER_TYPE")
     [ -n "${TOKENIZER_MODEL:-}" ] && args+=(--tokenizer-model "$TOKENIZER_MODEL")
     printf '%s\n' "${args[@]}"
 }
@@ -130,8 +166,18 @@ stage_args() {
 if [ "${VALIDATE:-1}" = 1 ]; then
     command -v "$PY" >/dev/null 2>&1 || [ -x "$PY" ] || \
         die "cannot validate the configs: $PY not found (set MEGATRON_LOL_PYTHON, or VALIDATE=0 to skip)"
+    # the array's own command, every shard's inputs and parquet columns, the tokenizer as its workers build it
+    # shellcheck disable=SC2086
+    if ! out=$(lol_py -m megatron_lol preprocess --dry-run --input $INPUT --json-keys text \
+               --tokenizer-type "$TOKENIZER_TYPE" ${TOKENIZER_MODEL:+--tokenizer-model "$TOKENIZER_MODEL"} \
+               ${VOCAB_FILE:+--vocab-file "$VOCAB_FILE"} ${MERGE_FILE:+--merge-file "$MERGE_FILE"} \
+               --output-prefix "$DATA_PREFIX_BASE" --overwrite 2>&1); then
+        die "preprocess stage: $(grep -v '^usage:\|^  ' <<<"$out" | tail -n 1) -- nothing submitted"
+    fi
+    echo "preprocess stage: ${out##*$'\n'}"
     stages=(pretrain); [ -n "$CONTEXT_CONFIG" ] && stages+=(context)
-    for stage in "${stages[@]}"; do
+    [ "$DATA_ONLY" = 1 ] && stages=()
+    for stage in ${stages[@]+"${stages[@]}"}; do
         mapfile -t a < <(stage_args "$stage")
         if [ "$stage" = pretrain ]; then extra="${PRETRAIN_ARGS:-}"; else extra="${CONTEXT_ARGS:-}"; fi
         # shellcheck disable=SC2086,SC2206
@@ -156,8 +202,7 @@ if [ "${VALIDATE:-1}" = 1 ]; then
 fi
 
 # ------------------------------------------------------------------ submission
-# the jobs read tokenizers given by Hub name from the cache the checks above filled (compute nodes are offline)
-export HF_HUB_OFFLINE=1
+mkdir -p "$WORK_DIR/logs" "$(dirname "$DATA_PREFIX")"
 common=(--parsable --chdir="$RUN_DIR")
 [ -n "${PARTITION:-}" ] && common+=(--partition="$PARTITION")
 [ -n "${ACCOUNT:-}" ] && common+=(--account="$ACCOUNT")
@@ -196,14 +241,15 @@ merge_flags=($(after "$PRE") --cpus-per-task=1 --output="$WORK_DIR/logs/%x-merge
 MERGE=$(PREPROCESS_STEP=merge NUM_SHARDS="$NUM_SHARDS" OUTPUT_PREFIX="$DATA_PREFIX_BASE" \
         sbatch "${common[@]}" "${merge_flags[@]}" "$REPO/slurm/preprocess.sbatch" | jobid)
 
+PRETRAIN="" CONTEXT=""
+[ "$DATA_ONLY" = 1 ] && CONTEXT_CONFIG=""
 pl="${PRETRAIN_LAUNCHER:-$LAUNCHER}"
 # shellcheck disable=SC2046
-PRETRAIN=$(LAUNCHER="$pl" CONFIG="$PRETRAIN_CONFIG" SAVE_DIR="$WORK_DIR/pretrain" DATA_PREFIX="$DATA_PREFIX" \
+[ "$DATA_ONLY" = 1 ] || PRETRAIN=$(LAUNCHER="$pl" CONFIG="$PRETRAIN_CONFIG" SAVE_DIR="$WORK_DIR/pretrain" DATA_PREFIX="$DATA_PREFIX" \
            TRAIN_ARGS="${PRETRAIN_ARGS:-}" \
            sbatch "${common[@]}" $(train_flags "$pl" "${PRETRAIN_TIME:-}") $(after "$MERGE") \
            --output="$WORK_DIR/logs/%x-%j.out" "$REPO/slurm/pretrain.sbatch" | jobid)
 
-CONTEXT=""
 if [ -n "$CONTEXT_CONFIG" ]; then
     cl="${CONTEXT_LAUNCHER:-$LAUNCHER}"
     # shellcheck disable=SC2046
@@ -220,4 +266,4 @@ PRETRAIN_JOB=$PRETRAIN
 CONTEXT_JOB=$CONTEXT
 DATA_PREFIX=$DATA_PREFIX
 EOT
-echo "preprocess=$PRE merge=$MERGE pretrain=$PRETRAIN context_extension=${CONTEXT:-none} (ids in $WORK_DIR/jobs.env)"
+echo "preprocess=$PRE merge=$MERGE pretrain=${PRETRAIN:-none} context_extension=${CONTEXT:-none} (ids in $WORK_DIR/jobs.env)"

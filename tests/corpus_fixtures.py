@@ -317,3 +317,43 @@ def hub_cache(root: Path, name: str, tokenizer_json: str, files: dict | None = N
     for file, text in (files or {}).items():
         (snapshot / file).write_text(text)
     return snapshot
+
+
+FINEWEB_COLUMNS = ("text", "id", "dump", "url", "date", "file_path", "language", "language_score", "token_count")
+
+
+def write_fineweb_parquet(docs: list, root, files: int = 2, row_group_size: int = 16) -> list:
+    """``docs`` as FineWeb's ``sample-10BT`` parquet shards under ``root``: ``sample/10BT/000_00000.parquet``,
+    ``001_00000.parquet``, ... (documents dealt in order, ``files`` files), FineWeb's columns and types
+    (``text`` plus id, dump, url, date, file_path, language, language_score, token_count), several row
+    groups per file so that an array's shards split inside a file. Returns the files, in order."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    out_dir = Path(root) / "sample" / "10BT"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    per_file = -(-len(docs) // files)
+    paths = []
+    for f in range(files):
+        part = docs[f * per_file : (f + 1) * per_file]
+        n = len(part)
+        dump = "CC-MAIN-2024-10"
+        table = pa.table(
+            {
+                "text": pa.array(part, pa.string()),
+                "id": pa.array([f"<urn:uuid:{f:04d}{i:08d}-0000-0000-0000-000000000000>" for i in range(n)]),
+                "dump": pa.array([dump] * n),
+                "url": pa.array([f"https://example.org/{f}/{i}" for i in range(n)]),
+                "date": pa.array(["2024-02-20T12:00:00Z"] * n),
+                "file_path": pa.array(
+                    [f"s3://commoncrawl/crawl-data/{dump}/segments/{f}/warc/{i}.warc.gz" for i in range(n)]
+                ),
+                "language": pa.array(["en"] * n),
+                "language_score": pa.array([0.9] * n, pa.float64()),
+                "token_count": pa.array([len(t.split()) for t in part], pa.int64()),
+            }
+        )
+        path = out_dir / f"{f:03d}_00000.parquet"
+        pq.write_table(table, path, row_group_size=row_group_size)
+        paths.append(path)
+    return paths

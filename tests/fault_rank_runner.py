@@ -7,7 +7,9 @@ as the Slurm scripts' ``MEGATRON_LOL_ENTRY``) where FAULT is
   fails to be written with ENOSPC (the other ranks write theirs);
 * ``slow=RANK:SECONDS``: rank RANK sleeps SECONDS in every micro-batch's forward (a straggler);
 * ``pause=ITER:SECONDS``: every rank sleeps SECONDS after the shards of iteration ITER are handed to
-  megatron-core, before the checkpoint is committed (a window to kill a run in the middle of a save);
+  megatron-core, before the checkpoint is committed (a window to kill a run in the middle of a save,
+  or to signal it before it ends); in the first launch of a Slurm job only: a requeued job's restart
+  (``SLURM_RESTART_COUNT`` > 0) that saves ITER again needs no window and does not wait;
 * ``nan=ITER[,ITER...]``: the model's output (the per-token loss) is multiplied by NaN in the forward
   passes of those 1-based iterations, so the loss *and* the gradients are non-finite.
 
@@ -78,7 +80,7 @@ def _slow(rank: int, seconds: float) -> None:
 
 def _pause(iteration: int, seconds: float):
     def pause(at: int, tmp: str) -> None:
-        if at == iteration:
+        if at == iteration and int(os.environ.get("SLURM_RESTART_COUNT") or 0) == 0:
             print(f"fault: rank {os.environ.get('RANK', '0')} pausing {seconds} s before committing {tmp}", flush=True)
             time.sleep(seconds)
 

@@ -291,3 +291,28 @@ def test_killed_process_leaves_no_idx(tmp_path, tok_files):
         proc.wait()
     names = os.listdir(tmp_path)
     assert not any(n.endswith((".idx", ".bin")) for n in names), names
+
+
+def test_parquet_without_the_text_column_stops_every_shard_and_the_dry_run(tmp_path, capsys):
+    """FineWeb-schema parquet files, one of them without ``text``: every shard stops before it writes
+    anything, also a shard that holds none of that file's rows (the columns are read from every file's
+    footer first), and ``--dry-run`` says the same one line; a dry run of good files says what it would
+    write and writes nothing (not even the output directory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    tok = T.write_tiny_tokenizer(tmp_path / "tok")
+    good = T.write_fineweb_parquet(["the cat sat on a mat"] * 8, tmp_path / "fw", files=1, row_group_size=2)[0]
+    bad = good.parent / "001_00000.parquet"
+    pq.write_table(pa.table({"content": ["the cat"]}), bad)
+    argv = ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(tok), "--append-eod"]
+    out = tmp_path / "out" / "fineweb"
+    rc, cap = run_cli(["--input", str(good), "--output-prefix", str(out), "--dry-run", *argv], capsys)
+    assert rc == 0 and cap.out.startswith("preprocess: dry run OK: 1 file(s)"), cap
+    assert f"would write {out}_text_document.bin/.idx" in cap.out
+    files = str(good.parent / "*.parquet")
+    for extra in (["--dry-run"], ["--shard", "0/2"]):  # shard 0 of 2: the good file's row groups only
+        rc, cap = run_cli(["--input", files, "--output-prefix", str(out), *extra, *argv], capsys)
+        assert rc == 2 and cap.err.count("\n") == 1, cap
+        assert f"{bad}: no column 'text' (columns: content)" in cap.err, cap.err
+    assert not (tmp_path / "out").exists()

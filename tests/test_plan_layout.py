@@ -407,6 +407,28 @@ def test_submit_pipeline_resolves_a_hub_tokenizer_before_queueing_and_the_jobs_r
     assert len(jobs) == 3 and calls.count("offline=1") == 3, calls
 
 
+def test_submit_pipeline_without_any_tokenizer_queues_nothing(tmp_path):
+    """No TOKENIZER_MODEL and a config that names none: one line saying what to set, status 2, sbatch never
+    called and no directory made (a config whose tokenizer file is missing: tests/test_slurm.py)."""
+    config = tmp_path / "no-tokenizer.yaml"
+    text = (REPO / "examples/configs/tiny-slurm.yaml").read_text()
+    config.write_text(text.replace("  tokenizer_model: runs/pipeline/data/tokenizer.model\n", ""))
+    log = tmp_path / "sbatch.log"
+    _recorder(tmp_path / "bin", "sbatch", log, output="echo 4242")
+    corpus = tmp_path / "raw.jsonl"
+    corpus.write_text('{"text": "the a of"}\n')
+    env = _script_env(tmp_path, INPUT=corpus, PRETRAIN_CONFIG=config, CONTEXT_CONFIG="", WORK_DIR=tmp_path / "work")
+    for key in ("TOKENIZER_TYPE", "TOKENIZER_MODEL"):
+        env.pop(key, None)
+    run = subprocess.run(
+        ["bash", str(REPO / "slurm/submit_pipeline.sh")], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("submit_pipeline.sh: no tokenizer: set TOKENIZER_MODEL (a file, or a Hub name")
+    assert run.stderr.rstrip().endswith(f"data.tokenizer_model in {config} -- nothing submitted"), run.stderr
+    assert not log.exists() and not (tmp_path / "work").exists()
+
+
 def test_pretrain_sbatch_launches_nothing_when_the_layout_does_not_fit(tmp_path):
     """The job's own check (before srun): status 2, the planner's first proposal in the log."""
     log = tmp_path / "srun.log"

@@ -8,9 +8,12 @@ directory outside the repository with the scripts' absolute paths and with a
 stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
 ``LOCAL_RANK`` in the submitting environment:
 
-* the whole pipeline of ``slurm/submit_pipeline.sh``: preprocess as a job array
-  over 2 shards, merge, pretrain on 2 nodes x 1 process (torchrun, gloo,
-  growing depth), context extension (one task per process) from the
+* the whole pipeline of ``slurm/submit_pipeline.sh`` as the FineWeb recipe runs it: two parquet
+  files in FineWeb's ``sample-10BT`` layout and schema as INPUT, the tokenizer by Hub name
+  (``EleutherAI/gpt-neox-20b``, a small tokenizer in a prepared Hub cache; the Hub itself
+  unreachable), resolved on the submitting host, every job offline (``HF_HUB_OFFLINE=1``, set
+  by the script); preprocess as a job array over 2 shards, merge, pretrain on 2 nodes x 1
+  process (torchrun, gloo, growing depth), context extension (one task per process) from the
   pretraining checkpoint;
 * four pretraining drills preempted by SIGUSR1 -- to the job steps after 3
   steps and to the steps while the trainer is still starting (both under
@@ -22,12 +25,17 @@ stray ``MASTER_ADDR`` / ``MASTER_PORT`` / ``RANK`` / ``WORLD_SIZE`` /
   ``REQUEUE_REQUESTED`` (must fail with status 2 and its one-line error, no
   requeue), a non-finite loss under the srun launcher (status 3), a
   preprocess that fails (its dependents must be cancelled, not left pending),
-  ``submit_pipeline.sh`` with a typo (nothing submitted) and held submissions
+  ``submit_pipeline.sh`` with a typo, without a tokenizer or with a parquet file
+  without ``text`` (one line, status 2, nothing submitted) and held submissions
   that show the CPUs each launch style asks for;
 * ``profile.sbatch`` on 2 nodes that share one hostname: a JSON report with a
   row per node.
 
-The campaign runs once (module fixture); each test checks one behaviour. One test
+The campaign runs once (module fixture); each test checks one behaviour. Its time is
+python start-up (about 9 CPU seconds per training process, against 0.13 per tiny step), on
+a machine of 2 cores: the pipeline is submitted first and the submission checks run while
+its jobs do, the drills skip the per-job layout check that the pipeline's job makes, and
+nothing is launched twice that one launch can check. One test
 runs its own job outside the campaign: a node's task killed with ``kill -9`` in a
 2-node job, the reason recorded by the scripts, and the same submission resuming
 from the last complete checkpoint.
@@ -49,6 +57,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"  # provided by CI, outside the repository
 SLURM_CONF = Path("/etc/slurm/slurm.conf")
+HUB_TOKENIZER = "EleutherAI/gpt-neox-20b"  # the paper configs' tokenizer, by Hub name
+EOD = "<|endoftext|>"
 PRETRAIN_ITERS = 16
 CONTEXT_ITERS = 6
 TIMEOUT = 900  # the whole campaign; a hang (a job pending forever) fails here
@@ -170,46 +180,72 @@ class Campaign:
 
 @pytest.fixture(scope="module")
 def campaign(cluster, tmp_path_factory):
-    from corpus_fixtures import stdlib_documents, train_sentencepiece
+    from corpus_fixtures import hub_cache, stdlib_documents, train_bytelevel_bpe, write_fineweb_parquet
 
     root = tmp_path_factory.mktemp("slurm")
     c = Campaign(root)
     raw = root / "raw"
     raw.mkdir()
     docs = stdlib_documents(max_bytes=300_000, max_doc=8000)
-    tokenizer = train_sentencepiece(docs, str(raw / "sp"), vocab_size=512)
-    for i in range(2):
-        with open(raw / f"part{i}.jsonl", "w") as f:
-            for d in docs[i::2]:
-                f.write(json.dumps({"text": d}) + "\n")
+    c.docs = docs
+    # the corpus: FineWeb's sample-10BT layout and schema; the tokenizer: a Hub name (the paper configs'),
+    # served from a prepared Hub cache, the Hub itself unreachable (HF_ENDPOINT: a closed port)
+    write_fineweb_parquet(docs, raw / "fineweb", files=2)
+    bpe = train_bytelevel_bpe(docs, str(raw / "bpe"), vocab_size=512)
+    c.hub = root / "hub"
+    c.snapshot = hub_cache(
+        c.hub, HUB_TOKENIZER, bpe["tokenizer_json"], {"tokenizer_config.json": json.dumps({"eos_token": EOD})}
+    )
     (raw / "broken.jsonl").write_text("this is not json\n")
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LOL_ROOT"}
+    pq.write_table(pa.table({"content": ["a document under another column"]}), raw / "no_text.parquet")
+
+    env = {k: v for k, v in os.environ.items() if k != "MEGATRON_LOL_ROOT" and not k.startswith("HF_")}
     env.update(STRAY_ENV)
     env.update(
         MEGATRON_LOL_PYTHON=sys.executable,
         PYTHONWARNINGS="ignore",
         OMP_NUM_THREADS="1",
         GPUS_PER_NODE="0",
-        TOKENIZER_MODEL=tokenizer,
+        TOKENIZER_TYPE="HuggingFaceTokenizer",
+        TOKENIZER_MODEL=HUB_TOKENIZER,
+        HF_HUB_CACHE=str(c.hub),
+        HF_ENDPOINT="http://127.0.0.1:9",  # no Hub: the submitting host finds the tokenizer in its cache
     )
     pipe_env = dict(
-        env, INPUT=str(raw / "part*.jsonl"), NUM_SHARDS="2", PREPROCESS_CPUS="1", NODES="2", CONTEXT_LAUNCHER="srun"
+        env,
+        INPUT=str(raw / "fineweb" / "sample" / "10BT" / "*.parquet"),
+        NUM_SHARDS="2",
+        PREPROCESS_CPUS="1",
+        NODES="2",
+        CONTEXT_LAUNCHER="srun",
     )
     submit = str(REPO / "slurm" / "submit_pipeline.sh")
     t0 = time.time()
     try:
-        _submission_checks(c, submit, pipe_env)
-        # the pipeline, with a relative WORK_DIR (relative to the run directory)
-        print(_sh("bash", submit, env=dict(pipe_env, WORK_DIR="work", CPUS_PER_NODE="2"), cwd=c.run_dir))
+        # the pipeline first (its jobs start while the checks below run), with a relative WORK_DIR (relative to
+        # the run directory); HF_HUB_OFFLINE is not set here: the script sets it for every job
+        out = _sh("bash", submit, env=dict(pipe_env, WORK_DIR="work", CPUS_PER_NODE="2"), cwd=c.run_dir)
+        print(out)
+        c.submit_checks["pipeline"] = out
         ids = dict(line.split("=", 1) for line in (c.run_dir / "work" / "jobs.env").read_text().split())
-        c.jobs.update(merge=ids["MERGE_JOB"], pretrain=ids["PRETRAIN_JOB"], context=ids["CONTEXT_JOB"])
+        c.jobs.update(
+            preprocess=ids["PREPROCESS_JOB"],
+            merge=ids["MERGE_JOB"],
+            pretrain=ids["PRETRAIN_JOB"],
+            context=ids["CONTEXT_JOB"],
+        )
         c.data_prefix = ids["DATA_PREFIX"]
-        # a pipeline whose preprocess fails, on a cluster without kill_invalid_depend
+        # the drills submitted outside the pipeline run offline as its jobs do
+        _submit_drills(c, dict(env, HF_HUB_OFFLINE="1"))
+        # a pipeline whose preprocess fails, on a cluster without kill_invalid_depend (its configs are the
+        # pipeline's, validated above: VALIDATE=0 saves the second validation)
         _sh(
             "bash",
             submit,
-            env=dict(pipe_env, INPUT=str(raw / "broken.jsonl"), NUM_SHARDS="1", WORK_DIR="broken"),
+            env=dict(pipe_env, INPUT=str(raw / "broken.jsonl"), NUM_SHARDS="1", WORK_DIR="broken", VALIDATE="0"),
             cwd=c.run_dir,
         )
         ids = dict(line.split("=", 1) for line in (c.run_dir / "broken" / "jobs.env").read_text().split())
@@ -219,17 +255,19 @@ def campaign(cluster, tmp_path_factory):
             broken_pretrain=ids["PRETRAIN_JOB"],
             broken_context=ids["CONTEXT_JOB"],
         )
-        _submit_drills(c, env)
+        _submission_checks(c, submit, pipe_env, raw)
         _drive(c, t0)
     finally:
         left = [j for n, j in c.jobs.items() if n not in c.final]
         if left:
             _sh("scancel", *left, check=False)
     print(f"slurm campaign: {time.time() - t0:.0f} s")
+    for name, line in c.final.items():  # where the time goes (the last launch of a requeued job)
+        print(f"  {name}: {_field(line, 'SubmitTime')} start {_field(line, 'StartTime')} end {_field(line, 'EndTime')}")
     return c
 
 
-def _submission_checks(c: Campaign, submit: str, pipe_env: dict) -> None:
+def _submission_checks(c: Campaign, submit: str, pipe_env: dict, raw: Path) -> None:
     """submit_pipeline.sh refusals (nothing submitted) and held submissions (CPUs per launch style)."""
     before = set(_all_jobs())
     res = _run(
@@ -244,6 +282,24 @@ def _submission_checks(c: Campaign, submit: str, pipe_env: dict) -> None:
     )
     res = _run("bash", submit, env=dict(pipe_env, WORK_DIR="ambiguous", CPUS_PER_TASK="4"), cwd=c.run_dir)
     c.submit_checks["cpus_per_task"] = (res.returncode, res.stderr, set(_all_jobs()) - before)
+    # no tokenizer given: the config's (tiny-slurm.yaml: a SentencePiece model path nobody made)
+    no_tok = {k: v for k, v in pipe_env.items() if k not in ("TOKENIZER_TYPE", "TOKENIZER_MODEL")}
+    res = _run("bash", submit, env=dict(no_tok, WORK_DIR="no_tokenizer"), cwd=c.run_dir)
+    c.submit_checks["no_tokenizer"] = (
+        res.returncode,
+        res.stderr,
+        set(_all_jobs()) - before,
+        (c.run_dir / "no_tokenizer").exists(),
+    )
+    res = _run(
+        "bash", submit, env=dict(pipe_env, INPUT=str(raw / "no_text.parquet"), WORK_DIR="no_text"), cwd=c.run_dir
+    )
+    c.submit_checks["no_text"] = (
+        res.returncode,
+        res.stderr,
+        set(_all_jobs()) - before,
+        (c.run_dir / "no_text").exists(),
+    )
     held_env = dict(
         pipe_env,
         WORK_DIR="held",
@@ -252,6 +308,7 @@ def _submission_checks(c: Campaign, submit: str, pipe_env: dict) -> None:
         CPUS_PER_NODE="4",
         PRETRAIN_ARGS="--global-batch-size 8",
         CONTEXT_ARGS="--global-batch-size 4",
+        VALIDATE="0",  # what is checked here is what sbatch is asked for
     )
     _sh("bash", submit, env=held_env, cwd=c.run_dir)
     ids = dict(line.split("=", 1) for line in (c.run_dir / "held" / "jobs.env").read_text().split())
@@ -270,6 +327,9 @@ def _submit_drills(c: Campaign, env: dict) -> None:
     (run / "stale").mkdir()
     (run / "stale" / "REQUEUE_REQUESTED").write_text("12 received SIGUSR1 job=4242\n")
     two = ["--nodes=2", "--ntasks-per-node=1"]
+    # the drills run the pipeline's config on the pipeline's allocation: its pretraining job checks the layout
+    # (test_pipeline_finishes_from_another_directory), theirs would only start one more python each
+    env = dict(env, CHECK_LAYOUT="0")
     data = dict(env, DATA_PREFIX=c.data_prefix)
     # relative SAVE_DIRs: relative to the run directory the jobs are submitted from
     c.sbatch("stale", "pretrain.sbatch", *two, env=dict(env, SAVE_DIR="stale", TRAIN_ARGS="--set training.bogus_key=1"))
@@ -297,13 +357,16 @@ def _submit_drills(c: Campaign, env: dict) -> None:
         env=dict(data, SAVE_DIR="nonfinite", LAUNCHER="srun", MEGATRON_LOL_ENTRY=_fault_entry("nan=2")),
         after=merge,
     )
+    # submitted last: when the merge ends, the jobs waiting for it ask for 9 of the 8 CPUs per node, and the
+    # profile (one launch) waits for the first of them to end rather than a drill's requeued launch. The
+    # report's rows are what is checked: no untimed counting / routing steps after the timed ones
     profile_env = {k: v for k, v in data.items() if k != "OMP_NUM_THREADS"}
     c.sbatch(
         "profile",
         "profile.sbatch",
         *two,
         "--cpus-per-task=2",
-        env=dict(profile_env, LAUNCHER="srun", PROFILE_ARGS="--steps 2 --warmup 1"),
+        env=dict(profile_env, LAUNCHER="srun", PROFILE_ARGS="--steps 2 --warmup 1 --count-steps 0 --routing-steps 0"),
         after=merge,
     )
 
@@ -340,7 +403,8 @@ def _drive(c: Campaign, t0: float) -> None:
                 log = c.log("startup")
                 c.done["startup"] = {"training_started": "training:" in log or bool(_metrics(run / "startup"))}
                 _sh("scancel", "--signal=USR1", job)
-        time.sleep(0.3)
+        # quick polls while a drill waits for its moment; then every second (each poll is a scontrol call)
+        time.sleep(0.3 if any(k not in c.done for k in ("steps_usr1", "batch_usr1", "time_limit", "startup")) else 1.0)
     raise AssertionError(f"campaign not finished after {TIMEOUT} s\n" + c.report())
 
 
@@ -374,6 +438,7 @@ def test_pipeline_finishes_from_another_directory(campaign):
     assert (work / "pretrain" / "latest_checkpointed_iteration.txt").read_text().strip() == str(PRETRAIN_ITERS)
     pre_log = c.log("lol-pretrain", work / "logs")
     assert "data parallel 2" in pre_log and "threads: 1 per process (OMP_NUM_THREADS)" in pre_log
+    assert "layout OK at 2 x 1 = 2 ranks: TP 1 x PP 1 x DP 2" in pre_log, pre_log[-3000:]
     assert "CPUs/Task=2" in c.final["pretrain"]  # CPUS_PER_NODE=2, one torchrun task per node
     from megatron_lol.training.checkpointing import read_run_config
 
@@ -384,6 +449,69 @@ def test_pipeline_finishes_from_another_directory(campaign):
     ctx_log = c.log("lol-context-ext", work / "logs")
     assert f"loaded {work}/pretrain/iter_{PRETRAIN_ITERS:07d}" in ctx_log and "launch: srun" in ctx_log
     assert _metrics(ctx)[1]["loss"] < pre[1]["loss"] - 0.2  # starts from trained weights
+
+
+def test_fineweb_parquet_shards_are_tokenized_by_the_array_with_the_hub_tokenizer(campaign):
+    """The pipeline's INPUT is FineWeb's sample-10BT layout (two parquet files, FineWeb's columns): each task
+    of the 2-shard array tokenizes its row groups' ``text`` with the tokenizer named by Hub name, the merge
+    joins them, and the training stages read the result (test_pipeline_finishes_from_another_directory)."""
+    import numpy as np
+
+    from megatron_lol.data.indexed import sequence_lengths, validate_dataset
+    from megatron_lol.data.tokenizers import build_tokenizer
+
+    c = campaign
+    work = c.run_dir / "work"
+    shards = [_read(work / "logs" / f"lol-preprocess-{c.jobs['preprocess']}_{i}.out") for i in range(2)]
+    for i, log in enumerate(shards):
+        assert f"preprocess shard {i}/2 of " in log and "10BT/*.parquet" in log, log[-3000:]
+        assert re.search(r"preprocess: [1-9][\d,]* documents", log), log[-3000:]  # each shard has rows
+    tok = build_tokenizer("HuggingFaceTokenizer", str(c.snapshot / "tokenizer.json"))
+    index = validate_dataset(c.data_prefix)  # the .idx against the .bin, as training checks it
+    ends = np.cumsum(sequence_lengths(index))
+    tokens = np.fromfile(c.data_prefix + ".bin", dtype=index.dtype)
+    assert len(ends) == len(c.docs) and ends[-1] == len(tokens)
+    for i in (0, len(c.docs) // 2, len(c.docs) - 1):  # the first, a second-file and the last document
+        start = ends[i - 1] if i else 0
+        assert tokens[start : ends[i]].tolist() == tok.tokenize(c.docs[i]) + [tok.eod], i
+    pre_log = c.log("lol-pretrain", work / "logs")
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {HUB_TOKENIZER}" in pre_log, pre_log[-3000:]
+
+
+def test_hub_tokenizer_is_resolved_before_queueing_and_every_job_runs_offline(campaign):
+    """TOKENIZER_MODEL=<Hub name>: found on the submitting host (in the prepared cache; the Hub is
+    unreachable and HF_HUB_OFFLINE unset there), and every job of the pipeline -- each array task, the merge,
+    pretraining, context extension -- runs with HF_HUB_OFFLINE=1, set by submit_pipeline.sh."""
+    c = campaign
+    out = c.submit_checks["pipeline"]
+    assert f"tokenizer: {HUB_TOKENIZER} from the Hub cache ({c.snapshot / 'tokenizer.json'})" in out, out
+    assert "preprocess stage: preprocess: dry run OK: 2 file(s)" in out, out
+    logs = sorted((c.run_dir / "work" / "logs").glob("*.out"))
+    assert len(logs) == 5, logs  # 2 array tasks, merge, pretrain, context extension
+    for log in logs:
+        assert f"HF_HUB_OFFLINE=1: Hub files (tokenizers) are read from the local cache only ({c.hub})" in _read(log), (
+            log.name,
+            _read(log)[-2000:],
+        )
+    for name in ("merge", "pretrain", "context"):
+        assert c.state(name) == "COMPLETED", c.report()
+
+
+def test_submit_pipeline_without_a_tokenizer_or_a_text_column_queues_nothing(campaign):
+    """No TOKENIZER_MODEL and a config whose tokenizer file does not exist; a parquet INPUT without a `text`
+    column: each is one line and status 2 on the submitting host, no job queued, no directory made."""
+    rc, err, new_jobs, made = campaign.submit_checks["no_tokenizer"]
+    config = REPO / "examples" / "configs" / "tiny-slurm.yaml"
+    assert rc == 2 and err.count("\n") == 1 and not new_jobs and not made, (rc, err, new_jobs)
+    assert err.startswith(
+        f"submit_pipeline.sh: TOKENIZER_MODEL={campaign.run_dir}/runs/pipeline/data/tokenizer.model "
+        f"(data.tokenizer_model of {config}) does not exist -- nothing submitted"
+    ), err
+    rc, err, new_jobs, made = campaign.submit_checks["no_text"]
+    assert rc == 2 and err.count("\n") == 1 and not new_jobs and not made, (rc, err, new_jobs)
+    assert err.startswith("submit_pipeline.sh: preprocess stage: megatron-lol preprocess: error: ") and (
+        "no_text.parquet: no column 'text' (columns: content) -- nothing submitted" in err
+    ), err
 
 
 def test_stray_rendezvous_environment_is_ignored(campaign):

@@ -112,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--no-progress", action="store_true", help="no progress bar / log lines")
     r.add_argument("--max-inflight", type=int, default=0, help="tasks in flight (default 4 per worker)")
     r.add_argument("--summary-json", default=None, help="also write the final summary as JSON here")
+    r.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the inputs (parquet columns), the outputs and the tokenizer as a run would, write nothing",
+    )
 
 
 def tokenizer_kwargs(args) -> dict:
@@ -228,6 +233,7 @@ def preprocess(args) -> dict:
     paths = readers.expand_inputs(args.input)
     if any(readers.file_kind(p) == "txt" for p in paths) and len(keys) > 1:
         raise ValueError(".txt inputs hold one text per file: give a single --json-keys")
+    readers.check_parquet_columns(paths, keys)
     prefixes = output_prefixes(args.output_prefix, keys, shard, num_shards)
     if not args.overwrite:
         for pre in prefixes.values():
@@ -235,6 +241,8 @@ def preprocess(args) -> dict:
                 if os.path.exists(pre + ext):
                     raise ValueError(f"{pre + ext} exists (pass --overwrite to replace it)")
     out_dir = os.path.dirname(os.path.abspath(args.output_prefix))
+    if args.dry_run:
+        return _dry_run(args, paths, keys, prefixes, out_dir, shard, num_shards)
     try:
         os.makedirs(out_dir, exist_ok=True)
     except OSError as err:
@@ -376,6 +384,32 @@ def preprocess(args) -> dict:
     return summary
 
 
+def _dry_run(args, paths: list, keys: list, prefixes: dict, out_dir: str, shard: int, num_shards: int) -> dict:
+    """What ``preprocess`` checks before it writes (inputs, parquet columns, outputs, the tokenizer as
+    the workers build it), with nothing written: a submitting host runs it before queueing an array."""
+    from megatron_lol.data.tokenizers import build_tokenizer
+
+    existing = out_dir
+    while not os.path.isdir(existing):
+        existing = os.path.dirname(existing)
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise ValueError(f"--output-prefix: {out_dir} cannot be created ({existing} is not writable)")
+    tok = build_tokenizer(**tokenizer_kwargs(args))
+    pieces = readers.shard_pieces(paths, shard, num_shards)
+    return {
+        "dry_run": True,
+        "inputs": len(paths),
+        "input_mb": sum(os.path.getsize(p) for p in paths) / 2**20,
+        "shard": f"{shard}/{num_shards}",
+        "pieces": len(pieces),
+        "tokenizer": f"{args.tokenizer_type} ({', '.join(tok.files)})",
+        "vocab_size": tok.vocab_size,
+        "eod": tok.eod,
+        "dtype": np.dtype(optimal_dtype(tok.vocab_size)).name,
+        "outputs": {k: {"prefix": prefixes[k]} for k in keys},
+    }
+
+
 class BadInputError(ValueError):
     pass
 
@@ -400,6 +434,12 @@ def _where(meta: tuple, paths: list, idx: int) -> str:
 
 
 def format_summary(s: dict) -> str:
+    if s.get("dry_run"):
+        return (
+            f"preprocess: dry run OK: {s['inputs']} file(s), {s['input_mb']:.1f} MB (shard {s['shard']}: "
+            f"{s['pieces']} piece(s)); tokenizer {s['tokenizer']}: vocab {s['vocab_size']}, EOD {s['eod']}, "
+            f"{s['dtype']} tokens; would write " + ", ".join(f"{o['prefix']}.bin/.idx" for o in s["outputs"].values())
+        )
     lines = [
         f"preprocess: {s['documents']:,} documents, {s['tokens']:,} tokens, {s['input_mb']:.1f} MB "
         f"from {s['inputs']} file(s) (shard {s['shard']}) in {s['seconds']:.1f} s",

@@ -297,18 +297,38 @@ def _stream_jsonl_tasks(pc: Piece, progress):
             progress(max(0, pc.size - last_raw))
 
 
-def _parquet_tasks(pc: Piece, keys: list, progress):
+def check_parquet_columns(paths: list, keys: list) -> None:
+    """Every parquet input has a string column per key: read from each file's footer (no rows), so a
+    file without ``text`` stops every shard of an array at its start -- and a submitting host before
+    anything is queued -- not only the shard that reaches that file."""
+    import pyarrow.parquet as pq
+
+    for p in paths:
+        if file_kind(p) != "parquet":
+            continue
+        try:
+            schema = pq.read_schema(p)
+        except Exception as err:  # noqa: BLE001
+            raise InputError(f"{p}: not a readable parquet file ({err})") from None
+        _check_parquet_schema(p, schema, keys)
+
+
+def _check_parquet_schema(path: str, schema, keys: list) -> None:
     import pyarrow as pa
+
+    for k in keys:
+        if k not in schema.names:
+            raise InputError(f"{path}: no column {k!r} (columns: {', '.join(schema.names)})")
+        t = schema.field(k).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+            raise InputError(f"{path}: column {k!r} has type {t}, expected a string column")
+
+
+def _parquet_tasks(pc: Piece, keys: list, progress):
     import pyarrow.parquet as pq
 
     pf = pq.ParquetFile(pc.path)
-    names = pf.schema_arrow.names
-    for k in keys:
-        if k not in names:
-            raise InputError(f"{pc.path}: no column {k!r} (columns: {', '.join(names)})")
-        t = pf.schema_arrow.field(k).type
-        if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
-            raise InputError(f"{pc.path}: column {k!r} has type {t}, expected a string column")
+    _check_parquet_schema(pc.path, pf.schema_arrow, keys)
     row_base = sum(pf.metadata.row_group(i).num_rows for i in range(pc.row_group)) + 1
     table = pf.read_row_group(pc.row_group, columns=keys)
     n = table.num_rows
