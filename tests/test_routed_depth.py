@@ -197,7 +197,6 @@ def _plain_losses(ref, probs, choice, L):
 
 def test_grouping_combine_loads_and_losses_equal_the_plain_definition():
     from megatron_lol.model import static_routing as sr
-    from megatron_lol.model.library import thd_params
     from megatron_lol.model.router import RoutingDecision
 
     L = 4
@@ -209,13 +208,11 @@ def test_grouping_combine_loads_and_losses_equal_the_plain_definition():
     token_choice = choice.index_select(0, win.token_window)
     with OpCounter() as count:
         grouping = sr.group_tokens(token_choice, win.token_window, L)
-        cu = sr.grouped_cu_seqlens(win, choice, L)
         loads = sr.window_loads(win, choice, L)
     order = torch.sort(token_choice, stable=True).indices
     assert torch.equal(grouping.order, order) and torch.equal(grouping.segments, ref.token_window[order])
     assert torch.equal(grouping.group_offsets.diff(), torch.bincount(token_choice, minlength=L))
     assert torch.equal(grouping.order.index_select(0, grouping.inverse), torch.arange(t))
-    assert torch.equal(cu[: n + 1], thd_params(ref.token_window[order], 8)[0].cu_seqlens_q)
     assert torch.equal(loads, torch.bincount(choice[:n], minlength=L)) and int(loads[L - 1]) == 0
 
     # gated combine through the grouped order, with and without truncated backprop

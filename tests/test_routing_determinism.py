@@ -222,7 +222,7 @@ def _naive_means(states, layout):
 @pytest.mark.parametrize("doc_every", [3, 50])
 def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
     """``doc_every=3``: documents of 3 tokens, so the padded layout [N, W, h] is built in several chunks."""
-    from megatron_lol.model.windows import DocumentLayout, WindowLayout
+    from megatron_lol.model.windows import DocumentLayout, WindowLayout, document_prefix_means, segment_means
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, 50, (2, 64), generator=g)
@@ -231,11 +231,11 @@ def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
     states = torch.randn(2 * 64, 16, generator=g).to(torch.bfloat16)
     for depth in (1, 2):
         layout = WindowLayout.build(docs, depth, 16, 5)
-        means = layout.window_means(states)
+        means = segment_means(states, layout.window_first_token, layout.window_length, layout.window_size)
         want = _naive_means(states, layout)
         assert means.dtype == torch.float32
         torch.testing.assert_close(means.double(), want, rtol=1e-6, atol=1e-6)
-        prefix = layout.prefix_means(means)
+        prefix = document_prefix_means(means, layout.window_ordinal, layout.max_windows_per_doc)
         for j in range(layout.num_windows):
             k = int(layout.window_ordinal[j])
             ref = means[j - k : j].double().sum(0) / k if k else torch.zeros(16, dtype=torch.float64)

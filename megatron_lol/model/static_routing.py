@@ -277,15 +277,6 @@ def group_tokens(token_choice: torch.Tensor, token_window: torch.Tensor, num_blo
     )
 
 
-def grouped_cu_seqlens(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """THD ``cu_seqlens`` ``[C + 1]`` int32 of the windows in grouped order (padding last, length 0):
-    the sequences of one attention call over all windows of all blocks of the depth."""
-    key = torch.where(windows.window_valid, choice, torch.full_like(choice, num_blocks))
-    _, window_order = torch.sort(key, stable=True)
-    lengths = windows.window_length.index_select(0, window_order)
-    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-
-
 # ------------------------------------------------------------------ combine
 class _ExpandWindows(torch.autograd.Function):
     """``window_values[token_window]`` (``[C]`` -> ``[T]``); backward: each window's ordered token sum."""
