@@ -84,9 +84,10 @@ class PerBlockCalls:
 
     grouped = False
 
-    def run_block_fn(self, core, step, ctx, segments_all, counts):
+    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0):
         """``run_block(block, rows, segments, positions)`` for this depth (``positions``: the rows' RoPE
-        positions). On the CPU (chunked attention) the masks of all blocks' windows are built at once."""
+        positions; ``counts[m]`` rows of block ``first_block + m``). On the CPU (chunked attention) the
+        masks of all blocks' windows are built at once."""
         W = core.cfg.window_size
         biases = {}
         if not core.packed and not uses_flex(segments_all):
@@ -99,7 +100,7 @@ class PerBlockCalls:
             at = 0
             for block, _, n in spans:
                 k = -(-n // W)
-                biases[block] = bias[at : at + k]
+                biases[first_block + block] = bias[at : at + k]
                 at += k
 
         def run_block(block, rows, segments, positions):
@@ -117,7 +118,7 @@ class PerBlockCalls:
         """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order."""
         if counts is None:
             counts = group_sizes(grouping)
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block)
         pieces = rows.split(counts, dim=0)  # views; their backward is one cat
         outputs = []
         lo = 0
