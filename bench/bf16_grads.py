@@ -75,10 +75,10 @@ def block_grads(net, impl: str, layout, seeds, x0, grad_out, depth: int) -> dict
     x = x0.to(net.core.tconfig.params_dtype).requires_grad_(True)
     rope = net.rotary(x0.shape[0])
     steps = core.plan.steps()
-    if impl == "grouped":
-        out = core(x, layout.document_layout(), rope, steps, depth=depth, layout=layout)
-    else:
-        out = core(x, layout.document_layout(), rope, steps, depth=depth, noise_seeds=seeds)
+    from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
+
+    core.executor = GroupedGEMMs() if impl == "grouped" else PerBlockCalls()  # as routed_core would build it
+    out = core(x, layout.document_layout(), rope, steps, depth=depth, layout=layout, noise_seeds=seeds)
     out.states.backward(grad_out.to(x.dtype))
     grads = {}
     for name, p in core.named_parameters():
@@ -93,7 +93,7 @@ def block_grads(net, impl: str, layout, seeds, x0, grad_out, depth: int) -> dict
 def main(argv=None) -> int:
     args = parse_args(argv)
     warnings.filterwarnings("ignore", category=UserWarning)  # megatron-core's notes on missing apex / TE
-    os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"  # the reference's per-block calls, as on a GPU
+    os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"  # the per-block executor's layer calls, as on a GPU
     setup_megatron(args.threads)
     from megatron_lol.model.host_layout import build_host_layout
 

@@ -56,8 +56,8 @@ def model_config(args, **plan):
         params_dtype="bf16",
         plan=plan or dict(kind="lol", num_blocks=args.blocks, routed_depth=args.depth),
     )
-    if not plan:
-        model.update(film="depth_block", input_injection=True)
+    if not plan:  # the grouped executor, chosen when the model is built (what CUDA's auto builds)
+        model.update(film="depth_block", input_injection=True, routed_core="grouped")
     return config_from_dict({"model": model}).model
 
 

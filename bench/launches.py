@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Kernel launches and host synchronisations per micro-batch: reference routed core vs grouped, vs dense.
+"""Kernel launches and host synchronisations per micro-batch: the routed core's two executors, vs dense.
 
 What a GPU step pays on the CPU, counted on the CPU (``megatron_lol.perf.op_count``):
 ATen operations (about one kernel launch each) and operations that force the
@@ -13,15 +13,15 @@ layout and the packed (THD) layout.
 
 Rows:
 
-  core ref       the routed core as the model runs it today (``Core.forward``:
-                 per-block calls of ``gated_update``), given the prelude's output;
-  core grouped   ``megatron_lol.model.grouped_core`` on the same core, given the
-                 micro-batch's host-built layout (``host_layout``; its host-side
-                 work is not counted, as it happens where the batch is built);
-  model ref      the whole LoL model (embedding, prelude, core, coda, loss), as a
-                 new user calls it;
-  model grouped  the whole model with the grouped core and the host layout's
-                 documents (prelude and coda unchanged);
+  core ref       the routed core (``Core.forward``) with the per-block executor
+                 (``executors.PerBlockCalls``: one layer call per block and depth),
+                 given the prelude's output and the micro-batch's host-built
+                 layout (``host_layout``; its host-side work is not counted, as it
+                 happens where the batch is built);
+  core grouped   the same core with the grouped executor (``executors.GroupedGEMMs``);
+  model ref      the whole LoL model (embedding, prelude, core, coda, loss) with
+                 the per-block executor, given the layout as the trainer gives it;
+  model grouped  the whole model with the grouped executor (prelude and coda unchanged);
   dense          ``plan: dense`` with ``D`` core layers (full causal attention).
 
 CPU time: median over ``--reps`` of one forward + backward (process CPU time),
@@ -142,6 +142,14 @@ def host_layout(args, net, tokens, seeds):
     )
 
 
+def use_executor(net, impl):
+    """The executor a model built with ``routed_core: grouped`` (``impl == "grouped"``) or ``reference`` has."""
+    from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
+
+    if net.core is not None and net.core.plan.routed:
+        net.core.executor = GroupedGEMMs() if impl == "grouped" else PerBlockCalls()
+
+
 def core_runner(net, impl, layout, seeds, args):
     """A closure: one core forward from fixed prelude-like states, returning a scalar loss."""
     core, b, s = net.core, args.batch, args.seq
@@ -152,25 +160,21 @@ def core_runner(net, impl, layout, seeds, args):
     x0 = torch.randn(shape, generator=torch.Generator().manual_seed(1))
 
     def run():
+        use_executor(net, impl)
         x = x0.clone().requires_grad_(True)
-        if impl == "grouped":
-            out = core(x, docs, rope, steps, depth=len(steps), layout=layout)
-        else:
-            out = core(x, docs, rope, steps, depth=len(steps), noise_seeds=seeds)
+        out = core(x, docs, rope, steps, depth=len(steps), layout=layout)
         return out.states.float().square().mean() + out.aux_loss
 
     return run
 
 
 def model_runner(net, impl, layout, tokens, labels, seeds):
-    """One training forward of the whole model: the reference, or the grouped core on the micro-batch's
-    host-built layout as the trainer passes it (``model.routed_core: grouped``)."""
+    """One training forward of the whole model with either executor, on the micro-batch's host-built layout
+    as the trainer passes it (``model.routed_core: grouped`` or ``reference``)."""
 
     def run():
-        if impl == "grouped":
-            out = net(tokens, labels=labels, layout=layout, noise_seeds=seeds)
-        else:
-            out = net(tokens, labels=labels, noise_seeds=seeds)
+        use_executor(net, impl)
+        out = net(tokens, labels=labels, layout=layout, noise_seeds=seeds)
         return out.float().mean()
 
     return run

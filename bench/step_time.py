@@ -10,7 +10,7 @@ Models (same width, heads, FFN, vocabulary, sequence, batch; same optimizer):
            on LoL's shifted windows at depth ``l`` (same windows, same chunked
            attention, no router, no dispatch);
   forced   LoLGPTModel with a ForcedPath (block ``(l-1) mod L``, gate 1) for
-           every window: note that ``Core.decide`` still computes the
+           every window: note that the routed step still computes the
            router's probabilities before the override, so this run pays for the
            router but executes one block per depth;
   dense    megatron-core ``GPTModel`` (local spec, RMSNorm, SwiGLU, RoPE) with

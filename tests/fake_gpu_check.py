@@ -189,9 +189,10 @@ def run_plan(name: str, packed: bool = False, row_multiple: int = 1) -> dict:
     }
 
 
-def grouped_core(expert_exchange: bool = False) -> dict:
-    """The GPU-shaped routed core (host layout shipped to the device, grouped blocks): forward and backward
-    with the layout, parameters and states on the fake GPU; the values of the same run on the CPU.
+def grouped_core(expert_exchange: bool = False, per_block: bool = False) -> dict:
+    """The routed core with the grouped executor (``per_block``: the per-block executor), host layout shipped
+    to the device: forward and backward with the layout, parameters and states on the fake GPU; the values
+    of the same run on the CPU.
     ``expert_exchange``: on the GPU the library counts as sharded over an expert-parallel group of one
     (the world), so every depth goes through the exchange of ``model/grouped_exchange.py`` with
     NCCL-strict collectives; the CPU run is the one without it."""
@@ -205,8 +206,11 @@ def grouped_core(expert_exchange: bool = False) -> dict:
     layout = build_host_layout(tokens, EOD, cfg.window_size, cfg.window_shift, [1, 2, 3], 3, seeds).pin_memory()
     forced = ForcedPath(ids=torch.tensor([[-1, 2], [1, -1], [-1, -1]]), gates=torch.full((3, 2), 0.5))
     results = []
+    from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
+
     for on_gpu in (False, True):
         net = _train_model(cfg)
+        net.core.executor = PerBlockCalls() if per_block else GroupedGEMMs()
         context = fake_gpu() if on_gpu else contextlib.nullcontext(torch.device("cpu"))
         collectives = contextlib.nullcontext([])
         calls = attention_calls() if on_gpu else contextlib.nullcontext({})
@@ -256,7 +260,7 @@ def _train_model(cfg):
 
 def planted_cpu_tensor() -> dict:
     """A window-mean buffer made without ``device=``: harmless on the CPU, caught on the (fake) GPU."""
-    from megatron_lol.model import router, windows
+    from megatron_lol.model import static_routing, windows
     from megatron_lol.model.lol_model import LoLGPTModel
 
     def planted(states, first_row, segment_length, max_length):
@@ -267,8 +271,8 @@ def planted_cpu_tensor() -> dict:
         sums.index_add_(0, token_segment, states.float())
         return sums / segment_length.unsqueeze(1).to(torch.float32)
 
-    saved = (windows.segment_means, router.segment_means)
-    windows.segment_means = router.segment_means = planted
+    saved = (windows.segment_means, static_routing.segment_means)
+    windows.segment_means = static_routing.segment_means = planted
     try:
         cfg = model_config(**PLANS["lol"])
         tokens, labels, seeds = batch()
@@ -283,7 +287,7 @@ def planted_cpu_tensor() -> dict:
             error = str(err)
         return {"runs_on_cpu": cpu_ok, "caught": error is not None, "error": error}
     finally:
-        windows.segment_means, router.segment_means = saved
+        windows.segment_means, static_routing.segment_means = saved
 
 
 @contextlib.contextmanager
@@ -334,32 +338,9 @@ def strict_collectives():
 
 
 def expert_parallel_dispatch() -> dict:
-    """The EP window dispatch's collectives and index tensors stay on the device (EP group of one)."""
-    import torch.distributed as dist
-
-    from megatron_lol.model.dispatch import block_updates, group_by_block
-    from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
-
-    g = torch.Generator().manual_seed(1)
-    states = torch.randn(20, 8, generator=g)
-    token_window = torch.arange(20) // 4
-    choice = torch.tensor([1, 0, 1, 2, 0]).index_select(0, token_window)
-    weights = torch.randn(3, 8, 8, generator=g)
-
-    def run_block(block, rows, segments, token_index):
-        return rows @ weights[block].to(rows.device)
-
-    ref = block_updates(group_by_block(choice, token_window, 3), states, run_block)
-    with fake_gpu() as dev, strict_collectives() as seen:
-        grouping = group_by_block(choice.to(dev), token_window.to(dev), 3)
-        out = run_grouped_expert_parallel(
-            grouping, states.to(dev), run_block, torch.arange(20, device=dev), dist.group.WORLD
-        )
-    return {
-        "on_gpu": isinstance(out, FakeGpuTensor),
-        "collectives": sorted(set(seen)),
-        "diff": float((out.elem - ref).abs().max()),
-    }
+    """The per-block executor behind the expert-parallel exchange: collectives and index tensors on the
+    device (EP group of one), the values of the CPU run."""
+    return grouped_core(expert_exchange=True, per_block=True)
 
 
 def trainer_step() -> dict:

@@ -56,6 +56,7 @@ def library_grads(fusion: bool, record: list, device=None, grouped: bool = False
                 n_coda=1,
                 params_dtype="bf16",
                 use_transformer_engine=False,
+                routed_core="grouped" if grouped else "reference",  # the executor the core is built with
             )
         }
     ).model

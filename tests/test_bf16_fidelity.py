@@ -106,7 +106,13 @@ def _grads(net, cfg, tokens, executor: str) -> dict:
     kwargs = dict(noise_seeds=torch.arange(1, B + 1))
     if plan.routed:
         kwargs["forced_path"] = _forced(cfg)
-    if executor == "grouped":
+    if plan.routed:  # the routed depths' executor, as a model built for it would choose
+        from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
+        from megatron_lol.model.grouped_core import grouped_core_support
+
+        if executor == "grouped":
+            assert grouped_core_support(net.core) is None
+        net.core.executor = GroupedGEMMs() if executor == "grouped" else PerBlockCalls()
         depths = [step.depth for step in plan.steps() if step.routed]
         kwargs["layout"] = build_host_layout(
             tokens, EOD, cfg.window_size, cfg.window_shift, depths, plan.num_stored_blocks, kwargs["noise_seeds"]

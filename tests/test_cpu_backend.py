@@ -6,9 +6,10 @@
   parameter gradients bit for bit (fp32 and bf16, chunked windows, dense
   documents, sliding windows, GQA, FiLM, no RoPE, Accordion's gated halves),
   and decline where megatron's generality is needed or a hook must fire;
-* the fused gated combine gives the reference ``gated_update``'s values bit for
-  bit and its gradients within 1e-6 (only summation orders differ), and runs
-  exactly where it applies;
+* the fused gated combine gives the per-block executor's update (per-block calls
+  on the grouped rows, then ``static_routing.gated_combine``) bit for bit and its
+  gradients within 1e-6 (only summation orders differ), and runs exactly where
+  it applies;
 * a whole LoL training step: loss and every gradient, backend on vs off;
 * the routed core leaves the platform's device mode only when that is safe.
 """
@@ -28,8 +29,8 @@ from megatron_lol.backends.cpu import kernels as cpu_kernels
 from megatron_lol.backends.cpu.combine import fused_gated_update
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import BlockParts, call_block
-from megatron_lol.model.dispatch import gated_update, group_by_block
-from megatron_lol.model.router import window_inputs
+from megatron_lol.model.executors import HostGroups, group_sizes
+from megatron_lol.model.static_routing import gated_combine, group_tokens, permute_rows, window_inputs
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 
 CPU = CpuBackend()
@@ -244,12 +245,27 @@ def _plain(flat, weights, gate, token_window, choice_w, L, subset=None):
     return flat + gate[token_window].unsqueeze(1).to(flat.dtype) * updates
 
 
+def _grouped(token_window, choice_w, L):
+    grouping = group_tokens(choice_w[token_window], token_window, L)
+    return grouping, HostGroups(order=grouping.order, segments=grouping.segments, counts=group_sizes(grouping))
+
+
+def _generic(flat, weights, gate, token_window, choice_w, L):
+    """The per-block executor's update: the grouped rows through their blocks, then the gated combine."""
+    grouping, groups = _grouped(token_window, choice_w, L)
+    pieces = permute_rows(flat, grouping.order, grouping.inverse).split(groups.counts)
+    call = _block_fn(weights)
+    outs = [
+        call(block, pieces[block], groups.segments[lo:hi], groups.order[lo:hi]) for block, lo, hi in groups.slices()
+    ]
+    block_out = permute_rows(torch.cat(outs), grouping.inverse, grouping.order)
+    return gated_combine(flat, block_out, gate.index_select(0, token_window))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("subset", [False, True])
-def test_reference_and_fused_gated_update(kernels_on, dtype, subset):
+def test_generic_and_fused_gated_update(kernels_on, dtype):
     L = 3
     token_window, choice_w, flat0, weights0, gate0, grad_out = _case(dtype)
-    sub = torch.nonzero(token_window % 3 != 1).squeeze(1) if subset else None
 
     def grads_of(fn):
         flat, weights, gate = _leaves(flat0, weights0, gate0)
@@ -257,17 +273,16 @@ def test_reference_and_fused_gated_update(kernels_on, dtype, subset):
         out.backward(grad_out)
         return out.detach(), [flat.grad] + [w.grad for w in weights] + [gate.grad]
 
-    plain, plain_grads = grads_of(lambda f, w, g: _plain(f, w, g, token_window, choice_w, L, sub))
-    grouping = group_by_block(choice_w[token_window], token_window, L, subset=sub)
-    ref, ref_grads = grads_of(lambda f, w, g: gated_update(f, grouping, g, _block_fn(w)))
+    plain, plain_grads = grads_of(lambda f, w, g: _plain(f, w, g, token_window, choice_w, L))
+    ref, ref_grads = grads_of(lambda f, w, g: _generic(f, w, g, token_window, choice_w, L))
     torch.testing.assert_close(ref, plain, rtol=0, atol=0)
     tol = 1e-6 if dtype == torch.float32 else 1e-2  # bf16: the same terms summed in another order
     for a, b in zip(ref_grads, plain_grads):
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
     flat, weights, gate = _leaves(flat0, weights0, gate0)
-    fused = fused_gated_update(flat, grouping, gate, _block_fn(weights))
-    # the kernels run exactly where they apply: float32, a grouping of every token
-    assert (fused is not None) == (dtype == torch.float32 and not subset)
+    fused = fused_gated_update(flat, _grouped(token_window, choice_w, L)[1], gate, _block_fn(weights))
+    # the kernels run exactly where they apply: float32
+    assert (fused is not None) == (dtype == torch.float32)
     if fused is None:
         return
     assert type(fused.grad_fn).__name__ == "_FusedGatedCombineBackward"
@@ -275,12 +290,14 @@ def test_reference_and_fused_gated_update(kernels_on, dtype, subset):
     assert torch.equal(fused.detach(), ref)
     for a, b in zip([flat.grad] + [w.grad for w in weights] + [gate.grad], ref_grads):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)  # summation orders differ
+    partial = dataclasses.replace(_grouped(token_window, choice_w, L)[1], covers_all=False)
+    assert fused_gated_update(flat, partial, gate, _block_fn(weights)) is None  # not every row written: declines
 
 
 def test_fused_path_refuses_double_backward(kernels_on):
     token_window, choice_w, flat0, weights0, gate0, _ = _case(torch.float32, seed=2)
     flat, weights, gate = _leaves(flat0, weights0, gate0)
-    out = fused_gated_update(flat, group_by_block(choice_w[token_window], token_window, 3), gate, _block_fn(weights))
+    out = fused_gated_update(flat, _grouped(token_window, choice_w, 3)[1], gate, _block_fn(weights))
     (g,) = torch.autograd.grad(out.square().sum(), gate, create_graph=True)
     with pytest.raises(RuntimeError):
         g.sum().backward()
@@ -362,7 +379,15 @@ def test_window_inputs_equal_plain_means_and_rows(dtype):
         return sums / windows.window_length.unsqueeze(1).float(), x[first].float()
 
     outs, grads = [], []
-    for fn in (plain, lambda x: window_inputs(windows, x)):
+    from megatron_lol.model.host_layout import layout_from_documents
+
+    padded = layout_from_documents(docs, 8, 3, [2]).for_depth(2)  # the routed depth's windows, padded
+    assert padded.capacity > windows.num_windows
+
+    def routed(x):
+        return tuple(t[: windows.num_windows] for t in window_inputs(padded, x))
+
+    for fn in (plain, routed):
         leaf = base.clone().requires_grad_(True)
         x = leaf * 2  # the gradient accumulates in a non-leaf, like a depth's input
         means, rows = fn(x)

@@ -74,10 +74,10 @@ def _overlap_run(overlap: bool) -> dict:
     import torch
     from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBucketGroup
 
-    import megatron_lol.model.core as core_mod
+    import megatron_lol.model.static_routing as routing_mod
 
     rank = torch.distributed.get_rank()
-    saved_choose, saved_start = core_mod.choose_blocks, _ParamAndGradBucketGroup.start_grad_sync
+    saved_choose, saved_start = routing_mod.choose_blocks, _ParamAndGradBucketGroup.start_grad_sync
     events: list = []
 
     def start(group, *args, **kwargs):
@@ -85,7 +85,7 @@ def _overlap_run(overlap: bool) -> dict:
         return saved_start(group, *args, **kwargs)
 
     if rank == 1:  # blocks 1 and 2 get no window on this rank
-        core_mod.choose_blocks = _all_windows_to_block_0
+        routing_mod.choose_blocks = _all_windows_to_block_0
     _ParamAndGradBucketGroup.start_grad_sync = start
     try:
         trainer = _trainer({"overlap_grad_reduce": overlap}, {"global_batch_size": 4 * MBS})
@@ -104,7 +104,7 @@ def _overlap_run(overlap: bool) -> dict:
         params = torch.cat([p.detach().reshape(-1).float() for p in trainer.model.parameters()])
         unused = [float(trainer.model.core.block(b).mlp.linear_fc1.weight.main_grad.abs().sum()) for b in range(3)]
     finally:
-        core_mod.choose_blocks = saved_choose
+        routing_mod.choose_blocks = saved_choose
         _ParamAndGradBucketGroup.start_grad_sync = saved_start
     last = events[len(events) - 1 - events[::-1].index("step") :]  # the last step's events
     launched_in_backward = last[: last.index("finalize")].count("start")  # before its final synchronisation
@@ -121,7 +121,7 @@ def _overlap_run(overlap: bool) -> dict:
 def _routing_agreement() -> dict:
     import torch
 
-    import megatron_lol.model.core as core_mod
+    import megatron_lol.model.static_routing as routing_mod
     from megatron_lol.parallel.routing_agreement import RoutingAgreement
     from megatron_lol.training.cli import train_to_exit
 
@@ -139,7 +139,7 @@ def _routing_agreement() -> dict:
         trainer = _trainer({"tensor_model_parallel_size": 2}, {"train_iters": 2, "check_routing_agreement": 1})
         out["clean"] = train_to_exit(trainer)
         out["clean_checks"] = list(checked)
-        saved_choose = core_mod.choose_blocks
+        saved_choose = routing_mod.choose_blocks
 
         def divergent(probs, bias):  # test-only plant: rank 1 sends its first window elsewhere
             choice, gate = saved_choose(probs, bias)
@@ -148,13 +148,13 @@ def _routing_agreement() -> dict:
             return choice, gate
 
         if rank == 1:
-            core_mod.choose_blocks = divergent
+            routing_mod.choose_blocks = divergent
         try:
             trainer = _trainer({"tensor_model_parallel_size": 2}, {"train_iters": 2, "check_routing_agreement": 1})
             out["planted"] = train_to_exit(trainer)
             out["iteration_after"] = trainer.iteration
         finally:
-            core_mod.choose_blocks = saved_choose
+            routing_mod.choose_blocks = saved_choose
     finally:
         RoutingAgreement.__call__ = saved_call
     return out

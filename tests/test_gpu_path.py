@@ -78,8 +78,9 @@ def _fused_kernels_only(calls):
 
 @pytest.mark.timeout(700)
 def test_grouped_routed_core_on_a_fake_gpu(fake_gpu_results):
-    """The GPU-shaped routed core (megatron_lol.model.grouped_core) with its host layout shipped to the
-    device: no CPU tensor meets a device tensor, forward or backward; the values of the CPU run."""
+    """The routed core with the grouped executor (megatron_lol.model.executors.GroupedGEMMs) and its host
+    layout shipped to the device: no CPU tensor meets a device tensor, forward or backward; the values
+    of the CPU run."""
     r = fake_gpu_results["grouped-core"]
     assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
     assert r["on_gpu"] and r["same_grads"] and r["diff"] <= 1e-6
@@ -137,9 +138,10 @@ def test_a_planted_cpu_tensor_is_caught(fake_gpu_results):
 
 @pytest.mark.timeout(700)
 def test_expert_parallel_dispatch_keeps_collectives_on_the_device(fake_gpu_results):
+    """The per-block executor behind the same exchange: device tensors only, the values of the unsharded run."""
     r = fake_gpu_results["expert-parallel-dispatch"]
     assert r["ok"], r.get("error", "") + "\n" + r.get("traceback", "")
-    assert r["on_gpu"] and r["diff"] == 0.0
+    assert r["on_gpu"] and r["same_grads"] and r["diff"] <= 1e-6
     assert r["collectives"] == ["all_gather", "all_to_all_single"]
 
 

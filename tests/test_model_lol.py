@@ -171,30 +171,39 @@ def test_grouped_dispatch_equals_naive_window_loop(make_model, extra):
 
 
 def test_grouping_runs_whole_windows_in_order():
-    from megatron_lol.model.dispatch import block_updates, gated_update, group_by_block
+    """group_tokens sorts tokens by block stably (windows whole and in order); the per-block executor
+    calls each block once on its rows, with their windows as segments and their RoPE positions."""
+    from types import SimpleNamespace
+
+    from megatron_lol.model.executors import PerBlockCalls, group_sizes
+    from megatron_lol.model.static_routing import group_tokens, permute_rows
 
     token_window = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4])
     choice_w = torch.tensor([2, 0, 2, 1, 0])
-    grouping = group_by_block(choice_w[token_window], token_window, 3)
-    assert grouping.counts == [3, 4, 4] and grouping.covers_all
+    grouping = group_tokens(choice_w[token_window], token_window, 3)
+    assert group_sizes(grouping) == [3, 4, 4]
     assert grouping.order.tolist() == [3, 4, 10, 6, 7, 8, 9, 0, 1, 2, 5]
     assert grouping.segments.tolist() == [1, 1, 4, 3, 3, 3, 3, 0, 0, 0, 2]
+    assert grouping.group_ends.tolist() == [3, 7, 11] and grouping.inverse[grouping.order].tolist() == list(range(11))
     flat = torch.arange(11.0).view(11, 1)
     calls = []
 
-    def call(block, packed, segments, idx):
+    def call(step, block, x, mask, rope, ctx, pad_to=1):
         calls.append(block)
-        assert torch.equal(packed, flat[idx]) and torch.equal(segments, token_window[idx])
-        return packed * (block + 2)
+        rows = grouping.order[grouping.block_of_row == block]
+        assert torch.equal(x.squeeze(1), flat[rows]) and torch.equal(mask.segments.view(-1), token_window[rows])
+        assert torch.equal(rope.view(-1), (rows % 6).float())  # row positions of a 6-token row
+        return x * (block + 2)
 
-    upd = torch.zeros(11, 1).index_copy(0, grouping.order, block_updates(grouping, flat, call))
+    core = SimpleNamespace(cfg=SimpleNamespace(window_size=4), packed=True, row_multiple=1, call=call)
+    ctx = SimpleNamespace(rope=torch.arange(6.0).view(6, 1, 1, 1))
+    core.packed = False
+    rows = permute_rows(flat, grouping.order, grouping.inverse)
+    positions = (torch.arange(11) % 6).index_select(0, grouping.order)
+    out = PerBlockCalls().run(core, None, ctx, rows, grouping, positions)
     assert calls == [0, 1, 2]  # one call per block
-    torch.testing.assert_close(upd, flat * (choice_w[token_window] + 1).view(11, 1).float())
-    gate = torch.tensor([0.5, 0.25, 1.0, 0.0, 2.0])
-    new = gated_update(flat, grouping, gate, call)
-    torch.testing.assert_close(new, flat + gate[token_window].view(11, 1) * upd)
-    sub = group_by_block(choice_w[token_window], token_window, 3, subset=torch.tensor([0, 1, 2, 10]))
-    assert sub.order.tolist() == [10, 0, 1, 2] and sub.counts == [1, 0, 3] and not sub.covers_all
+    back = permute_rows(out, grouping.inverse, grouping.order)
+    torch.testing.assert_close(back, flat * (choice_w[token_window] + 2).view(11, 1).float())
 
 
 # -------------------------------------------------------------------- path forcing
@@ -532,7 +541,7 @@ def test_input_injection_parameter_and_effect(make_model):
 
 def test_input_injection_formula_and_router_reads_injected_state(make_model, monkeypatch):
     """Hand-check s <- sig(theta) s + (1 - sig(theta)) s0 at the input of depth 2, as the router sees it."""
-    import megatron_lol.model.core as core_mod
+    import megatron_lol.model.core_steps as core_mod
 
     model = make_model(
         router_std=10.0, seed=3, input_injection=True, routed_depth=2, num_blocks=3, window_size=8, window_shift=4

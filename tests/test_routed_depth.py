@@ -1,11 +1,11 @@
-"""The GPU-shaped routed depth: host layout, sync-free routing and grouped blocks against the reference.
+"""The routed depth: host layout, sync-free routing and the two block executors against each other.
 
-The reference is the model's own definition: ``DocumentLayout`` / ``WindowLayout``
-/ ``window_noise`` measured on the device, ``router.py`` / ``dispatch.py`` /
-``balancing.py``, and the core's ``gated_update`` over per-block ``call_block``
-(``Core.forward`` with the CPU backend off). Values and gradients must agree to
-1e-6 in fp32 (bit for bit where only the layout moved), and the new path must
-not read anything back to the host (``megatron_lol.perf.op_count``).
+The routing pieces (:mod:`megatron_lol.model.static_routing` on the host layout) are checked
+against plain per-window computations written here (``DocumentLayout`` / ``WindowLayout`` /
+``window_noise`` measured on the device, the router's and the balancing losses' definitions);
+the grouped GEMMs' executor against the per-block calls' (``Core.forward`` with the CPU backend
+off). Values and gradients must agree to 1e-6 in fp32, and routing and the grouped executor
+must not read anything back to the host (``megatron_lol.perf.op_count``).
 """
 
 from __future__ import annotations
@@ -128,7 +128,23 @@ def _values_and_grads(fn, *leaves, weights_seed=9):
     return [o.detach() for o in outs], [torch.zeros_like(x) if x.grad is None else x.grad for x in leaves]
 
 
-def test_router_inputs_summaries_and_choice_equal_the_reference():
+def _plain_summaries(ref, states, depth_vector):
+    """The router's summaries as their definition, one window at a time (docs/model.md, "Router"):
+    ``r_0 = (e + s_first) / 2``, ``r_k`` the mean of the document's earlier window means."""
+    means = [
+        states[int(f) : int(f) + int(n)].float().mean(0) for f, n in zip(ref.window_first_token, ref.window_length)
+    ]
+    out = []
+    for j in range(ref.num_windows):
+        k = int(ref.window_ordinal[j])
+        if k == 0:
+            out.append(0.5 * (depth_vector.float() + states[int(ref.window_first_token[j])].float()))
+        else:
+            out.append(torch.stack(means[j - k : j]).sum(0) / k)
+    return torch.stack(means), torch.stack(out)
+
+
+def test_router_inputs_summaries_and_choice_equal_the_plain_definition():
     from megatron_lol.model import router as ref_router
     from megatron_lol.model import static_routing as sr
     from megatron_lol.model.core import ForcedPath
@@ -138,14 +154,13 @@ def test_router_inputs_summaries_and_choice_equal_the_reference():
     depth_vector = torch.randn(16)
     with OpCounter() as count:
         (means, first), g_new = _values_and_grads(lambda x: tuple(t[:n] for t in sr.window_inputs(win, x)), states)
-        (summ,), gs_new = _values_and_grads(lambda x, e: sr.router_summaries(win, x, e), states, depth_vector)
+        (summ,), gs_new = _values_and_grads(lambda x, e: sr.router_summaries(win, x, e)[:n], states, depth_vector)
     assert count.syncs == 0, count.sync_names
-    (means_r, first_r), g_ref = _values_and_grads(lambda x: ref_router.window_inputs(ref, x), states)
-    assert torch.equal(means, means_r) and torch.equal(first, first_r)  # ordered sums: the same bits
-    torch.testing.assert_close(g_new[0], g_ref[0], **TOL)
-    (summ_r,), gs_ref = _values_and_grads(lambda x, e: ref_router.router_summaries(ref, x, e), states, depth_vector)
-    torch.testing.assert_close(summ[:n], summ_r, **TOL)
-    (_, gs_new) = _values_and_grads(lambda x, e: sr.router_summaries(win, x, e)[:n], states, depth_vector)
+    (means_r,), g_ref = _values_and_grads(lambda x: _plain_summaries(ref, x, depth_vector)[0], states)
+    torch.testing.assert_close(means, means_r, **TOL)
+    torch.testing.assert_close(first, states.index_select(0, ref.window_first_token), rtol=0, atol=0)
+    (summ_r,), gs_ref = _values_and_grads(lambda x, e: _plain_summaries(ref, x, e)[1], states, depth_vector)
+    torch.testing.assert_close(summ, summ_r, **TOL)
     torch.testing.assert_close(gs_new[0], gs_ref[0], **TOL)
     torch.testing.assert_close(gs_new[1], gs_ref[1], **TOL)
 
@@ -155,20 +170,33 @@ def test_router_inputs_summaries_and_choice_equal_the_reference():
     bias = torch.tensor([0.0, 0.05, -0.02, 0.0])
     eps_ref = ref_router.window_noise(ref, torch.tensor([5, 6, 7]), 2, 4, 45)
     forced = ForcedPath(ids=torch.tensor([[-1, 2, -1], [3, -1, 1]]), gates=torch.tensor([[0.0, 0.5, 0], [0.7, 0, 0.2]]))
-    new = sr.decide(router, summ, layout.noise[2], bias, forced, 2, win)
-    probs = router.probabilities(summ_r, eps_ref)
-    choice, gate = ref_router.choose_blocks(probs, bias)
-    is_forced, ids, gates = forced.lookup(2, ref)
-    assert bool(is_forced.any()) and bool((~is_forced).any())
+    new = sr.decide(router, sr.router_summaries(win, states, depth_vector), layout.noise[2], bias, forced, 2, win)
+    probs = router.probabilities(summ_r.detach(), eps_ref)
+    biased = probs + bias
+    ids_r = forced.ids[1]
     torch.testing.assert_close(new.probs[:n], probs, **TOL)
-    assert torch.equal(new.choice[:n], torch.where(is_forced, ids, choice))
-    torch.testing.assert_close(new.gate[:n], torch.where(is_forced, gates, gate), **TOL)
+    for j in range(n):
+        k = min(int(ref.window_ordinal[j]), 2)
+        forced_id = int(ids_r[k]) if int(ref.window_ordinal[j]) < 3 else -1
+        want = forced_id if forced_id >= 0 else int(torch.argmax(biased[j]))
+        assert int(new.choice[j]) == want, j
+        want_gate = float(forced.gates[1][k]) if forced_id >= 0 else float(probs[j, want])
+        assert abs(float(new.gate[j]) - want_gate) < 1e-6, j
 
 
-def test_grouping_combine_loads_and_losses_equal_the_reference():
-    from megatron_lol.model import balancing, dispatch
+def _plain_losses(ref, probs, choice, L):
+    """Both balancing losses as their definition (docs/model.md, "Load balancing"), per document."""
+    seq = 0.0
+    for d in range(ref.num_docs):
+        sel = ref.window_doc == d
+        f = torch.bincount(choice[sel], minlength=L).float() / sel.sum()
+        seq = seq + L * (f * probs[sel].mean(0)).sum()
+    f = torch.bincount(choice, minlength=L).float() / choice.numel()
+    return seq, L * (f * probs.mean(0)).sum()
+
+
+def test_grouping_combine_loads_and_losses_equal_the_plain_definition():
     from megatron_lol.model import static_routing as sr
-    from megatron_lol.model.library import thd_params
     from megatron_lol.model.router import RoutingDecision
 
     L = 4
@@ -180,13 +208,11 @@ def test_grouping_combine_loads_and_losses_equal_the_reference():
     token_choice = choice.index_select(0, win.token_window)
     with OpCounter() as count:
         grouping = sr.group_tokens(token_choice, win.token_window, L)
-        cu = sr.grouped_cu_seqlens(win, choice, L)
         loads = sr.window_loads(win, choice, L)
-    reference = dispatch.group_by_block(token_choice, ref.token_window, L)
-    assert torch.equal(grouping.order, reference.order) and torch.equal(grouping.segments, reference.segments)
-    assert torch.equal(grouping.group_offsets.diff(), torch.tensor(reference.counts))
+    order = torch.sort(token_choice, stable=True).indices
+    assert torch.equal(grouping.order, order) and torch.equal(grouping.segments, ref.token_window[order])
+    assert torch.equal(grouping.group_offsets.diff(), torch.bincount(token_choice, minlength=L))
     assert torch.equal(grouping.order.index_select(0, grouping.inverse), torch.arange(t))
-    assert torch.equal(cu[: n + 1], thd_params(reference.segments, 8)[0].cu_seqlens_q)
     assert torch.equal(loads, torch.bincount(choice[:n], minlength=L)) and int(loads[L - 1]) == 0
 
     # gated combine through the grouped order, with and without truncated backprop
@@ -207,42 +233,34 @@ def test_grouping_combine_loads_and_losses_equal_the_reference():
                 return x + update
             return sr.gated_combine(x, block_out, gate, keep)
 
-        def old(x, gate_w):
-            run = lambda block, rows, seg, idx: rows * 1.5 + out_w.index_select(0, idx)  # noqa: E731
+        def plain(x, gate_w):  # s + alpha (E(s) - s) per token, constants where truncated
+            gate = gate_w.index_select(0, ref.token_window).unsqueeze(1)
+            update = x * 1.5 + out_w - x
             if first_window is None:
-                return dispatch.gated_update(x, reference, gate_w, run)
-            keep = ref.window_ordinal.index_select(0, ref.token_window) == 0
+                return x + gate * update
+            keep = (ref.window_ordinal.index_select(0, ref.token_window) == 0).unsqueeze(1)
             if not first_window:
                 keep = torch.zeros_like(keep)
-            kept = dispatch.group_by_block(token_choice, ref.token_window, L, subset=torch.nonzero(keep).squeeze(1))
-            rest = dispatch.group_by_block(token_choice, ref.token_window, L, subset=torch.nonzero(~keep).squeeze(1))
-            out = dispatch.gated_update(x, kept, gate_w, run)
-            with torch.no_grad():
-                frozen = dispatch.block_updates(rest, x, run)
-            return dispatch.apply_gated_updates(out, rest, frozen, gate_w.detach())
+            return x + torch.where(keep, gate * update, (gate * update).detach())
 
         gates = torch.rand(C, generator=g)
         with OpCounter() as count_c:
             (v_new,), g_new = _values_and_grads(new, states, gates)
-        (v_old,), g_old = _values_and_grads(lambda x, gw: old(x, gw[:n]), states, gates)
+        (v_old,), g_old = _values_and_grads(lambda x, gw: plain(x, gw[:n]), states, gates)
         assert count_c.syncs == 0, count_c.sync_names
-        assert torch.equal(v_new, v_old), first_window  # the same arithmetic per element
+        torch.testing.assert_close(v_new, v_old, **TOL)
         torch.testing.assert_close(g_new[0], g_old[0], **TOL)
         torch.testing.assert_close(g_new[1], g_old[1], **TOL)
         assert bool((g_new[1][n:] == 0).all())
 
     # balancing losses: values and the router probabilities' gradients
     def seq_new(lg):
-        decision = sr.Decision(probs=torch.softmax(lg, -1), choice=choice, gate=None)
+        decision = RoutingDecision(probs=torch.softmax(lg, -1), choice=choice, gate=None)
         return sr.sequence_aux_loss(win, decision), sr.global_aux_loss(win, decision)
-
-    def seq_old(lg):
-        decision = RoutingDecision(probs=torch.softmax(lg, -1), choice=choice[:n], gate=None)
-        return balancing.sequence_aux_loss(ref, decision), balancing.global_aux_loss(decision)
 
     with OpCounter() as count_l:
         v_new, g_new = _values_and_grads(seq_new, logits)
-    v_old, g_old = _values_and_grads(lambda lg: seq_old(lg[:n]), logits)
+    v_old, g_old = _values_and_grads(lambda lg: _plain_losses(ref, torch.softmax(lg[:n], -1), choice[:n], L), logits)
     assert count.syncs == 0 and count_l.syncs == 0, (count.sync_names, count_l.sync_names)
     torch.testing.assert_close(v_new, v_old, **TOL)
     torch.testing.assert_close(g_new[0], g_old[0], **TOL)
@@ -272,8 +290,18 @@ def _build_lol(packed, parallel, vocab=97, **model):
     return net
 
 
+def _use(net, impl):
+    """Give the core the executor ``impl`` names (``grouped``: the grouped GEMMs; else per-block calls)."""
+    from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
+
+    net.core.executor = GroupedGEMMs() if impl == "grouped" else PerBlockCalls()
+
+
 def _run_core(net, impl, x0, layout, seeds, forced, backprop_depth, first_window, record):
+    """One forward and backward of the core with executor ``impl``: ``grouped`` given the host layout,
+    the per-block calls given only the seeds (the core builds its layout from the documents)."""
     core = net.core
+    _use(net, impl)
     core.zero_grad(set_to_none=True)
     if core.balancer is not None:
         core.balancer.loads.zero_()
@@ -420,6 +448,7 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
     results = []
     for impl in ("ref", "grouped"):
         net.zero_grad(set_to_none=True)
+        _use(net, impl)
         grouped = {"layout": layout} if impl == "grouped" else {"docs": layout.document_layout()}
         loss, core = net(tokens, labels=labels, noise_seeds=seeds, return_core=True, **grouped)
         loss.mean().backward()
@@ -436,36 +465,36 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
     assert bool(torch.isfinite(x.grad).all())
 
 
-def test_step_for_runs_the_grouped_step_when_the_forward_carries_a_layout(monkeypatch):
-    """Core.step_for: a routed step runs as the core's grouped step class when the forward is given the
-    host layout, as its reference routed step class otherwise (both swappable on the core)."""
-    from megatron_lol.model.core_steps import RoutedStep
-    from megatron_lol.model.grouped_core import GroupedRoutedStep
+def test_the_executor_is_chosen_when_the_core_is_built(monkeypatch):
+    """``model.routed_core``: ``grouped`` builds the grouped GEMMs' executor, ``auto`` on the CPU and
+    ``reference`` the per-block calls, and a forward runs the executor the core holds, layout or not."""
+    from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
 
-    net = _lol(monkeypatch, False).eval()
+    assert isinstance(_lol(monkeypatch, False).core.executor, PerBlockCalls)  # auto, on the CPU
+    net = _lol(monkeypatch, False, routed_core="grouped").eval()
+    assert isinstance(net.core.executor, GroupedGEMMs) and net.core.grouped_refusal is None
     ran = []
 
-    class SpyGrouped(GroupedRoutedStep):
-        def advance(self, state, ctx):
-            ran.append(("grouped", self.step.depth))
-            return super().advance(state, ctx)
+    class Spy(GroupedGEMMs):
+        def run(self, *args, **kwargs):
+            ran.append(args[1].depth)
+            return super().run(*args, **kwargs)
 
-    class SpyRouted(RoutedStep):
-        def advance(self, state, ctx):
-            ran.append(("reference", self.step.depth))
-            return super().advance(state, ctx)
-
-    net.core.grouped_step_class, net.core.routed_step_class = SpyGrouped, SpyRouted
+    net.core.executor = Spy()
     tokens = _tokens(2, 40, 12)
     depths = list(range(1, net.plan.depth + 1))
     layout = build_host_layout(tokens, 0, 8, 4, depths, net.plan.num_stored_blocks)
     with torch.no_grad():
         grouped = net(tokens, layout=layout)
-        assert ran == [("grouped", d) for d in depths]
+        assert ran == depths
         ran.clear()
-        reference = net(tokens, docs=layout.document_layout())
-        assert ran == [("reference", d) for d in depths]
+        without = net(tokens)  # the core builds the layout from the documents
+        assert ran == depths
+        _use(net, "ref")
+        reference = net(tokens, layout=layout)
+    assert ran == depths
     torch.testing.assert_close(grouped, reference, **TOL)
+    torch.testing.assert_close(without, grouped, rtol=0, atol=0)
 
 
 def _tensor_parallel_check():
@@ -709,27 +738,37 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     blocks compile in bf16 (torch's meta function of ``_grouped_mm`` takes bf16 only, so fp32, which
     the CPU kernel runs, cannot be traced)."""
     from megatron_lol.model import static_routing as sr
-    from megatron_lol.model.grouped_blocks import grouped_blocks, stack_library
-    from megatron_lol.model.grouped_core import combine_depth, group_depth
+    from megatron_lol.model.attention import window_mask
+    from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, stack_library
 
     net = _lol(monkeypatch, False, film="depth_block").train()
     core = net.core
     L, depth = core.plan.num_stored_blocks, 2
     layout = build_host_layout(_tokens(2, 40, 14, short_docs=True), 0, 8, 4, [depth], L, torch.tensor([1, 2]))
     windows = layout.for_depth(depth)
-    rope = net.rotary(40)
+    rope_table = net.rotary(40)
     positions = torch.arange(80) % 40
     film = (core.film_gamma[depth - 1], core.film_beta[depth - 1])
     library = stack_library([core.block(i) for i in range(L)])
 
     def route(flat, depth_vector, eps, bias):
         decision = sr.decide(core.routers[0], sr.router_summaries(windows, flat, depth_vector), eps, bias)
-        grouped = group_depth(flat, windows, decision, L, rope, positions, 8)
+        grouping = sr.group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window, L)
+        rope = RowRope.from_table(rope_table, positions.index_select(0, grouping.order), flat.dtype)
+        grouped = dict(
+            grouping=grouping,
+            rows=sr.permute_rows(flat, grouping.order, grouping.inverse),
+            gate=sr.token_gates(windows, decision.gate),
+            rope=rope,
+            attention_bias=window_mask(grouping.segments, 8),
+        )
         aux = sr.sequence_aux_loss(windows, decision)
         return grouped, sr.window_loads(windows, decision.choice.detach(), L), aux
 
     def combine(flat, grouped_out, grouped):
-        return combine_depth(flat, grouped_out, grouped, windows, "first")
+        grouping = grouped["grouping"]
+        block_out = sr.permute_rows(grouped_out, grouping.inverse, grouping.order)
+        return sr.gated_combine(flat, block_out, grouped["gate"], sr.truncation_keep(windows, True))
 
     x = torch.randn(80, net.cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     args = (core.depth_vectors[depth - 1], layout.noise[depth], core.balancer.for_depth(depth))
@@ -744,7 +783,9 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
         grouped, loads, aux = run_route(leaf, *args)
         new = run_combine(
             leaf,
-            grouped_blocks(library, grouped.rows, grouped.grouping, grouped.rope, grouped.attention_bias, 8, film),
+            grouped_blocks(
+                library, grouped["rows"], grouped["grouping"], grouped["rope"], grouped["attention_bias"], 8, film
+            ),
             grouped,
         )
         (new.square().sum() + aux).backward()
@@ -758,9 +799,9 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     bf16 = stack_library([core.block(i).to(torch.bfloat16) for i in range(L)])
     with torch.no_grad():
         grouped, _, _ = route(x, *args)
-    rows = grouped.rows.to(torch.bfloat16)
-    rows_rope = type(grouped.rope)(cos=grouped.rope.cos.to(torch.bfloat16), sin=grouped.rope.sin.to(torch.bfloat16))
-    run = lambda r: grouped_blocks(bf16, r, grouped.grouping, rows_rope, grouped.attention_bias, 8)  # noqa: E731
+    rows = grouped["rows"].to(torch.bfloat16)
+    rows_rope = RowRope(cos=grouped["rope"].cos.to(torch.bfloat16), sin=grouped["rope"].sin.to(torch.bfloat16))
+    run = lambda r: grouped_blocks(bf16, r, grouped["grouping"], rows_rope, grouped["attention_bias"], 8)  # noqa: E731
     want = run(rows)
     got = torch.compile(run, fullgraph=True, backend="aot_eager")(rows)
     torch._dynamo.reset()
@@ -773,6 +814,7 @@ def test_the_whole_grouped_core_compiles_as_one_graph(monkeypatch):
     values (BF16: torch's meta function of ``_grouped_mm`` takes BF16 only). Static shapes: nothing in the
     core depends on the routes' values."""
     net = _lol(monkeypatch, True, num_blocks=4, params_dtype="bf16", film="depth_block", input_injection=True).train()
+    _use(net, "grouped")
     layout = build_host_layout(_tokens(2, 40, 3), 0, 8, 4, range(1, 5), 4, torch.tensor([1, 2]))
     rope, steps = net.rotary(40), net.core.plan.steps()
 
@@ -836,15 +878,15 @@ def _grouped_trainer(routed_core: str, parallel=None, **model):
 
 
 def test_training_with_the_grouped_core_equals_the_reference(megatron_env, monkeypatch):
-    """model.routed_core: grouped trains on layouts the trainer builds on the host, with the reference's losses
-    (router noise included: both draw it from the samples' seeds); auto stays on the reference on CPU."""
+    """model.routed_core: grouped trains with the per-block executor's losses, both on the layouts the trainer
+    builds on the host (router noise included: drawn from the samples' seeds); auto runs per block on CPU."""
     monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")  # the reference: per-block layer calls
     losses = {}
     for mode in ("reference", "grouped", "auto"):
         trainer = _grouped_trainer(mode)
         assert trainer.grouped_core == (mode == "grouped")
         batches = trainer.data_iterator(trainer.train_ds, 0)
-        assert ("layout" in next(trainer.data_iterator(trainer.train_ds, 0))) == (mode == "grouped")
+        assert "layout" in next(trainer.data_iterator(trainer.train_ds, 0))  # every routed plan's batches
         losses[mode] = [trainer.train_step(batches).loss for _ in range(3)]
     torch.testing.assert_close(torch.tensor(losses["grouped"]), torch.tensor(losses["reference"]), rtol=1e-5, atol=1e-5)
     assert losses["auto"] == losses["reference"]
@@ -966,7 +1008,8 @@ def test_auto_runs_the_library_grouped_under_the_transformer_engine_spec(monkeyp
     cfg = tiny_config(film="depth_block", routed_depth=3)
     assert routes_grouped(cfg, cuda=True) and not routes_grouped(cfg, cuda=False)
     assert not routes_grouped(tiny_config(routed_core="reference"), cuda=True)
-    assert not routes_grouped(tiny_config(router_input="depth"), cuda=True)
+    assert routes_grouped(tiny_config(router_input="depth"), cuda=True)  # routing is the same for both executors
+    assert routes_grouped(tiny_config(router_only_tokens=[90], router_only_filler=89), cuda=True)
     assert routes_grouped(tiny_config(routed_core="grouped"), cuda=False)
     tconfig = library.transformer_config(cfg)  # the stand-in layers run megatron's unfused RoPE on the CPU
 
@@ -978,7 +1021,8 @@ def test_auto_runs_the_library_grouped_under_the_transformer_engine_spec(monkeyp
     assert net.use_te and net.packed and net.grouped_library
     assert all(type(layer) is StandInTELayer for layer in [*net.prelude.values(), *net.coda.values()])
     assert all(type(block) is LoLTransformerLayer for block in net.core.blocks.values())
-    assert grouped_core_support(net.core) is None, "what the trainer checks before it runs the core grouped"
+    assert grouped_core_support(net.core) is None and net.core.executor.grouped, "chosen when the core was built"
+    assert not reference.core.executor.grouped
     assert net.core.tconfig.fp8 is None and not net.core.tconfig.apply_rope_fusion
 
     gen = torch.Generator().manual_seed(4)

@@ -9,9 +9,16 @@ import pytest
 import torch
 
 from megatron_lol.config import bias_updates_allowed
-from megatron_lol.model.balancing import BalancingBias, global_aux_loss, sequence_aux_loss
+from megatron_lol.model.balancing import BalancingBias
+from megatron_lol.model.host_layout import build_host_layout
 from megatron_lol.model.router import RoutingDecision, WindowRouter, choose_blocks
+from megatron_lol.model.static_routing import global_aux_loss, sequence_aux_loss
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
+
+
+def _loads(choice, bias):
+    """The window loads ``[L]`` a depth adds to ``bias`` for these choices."""
+    return torch.bincount(choice, minlength=bias.bias.shape[1])
 
 
 # ------------------------------------------------------------------------- router (1.2)
@@ -107,16 +114,16 @@ def _bias(L=4, D=3, per_depth=False, speed=1e-3, clamp=16.0, stop=0.966):
 
 def test_bias_sign_rule_and_mean_block_keeps_bias():
     bb = _bias()
-    bb.record(1, torch.tensor([0, 0, 0, 1]))  # loads after depth 1: [3, 1, 0, 0]
-    bb.record(2, torch.tensor([1, 2, 0]))  # + [1, 1, 1, 0] -> [4, 2, 1, 0]
-    bb.record(3, torch.tensor([3, 3, 3, 1, 2]))  # + [0, 1, 1, 3] -> [4, 3, 2, 3], mean 3
+    bb.record(1, _loads(torch.tensor([0, 0, 0, 1]), bb))  # loads after depth 1: [3, 1, 0, 0]
+    bb.record(2, _loads(torch.tensor([1, 2, 0]), bb))  # + [1, 1, 1, 0] -> [4, 2, 1, 0]
+    bb.record(3, _loads(torch.tensor([3, 3, 3, 1, 2]), bb))  # + [0, 1, 1, 3] -> [4, 3, 2, 3], mean 3
     assert bb.loads.tolist() == [[4, 3, 2, 3]]
     assert bb.update(step=0, train_iters=100)
     assert torch.equal(bb.bias, torch.tensor([[-1e-3, 0.0, 1e-3, 0.0]]))
     assert bb.bias[0, 1].item() == 0.0 and bb.bias[0, 3].item() == 0.0  # exactly at the mean
     assert bb.loads.sum() == 0  # loads are reset after an update
     # a second step with the same loads moves by another u
-    bb.record(1, torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3]))
+    bb.record(1, _loads(torch.tensor([0, 0, 0, 0, 1, 1, 1, 2, 2, 3, 3, 3]), bb))
     bb.update(step=1, train_iters=100)
     torch.testing.assert_close(bb.bias, torch.tensor([[-2e-3, 0.0, 2e-3, 0.0]]))
 
@@ -124,13 +131,13 @@ def test_bias_sign_rule_and_mean_block_keeps_bias():
 def test_bias_speed_and_clamp():
     bb = _bias(L=2, speed=0.5, clamp=16.0)
     for step in range(40):
-        bb.record(1, torch.tensor([0, 0, 1]))
+        bb.record(1, _loads(torch.tensor([0, 0, 1]), bb))
         bb.update(step, 1000)
     assert bb.bias.tolist() == [[-16.0, 16.0]]
     bb = _bias(L=2)
     with torch.no_grad():
         bb.bias.copy_(torch.tensor([[-15.9995, 15.9995]]))
-    bb.record(1, torch.tensor([0, 0, 1]))
+    bb.record(1, _loads(torch.tensor([0, 0, 1]), bb))
     bb.update(0, 1000)
     assert bb.bias.tolist() == [[-16.0, 16.0]]
 
@@ -141,7 +148,7 @@ def test_bias_stop_fraction_exact():
     assert bias_updates_allowed(0, 1, 0.966) and not bias_updates_allowed(1, 1, 0.966)
     for step, applied in [(965, True), (966, False), (999, False)]:
         bb = _bias(L=2)
-        bb.record(1, torch.tensor([0]))
+        bb.record(1, _loads(torch.tensor([0]), bb))
         assert bb.update(step, 1000) is applied
         assert torch.equal(bb.bias, torch.tensor([[-1e-3, 1e-3]] if applied else [[0.0, 0.0]]))
         assert bb.loads.sum() == 0
@@ -150,14 +157,14 @@ def test_bias_stop_fraction_exact():
 def test_bias_per_depth_rows():
     bb = _bias(L=3, D=2, per_depth=True)
     assert tuple(bb.bias.shape) == (2, 3)
-    bb.record(1, torch.tensor([0, 0, 1]))  # depth 1: [2, 1, 0] mean 1
-    bb.record(2, torch.tensor([2, 2, 2]))  # depth 2: [0, 0, 3] mean 1
+    bb.record(1, _loads(torch.tensor([0, 0, 1]), bb))  # depth 1: [2, 1, 0] mean 1
+    bb.record(2, _loads(torch.tensor([2, 2, 2]), bb))  # depth 2: [0, 0, 3] mean 1
     bb.update(0, 10)
     torch.testing.assert_close(bb.bias, torch.tensor([[-1e-3, 0.0, 1e-3], [1e-3, 1e-3, -1e-3]]))
     assert torch.equal(bb.for_depth(2), bb.bias[1])
     glob = _bias(L=3, D=2)
-    glob.record(1, torch.tensor([0, 0, 1]))
-    glob.record(2, torch.tensor([2, 2, 2]))  # summed: [2, 1, 3] mean 2
+    glob.record(1, _loads(torch.tensor([0, 0, 1]), glob))
+    glob.record(2, _loads(torch.tensor([2, 2, 2]), glob))  # summed: [2, 1, 3] mean 2
     glob.update(0, 10)
     torch.testing.assert_close(glob.bias, torch.tensor([[0.0, 1e-3, -1e-3]]))
     assert torch.equal(glob.for_depth(1), glob.for_depth(2))
@@ -198,21 +205,28 @@ def test_model_bias_used_only_to_choose(make_model):
 
 
 # -------------------------------------------------------------------- aux losses (1.3)
-def _two_doc_layout():
-    # doc 0: 8 tokens -> 2 windows of W=4; doc 1: 3 tokens -> 1 window
+def _two_doc_windows():
+    # doc 0: 8 tokens -> 2 windows of W=4; doc 1: 3 tokens -> 1 window (then padding windows)
     eod = 0
     row = torch.tensor([[1, 1, 1, 1, 1, 1, 1, eod, 1, 1, 1]])
-    return WindowLayout.build(DocumentLayout.from_tokens(row, eod), 1, 4, 2)
+    return build_host_layout(row, eod, 4, 2, [1]).for_depth(1)
+
+
+def _padded(windows, probs, choice):
+    """A decision over the layout's ``C`` windows: the three real ones, then padding rows."""
+    c = windows.capacity
+    full = torch.cat([probs, torch.full((c - 3, 2), 0.5)])
+    return RoutingDecision(probs=full, choice=torch.cat([choice, torch.ones(c - 3, dtype=torch.long)]), gate=None)
 
 
 def test_sequence_aux_loss_hand_example():
-    layout = _two_doc_layout()
-    assert layout.window_doc.tolist() == [0, 0, 1]
+    windows = _two_doc_windows()
+    assert windows.window_doc[:3].tolist() == [0, 0, 1] and windows.num_windows == 3 and windows.capacity > 3
     probs = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.8, 0.2]], requires_grad=True)
-    dec = RoutingDecision(probs=probs, choice=torch.tensor([0, 1, 0]), gate=torch.tensor([0.6, 0.7, 0.8]))
+    dec = _padded(windows, probs, torch.tensor([0, 1, 0]))
     # doc 0: f=(1/2,1/2), abar=(0.45,0.55) -> 2*(0.225+0.275) = 1.0
-    # doc 1: f=(1,0),     abar=(0.8,0.2)   -> 2*0.8 = 1.6 ; summed over documents = 2.6
-    loss = sequence_aux_loss(layout, dec)
+    # doc 1: f=(1,0),     abar=(0.8,0.2)   -> 2*0.8 = 1.6 ; summed over documents = 2.6 (padding: none)
+    loss = sequence_aux_loss(windows, dec)
     assert loss.item() == pytest.approx(2.6, abs=1e-6)
     loss.backward()
     # d/d a_{w,m} = L * f_m(doc) / n_windows(doc); f carries no gradient
@@ -221,10 +235,11 @@ def test_sequence_aux_loss_hand_example():
 
 
 def test_global_aux_loss_hand_example():
+    windows = _two_doc_windows()
     probs = torch.tensor([[0.6, 0.4], [0.3, 0.7], [0.8, 0.2]], requires_grad=True)
-    dec = RoutingDecision(probs=probs, choice=torch.tensor([0, 1, 0]), gate=torch.tensor([0.6, 0.7, 0.8]))
-    # f = (2/3, 1/3), abar = (1.7/3, 1.3/3): 2 * (3.4/9 + 1.3/9) = 9.4/9
-    loss = global_aux_loss(dec)
+    dec = _padded(windows, probs, torch.tensor([0, 1, 0]))
+    # f = (2/3, 1/3), abar = (1.7/3, 1.3/3): 2 * (3.4/9 + 1.3/9) = 9.4/9 (padding windows count nowhere)
+    loss = global_aux_loss(windows, dec)
     assert loss.item() == pytest.approx(9.4 / 9, abs=1e-6)
     loss.backward()
     torch.testing.assert_close(probs.grad, torch.tensor([[4 / 9, 2 / 9]] * 3))

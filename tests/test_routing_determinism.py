@@ -1,7 +1,8 @@
 """Routing decisions are the same on every rank that computes them (docs/gpu.md, "Routing on every rank").
 
-* The routing path (document and window layouts, window sums, prefix means, router, noise, argmax,
-  balancing loads, both auxiliary losses, and their backward) runs under a TorchDispatchMode that fails
+* The routing path every device runs (the core's routed steps: document and window layouts, window
+  sums, prefix means, the router-only term, router, noise, argmax, balancing loads, both auxiliary
+  losses, grouping, gates, combine, and their backward) runs under a TorchDispatchMode that fails
   on any aten operation whose result depends on the order CUDA threads run in (the operations listed in
   ``torch.use_deterministic_algorithms``' documentation: float atomics of ``index_add_``, scatter-adds,
   accumulating ``index_put_``, floating-point ``cumsum``, ...).
@@ -83,39 +84,84 @@ class NondeterminismRecorder(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _routing_path(core, tokens, eod, depths, seeds):
-    """What the core computes for routing, forward and backward, on one micro-batch."""
-    from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
-    from megatron_lol.model.windows import DocumentLayout, WindowLayout
+class _TableExecutor:
+    """An executor whose "blocks" scale each row by its block's row of a table (a per-block parameter
+    gathered per row, as the grouped GEMMs' norm gains and FiLM are): the routed depth's own routing,
+    grouping and combine run around it, without the layers (which are megatron-core's)."""
 
-    docs = DocumentLayout.from_tokens(tokens, eod)
+    grouped = True
+
+    def __init__(self, table):
+        self.table = table
+
+    def run(self, core, step, ctx, rows, grouping, positions, *, first_block=0, counts=None):
+        from megatron_lol.model.static_routing import gather_segment_rows
+
+        return rows * gather_segment_rows(self.table, grouping.block_of_row, grouping.group_offsets)
+
+    def fused_update(self, *args, **kwargs):
+        return None
+
+
+def _routing_path(net, tokens, seeds):
+    """The routed depths as every device runs them (``Core.forward``'s routed steps: host layout, window
+    sums, prefix means, router-only term, router and noise, argmax, loads, both auxiliary losses,
+    grouping, per-block parameter gathers, gates, combine), forward and backward."""
+    from megatron_lol.model.host_layout import host_layout_for_batch
+
+    core = net.core
     b, s = tokens.shape
-    states = torch.randn(b * s, core.cfg.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    loss = 0.0
-    loads = []
-    for depth in depths:
-        windows = WindowLayout.build(docs, depth, core.cfg.window_size, core.cfg.window_shift)
-        decision = core.decide(depth, windows, states, None, seeds, s)
-        core.balancer.record(depth, decision.choice)
-        loads.append(torch.bincount(decision.choice, minlength=core.plan.num_stored_blocks))
-        loss = loss + decision.gate.sum() + sequence_aux_loss(windows, decision) + global_aux_loss(decision)
+    h = core.cfg.hidden_size
+    table = torch.randn(core.plan.num_stored_blocks, h, generator=torch.Generator().manual_seed(4))
+    table.requires_grad_(True)
+    core.executor = _TableExecutor(table)
+    batch = {"tokens": tokens, "sample_ids": seeds}
+    layout = host_layout_for_batch(batch, core.cfg, core.plan, net.eod_id, 7, pin=False)
+    states = torch.randn(s, b, h, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    steps = list(core.plan.steps())
+    out = core(
+        states,
+        layout.document_layout(),
+        None,
+        steps,
+        depth=len(steps),
+        layout=layout,
+        noise_seeds=seeds,
+        router_only=net.router_only_index(tokens),
+    )
+    loss = out.states.float().sum() + out.aux_loss
     loss.backward()
-    return states.grad, loads
+    return states.grad, table.grad, out.block_loads
 
 
-def test_routing_path_has_no_cuda_nondeterministic_operation(make_model):
-    net = make_model(router_std=0.5, window_size=8, window_shift=3, num_blocks=3, routed_depth=3).train()
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(balancing="loss_free", seq_aux_loss_coeff=1e-2),
+        dict(balancing="aux_loss", aux_loss_coeff=0.02, router_only_tokens=[90, 91, 92], router_only_filler=89),
+    ],
+    ids=["loss_free", "aux_loss_router_only"],
+)
+def test_routing_path_has_no_cuda_nondeterministic_operation(make_model, variant):
+    net = make_model(router_std=0.5, window_size=8, window_shift=3, num_blocks=3, routed_depth=3, **variant).train()
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, 97, (3, 40), generator=g)
+    tokens = torch.randint(1, 89, (3, 40), generator=g)
     tokens[0, 5] = tokens[1, 17] = tokens[1, 18] = tokens[2, 33] = 0  # documents of many lengths
+    if "router_only_tokens" in variant:
+        tokens[0, 2] = tokens[1, 20] = tokens[2, 3] = 90
+        tokens[2, 9] = 92
+        assert net.router_only_index(tokens) is not None
     recorder = NondeterminismRecorder()
     with recorder:
-        grad, loads = _routing_path(net.core, tokens, 0, [1, 2, 3], torch.tensor([5, 6, 7]))
+        grad, table_grad, loads = _routing_path(net, tokens, torch.tensor([5, 6, 7]))
     assert not recorder.found, recorder.found
     assert torch.isfinite(grad).all() and grad.abs().sum() > 0
-    assert sum(int(x.sum()) for x in loads) > 0
+    assert table_grad.abs().sum() > 0
+    assert int(loads.sum()) > 0 and int((loads.sum(0) > 0).sum()) >= 2  # routes spread over blocks
+    if "router_only_tokens" in variant:
+        assert net.core.router_only_embeddings.grad.abs().sum() > 0  # the router-only term ran
 
-    # the recorder does catch what the routing path used to run
+    # the recorder does catch what a routing path must not run
     with NondeterminismRecorder() as caught:
         torch.zeros(3, 2).index_add_(0, torch.tensor([0, 0, 1]), torch.ones(3, 2))
         torch.cumsum(torch.ones(4), 0)
@@ -128,52 +174,8 @@ def test_routing_path_has_no_cuda_nondeterministic_operation(make_model):
     assert names.count("repeated indices") == 1
 
 
-def _grouped_routing_path(core, tokens, eod, depths, seeds):
-    """The routing of the routed core that CUDA runs (host layout, static_routing), forward and backward."""
-    from megatron_lol.model import static_routing as sr
-    from megatron_lol.model.host_layout import build_host_layout
-
-    b, s = tokens.shape
-    num_blocks = core.plan.num_stored_blocks
-    layout = build_host_layout(tokens, eod, core.cfg.window_size, core.cfg.window_shift, depths, num_blocks, seeds)
-    states = torch.randn(b * s, core.cfg.hidden_size, generator=torch.Generator().manual_seed(3), requires_grad=True)
-    table = torch.randn(num_blocks, core.cfg.hidden_size, generator=torch.Generator().manual_seed(4))
-    table.requires_grad_(True)
-    loss = 0.0
-    for depth in depths:
-        windows = layout.for_depth(depth)
-        summaries = sr.router_summaries(windows, states, core.depth_vectors[depth - 1])
-        router = core.router_for(depth)
-        decision = sr.decide(router, summaries, layout.noise.get(depth), core.balancer.for_depth(depth))
-        sr.record_loads(core.balancer, depth, sr.window_loads(windows, decision.choice, num_blocks))
-        token_choice = decision.choice.index_select(0, windows.token_window)
-        grouping = sr.group_tokens(token_choice, windows.token_window, num_blocks)
-        rows = sr.gather_segment_rows(table, grouping.block_of_row, grouping.group_offsets)  # per-block parameters
-        gate = sr.token_gates(windows, decision.gate)
-        update = sr.permute_rows(rows, grouping.inverse, grouping.order)
-        out = sr.gated_combine(states, states * update, gate)
-        loss = loss + out.sum() + sr.sequence_aux_loss(windows, decision) + sr.global_aux_loss(windows, decision)
-    loss.backward()
-    return states.grad, table.grad
-
-
-def test_grouped_routing_path_has_no_cuda_nondeterministic_operation(make_model):
-    """The routed core's path on CUDA (host-built layout): summaries, prefix means, decision, loads,
-    grouping, per-block parameter gathers, gates, combine, both auxiliary losses and their backward."""
-    net = make_model(router_std=0.5, window_size=8, window_shift=3, num_blocks=3, routed_depth=3).train()
-    g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(1, 97, (3, 40), generator=g)
-    tokens[0, 5] = tokens[1, 17] = tokens[1, 18] = tokens[2, 33] = 0
-    recorder = NondeterminismRecorder()
-    with recorder:
-        grad, table_grad = _grouped_routing_path(net.core, tokens, 0, [1, 2, 3], torch.tensor([5, 6, 7]))
-    assert not recorder.found, recorder.found
-    assert torch.isfinite(grad).all() and grad.abs().sum() > 0
-    assert table_grad.abs().sum() > 0
-
-
 def test_router_only_term_has_no_cuda_nondeterministic_operation_and_equals_float64():
-    from megatron_lol.model.router import router_only_prefix_means
+    from megatron_lol.model.static_routing import router_only_prefix_means
 
     g = torch.Generator().manual_seed(5)
     b, s, h = 3, 37, 8
@@ -187,9 +189,19 @@ def test_router_only_term_has_no_cuda_nondeterministic_operation_and_equals_floa
         for t in range(s):
             positions[r, t] = 0 if starts[r, t] else positions[r, t - 1] + 1
     positions = positions.reshape(-1)
+    embeddings.requires_grad_(True)
     with NondeterminismRecorder() as recorder:
         got = router_only_prefix_means(embeddings, index, positions, s)
+        got.sum().backward()
     assert not recorder.found, recorder.found
+    # each embedding's gradient: the sum over tokens t of 1 / count(t) for its own occurrences up to t
+    want_grad = torch.zeros(4, h, dtype=torch.float64)
+    for t in range(b * s):
+        first = t - int(positions[t])
+        rows = [int(i) for i in index[first : t + 1] if i >= 0]
+        for i in rows:
+            want_grad[i] += 1.0 / len(rows)
+    torch.testing.assert_close(embeddings.grad.double(), want_grad, rtol=1e-6, atol=1e-6)
     want = torch.zeros(b * s, h, dtype=torch.float64)
     for t in range(b * s):
         first = t - int(positions[t])
@@ -210,7 +222,7 @@ def _naive_means(states, layout):
 @pytest.mark.parametrize("doc_every", [3, 50])
 def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
     """``doc_every=3``: documents of 3 tokens, so the padded layout [N, W, h] is built in several chunks."""
-    from megatron_lol.model.windows import DocumentLayout, WindowLayout
+    from megatron_lol.model.windows import DocumentLayout, WindowLayout, document_prefix_means, segment_means
 
     g = torch.Generator().manual_seed(1)
     tokens = torch.randint(1, 50, (2, 64), generator=g)
@@ -219,11 +231,11 @@ def test_ordered_window_sums_and_prefix_means_equal_float64(doc_every):
     states = torch.randn(2 * 64, 16, generator=g).to(torch.bfloat16)
     for depth in (1, 2):
         layout = WindowLayout.build(docs, depth, 16, 5)
-        means = layout.window_means(states)
+        means = segment_means(states, layout.window_first_token, layout.window_length, layout.window_size)
         want = _naive_means(states, layout)
         assert means.dtype == torch.float32
         torch.testing.assert_close(means.double(), want, rtol=1e-6, atol=1e-6)
-        prefix = layout.prefix_means(means)
+        prefix = document_prefix_means(means, layout.window_ordinal, layout.max_windows_per_doc)
         for j in range(layout.num_windows):
             k = int(layout.window_ordinal[j])
             ref = means[j - k : j].double().sum(0) / k if k else torch.zeros(16, dtype=torch.float64)

@@ -116,7 +116,8 @@ def test_windows_restart_at_document_boundaries(depth):
 
 def test_prefix_means_restart_per_document():
     """r_k of document B in a packed row equals r_k of B alone (docs/model.md, "Router": cumsum restarts)."""
-    from megatron_lol.model.router import router_summaries
+    from megatron_lol.model.host_layout import build_host_layout
+    from megatron_lol.model.static_routing import router_summaries
 
     eod, W, S, h = 0, 4, 2, 5
     a = torch.tensor([3, 4, 5, 6, 7, eod])
@@ -126,10 +127,11 @@ def test_prefix_means_restart_per_document():
     states = torch.randn(row.numel(), h)
     e = torch.randn(h)
     for depth in (1, 2):
-        packed = WindowLayout.build(DocumentLayout.from_tokens(row, eod), depth, W, S)
-        alone = WindowLayout.build(DocumentLayout.from_tokens(b.view(1, -1), eod), depth, W, S)
-        r_packed = router_summaries(packed, states, e)[packed.window_doc == 1]
-        r_alone = router_summaries(alone, states[len(a) :], e)
+        packed = build_host_layout(row, eod, W, S, [depth]).for_depth(depth)
+        alone = build_host_layout(b.view(1, -1), eod, W, S, [depth]).for_depth(depth)
+        real = packed.window_valid & (packed.window_doc == 1)
+        r_packed = router_summaries(packed, states, e)[real]
+        r_alone = router_summaries(alone, states[len(a) :], e)[: alone.num_windows]
         torch.testing.assert_close(r_packed, r_alone, rtol=0, atol=1e-6)
         # hand check of r_2 for B alone: mean of the means of windows 0 and 1
         g = window_groups(len(b), depth, W, S)

@@ -1,12 +1,14 @@
 """Device-specific fast paths, chosen at run time; the model's definition never depends on them.
 
-``megatron_lol.model`` holds the plain reference computation. A backend offers
-faster implementations of some of its steps and declines where they do not
-apply. :func:`select_backend` gives the CPU backend for CPU tensors (unless
-``MEGATRON_LOL_CPU_BACKEND=0``) and None (the reference) otherwise: on a GPU the
-routed depths run grouped where the model allows (``model.routed_core``,
-:mod:`megatron_lol.model.grouped_core`) and the layers on megatron-core /
-Transformer Engine kernels.
+``megatron_lol.model`` holds the computation. A backend offers faster
+implementations of some of its steps and declines where they do not apply.
+:func:`select_backend` gives the CPU backend for CPU tensors (unless
+``MEGATRON_LOL_CPU_BACKEND=0``) and None otherwise: the CPU backend plugs into the
+per-block executor (:class:`megatron_lol.model.executors.PerBlockCalls`: the
+fused gated combine, the short layer halves); on a GPU the routed depths run on
+the executor the model chose when it was built (``model.routed_core``: grouped
+where the model allows) and the layers on megatron-core / Transformer Engine
+kernels.
 """
 
 from __future__ import annotations

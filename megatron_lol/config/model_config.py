@@ -128,10 +128,10 @@ class ModelConfig:
     # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
-    # how a LoL core's routed depths run (docs/gpu.md, "The routed depth on a GPU"): "reference" = per-block
-    # calls on a layout measured on the device; "grouped" = the host-built layout, sync-free routing and all
-    # blocks of a depth as one grouped computation (model/grouped_core.py); "auto" = grouped on CUDA where the
-    # model supports it, the reference elsewhere (on CPU the reference with the CPU backend is faster)
+    # how a LoL core's routed depths run their blocks, chosen when the model is built (docs/gpu.md, "The routed
+    # depth on a GPU"; routing is the same either way): "reference" = one call per block (model/executors.py
+    # PerBlockCalls); "grouped" = all blocks of a depth as one grouped computation (GroupedGEMMs); "auto" =
+    # grouped on CUDA where the model supports it, per block elsewhere (on CPU, with the CPU backend, faster)
     routed_core: str = "auto"
     # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
     num_experts: Optional[int] = None

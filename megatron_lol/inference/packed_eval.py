@@ -120,8 +120,18 @@ class PackedScorer:
         from megatron_lol.model.windows import DocumentLayout
 
         batch = next(data_iterator)
-        docs = DocumentLayout.from_starts(batch["starts"].to(device))
-        output = model(batch["tokens"].to(device), labels=batch["labels"].to(device), docs=docs, budget=self.budget)
+        docs = DocumentLayout.from_starts(batch["starts"])  # on the host, where the batch is built
+        tokens, labels = batch["tokens"].to(device), batch["labels"].to(device)
+        plan = self.model.plan
+        if plan.routed:  # the routed depths' windows, built here too: the device reads nothing back
+            from megatron_lol.model.host_layout import layout_from_documents, routed_depths
+
+            cfg = self.model.cfg
+            layout = layout_from_documents(docs, cfg.window_size, cfg.window_shift, routed_depths(plan))
+            output = model(tokens, labels=labels, layout=layout.to(device), budget=self.budget)
+        else:
+            docs = DocumentLayout(docs.positions.to(device), docs.doc_index.to(device), docs.num_docs)
+            output = model(tokens, labels=labels, docs=docs, budget=self.budget)
         return output, self._loss
 
     @staticmethod

@@ -83,7 +83,7 @@ class SegmentMask:
     packed stream (b == 1): use the chunked algorithm. ``sliding``: also require
     ``i - j < sliding`` (dense sliding-window baseline). ``bias``: the chunked
     algorithm's additive mask when the caller built it already (for several
-    blocks' streams at once, see ``WindowGrouping.chunk_biases``). ``cu_seqlens``:
+    blocks' streams at once, see ``executors.PerBlockCalls``). ``cu_seqlens``:
     the THD offsets of the segments of a packed stream when the caller knows them
     (a host-built layout's, zero-length entries allowed), so the packed call need
     not find them on the device (a host read). ``positions``: each token's position

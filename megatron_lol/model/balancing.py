@@ -10,6 +10,10 @@
   depths, averaged over the documents of the batch.
 * ``aux_loss``: the same product over all windows of the batch (per depth,
   summed over depths), coefficient 0.02.
+
+This module keeps the bias and its update; a depth's loads and both losses are
+computed by :mod:`.static_routing` (``window_loads``, ``record_loads``,
+``sequence_aux_loss``, ``global_aux_loss``).
 """
 
 from __future__ import annotations
@@ -20,8 +24,6 @@ import torch
 from torch import nn
 
 from megatron_lol.config.schema import bias_updates_allowed
-from megatron_lol.model.router import RoutingDecision
-from megatron_lol.model.windows import WindowLayout, segmented_inclusive_sum
 
 
 class BalancingBias(nn.Module):
@@ -47,9 +49,10 @@ class BalancingBias(nn.Module):
         return self.bias[depth - 1] if self.per_depth else self.bias[0]
 
     @torch.no_grad()
-    def record(self, depth: int, choice: torch.Tensor) -> None:
+    def record(self, depth: int, loads: torch.Tensor) -> None:
+        """Add one depth's window loads ``[L]`` (:func:`~.static_routing.window_loads`): a device add."""
         row = depth - 1 if self.per_depth else 0
-        self.loads[row] += torch.bincount(choice, minlength=self.bias.shape[1]).to(self.loads.dtype)
+        self.loads[row] += loads.to(self.loads.dtype)
 
     @torch.no_grad()
     def update(self, step: int, train_iters: int, loads: Optional[torch.Tensor] = None) -> bool:
@@ -68,35 +71,3 @@ class BalancingBias(nn.Module):
             applied = True
         self.loads.zero_()
         return applied
-
-
-def sequence_aux_loss(windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
-    """Per-document ``L * sum_m f_m * abar_m``, summed over documents (caller averages).
-
-    ``f_m`` (share of the document's windows choosing m) carries no gradient;
-    ``abar_m`` is the mean of the probabilities used in the forward pass.
-    """
-    n, num_blocks = decision.probs.shape
-    device = decision.probs.device
-    if n == 0:
-        return decision.probs.float().sum()
-    # a document's windows are consecutive: its counts and probability sums are running sums that
-    # restart at ordinal 0, read at its last window (ordered sums, no scatter-add: the same bits on
-    # every rank that computes them)
-    ordinal = windows.window_ordinal
-    bound = windows._ordinal_bound()
-    chosen = (decision.choice.unsqueeze(1) == torch.arange(num_blocks, device=device)).to(torch.float32)
-    counts = segmented_inclusive_sum(chosen, ordinal, bound)  # [N, L] windows per block so far
-    prob_sums = segmented_inclusive_sum(decision.probs.float(), ordinal, bound)
-    last = torch.cat([ordinal[1:] == 0, torch.ones(1, dtype=torch.bool, device=device)])
-    windows_in_doc = (ordinal + 1).to(torch.float32)  # at a document's last window: all of them
-    per_doc = (counts * prob_sums).sum(dim=1) / (windows_in_doc * windows_in_doc)  # sum_m f_m abar_m
-    return num_blocks * torch.where(last, per_doc, 0).sum()
-
-
-def global_aux_loss(decision: RoutingDecision) -> torch.Tensor:
-    """``L * sum_m f_m * abar_m`` over all windows of the batch at one depth."""
-    n, num_blocks = decision.probs.shape
-    f = torch.bincount(decision.choice, minlength=num_blocks).float() / n
-    abar = decision.probs.float().mean(dim=0)
-    return num_blocks * (f * abar).sum()

@@ -5,7 +5,7 @@ is its loop::
 
     state = CoreState(flat=s0, injected=s0)
     for step in steps:
-        state = self.step_for(step, ctx).run(state, ctx)
+        state = self.step_for(step).run(state, ctx)
 
 where each step (:mod:`.core_steps`) first applies the optional input injection,
 then either routes (LoL: windows of depth ``l``, the router's block ``rho`` and
@@ -13,8 +13,10 @@ gate ``alpha`` per window, ``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` with every
 block run once on all windows routed to it) or runs its fixed block
 (``s <- E_b(s)``: dense, looped, Foil, Accordion, with the pass's own parts).
 
-Which steps run is the plan's business (:mod:`megatron_lol.plan`); what runs
-faster on a device is a backend's (:mod:`megatron_lol.backends`). Everything a
+Which steps run is the plan's business (:mod:`megatron_lol.plan`); how a routed
+depth's blocks run is the executor the core chose when it was built
+(:mod:`.executors`); what runs faster on a device is a backend's
+(:mod:`megatron_lol.backends`). Everything a
 step needs is passed to the block call (:mod:`.block_call`), and everything
 the forward observed (balancing loss, loads, routing records) is returned in
 :class:`CoreOutput`.
@@ -34,21 +36,16 @@ from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.balancing import BalancingBias
 from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.core_steps import CoreContext, CoreState, DepthRecord, FixedStep, RoutedStep
+from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
 from megatron_lol.model.forward_options import ForwardOptions
-from megatron_lol.model.grouped_core import GroupedRoutedStep
+from megatron_lol.model.grouped_core import grouped_core_support
+from megatron_lol.model.host_layout import layout_from_documents, routed_depths
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
-from megatron_lol.model.precision import fp8_disabled, row_multiple
-from megatron_lol.model.router import (
-    RoutingDecision,
-    WindowRouter,
-    choose_blocks,
-    depth_only_summaries,
-    router_only_prefix_means,
-    router_summaries,
-    window_noise,
-)
-from megatron_lol.model.windows import DocumentLayout, WindowLayout
+from megatron_lol.model.precision import row_multiple
+from megatron_lol.model.router import WindowRouter
+from megatron_lol.model.static_routing import router_only_prefix_means
+from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.stages import local_blocks
 from megatron_lol.platform.trace_ranges import trace_range, trace_steps
@@ -68,7 +65,9 @@ class ForcedPath:
     ids: torch.Tensor
     gates: torch.Tensor
 
-    def lookup(self, depth: int, windows: WindowLayout) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def lookup(self, depth: int, windows) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(forced [C] bool, ids [C], gates [C] fp32)`` of the windows of a depth (a
+        :class:`~.host_layout.DepthWindows` on the ids' device)."""
         ids = self.ids[depth - 1].to(windows.window_ordinal.device)
         gates = self.gates[depth - 1].to(windows.window_ordinal.device)
         k_max = ids.shape[-1]
@@ -122,8 +121,6 @@ class Core(nn.Module):
     #: what a routed / a fixed plan step runs as (:mod:`.core_steps`); a subclass or an instance may swap them
     routed_step_class = RoutedStep
     fixed_step_class = FixedStep
-    #: a routed step given the micro-batch's host-built layout (:mod:`.grouped_core`)
-    grouped_step_class = GroupedRoutedStep
 
     def __init__(
         self,
@@ -133,10 +130,15 @@ class Core(nn.Module):
         first_layer_number: int,
         init_seed: Optional[int] = None,
         vp_stage: Optional[int] = None,
+        *,
         packed: bool = False,
+        grouped: bool = False,
     ):
         """``packed``: the blocks take THD packed sequences (the Transformer Engine layout, see
-        :func:`~.block_call.call_block`); states then arrive as one packed stream ``[T, 1, h]``."""
+        :func:`~.block_call.call_block`); states then arrive as one packed stream ``[T, 1, h]``.
+        ``grouped``: run the routed depths' blocks as one grouped computation
+        (:class:`~.executors.GroupedGEMMs`, :func:`~.grouped_core.routes_grouped`) where the built
+        blocks allow it (else per block; ``grouped_refusal`` says why)."""
         super().__init__()
         self.cfg = model
         self.plan = model.execution_plan()
@@ -189,6 +191,9 @@ class Core(nn.Module):
         if model.input_injection:
             self.injection_logit = nn.Parameter(torch.zeros(h, dtype=tconfig.params_dtype))
         self._build_pass_parts(tconfig, spec, first_layer_number, init_seed, vp_stage)
+        # how the routed depths' blocks run, chosen once (routing is the same either way)
+        self.grouped_refusal = grouped_core_support(self) if grouped else "not asked for"
+        self.executor = GroupedGEMMs() if self.grouped_refusal is None else PerBlockCalls()
         if tconfig.sequence_parallel:
             # a fixed-plan core may run sequence-sharded (see ExecutionPlan.gathers_sequence): per-channel
             # parameters applied to the local tokens get partial gradients, which megatron's
@@ -292,38 +297,6 @@ class Core(nn.Module):
             moe_records.append(MoERecord(block, step.pass_index, route.logits, route.routing_map))
         return out
 
-    def decide(
-        self,
-        depth: int,
-        windows: WindowLayout,
-        flat: torch.Tensor,
-        forced: Optional[ForcedPath],
-        noise_seeds: Optional[torch.Tensor],
-        row_length: int,
-        router_only: Optional[torch.Tensor] = None,
-    ) -> RoutingDecision:
-        """Router (or forced path) for the windows of one depth. ``router_only``: the per-token router-only
-        means ``[T, h]`` (:func:`router_only_prefix_means`), added to each window's summary at its first token."""
-        if self.cfg.router_input == "depth":
-            summaries = depth_only_summaries(windows.num_windows, self.depth_vectors[depth - 1])
-        else:
-            summaries = router_summaries(windows, flat, self.depth_vectors[depth - 1])
-        if router_only is not None:
-            summaries = summaries + router_only.index_select(0, windows.window_first_token)
-        router = self.router_for(depth)
-        eps = None
-        if noise_seeds is not None and self.training and router.noise:
-            eps = window_noise(windows, noise_seeds, depth, self.plan.num_stored_blocks, row_length)
-        with fp8_disabled(self.tconfig):  # the router stays FP32 (it is no TE module either)
-            probs = router.probabilities(summaries, eps)
-        bias = self.balancer.for_depth(depth) if self.balancer is not None else None
-        choice, gate = choose_blocks(probs, bias)
-        if forced is not None:
-            is_forced, ids, gates = forced.lookup(depth, windows)
-            choice = torch.where(is_forced, ids, choice)
-            gate = torch.where(is_forced, gates.to(gate.dtype), gate)
-        return RoutingDecision(probs=probs, choice=choice, gate=gate)
-
     # ------------------------------------------------------------------ forward
     def forward(
         self,
@@ -342,20 +315,18 @@ class Core(nn.Module):
         micro-batch as one row-major stream [b*s, 1, h]. ``docs`` always has the rows' shape
         [b, s]. ``rope``: [s, 1, 1, d] row-position frequencies. ``options``: the forward's
         :class:`~.forward_options.ForwardOptions` (keyword arguments named like its fields override
-        it); its ``depth`` must be given. With ``options.layout`` (the micro-batch's host-built
-        :class:`~.host_layout.HostLayout` on the states' device) the routed depths run grouped
-        (:class:`~.grouped_core.GroupedRoutedStep`, see :meth:`step_for`; the trainer checked
-        ``grouped_core_support``), routed by the layout's noise instead of ``noise_seeds``.
+        it); its ``depth`` must be given. ``options.layout``: the micro-batch's host-built
+        :class:`~.host_layout.HostLayout` on the states' device, whose windows and router noise the
+        routed depths use; without one the core builds it here from ``docs`` (a copy to the host on
+        a GPU: the trainer, evaluation and the benches bring theirs).
         ``router_only`` [b, s]: each token's index in ``model.router_only_tokens`` (-1: an ordinary
         token), for the router's router-only term.
         """
         opts = ForwardOptions.of(options, overrides, "Core.forward")
         if opts.depth is None:
             raise ValueError("Core.forward: options.depth is required (the model resolves it from the plan)")
-        if opts.layout is not None and opts.record_moe:
-            raise ValueError("Core.forward: record_moe with a grouped core (MoE blocks do not run grouped)")
-        if opts.layout is not None and router_only is not None:
-            raise ValueError("Core.forward: router-only tokens with a grouped core (no router-only term there)")
+        if opts.layout is None and any(step.routed for step in steps):
+            opts = ForwardOptions.of(opts, {"layout": self._layout(docs, steps, opts, states.device)}, "Core.forward")
         backend = select_backend(states.device)
         s_len, b, h = states.shape  # packed: (b*s, 1, h)
         rows, row_len = docs.shape
@@ -381,18 +352,29 @@ class Core(nn.Module):
             flat = states.transpose(0, 1).reshape(b * s_len, h)
             state = CoreState(flat=flat, injected=flat)
             for step in trace_steps(steps):  # profiler range "depth {l}" around each step
-                state = self.step_for(step, ctx).run(state, ctx)
+                state = self.step_for(step).run(state, ctx)
         return self._output(state, ctx, (s_len, b, h))
 
-    def step_for(self, step: Step, ctx: Optional[CoreContext] = None):
-        """The runnable form of plan step ``step``: ``fixed_step_class``, or for a routed step
-        ``grouped_step_class`` when the forward has a host-built layout (``ctx.layout``), else
-        ``routed_step_class``."""
-        if not step.routed:
-            return self.fixed_step_class(self, step)
-        if ctx is not None and ctx.layout is not None:
-            return self.grouped_step_class(self, step)
-        return self.routed_step_class(self, step)
+    def _layout(self, docs: DocumentLayout, steps: Sequence[Step], opts: ForwardOptions, device):
+        """The host layout of a forward that brought none (from ``docs``; router noise from
+        ``opts.noise_seeds`` as the trainer's layouts draw it)."""
+        cpu_docs = DocumentLayout(docs.positions.cpu(), docs.doc_index.cpu(), docs.num_docs)
+        seeds = opts.noise_seeds
+        if seeds is not None and not (self.training and self.cfg.router_noise):
+            seeds = None
+        layout = layout_from_documents(
+            cpu_docs,
+            self.cfg.window_size,
+            self.cfg.window_shift,
+            routed_depths(self.plan),
+            num_blocks=self.plan.num_stored_blocks,
+            row_seeds=None if seeds is None else seeds.cpu(),
+        )
+        return layout.to(device) if device.type != "cpu" else layout
+
+    def step_for(self, step: Step):
+        """The runnable form of plan step ``step``: ``routed_step_class`` or ``fixed_step_class``."""
+        return self.routed_step_class(self, step) if step.routed else self.fixed_step_class(self, step)
 
     def _output(self, state: CoreState, ctx: CoreContext, shape: tuple) -> CoreOutput:
         s_len, b, h = shape

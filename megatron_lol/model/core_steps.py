@@ -8,9 +8,10 @@ Algorithm 1's body at depth ``l`` (docs/model.md, "The routed core"):
 
 * the optional diagonal input injection, ``s <- sig(theta) s + (1 - sig(theta)) s0``
   (:meth:`CoreStep.run`, shared by every kind);
-* :class:`RoutedStep` (LoL): windows of depth ``l``, the router's decision (or a
-  forced path), balancing terms, then ``s_I <- s_I + alpha (E_rho(s_I) - s_I)``
-  with every block run once on all windows routed to it;
+* :class:`RoutedStep` (LoL): windows of depth ``l`` (from the host-built layout),
+  the router's decision (or a forced path), balancing terms, then
+  ``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` with every block run once on all
+  windows routed to it, by the core's executor (:mod:`.executors`);
 * :class:`FixedStep` (dense, looped, Foil, Accordion): ``s <- E_b(s)`` with the
   step's attention (full, sliding, strided) and the pass's own parts.
 
@@ -22,17 +23,27 @@ one kind's update without touching the loop.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import torch
 
 from megatron_lol.convert.hf_modeling.parts_lol import inject
-from megatron_lol.model.attention import SegmentMask, uses_flex
-from megatron_lol.model.balancing import global_aux_loss, sequence_aux_loss
-from megatron_lol.model.dispatch import apply_gated_updates, block_updates, gated_update, group_by_block
+from megatron_lol.model.attention import SegmentMask
+from megatron_lol.model.executors import routed_update
 from megatron_lol.model.forward_options import ForwardOptions
+from megatron_lol.model.host_layout import DepthWindows
+from megatron_lol.model.precision import fp8_disabled
 from megatron_lol.model.router import RoutingDecision
+from megatron_lol.model.static_routing import (
+    decide,
+    depth_only_summaries,
+    global_aux_loss,
+    router_summaries,
+    sequence_aux_loss,
+    window_loads,
+    with_router_only,
+)
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
 from megatron_lol.platform.trace_ranges import trace_range
@@ -57,10 +68,9 @@ class CoreContext:
     ``rope``: megatron's RoPE table ``[s, 1, 1, d]`` (row positions);
     ``token_rope``: the same angles per flat token ``[b*s, 1, 1, d]``, row-major.
     ``options``: the forward's :class:`~.forward_options.ForwardOptions` (depth, forced path,
-    noise seeds, truncated backprop, records, routing check, host layout), read through the
-    properties below. ``moe_records``: the list MoE block calls append to (None: not recorded).
-    With ``options.layout`` the core's routed depths are
-    :class:`~.grouped_core.GroupedRoutedStep` (``Core.step_for``).
+    noise seeds, truncated backprop, records, routing check, host layout: the core fills it in
+    when the caller brought none), read through the properties below. ``moe_records``: the list
+    MoE block calls append to (None: not recorded).
     """
 
     docs: DocumentLayout
@@ -73,7 +83,9 @@ class CoreContext:
     options: ForwardOptions  # what the caller asked (its depth resolved to an int)
     backend: Optional[object] = None
     moe_records: Optional[list] = None
-    router_only: Optional[torch.Tensor] = None  # [b*s, h] router-only means per token (Router.router_only_prefix_means)
+    router_only: Optional[torch.Tensor] = (
+        None  # [b*s, h] router-only means per token (static_routing.router_only_prefix_means)
+    )
     cache: dict = field(default_factory=dict)  # what the steps of one forward compute once
 
     # the caller's options, read by the steps under their own names
@@ -176,13 +188,16 @@ class FixedStep(CoreStep):
 class RoutedStep(CoreStep):
     """A routed depth: decide per window, then run each block once on the windows routed to it.
 
-    :meth:`advance` is the depth's bookkeeping, shared by every way of running it:
-    windows, decision, agreement check, balancing loads and losses, records,
-    then the gated update. How the windows are laid out, how the decision and
-    the loads are computed and how the blocks run are the methods below
-    (:class:`~.grouped_core.GroupedRoutedStep` overrides them to run the depth
-    from a host-built layout as one grouped computation).
+    One implementation on every device and layout: the windows are the depth's in the
+    micro-batch's host-built layout (``ctx.layout``), summaries, decision, loads and balancing
+    terms come from :mod:`.static_routing`, and the update is
+    :func:`~.executors.routed_update`, whose blocks run on ``core.executor`` (chosen when the core
+    was built). :meth:`advance` is the depth's bookkeeping; :meth:`update` is the extension point
+    (a test's naive per-window reference overrides it).
     """
+
+    def windows(self, ctx: CoreContext) -> DepthWindows:
+        return ctx.layout.for_depth(self.step.depth)
 
     def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:
         core, step, cfg = self.core, self.step, self.core.cfg
@@ -191,17 +206,18 @@ class RoutedStep(CoreStep):
             decision = self.decide(windows, state.flat, ctx)
         if ctx.routing_check is not None:
             ctx.routing_check(step.depth, decision)
-        counts = self.loads(windows, decision)
+        counts = window_loads(windows, decision.choice.detach(), core.plan.num_stored_blocks)
         if ctx.training:
             if core.balancer is not None:
-                self.record_balance(counts, decision)
+                core.balancer.record(step.depth, counts)
             if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
-                state.aux_terms.append(cfg.seq_aux_loss_coeff * self.sequence_aux_loss(windows, decision, ctx))
+                per_doc = sequence_aux_loss(windows, decision) / ctx.layout.doc_count.clamp(min=1)
+                state.aux_terms.append(cfg.seq_aux_loss_coeff * per_doc)
             elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
-                state.aux_terms.append(cfg.aux_loss_coeff * self.global_aux_loss(windows, decision))
+                state.aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(windows, decision))
         state.loads.append((step.depth, counts))
         if ctx.record:
-            n = windows.num_windows  # a padded layout's real windows come first
+            n = windows.num_windows  # the layout's real windows come first
             state.records.append(
                 DepthRecord(
                     step.depth,
@@ -216,110 +232,31 @@ class RoutedStep(CoreStep):
             state.flat = self.update(state.flat, windows, decision, ctx)
         return state
 
-    def decide(self, windows: WindowLayout, flat: torch.Tensor, ctx: CoreContext) -> RoutingDecision:
-        """The router's decision (or the forced path) for the windows of this depth."""
-        return self.core.decide(
-            self.step.depth,
-            windows,
-            flat,
-            ctx.forced,
-            ctx.noise_seeds,
-            ctx.row_length,
-            router_only=ctx.router_only,
-        )
-
-    def loads(self, windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
-        """Windows per block ``[L]`` (long)."""
-        return torch.bincount(decision.choice.detach(), minlength=self.core.plan.num_stored_blocks)
-
-    def record_balance(self, counts: torch.Tensor, decision: RoutingDecision) -> None:
-        """Add this depth's loads to the loss-free balancing bias."""
-        self.core.balancer.record(self.step.depth, decision.choice)
-
-    def sequence_aux_loss(self, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext) -> torch.Tensor:
-        """The sequence-wise balancing loss, averaged over the micro-batch's documents."""
-        return sequence_aux_loss(windows, decision) / max(1, windows.num_docs)
-
-    def global_aux_loss(self, windows: WindowLayout, decision: RoutingDecision) -> torch.Tensor:
-        return global_aux_loss(decision)
+    def decide(self, windows: DepthWindows, flat: torch.Tensor, ctx: CoreContext) -> RoutingDecision:
+        """The router's decision (or the forced path) for the windows of this depth: summaries of the
+        depth's input (or the depth vector alone, ``router_input: depth``) plus the router-only term."""
+        core, depth = self.core, self.step.depth
+        router = core.router_for(depth)
+        depth_vector = core.depth_vectors[depth - 1]
+        if core.cfg.router_input == "depth":
+            summaries = depth_only_summaries(windows, depth_vector)
+        else:
+            summaries = router_summaries(windows, flat, depth_vector)
+        summaries = with_router_only(windows, summaries, ctx.router_only)
+        eps = ctx.layout.noise.get(depth) if ctx.training and router.noise else None
+        bias = core.balancer.for_depth(depth) if core.balancer is not None else None
+        forced = ctx.cache.get("forced")
+        if forced is None and ctx.forced is not None:
+            forced = ctx.cache["forced"] = replace(
+                ctx.forced,
+                ids=ctx.forced.ids.to(flat.device, non_blocking=True),
+                gates=ctx.forced.gates.to(flat.device, non_blocking=True),
+            )
+        with fp8_disabled(core.tconfig):  # the router stays FP32 (it is no TE module either)
+            return decide(router, summaries, eps, bias, forced, depth, windows)
 
     def update(
-        self, flat: torch.Tensor, windows: WindowLayout, decision: RoutingDecision, ctx: CoreContext
+        self, flat: torch.Tensor, windows: DepthWindows, decision: RoutingDecision, ctx: CoreContext
     ) -> torch.Tensor:
         """``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` for every window ``I`` of this depth."""
-        core, step = self.core, self.step
-        L, W = core.plan.num_stored_blocks, core.cfg.window_size
-        token_choice = decision.choice.index_select(0, windows.token_window)
-        ep_group = core.expert_group()
-        window_position = None
-        if core.packed:  # THD attention restarts RoPE per window: each token's position in it (see SegmentMask)
-            first = windows.window_first_token.index_select(0, windows.token_window)
-            window_position = torch.arange(first.shape[0], device=first.device) - first
-
-        def runner(biases: Optional[dict], index_is_position: bool = False):
-            def run_block(block, rows, segments, token_index):
-                # token_index: the flat token index, or what the expert-parallel dispatch carried with
-                # the windows (the row position; packed: the position in the window, index_is_position).
-                # The row-major token_rope holds row position t mod row_length at flat index t, so a flat
-                # index or a row position indexes it directly. Packed (THD) attention takes the table
-                # and each token's position in its window.
-                positions = None
-                if core.packed:
-                    rope = ctx.rope
-                    positions = token_index if index_is_position else window_position.index_select(0, token_index)
-                else:
-                    rope = ctx.token_rope.index_select(0, token_index) if ctx.token_rope is not None else None
-                mask = SegmentMask(
-                    segments=segments.view(1, -1),
-                    chunk=W,
-                    bias=None if biases is None else biases.get(block),
-                    positions=None if positions is None else positions.view(1, -1),
-                )
-                return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx, pad_to=core.row_multiple).squeeze(1)
-
-            return run_block
-
-        def biases(grouping):
-            """The chunked algorithm's masks of every block's windows (CPU; FlexAttention builds its own)."""
-            return None if core.packed or uses_flex(flat) else grouping.chunk_biases(W)
-
-        def updates(grouping):
-            """``E(s) - s`` of the grouped tokens (under EP their windows travel to their block's rank)."""
-            if ep_group is None:
-                return block_updates(grouping, flat, runner(biases(grouping)))
-            from megatron_lol.parallel.window_dispatch import run_grouped_expert_parallel
-
-            if core.packed:
-                return run_grouped_expert_parallel(grouping, flat, runner(None, True), window_position, ep_group)
-            rope_index = torch.arange(flat.shape[0], device=flat.device) % ctx.row_length
-            return run_grouped_expert_parallel(grouping, flat, runner(None), rope_index, ep_group)
-
-        def update(states, grouping, gate):
-            if ep_group is None:
-                run_block = runner(biases(grouping))
-                backend = ctx.backend
-                new = backend.gated_update(states, grouping, gate, run_block) if backend is not None else None
-                return new if new is not None else gated_update(states, grouping, gate, run_block)
-            return apply_gated_updates(states, grouping, updates(grouping), gate)
-
-        if not ctx.truncated(step):
-            return update(flat, group_by_block(token_choice, windows.token_window, L), decision.gate)
-        # Truncated backprop through depth: this depth's block updates are constants for autograd,
-        # except for first-window tokens when enabled. The state keeps its identity path, so
-        # earlier layers still get gradients.
-        keep = windows.window_ordinal.index_select(0, windows.token_window) == 0
-        if not ctx.first_window_full_backprop:
-            keep = torch.zeros_like(keep)
-        new = flat
-        collective = ep_group is not None  # EP ranks must all take part, even with nothing to send
-        grad_idx = torch.nonzero(keep).squeeze(1)
-        if grad_idx.numel() or collective:
-            new = update(new, group_by_block(token_choice, windows.token_window, L, subset=grad_idx), decision.gate)
-        rest = torch.nonzero(~keep).squeeze(1)
-        if rest.numel() or collective:
-            grouping = group_by_block(token_choice, windows.token_window, L, subset=rest)
-            with torch.no_grad():
-                frozen = updates(grouping)
-            # added outside no_grad, so the state keeps its identity path (and the first-window graph)
-            new = apply_gated_updates(new, grouping, frozen, decision.gate.detach())
-        return new
+        return routed_update(self.core, self.step, flat, windows, decision, ctx)

@@ -1,9 +1,9 @@
 """All blocks of a routed depth as one computation: a grouped GEMM per projection, one attention call.
 
-The reference runs a routed depth as one layer call per block on that block's
-windows (:func:`~.dispatch.gated_update` over :func:`~.block_call.call_block`):
+The per-block executor runs a routed depth as one layer call per block on that
+block's windows (:class:`~.executors.PerBlockCalls` over :func:`~.block_call.call_block`):
 ``L`` calls, each a dozen kernels and, under tensor parallelism, two
-collectives. Here the depth's tokens, grouped by block
+collectives. Here (:class:`~.executors.GroupedGEMMs`) the depth's tokens, grouped by block
 (:class:`~.static_routing.TokenGrouping`), go through the blocks together:
 
 * QKV, output projection, fc1 and fc2 are each one ``torch._grouped_mm`` over
@@ -38,7 +38,7 @@ projections in bf16 (the GPU dtype), not in fp32.
 
 Blocks this does not cover (MoE MLPs, Transformer Engine modules, biases,
 dropout, FP8, recomputation, context parallelism, hooks on the modules) are
-named by :func:`grouped_support`, and the caller runs the reference instead.
+named by :func:`grouped_support`, and the core runs them with the per-block executor.
 """
 
 from __future__ import annotations
@@ -194,7 +194,7 @@ def stack_library(blocks) -> StackedLibrary:
     Without fused gradient accumulation the stacks are ``torch.stack`` (differentiable: autograd sums
     a block's depths into the stack's gradient, then hands it to the parameters). With it the stacks
     are made outside autograd and each depth takes them through :func:`for_depth`, whose backward adds
-    that depth's gradient to the blocks' FP32 ``main_grad``, as the per-block reference's fused
+    that depth's gradient to the blocks' FP32 ``main_grad``, as the per-block executor's fused
     accumulation does for every call: a block used at many depths is not summed in BF16.
     """
     first = blocks[0]

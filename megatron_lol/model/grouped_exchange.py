@@ -1,8 +1,8 @@
-"""A grouped routed depth under expert parallelism: the depth's rows travel to their blocks' ranks at once.
+"""A routed depth under expert parallelism: the depth's rows travel to their blocks' ranks at once.
 
 With ``L`` blocks over ``EP`` ranks, rank ``e`` holds blocks
-``[e L/EP, (e+1) L/EP)`` (``plan.stages.local_blocks``). A grouped depth
-(:mod:`.grouped_core`) already holds its rows sorted by block, so they are
+``[e L/EP, (e+1) L/EP)`` (``plan.stages.local_blocks``). A routed depth
+(:func:`~.executors.routed_update`) already holds its rows sorted by block, so they are
 sorted by destination rank too, and one exchange carries them:
 
 1. the per-block row counts ``[L]`` (device sums of the grouping's offsets)
@@ -12,13 +12,12 @@ sorted by destination rank too, and one exchange carries them:
    ``tensor_parallel.mappings.all_to_all``), each row's window id and RoPE
    position in one integer all-to-all;
 3. the receiver puts what arrived in local-block order (a stable sort on the
-   device; windows stay whole and in order) and runs its blocks as one grouped
-   computation, as without expert parallelism;
+   device; windows stay whole and in order) and runs its blocks with its
+   executor, as without expert parallelism;
 4. the block outputs return in the reverse all-to-all, in the sender's order.
 
-The per-block reference (``parallel.window_dispatch.run_grouped_expert_parallel``)
-makes the same exchange but runs each local block as its own layer call; the
-tests compare the two. Window ids are made unique across senders
+Either executor (:mod:`.executors`) runs what arrived: per-block calls
+(sizes from the split table, no further read) or one grouped computation. Window ids are made unique across senders
 (``id * EP + source``), so the receiver's attention never joins two senders'
 windows.
 """
@@ -42,6 +41,7 @@ class ExchangedRows:
     group: object
     send_splits: list
     recv_splits: list
+    counts: list  # rows received per local block (host integers, from the split table)
 
     def send_back(self, outputs: torch.Tensor) -> torch.Tensor:
         """The block outputs ``[R, h]`` (local-block order) back to their senders: ``[T, h]`` in the
@@ -92,4 +92,5 @@ def exchange_rows(
         group=group,
         send_splits=send_splits,
         recv_splits=recv_splits,
+        counts=[sum(host[s][rank][m] for s in range(ep)) for m in range(per_rank)],
     )

@@ -195,9 +195,27 @@ def build_host_layout(
         raise ValueError(f"build_host_layout: tokens must be [b, s], got shape {tuple(tokens.shape)}")
     if row_seeds is not None and num_blocks is None:
         raise ValueError("build_host_layout: row_seeds needs num_blocks (the noise has one column per block)")
+    return layout_from_documents(
+        DocumentLayout.from_tokens(tokens, eod_id), window_size, window_shift, depths, num_blocks, row_seeds
+    )
+
+
+def layout_from_documents(
+    docs: DocumentLayout,
+    window_size: int,
+    window_shift: int,
+    depths: Iterable[int],
+    num_blocks: Optional[int] = None,
+    row_seeds: Optional[torch.Tensor] = None,
+) -> HostLayout:
+    """:func:`build_host_layout` from the micro-batch's :class:`~.windows.DocumentLayout` on the CPU (the
+    core builds it so for a caller that brought none: a forward of tests, tools or a notebook)."""
+    if docs.positions.device.type != "cpu":
+        raise ValueError(f"layout_from_documents: documents must be on the CPU, got {docs.positions.device}")
+    if row_seeds is not None and num_blocks is None:
+        raise ValueError("layout_from_documents: row_seeds needs num_blocks (the noise has one column per block)")
     depths = sorted(set(int(d) for d in depths))
-    b, s = tokens.shape
-    docs = DocumentLayout.from_tokens(tokens, eod_id)
+    b, s = docs.shape
     per_offset = {}
     for depth in depths:
         offset = window_offset(depth, window_size, window_shift)

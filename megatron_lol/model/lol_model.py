@@ -174,7 +174,8 @@ class LoLGPTModel(_language_module()):
         fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
         # the library runs grouped (stacked local-spec weights, torch._grouped_mm) or per block, in TE layers
         # under the TE spec; FiLM modulates the core's blocks: under TE they get separate norm modules for it
-        self.grouped_library = self.use_te and routes_grouped(model, cuda_available())
+        grouped = routes_grouped(model, cuda_available())
+        self.grouped_library = self.use_te and grouped
         core_te = self.use_te and not self.grouped_library
         spec = block_spec(core_te, num_experts=moe if model.moe_layers == "all" else None, film=model.film != "off")
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
@@ -213,6 +214,7 @@ class LoLGPTModel(_language_module()):
                 init_seed=init_seed,
                 vp_stage=vp_stage,
                 packed=self.packed,
+                grouped=grouped,
             )
         first_coda = model.n_prelude + plan.num_stored_blocks + 1
         self.coda = nn.ModuleDict()

@@ -13,6 +13,11 @@ past of the window:
 
 No gradient flows through ``rho``; the LM loss reaches the router through
 ``alpha`` only. Ties in the argmax go to the lowest block index.
+
+This module holds the router's parameters, the top-1 rule and its noise; a
+routed depth computes its summaries, decision, loads and update with them in
+:mod:`.static_routing` and :mod:`.executors`, one path on every device and
+layout.
 """
 
 from __future__ import annotations
@@ -23,9 +28,8 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.autograd.function import once_differentiable
 
-from megatron_lol.model.windows import WindowLayout, segment_means, segmented_inclusive_sum
+from megatron_lol.model.windows import WindowLayout
 
 
 @dataclass
@@ -108,97 +112,3 @@ def window_noise(
             eps[start : start + n].normal_(generator=gen)
         start += n
     return eps.to(windows.window_first_token.device)
-
-
-def router_summaries(windows: WindowLayout, states: torch.Tensor, depth_vector: torch.Tensor) -> torch.Tensor:
-    """``r_k`` for every window of a depth, fp32 ``[N, h]``.
-
-    ``states`` is the *input* of the depth, flattened ``[T, h]``.
-    """
-    means, first = window_inputs(windows, states)
-    summaries = windows.prefix_means(means)
-    r0 = 0.5 * (depth_vector.float().unsqueeze(0) + first)
-    return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
-
-
-def depth_only_summaries(num_windows: int, depth_vector: torch.Tensor) -> torch.Tensor:
-    """``r = e^(l)`` for every window (``router_input: depth``), fp32 ``[N, h]``.
-
-    The route then depends on the depth alone (plus training noise): the same library, masks,
-    FiLM and growth schedule on a learned route that does not read the input, the control that
-    tells input adaptivity apart from the rest of the architecture.
-    """
-    return depth_vector.float().unsqueeze(0).expand(num_windows, -1)
-
-
-def router_only_prefix_means(
-    embeddings: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, bound: int
-) -> torch.Tensor:
-    """Per token ``t`` of a row-major stream: the mean router embedding of the router-only tokens of
-    ``t``'s document at positions up to and including ``t`` (zero where there is none), fp32 ``[T, h]``.
-
-    ``index`` [T]: each token's row of ``embeddings`` ``[n, h]``, -1 for an ordinary token;
-    ``positions`` [T]: position in the document; ``bound``: an upper bound of a position + 1 (the
-    row length). Sums and counts are one running sum per document that restarts at position 0
-    (:func:`~.windows.segmented_inclusive_sum`): a fixed order, no atomics and no floating-point
-    ``cumsum``, the same bits on every rank and device.
-    """
-    is_ro = index >= 0
-    rows = embeddings.float().index_select(0, index.clamp(min=0))
-    rows = torch.where(is_ro.unsqueeze(1), rows, 0.0)
-    both = segmented_inclusive_sum(torch.cat([rows, is_ro.to(torch.float32).unsqueeze(1)], dim=1), positions, bound)
-    sums, counts = both[:, :-1], both[:, -1:]
-    return sums / counts.clamp(min=1.0)
-
-
-def window_inputs(windows: WindowLayout, states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the router reads of the depth's input: window means ``mu_j`` and first-token rows, fp32 ``[N, h]``.
-
-    Values are ``windows.window_means(states)`` and ``states[first].float()``.
-    With gradients, one autograd Function (:class:`_WindowInputs`) gives the
-    states one dense gradient for both: written in one pass, not the means'
-    expanded gradient plus a zero-filled (or sparse, which autograd adds by
-    copying the dense one) tensor for a few first-token rows.
-    """
-    if not (torch.is_grad_enabled() and states.requires_grad):
-        return windows.window_means(states), states.index_select(0, windows.window_first_token).float()
-    return _WindowInputs.apply(
-        states, windows.token_window, windows.window_length, windows.window_first_token, windows._max_length()
-    )
-
-
-class _WindowInputs(torch.autograd.Function):
-    """``(window means, first-token rows)`` of ``states``, both fp32; see :func:`window_inputs`.
-
-    Forward is ``windows.segment_means`` (what ``WindowLayout.window_means``
-    runs) and an ``index_select``. Backward: the means' gradient divided by the lengths,
-    expanded to the tokens, plus the first rows' gradient at their rows, cast back to the
-    states' dtype: the sum autograd would form for the two, in one buffer. Both are gathers
-    (every token reads its window's row) and an elementwise select, no scatter-add: the
-    same bits on every rank.
-    """
-
-    @staticmethod
-    def forward(ctx, states, token_window, window_length, first_token, max_length):
-        ctx.save_for_backward(token_window, window_length, first_token)
-        ctx.dtype = states.dtype
-        return (
-            segment_means(states, first_token, window_length, max_length),
-            states.index_select(0, first_token).float(),
-        )
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad_means, grad_first):
-        token_window, window_length, first_token = ctx.saved_tensors
-        if grad_means is None:
-            grad = torch.zeros(
-                token_window.shape[0], grad_first.shape[-1], dtype=torch.float32, device=grad_first.device
-            )
-        else:
-            grad = (grad_means / window_length.unsqueeze(1).to(torch.float32)).index_select(0, token_window)
-        if grad_first is not None:
-            tokens = torch.arange(token_window.shape[0], device=token_window.device)
-            is_first = (first_token.index_select(0, token_window) == tokens).unsqueeze(1)
-            grad = grad + torch.where(is_first, grad_first.index_select(0, token_window), 0)
-        return grad.to(ctx.dtype), None, None, None, None

@@ -1,23 +1,25 @@
-"""A routed depth's routing without a device-to-host read: summaries, choice, grouping, combine, balancing.
+"""A routed depth's routing, the one implementation every device and layout runs.
 
-The same computation as :mod:`.router`, :mod:`.dispatch` and :mod:`.balancing`
+Summaries, decision, grouping, combine and balancing of a routed depth
 (docs/model.md, "Router", "Windows are packed sequences", "Load balancing"),
-on the host-built :class:`~.host_layout.DepthWindows` of the depth instead of
-a layout measured on the device. Nothing here reads a value back to the host
-(no ``.item()``, ``.tolist()``, ``nonzero``, ``bincount``, boolean-mask
-indexing, ``one_hot``'s range check): every shape is the layout's (tokens
-``T``, window capacity ``C``, blocks ``L``), so a GPU step stays queued ahead
-of the device and the functions compile with ``torch.compile(fullgraph=True)``.
+on the :class:`~.host_layout.DepthWindows` of the micro-batch's host-built
+layout. How the blocks then run on the grouped rows is an executor's business
+(:mod:`.executors`). Nothing here reads a value back to the host (no
+``.item()``, ``.tolist()``, ``nonzero``, ``bincount``, boolean-mask indexing,
+``one_hot``'s range check): every shape is the layout's (tokens ``T``, window
+capacity ``C``, blocks ``L``), so a GPU step stays queued ahead of the device
+and the functions compile with ``torch.compile(fullgraph=True)``.
 
 Reductions that decide routes, or produce gradients that replicated ranks
 must agree on, are ordered: segment sums over contiguous runs
 (``torch.segment_reduce``, one sequential sum per segment) and gathers, never
 ``index_add_`` / ``scatter_add_`` with repeated indices, whose floating-point
-result depends on the order of atomic adds on CUDA. Window sums are the
-reference's own (:func:`~.windows.segment_means`, a padded layout summed along
-its rows: bit for bit the same means, so the same routes), and so is the
-per-document prefix over windows (:func:`~.windows.document_prefix_means`, a
-doubling scan that restarts at each document: no floating-point ``cumsum``).
+result depends on the order of atomic adds on CUDA. Window sums are a padded
+layout summed along its rows (:func:`~.windows.segment_means`), the
+per-document prefix over windows a doubling scan that restarts at each
+document (:func:`~.windows.document_prefix_means`), and the router-only term
+a segmented scan too (:func:`router_only_prefix_means`): no
+floating-point ``cumsum`` (tests/test_routing_determinism.py checks this path).
 Every sum over rows accumulates in FP32 whatever the dtype of the rows
 (:func:`segment_sum`).
 
@@ -34,8 +36,8 @@ import torch
 from torch.autograd.function import once_differentiable
 
 from megatron_lol.model.host_layout import DepthWindows
-from megatron_lol.model.router import choose_blocks
-from megatron_lol.model.windows import document_prefix_means, segment_means
+from megatron_lol.model.router import RoutingDecision, choose_blocks
+from megatron_lol.model.windows import document_prefix_means, segment_means, segmented_inclusive_sum
 
 
 def segment_sum(x: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
@@ -97,7 +99,7 @@ def permute_rows(x: torch.Tensor, order: torch.Tensor, inverse: torch.Tensor) ->
 class _WindowInputs(torch.autograd.Function):
     """``(window means, first-token rows)`` of ``states``, both fp32 ``[C, h]``.
 
-    Forward: the reference's ordered window sums (a padded ``[C, max_length, h]``
+    Forward: ordered window sums (a padded ``[C, max_length, h]``
     layout summed along its rows, :func:`~.windows.segment_means`). Backward: the
     means' gradient divided by the lengths, gathered to the tokens, plus the
     first rows' gradient at first tokens (a gather as well): one dense buffer.
@@ -108,7 +110,7 @@ class _WindowInputs(torch.autograd.Function):
         lengths = window_length.clamp(min=1).unsqueeze(1).to(torch.float32)
         ctx.save_for_backward(lengths, token_window, token_is_first)
         ctx.dtype = states.dtype
-        # the reference's ordered sums (windows.segment_means): the same bits, so the same routes
+        # ordered sums (windows.segment_means): the same bits on every rank, so the same routes
         means = segment_means(states, first_token, window_length, max_length)
         means = torch.where(window_length.unsqueeze(1) > 0, means, torch.zeros_like(means))  # padding: 0, not 0/0
         return means, states.index_select(0, first_token).float()
@@ -150,16 +152,74 @@ def router_summaries(windows: DepthWindows, states: torch.Tensor, depth_vector: 
     return torch.where((windows.window_ordinal == 0).unsqueeze(1), r0, summaries)
 
 
+def depth_only_summaries(windows: DepthWindows, depth_vector: torch.Tensor) -> torch.Tensor:
+    """``r = e^(l)`` for every window (``router_input: depth``), fp32 ``[C, h]``.
+
+    The route then depends on the depth alone (plus training noise): the same library, masks,
+    FiLM and growth schedule on a learned route that does not read the input, the control that
+    tells input adaptivity apart from the rest of the architecture.
+    """
+    return depth_vector.float().unsqueeze(0).expand(windows.capacity, -1)
+
+
+def router_only_prefix_means(
+    embeddings: torch.Tensor, index: torch.Tensor, positions: torch.Tensor, bound: int
+) -> torch.Tensor:
+    """Per token ``t`` of a row-major stream: the mean router embedding of the router-only tokens of
+    ``t``'s document at positions up to and including ``t`` (zero where there is none), fp32 ``[T, h]``.
+
+    ``index`` [T]: each token's row of ``embeddings`` ``[n, h]``, -1 for an ordinary token;
+    ``positions`` [T]: position in the document; ``bound``: an upper bound of a position + 1 (the
+    row length). Sums and counts are one running sum per document that restarts at position 0
+    (:func:`~.windows.segmented_inclusive_sum`), and the embeddings' gradient is an ordered sum per
+    embedding (:func:`gather_rows`): a fixed order, no atomics and no floating-point ``cumsum``, the
+    same bits on every rank and device.
+    """
+    is_ro = index >= 0
+    rows = gather_rows(embeddings.float(), index.clamp(min=0), embeddings.shape[0])
+    rows = torch.where(is_ro.unsqueeze(1), rows, 0.0)
+    both = segmented_inclusive_sum(torch.cat([rows, is_ro.to(torch.float32).unsqueeze(1)], dim=1), positions, bound)
+    sums, counts = both[:, :-1], both[:, -1:]
+    return sums / counts.clamp(min=1.0)
+
+
+def gather_rows(table: torch.Tensor, index: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """``table[index]`` whose backward sums each table row's gradients in order: the indices sorted
+    (stably), the gathered gradients summed per row (:func:`gather_segment_rows`), not an
+    ``index_add_`` of repeated indices. ``num_rows``: ``table``'s rows (a shape, no read)."""
+    sorted_index, order = torch.sort(index, stable=True)
+    inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.shape[0], device=order.device))
+    offsets = torch.searchsorted(sorted_index, torch.arange(num_rows + 1, device=index.device))
+    return permute_rows(gather_segment_rows(table, sorted_index, offsets), inverse, order)
+
+
+class _FirstTokenRows(torch.autograd.Function):
+    """``per_token[first_token]`` ``[C, h]``; backward a gather too: each window's first token takes its
+    window's gradient (real windows' first tokens are distinct; padding windows get none)."""
+
+    @staticmethod
+    def forward(ctx, per_token, first_token, token_window, token_is_first):
+        ctx.save_for_backward(token_window, token_is_first)
+        return per_token.index_select(0, first_token)
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        token_window, token_is_first = ctx.saved_tensors
+        per_token = grad.index_select(0, token_window)
+        return torch.where(token_is_first.unsqueeze(1), per_token, torch.zeros_like(per_token)), None, None, None
+
+
+def with_router_only(windows: DepthWindows, summaries: torch.Tensor, router_only: Optional[torch.Tensor]):
+    """The summaries plus the router-only term (:func:`router_only_prefix_means`, per token ``[T, h]``)
+    read at each window's first token; ``router_only`` None: the summaries."""
+    if router_only is None:
+        return summaries
+    term = _FirstTokenRows.apply(router_only, windows.window_first_token, windows.token_window, windows.token_is_first)
+    return summaries + term
+
+
 # ------------------------------------------------------------------ decision
-@dataclass
-class Decision:
-    """The router's decision for the ``C`` windows of a depth (padding rows are meaningless)."""
-
-    probs: torch.Tensor  # [C, L] fp32, noise included in training
-    choice: torch.Tensor  # [C] long
-    gate: torch.Tensor  # [C] fp32, carries the router's gradient
-
-
 def decide(
     router,
     summaries: torch.Tensor,
@@ -168,7 +228,7 @@ def decide(
     forced=None,
     depth: Optional[int] = None,
     windows: Optional[DepthWindows] = None,
-) -> Decision:
+) -> RoutingDecision:
     """Probabilities, top-1 choice and gate (:func:`~.router.choose_blocks`), then a forced path.
 
     ``eps`` ``[C, L]``: the layout's noise (None: the router draws it, training only).
@@ -180,7 +240,7 @@ def decide(
         is_forced, ids, gates = forced.lookup(depth, windows)
         choice = torch.where(is_forced, ids, choice)
         gate = torch.where(is_forced, gates.to(gate.dtype), gate)
-    return Decision(probs=probs, choice=choice, gate=gate)
+    return RoutingDecision(probs=probs, choice=choice, gate=gate)
 
 
 # ------------------------------------------------------------------ grouping
@@ -217,15 +277,6 @@ def group_tokens(token_choice: torch.Tensor, token_window: torch.Tensor, num_blo
     )
 
 
-def grouped_cu_seqlens(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -> torch.Tensor:
-    """THD ``cu_seqlens`` ``[C + 1]`` int32 of the windows in grouped order (padding last, length 0):
-    the sequences of one attention call over all windows of all blocks of the depth."""
-    key = torch.where(windows.window_valid, choice, torch.full_like(choice, num_blocks))
-    _, window_order = torch.sort(key, stable=True)
-    lengths = windows.window_length.index_select(0, window_order)
-    return torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(torch.int32)
-
-
 # ------------------------------------------------------------------ combine
 class _ExpandWindows(torch.autograd.Function):
     """``window_values[token_window]`` (``[C]`` -> ``[T]``); backward: each window's ordered token sum."""
@@ -254,7 +305,7 @@ def gated_combine(
 
     ``keep`` ``[T]`` bool (truncated backprop): elsewhere the update and the
     gate are constants for autograd, so those tokens keep only the identity
-    path (the reference's update computed under ``no_grad`` with a detached gate).
+    path (the update computed under ``no_grad`` with a detached gate).
     """
     update = block_out - states
     gate = gate.to(states.dtype)
@@ -278,13 +329,6 @@ def window_loads(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -
     return (hits & windows.window_valid.unsqueeze(1)).sum(dim=0)
 
 
-def record_loads(balancer, depth: int, loads: torch.Tensor) -> None:
-    """Add one depth's window loads to a :class:`~.balancing.BalancingBias` (a device add, no read)."""
-    row = depth - 1 if balancer.per_depth else 0
-    with torch.no_grad():
-        balancer.loads[row] += loads.to(balancer.loads.dtype)
-
-
 class _DocumentSums(torch.autograd.Function):
     """Ordered sums of the windows of each document, ``[C, L]`` (documents padded to ``C``);
     backward: each window gets its document's gradient (padding windows: none)."""
@@ -302,7 +346,7 @@ class _DocumentSums(torch.autograd.Function):
         return torch.where(window_valid.unsqueeze(1), per_window, torch.zeros_like(per_window)), None, None, None
 
 
-def sequence_aux_loss(windows: DepthWindows, decision: Decision) -> torch.Tensor:
+def sequence_aux_loss(windows: DepthWindows, decision: RoutingDecision) -> torch.Tensor:
     """Per document ``L * sum_m f_m * abar_m``, summed over documents (the caller averages).
 
     As :func:`~.balancing.sequence_aux_loss`, with per-document ordered sums
@@ -317,7 +361,7 @@ def sequence_aux_loss(windows: DepthWindows, decision: Decision) -> torch.Tensor
     return num_blocks * ((chosen / counts) * (prob_sum / counts)).sum()
 
 
-def global_aux_loss(windows: DepthWindows, decision: Decision) -> torch.Tensor:
+def global_aux_loss(windows: DepthWindows, decision: RoutingDecision) -> torch.Tensor:
     """``L * sum_m f_m * abar_m`` over the real windows of the micro-batch at one depth."""
     num_blocks = decision.probs.shape[1]
     valid = windows.window_valid.unsqueeze(1)

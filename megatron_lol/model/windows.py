@@ -234,20 +234,3 @@ class WindowLayout:
 
     def _max_length(self) -> int:
         return self.window_size if self.window_size is not None else int(self.window_length.max())
-
-    def _ordinal_bound(self) -> int:
-        if self.max_windows_per_doc is not None:
-            return self.max_windows_per_doc
-        return int(self.window_ordinal.max()) + 1 if self.num_windows else 1
-
-    def window_means(self, states: torch.Tensor) -> torch.Tensor:
-        """``mu_j``: mean of each window's token states, fp32, equal weight per token. [N, h]
-
-        Ordered sums (:func:`segment_means`): the same bits on every rank that computes them."""
-        return segment_means(states, self.window_first_token, self.window_length, self._max_length())
-
-    def prefix_means(self, window_means: torch.Tensor) -> torch.Tensor:
-        """``r_k = (1/k) sum_{j<k} mu_j`` per document (rows for k = 0 are zero). [N, h]
-
-        :func:`document_prefix_means` with this layout's ordinals."""
-        return document_prefix_means(window_means, self.window_ordinal, self._ordinal_bound())

@@ -228,12 +228,10 @@ class Trainer(TrainerData, TrainerLogging):
                 )
 
     def _grouped_core(self) -> bool:
-        """Whether the routed depths run grouped on host-built layouts (``model.routed_core``; docs/gpu.md,
-        "The routed depth on a GPU"): ``grouped`` where the model supports it (else a one-line error),
-        ``auto`` on CUDA where it does, never with ``reference``."""
+        """Whether the routed depths' blocks run grouped (the executor each core chose when it was built,
+        ``model.routed_core``; docs/gpu.md, "The routed depth on a GPU"): ``grouped`` where the model
+        supports it (else a one-line error), ``auto`` on CUDA where it does, never with ``reference``."""
         mode = self.cfg.model.routed_core
-        if mode == "reference" or (mode == "auto" and self.device.type != "cuda"):
-            return False
         if not self.plan.routed:
             if mode == "grouped":
                 raise ConfigError(
@@ -241,18 +239,15 @@ class Trainer(TrainerData, TrainerLogging):
                     f"has none (use auto or reference)"
                 )
             return False
-        from megatron_lol.model.grouped_core import grouped_core_support
-
-        for chunk in self.model_chunks:
-            core = chunk.module.core
-            reason = grouped_core_support(core) if core is not None else None
-            if reason is not None:
-                if mode == "grouped":
-                    raise ConfigError(
-                        f"model.routed_core: grouped cannot run this model: {reason} (use auto or reference)"
-                    )
-                return False
-        log_rank0(" routed core: grouped (host-built window layouts, one grouped computation per depth)")
+        cores = [chunk.module.core for chunk in self.model_chunks if chunk.module.core is not None]
+        refusals = [core.grouped_refusal for core in cores if not core.executor.grouped]
+        if mode == "grouped" and refusals:
+            raise ConfigError(
+                f"model.routed_core: grouped cannot run this model: {refusals[0]} (use auto or reference)"
+            )
+        if refusals or not cores:
+            return False
+        log_rank0(" routed core: grouped (one grouped computation per depth on the host-built window layouts)")
         if getattr(self.model_chunks[0].module, "grouped_library", False):
             fp8 = "; FP8 covers the prelude and coda only" if self.cfg.model.fp8 else ""
             log_rank0(

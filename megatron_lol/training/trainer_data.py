@@ -18,7 +18,7 @@ import torch
 
 class TrainerData:
     """The data side of :class:`~.trainer.Trainer` (its attributes: ``cfg``, ``tokenizer``, ``device``,
-    ``global_batch_size``, ``dp_size``, ``num_microbatches``, ``model_chunks``, ``grouped_core``)."""
+    ``global_batch_size``, ``dp_size``, ``num_microbatches``, ``model_chunks``, ``plan``)."""
 
     def _build_data(self) -> None:
         tr, d = self.cfg.training, self.cfg.data
@@ -69,14 +69,14 @@ class TrainerData:
                 batch["sample_ids"] = stack_batch(
                     [torch.tensor(base + m * mbs + j, dtype=torch.long) for j in range(mbs)], pin
                 )
-                if self.grouped_core:
+                if self.plan.routed:  # every routed depth reads its windows and noise from it
                     batch["layout"] = self._host_layout(batch, pin)
                 yield batch
             sample += self.global_batch_size
 
     def _host_layout(self, batch: dict, pin: bool):
         """The micro-batch's documents, windows of every depth and router noise, built here on the host
-        while the device runs the previous micro-batch: the grouped core reads no value back."""
+        while the device runs the previous micro-batch: the routed depths read no layout value back."""
         from megatron_lol.model.host_layout import host_layout_for_batch
 
         return host_layout_for_batch(batch, self.cfg.model, self.plan, self.eod_id, self.cfg.training.seed, pin)

@@ -1,11 +1,12 @@
 """The routed depth's gated update with the combine as one fused C loop each way.
 
-Same result as :func:`megatron_lol.model.dispatch.gated_update`: values bit for
-bit (the C loop rounds as torch's separate operations do), gradients equal up
-to the summation order of the gate's dot products. It applies to float32
-states on the CPU when the grouping covers every token of the depth (so every
-row is written exactly once); otherwise :func:`fused_gated_update` returns
-None and the caller runs the reference.
+Same result as the per-block executor's update (:func:`megatron_lol.model.executors.routed_update`:
+per-block calls, then the gated combine in token order): values bit for bit
+(the C loop rounds as torch's separate operations do), gradients equal up to
+the summation order of the gate's dot products. It applies to float32 states
+on the CPU when the grouping covers every token of the depth (so every row is
+written exactly once); otherwise :func:`fused_gated_update` returns None and
+the caller runs the generic update.
 
 Forward: the blocks read their rows from one gather with an output per block
 (:class:`_GatherBlocks`, whose backward writes each block's gradient rows in
@@ -25,7 +26,10 @@ from megatron_lol.backends.cpu.kernels import routing_kernels
 
 
 def fused_gated_update(states: torch.Tensor, grouping, window_gate: torch.Tensor, run_block) -> Optional[torch.Tensor]:
-    """``s + alpha (E(s) - s)`` through the C kernels, or None where they do not apply."""
+    """``s + alpha (E(s) - s)`` through the C kernels, or None where they do not apply.
+
+    ``grouping``: a :class:`~megatron_lol.model.executors.HostGroups` (token ``order``, window
+    ``segments``, host ``counts`` per block); ``run_block(block, rows, segments, token_index)``."""
     if not (
         states.device.type == "cpu"
         and states.dtype == torch.float32
