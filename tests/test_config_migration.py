@@ -225,6 +225,7 @@ def flat_layout(model: dict) -> dict:
     return out
 
 
+@pytest.mark.multiprocess  # the checkpoint writer starts a process of its own beside the trainer
 def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, tmp_path):
     """A 4-step run stopped and saved at step 2, its run_config.yaml rewritten to the flat layout, then
     resumed from it (``--use-checkpoint-args``): the same config, and the losses of an uninterrupted run."""
