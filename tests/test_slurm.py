@@ -145,6 +145,12 @@ def _all_jobs() -> dict:
     return {_field(line, "JobId"): line for line in out.splitlines() if "JobId=" in line}
 
 
+def _jobs_since(before: set) -> set:
+    """Jobs the controller knows now and did not know in ``before``, leaving out the tasks of a job
+    array known before: a running array task gets a JobId of its own (``ArrayJobId`` names the array)."""
+    return {j for j, line in _all_jobs().items() if j not in before and _field(line, "ArrayJobId") not in before}
+
+
 class Campaign:
     def __init__(self, root: Path):
         self.root = root
@@ -277,18 +283,18 @@ def _submission_checks(c: Campaign, submit: str, pipe_env: dict, raw: Path) -> N
         res.returncode,
         res.stdout,
         res.stderr,
-        set(_all_jobs()) - before,
+        _jobs_since(before),
         (c.run_dir / "typo" / "jobs.env").exists(),
     )
     res = _run("bash", submit, env=dict(pipe_env, WORK_DIR="ambiguous", CPUS_PER_TASK="4"), cwd=c.run_dir)
-    c.submit_checks["cpus_per_task"] = (res.returncode, res.stderr, set(_all_jobs()) - before)
+    c.submit_checks["cpus_per_task"] = (res.returncode, res.stderr, _jobs_since(before))
     # no tokenizer given: the config's (tiny-slurm.yaml: a SentencePiece model path nobody made)
     no_tok = {k: v for k, v in pipe_env.items() if k not in ("TOKENIZER_TYPE", "TOKENIZER_MODEL")}
     res = _run("bash", submit, env=dict(no_tok, WORK_DIR="no_tokenizer"), cwd=c.run_dir)
     c.submit_checks["no_tokenizer"] = (
         res.returncode,
         res.stderr,
-        set(_all_jobs()) - before,
+        _jobs_since(before),
         (c.run_dir / "no_tokenizer").exists(),
     )
     res = _run(
@@ -297,7 +303,7 @@ def _submission_checks(c: Campaign, submit: str, pipe_env: dict, raw: Path) -> N
     c.submit_checks["no_text"] = (
         res.returncode,
         res.stderr,
-        set(_all_jobs()) - before,
+        _jobs_since(before),
         (c.run_dir / "no_text").exists(),
     )
     held_env = dict(
