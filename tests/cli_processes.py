@@ -187,3 +187,34 @@ def run_ranks(argv: list, world: int, *, env: dict, cwd: Path, log: Path, timeou
                 os.killpg(rank.pid, signal.SIGKILL)
                 rank.wait()
     return status, Path(log).read_text(errors="replace")
+
+
+def forked_run(cmd: list, *, env: dict, cwd, stdout=None, stderr=None, capture_output: bool = False,
+               text: bool = False, check: bool = False, timeout: float | None = None) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run` for a ``[sys.executable, ...]`` command, forked by :func:`start`: the same
+    exit status and output (``capture_output``, or ``stdout`` an open file that the output is appended
+    to; stderr goes with stdout, as ``stderr=subprocess.STDOUT`` would have it)."""
+    import tempfile
+
+    if Path(cmd[0]).name != Path(sys.executable).name and cmd[0] != sys.executable:
+        raise ValueError(f"forked_run starts python commands only, not {cmd[0]}")
+    with tempfile.TemporaryDirectory(prefix="forked-run-") as scratch:
+        log = Path(scratch) / "output"
+        proc = start(cmd[1:], env=env, log=log, cwd=Path(cwd))
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
+        output = log.read_bytes()
+    if stdout is not None and hasattr(stdout, "write"):
+        stdout.flush()
+        with open(stdout.fileno(), "ab", closefd=False) as sink:
+            sink.write(output)
+        output = b""
+    captured = (output.decode(errors="replace") if text else output) if capture_output else None
+    if check and code:
+        raise subprocess.CalledProcessError(code, cmd, captured)
+    # stderr is in stdout (one log): a caller that reads proc.stderr gets the same text
+    return subprocess.CompletedProcess(cmd, code, captured, captured)

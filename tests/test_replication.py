@@ -22,6 +22,23 @@ from suite_support import machine_lock  # noqa: E402
 pytestmark = pytest.mark.multiprocess  # the studies run two training processes at once (--jobs 2)
 
 
+class _ForkedSubprocess:
+    """What replicate.py uses of :mod:`subprocess`, its python commands forked by
+    :func:`cli_processes.forked_run` (each arm's ``megatron-lol train``, the FLOP budget's
+    ``megatron-lol params``, a study's evaluation script), so that a study's runs skip the ~6 s of
+    imports a new interpreter pays; the script's own command line is parsed by its ``main``."""
+
+    STDOUT = subprocess.STDOUT
+    PIPE = subprocess.PIPE
+
+    @staticmethod
+    def run(cmd, **kw):
+        from cli_processes import forked_run
+
+        kw.pop("stderr", None)
+        return forked_run(list(map(str, cmd)), **kw)
+
+
 @pytest.fixture(scope="module")
 def corpus_ready():
     """The bundled corpus the studies train on (README's prepare step; CI runs it before the tests)."""
@@ -37,16 +54,16 @@ def corpus_ready():
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("study", sorted(replicate.STUDIES))
-def test_study_runs_end_to_end_at_smoke_size(study, tmp_path, corpus_ready):
+def test_study_runs_end_to_end_at_smoke_size(study, tmp_path, corpus_ready, monkeypatch, capsys):
     out = tmp_path / study
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), study, "--size", "smoke", "--out", str(out), "--jobs", "2"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=850,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    monkeypatch.setattr(replicate, "subprocess", _ForkedSubprocess)
+    try:
+        status = replicate.main([study, "--size", "smoke", "--out", str(out), "--jobs", "2"])
+    except SystemExit as stop:  # a failed arm: the script's one-line reason, and its log beside it
+        logs = "\n".join(p.read_text(errors="replace")[-1500:] for p in sorted(out.glob("*.log")))
+        raise AssertionError(f"{stop.code}\n{logs}") from None
+    stdout = capsys.readouterr().out
+    assert status == 0, stdout[-2000:]
     report = json.loads((out / "results.json").read_text())
     spec = replicate.STUDIES[study]
     assert report["criterion"] == spec.criterion and report["size"] == "smoke"
@@ -55,7 +72,7 @@ def test_study_runs_end_to_end_at_smoke_size(study, tmp_path, corpus_ready):
         for run in runs:
             assert run["iterations"] >= 1 and math.isfinite(run["eval_loss"])
     assert isinstance(report["verdict"]["holds"], bool) and report["verdict"]["checks"]
-    assert "criterion" in proc.stdout and (out / f"{study}.png").stat().st_size > 0
+    assert "criterion" in stdout and (out / f"{study}.png").stat().st_size > 0
 
 
 def test_arms_share_one_flop_budget_and_differ_in_iterations(capsys):
