@@ -121,6 +121,8 @@ _FILE_TIME: collections.Counter = collections.Counter()
 _FILE_TESTS: collections.Counter = collections.Counter()
 _LAUNCHES: collections.Counter = collections.Counter()
 _UPGRADED: list = []
+_WHOLE: collections.Counter = collections.Counter()  # per file: seconds its tests held every core
+_WAITED: collections.Counter = collections.Counter()  # per file: seconds its tests waited for their slots
 _STARTED = time.monotonic()
 
 
@@ -129,15 +131,21 @@ def pytest_runtest_protocol(item, nextitem):
     """Hold the test's CPU slots around its setup, call and teardown (module fixtures included),
     outside any timeout's clock; note what it launches (suite_support.LaunchWatch)."""
     slots = suite_support.CpuSlots()
+    f = item.nodeid.split("::")[0]
+    asked = time.monotonic()
     if item.get_closest_marker(suite_support.MARKER) is not None:
         slots.take_all()
     else:
         slots.take_one()
+    began = time.monotonic()
+    _WAITED[f] += began - asked
     suite_support.WATCH.begin(item.nodeid, slots)
     try:
         yield
     finally:
         suite_support.WATCH.end()
+        if slots.whole_machine and slots.folder is not None:
+            _WHOLE[f] += time.monotonic() - began
         slots.release()
 
 
@@ -153,6 +161,8 @@ def pytest_sessionfinish(session):
     if hasattr(config, "workerinput"):  # an xdist worker: hand its counts to the controller
         config.workeroutput["launches"] = dict(suite_support.WATCH.per_file)
         config.workeroutput["upgraded"] = list(suite_support.WATCH.upgraded)
+        config.workeroutput["whole"] = dict(_WHOLE)
+        config.workeroutput["waited"] = dict(_WAITED)
     else:
         _LAUNCHES.update(suite_support.WATCH.per_file)
         _UPGRADED.extend(suite_support.WATCH.upgraded)
@@ -163,6 +173,8 @@ def pytest_testnodedown(node, error):
     output = getattr(node, "workeroutput", {})
     _LAUNCHES.update(output.get("launches", {}))
     _UPGRADED.extend(output.get("upgraded", []))
+    _WHOLE.update(output.get("whole", {}))
+    _WAITED.update(output.get("waited", {}))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -170,7 +182,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
         return
     tr = terminalreporter
     tr.write_sep("=", "test time and process launches per file")
-    for line in suite_support.file_table(_FILE_TIME, _FILE_TESTS, _LAUNCHES):
+    for line in suite_support.file_table(_FILE_TIME, _FILE_TESTS, _LAUNCHES, _WHOLE, _WAITED):
         tr.write_line(line)
     tr.write_line(f"wall time of the session: {time.monotonic() - _STARTED:.0f} s")
     if _UPGRADED:

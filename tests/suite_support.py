@@ -222,11 +222,19 @@ def order_by_duration(items: list) -> None:
     items.sort(key=key)  # stable: a file's tests keep their order
 
 
-def file_table(times: dict, tests: dict, launches: dict) -> list:
-    lines = [f"{'seconds':>8} {'tests':>6} {'launches':>8}  file"]
+def file_table(times: dict, tests: dict, launches: dict, whole: dict, waited: dict) -> list:
+    """Per file: its test time, the part of it that held every core (``whole``: the rest of the
+    machine idle or waiting for it), the time its tests waited for their CPU slots, tests, launches.
+    The session's wall time is about the whole-machine total plus half the rest (two workers)."""
+    lines = [f"{'seconds':>8} {'whole':>7} {'waited':>7} {'tests':>6} {'launches':>8}  file"]
     for f, t in sorted(times.items(), key=lambda kv: -kv[1]):
-        lines.append(f"{t:8.1f} {tests[f]:6d} {launches.get(f, 0):8d}  {f}")
-    lines.append(f"{sum(times.values()):8.1f} {sum(tests.values()):6d} {sum(launches.values()):8d}  total")
+        lines.append(
+            f"{t:8.1f} {whole.get(f, 0):7.1f} {waited.get(f, 0):7.1f} {tests[f]:6d} {launches.get(f, 0):8d}  {f}"
+        )
+    lines.append(
+        f"{sum(times.values()):8.1f} {sum(whole.values()):7.1f} {sum(waited.values()):7.1f} "
+        f"{sum(tests.values()):6d} {sum(launches.values()):8d}  total"
+    )
     return lines
 
 
