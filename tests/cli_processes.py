@@ -189,8 +189,18 @@ def run_ranks(argv: list, world: int, *, env: dict, cwd: Path, log: Path, timeou
     return status, Path(log).read_text(errors="replace")
 
 
-def forked_run(cmd: list, *, env: dict, cwd, stdout=None, stderr=None, capture_output: bool = False,
-               text: bool = False, check: bool = False, timeout: float | None = None) -> subprocess.CompletedProcess:
+def forked_run(
+    cmd: list,
+    *,
+    env: dict,
+    cwd,
+    stdout=None,
+    stderr=None,
+    capture_output: bool = False,
+    text: bool = False,
+    check: bool = False,
+    timeout: float | None = None,
+) -> subprocess.CompletedProcess:
     """:func:`subprocess.run` for a ``[sys.executable, ...]`` command, forked by :func:`start`: the same
     exit status and output (``capture_output``, or ``stdout`` an open file that the output is appended
     to; stderr goes with stdout, as ``stderr=subprocess.STDOUT`` would have it)."""
