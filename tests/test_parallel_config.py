@@ -132,7 +132,8 @@ def _write_dataset(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_torchrun_launch_and_layout_error(tmp_path):
-    """torchrun --nproc-per-node 2 -m megatron_lol train works with gloo; a bad layout fails first."""
+    """torchrun --nproc-per-node 2 -m megatron_lol train works with gloo; a bad layout fails first, in
+    one line naming the flag, with the configuration errors' exit status."""
     from corpus_fixtures import stdlib_documents, train_sentencepiece
 
     spm = train_sentencepiece(stdlib_documents(max_bytes=300_000), str(tmp_path / "spm"), vocab_size=1000)
@@ -180,10 +181,17 @@ def test_torchrun_launch_and_layout_error(tmp_path):
         "--config",
         str(config),
     ]
+    # the layout is refused by config validation, before a process group or megatron-core exists, in
+    # the one process the command starts (under torchrun, each worker prints the same line)
     bad = subprocess.run(
-        cmd + ["--tensor-model-parallel-size", "3"], capture_output=True, text=True, env=env, cwd=REPO, timeout=300
+        [sys.executable, *cmd[cmd.index("-m", 3) :], "--tensor-model-parallel-size", "3"],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
     )
-    assert bad.returncode != 0
+    assert bad.returncode == 2
     assert (
         "parallel.tensor_model_parallel_size (--tensor-model-parallel-size): 3 does not divide "
         "model.num_attention_heads=2" in bad.stderr
