@@ -228,3 +228,22 @@ def forked_run(
         raise subprocess.CalledProcessError(code, cmd, captured)
     # stderr is in stdout (one log): a caller that reads proc.stderr gets the same text
     return subprocess.CompletedProcess(cmd, code, captured, captured)
+
+
+def torchrun_command(nproc: int, *argv) -> list:
+    """A real ``torchrun`` of ``nproc`` workers on this host running ``python *argv`` (a script path, or
+    ``-m`` and a module): the agent and fresh interpreters, for what only its launch and teardown show."""
+    from distributed import free_port
+
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        *map(str, argv),
+    ]

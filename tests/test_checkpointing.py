@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -103,43 +102,19 @@ def subprocess_env(**extra) -> dict:
     return env
 
 
-def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=(), torchrun=False):
+def launch(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=()):
     """``megatron-lol train`` on ``nproc`` processes; ``faults`` (``pause=8:60``, ``nan=6``) run it
     through tests/fault_rank_runner.py. The processes are forked from the preloaded forkserver
-    (tests/cli_processes.py), ranks as ``srun`` starts them; ``torchrun=True`` starts a real
-    ``torchrun`` (agent and fresh interpreters) instead, for what only its launch shows."""
+    (tests/cli_processes.py), ranks as ``srun`` starts them (the launches that need a real
+    ``torchrun`` are in tests/test_cluster_faults.py and tests/test_parallel_config.py)."""
+    import cli_processes
+
     entry = [str(FAULT_RUNNER), *faults, "--"] if faults else ["-m", "megatron_lol"]
     train = [*entry, "train", "--config", str(config), "--save", str(save), *map(str, args)]
-    if not torchrun:
-        import cli_processes
-
-        out = log or os.devnull
-        if nproc == 1:
-            return cli_processes.start(train, env=subprocess_env(**(env or {})), log=out, cwd=REPO)
-        return cli_processes.start_ranks(train, nproc, env=subprocess_env(**(env or {})), log=out, cwd=REPO)
-    from distributed import free_port
-
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        *train,
-    ]
-    out = open(log, "ab") if log else subprocess.DEVNULL
-    return subprocess.Popen(
-        cmd,
-        cwd=str(REPO),
-        env=subprocess_env(**(env or {})),
-        stdout=out,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    out = log or os.devnull
+    if nproc == 1:
+        return cli_processes.start(train, env=subprocess_env(**(env or {})), log=out, cwd=REPO)
+    return cli_processes.start_ranks(train, nproc, env=subprocess_env(**(env or {})), log=out, cwd=REPO)
 
 
 def run(config: Path, save: Path, *args, env=None, log: Path = None, nproc: int = 1, faults=()) -> int:

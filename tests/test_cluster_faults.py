@@ -21,7 +21,6 @@ import re
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -484,18 +483,7 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
     process of the job gone within 60 s with a non-zero status, the tracker naming a complete checkpoint,
     the relaunch logging the reference's losses bit for bit."""
     save, log = tmp_path / "torchrun", tmp_path / "torchrun.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(RUNNER),
-    ]
+    cmd = cli_processes.torchrun_command(2, RUNNER)
     args = ["--", "train", "--config", str(corpus["config"]), "--save", str(save), *HEARTBEAT]
     with open(log, "wb") as out:
         proc = subprocess.Popen(
@@ -536,21 +524,6 @@ def test_kill9_of_one_torchrun_worker_mid_run_ends_the_job_and_the_relaunch_resu
 
 
 # ------------------------------------------------------------------ 1. one rank of four dies under torchrun
-def _torchrun_cmd(nproc: int) -> list:
-    return [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        str(nproc),
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(free_port()),
-        str(RUNNER),
-    ]
-
-
 @pytest.mark.timeout(150, func_only=True)
 @pytest.mark.parametrize(
     "layout, when",
@@ -571,7 +544,7 @@ def test_kill9_of_one_of_four_torchrun_workers_ends_the_job_and_the_relaunch_res
     rng = random.Random()
     victim_rank = rng.randrange(4)
     save, log = tmp_path / "run", tmp_path / "torchrun.log"
-    cmd = _torchrun_cmd(4)
+    cmd = cli_processes.torchrun_command(4, RUNNER)
     args = ["--", "train", "--config", str(corpus["config"]), "--save", str(save), *HEARTBEAT, *layout]
     if when == "mid-run":
         kill_after = rng.choice([3, 4])  # the step whose metrics record triggers the kill
