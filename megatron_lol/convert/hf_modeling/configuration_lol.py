@@ -19,8 +19,11 @@ The core's schedule is ``execution_plan``, written by the exporter: ``steps``,
 one per core execution in order, each with the stored ``block`` it runs (None:
 routed per window), its ``pass``, its ``attention`` (``window``, ``full``,
 ``sliding``, ``strided``), whether the pass has its own attention
-(``untied_attention``, Foil), gated writes (``gated``) and its own MoE router
-(``separate_router``, Accordion); and, for Accordion, ``depth_for_budget``: how
+(``untied_attention``, Foil), its own MoE router (``separate_router``,
+Accordion) and the per-pass parts it names (``parts``, e.g. ``loop_gates``;
+FiLM and input injection are on for every step when ``film`` /
+``input_injection`` say so); ``part_modules``: the parts the export ships as
+source (``part_<name>.py``, registered by ``plugin_parts_lol.py``); and, for Accordion, ``depth_for_budget``: how
 many of the steps a loop budget runs. The remote code runs these steps; it
 does not re-derive them from the other fields.
 """
@@ -69,6 +72,7 @@ class LoLConfig(PretrainedConfig):
         loop_budget=None,
         second_pass_router="shared",
         loop_gates=True,
+        part_modules=None,
         execution_plan=None,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -117,6 +121,7 @@ class LoLConfig(PretrainedConfig):
         self.second_pass_router = second_pass_router
         self.loop_gates = loop_gates
         self.execution_plan = execution_plan
+        self.part_modules = dict(part_modules or {})
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.rope_scaling_factor = rope_scaling_factor
