@@ -186,7 +186,7 @@ def test_a_part_reading_its_module_is_not_shipped(gated_kind):
         def apply(before, after, row, gate):
             return before + json.loads("1.0") * (after - before)
 
-    with pytest.raises(CliError, match=r"part 'residual_gate' .*ModuleReader\) reads json from its module"):
+    with pytest.raises(CliError, match=r"part 'residual_gate' .*ModuleReader\) reads gated_kind, json from its module"):
         class_source(ModuleReader)
 
 
