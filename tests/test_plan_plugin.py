@@ -210,6 +210,11 @@ def test_plugin_part_trains_on_two_tp_ranks_exports_and_decodes(gated_kind, corp
     shipped = (hf / "part_residual_gate.py").read_text()
     assert "class ResidualGate(Part):" in shipped and "megatron_lol" not in shipped.split('"""', 2)[2]
     assert "from .part_residual_gate import ResidualGate" in (hf / "plugin_parts_lol.py").read_text()
+    from safetensors.torch import load_file
+
+    shard = json.loads((hf / "model.safetensors.index.json").read_text())["weight_map"]["model.residual_gate"]
+    exported = load_file(hf / shard)["model.residual_gate"]
+    assert exported.tolist() == gated_kind.GATE_VALUES  # the gates the logits above went through
     print(f"gated-loop plug-in part, TP=2: max abs logit diff {diff:.2e}")
 
 
