@@ -170,7 +170,7 @@ class GroupedGEMMs:
                 for b in range(first_block, first_block + library.qkv.shape[0])
             ]
             if per_block[0]:
-                hooks = part_rows(per_block, grouping)
+                hooks = part_rows(per_block, grouping, core.cfg)
         rope = RowRope.from_table(ctx.rope, positions, rows.dtype) if ctx.rope is not None else None
         W = core.cfg.window_size
         return grouped_blocks(library, rows, grouping, rope, window_mask(grouping.segments, W), W, hooks)

@@ -277,20 +277,19 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def part_rows(per_block: list, grouping: TokenGrouping) -> tuple:
+def part_rows(per_block: list, grouping: TokenGrouping, config) -> tuple:
     """The step's per-pass parts for the grouped rows: ``per_block`` holds, for each block of the stacked
-    library in order, its ``((part, tensors), ...)``; a part's tensor that is the same for every block (FiLM
-    per depth) stays as it is, one that differs is gathered per row by block (``[T, ...]``: parts index
-    their tensors from the end, parts_lol.Part.apply)."""
+    library in order, its ``((part, tensors), ...)``; the tensors of a part that gives every block the
+    same (``Part.per_block``: FiLM per depth) stay as they are, the others are gathered per row by block
+    (``[T, ...]``: parts index their tensors from the end, parts_lol.Part.apply)."""
     out = []
     for i, (part, first) in enumerate(per_block[0]):
+        if not part.per_block(config):
+            out.append((part, first))
+            continue
         tensors = []
         for j, t in enumerate(first):
-            each = [hooks[i][1][j] for hooks in per_block]
-            if all(e.data_ptr() == t.data_ptr() and e.shape == t.shape and e.stride() == t.stride() for e in each):
-                tensors.append(t)
-                continue
-            table = torch.stack(each).reshape(len(each), -1)
+            table = torch.stack([hooks[i][1][j] for hooks in per_block]).reshape(len(per_block), -1)
             rows = gather_segment_rows(table, grouping.block_of_row, grouping.group_offsets)
             tensors.append(rows.view((rows.shape[0],) + tuple(t.shape)))
         out.append((part, tuple(tensors)))

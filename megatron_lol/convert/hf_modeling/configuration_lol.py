@@ -30,6 +30,11 @@ does not re-derive them from the other fields.
 
 from transformers import PretrainedConfig
 
+# the parts this export ships (plugin_parts_lol.py, written by the exporter): the config checks it has
+# the ones it names, and importing them here makes the config class differ with them, which matters
+# because transformers keys an already loaded remote model class by its config class
+from .plugin_parts_lol import SHIPPED as SHIPPED_PARTS
+
 
 class LoLConfig(PretrainedConfig):
     model_type = "lol"
@@ -122,6 +127,9 @@ class LoLConfig(PretrainedConfig):
         self.loop_gates = loop_gates
         self.execution_plan = execution_plan
         self.part_modules = dict(part_modules or {})
+        missing = sorted(set(self.part_modules) - {part.name for part in SHIPPED_PARTS})
+        if missing:
+            raise ValueError(f"config.json: part_modules names {', '.join(missing)}, which this export does not ship")
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.rope_scaling_factor = rope_scaling_factor

@@ -66,6 +66,12 @@ class Part:
         raise NotImplementedError
 
     @classmethod
+    def per_block(cls, config) -> bool:
+        """Whether :meth:`select` gives different tensors to different blocks of one step (the grouped
+        executor then gathers them per row by block); False: one set for every block of a step."""
+        return True
+
+    @classmethod
     def select(cls, params: dict, depth: int, pass_index: int, block: int) -> tuple:
         """The tensors the step at ``depth`` (1-based; ``pass_index`` its pass) gives a call of
         ``block`` (None: an ``input`` part before a routed step): the arguments of :meth:`apply` after
@@ -97,6 +103,10 @@ class FiLM(Part):
         h = config.hidden_size
         shape = (depth, 2, h) if config.film == "depth" else (depth, num_blocks, 2, h)
         return {"film_gamma": (shape, 1.0), "film_beta": (shape, 0.0)}
+
+    @classmethod
+    def per_block(cls, config) -> bool:
+        return config.film == "depth_block"
 
     @classmethod
     def select(cls, params, depth, pass_index, block) -> tuple:
