@@ -27,6 +27,7 @@ from megatron_lol.backends import BACKEND_ENV, select_backend
 from megatron_lol.backends.cpu import CpuBackend
 from megatron_lol.backends.cpu import kernels as cpu_kernels
 from megatron_lol.backends.cpu.combine import fused_gated_update
+from megatron_lol.convert.hf_modeling.parts_lol import FiLM, LoopGates
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.executors import HostGroups, group_sizes
@@ -131,8 +132,8 @@ def test_dense_documents_and_film_bit_identical(megatron_env, short_path_calls, 
     film = (torch.rand(2, cfg.hidden_size, generator=g) + 0.5, torch.randn(2, cfg.hidden_size, generator=g))
     rope = _rope(s, layer.self_attention.hidden_size_per_attention_head)
     for r in (rope, None):
-        fast = _run(layer, hidden, mask, r, BlockParts(film=film), CPU)
-        _assert_same(fast, _run(layer, hidden, mask, r, BlockParts(film=film)))
+        fast = _run(layer, hidden, mask, r, BlockParts(hooks=((FiLM, film),)), CPU)
+        _assert_same(fast, _run(layer, hidden, mask, r, BlockParts(hooks=((FiLM, film),))))
     assert short_path_calls == {"attention": 2, "mlp": 2}
     # FiLM changes the result (the modulation is really applied on both paths)
     assert not torch.equal(fast[0], _run(layer, hidden, mask, None, backend=CPU)[0])
@@ -144,9 +145,10 @@ def test_gated_second_pass_bit_identical(megatron_env, short_path_calls):
     hidden = torch.randn(16, 2, cfg.hidden_size, generator=g)
     gates = (torch.rand(cfg.hidden_size, generator=g), torch.rand(cfg.hidden_size, generator=g))
     rope = _rope(16, layer.self_attention.hidden_size_per_attention_head)
-    fast = _run(layer, hidden, SegmentMask(), rope, BlockParts(gates=gates), CPU)
+    parts = BlockParts(hooks=((LoopGates, (torch.stack(gates),)),))
+    fast = _run(layer, hidden, SegmentMask(), rope, parts, CPU)
     assert short_path_calls == {"attention": 1, "mlp": 1}
-    _assert_same(fast, _run(layer, hidden, SegmentMask(), rope, BlockParts(gates=gates)))
+    _assert_same(fast, _run(layer, hidden, SegmentMask(), rope, parts))
 
 
 def test_short_path_only_where_nothing_needs_megatron(megatron_env):

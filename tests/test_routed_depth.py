@@ -739,7 +739,7 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     the CPU kernel runs, cannot be traced)."""
     from megatron_lol.model import static_routing as sr
     from megatron_lol.model.attention import window_mask
-    from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, stack_library
+    from megatron_lol.model.grouped_blocks import RowRope, grouped_blocks, part_rows, stack_library
 
     net = _lol(monkeypatch, False, film="depth_block").train()
     core = net.core
@@ -748,7 +748,8 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
     windows = layout.for_depth(depth)
     rope_table = net.rotary(40)
     positions = torch.arange(80) % 40
-    film = (core.film_gamma[depth - 1], core.film_beta[depth - 1])
+    step = core.plan.step(depth)
+    per_block = [core.step_hooks(step, b) for b in range(L)]  # FiLM per (depth, block)
     library = stack_library([core.block(i) for i in range(L)])
 
     def route(flat, depth_vector, eps, bias):
@@ -784,7 +785,13 @@ def test_routed_depth_compiles_with_fullgraph(monkeypatch):
         new = run_combine(
             leaf,
             grouped_blocks(
-                library, grouped["rows"], grouped["grouping"], grouped["rope"], grouped["attention_bias"], 8, film
+                library,
+                grouped["rows"],
+                grouped["grouping"],
+                grouped["rope"],
+                grouped["attention_bias"],
+                8,
+                part_rows(per_block, grouped["grouping"], core.cfg),
             ),
             grouped,
         )

@@ -38,6 +38,7 @@ import torch
 
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.inventory import state_shapes
+from megatron_lol.model.parts import part_of_parameter
 
 NORM_ALIASES = {
     "input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
@@ -190,7 +191,9 @@ def split_layer_name(name: str) -> tuple[str, str]:
 
 
 def lol_hf_names(name: str, m: ModelConfig) -> str | None:
-    """HF (remote-code LoL) prefix for a native tensor / layer prefix, or None when not exported."""
+    """HF (remote-code LoL) prefix for a native tensor / layer prefix, or None when not exported.
+    A per-pass part's tensor ``core.<t>`` (megatron_lol/model/parts.py) is ``model.<t>``: the remote code
+    registers it on ``LoLModel`` under the same name."""
     fixed = {
         "embedding.word_embeddings.weight": "model.embed_tokens.weight",
         "final_norm.weight": "model.norm.weight",
@@ -198,13 +201,11 @@ def lol_hf_names(name: str, m: ModelConfig) -> str | None:
         "core.depth_vectors": "model.routing.depth_embeddings",
         "core.router_only_embeddings": "model.routing.router_only_embeddings",
         "core.balancer.bias": "model.routing.balancing_bias",
-        "core.film_gamma": "model.film_gamma",
-        "core.film_beta": "model.film_beta",
-        "core.injection_logit": "model.injection_logit",
-        "core.loop_gates": "model.loop_gates",
     }
     if name in fixed:
         return fixed[name]
+    if name.startswith("core.") and part_of_parameter(name[len("core.") :]) is not None:
+        return "model." + name[len("core.") :]  # a per-pass part's tensor: core.<t> is model.<t>
     if name.startswith("core.routers."):
         r, kind, param = name.split(".")[2:5]
         if kind == "noise_scale":

@@ -29,7 +29,9 @@ import torch
 from megatron_lol.config.schema import ExperimentConfig, ModelConfig
 from megatron_lol.convert import mapping
 from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_apart, iteration_dir, read_run_config
+from megatron_lol.convert.part_sources import plugin_parts, write_part_sources
 from megatron_lol.errors import CliError
+from megatron_lol.model.parts import model_parts
 from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
@@ -41,6 +43,7 @@ TEMPLATE_FILES = (
     "cache_lol.py",
     "decoding_lol.py",
     "parts_lol.py",
+    "plugin_parts_lol.py",
 )
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16"}
@@ -70,8 +73,7 @@ def is_plain_stack(m: ModelConfig) -> bool:
     return (
         every_block_once
         and m.dense_attention == "full"
-        and m.film == "off"
-        and not m.input_injection
+        and not model_parts(m, m.execution_plan())  # no per-pass parts (FiLM, injection, ...)
         and m.rotary_scaling_factor >= 1.0
         and m.moe_layers == "none"
     )
@@ -212,6 +214,8 @@ def lol_config_json(
         "num_blocks": plan.num_stored_blocks,  # blocks stored
         "routed_depth": plan.depth,  # core steps (the largest budget's for accordion)
         "execution_plan": plan.to_dict(),  # the schedule the remote code runs (not re-derived there)
+        # the per-pass parts the steps name that the export ships as source (plugin_parts_lol.py)
+        "part_modules": {cls.name: f"part_{cls.name.replace('-', '_')}" for cls in plugin_parts(model_parts(m, plan))},
         "window_size": m.window_size,
         "window_shift": m.window_shift,
         "dense_attention": m.dense_attention,
@@ -386,6 +390,7 @@ def convert_checkpoint(
         if not llama:
             for f in TEMPLATE_FILES:
                 shutil.copyfile(os.path.join(TEMPLATES, f), os.path.join(tmp, f))
+            write_part_sources(tmp, model_parts(m, m.execution_plan()))
         if os.path.exists(save):
             shutil.rmtree(save) if os.path.isdir(save) else os.remove(save)
         os.replace(tmp, save)

@@ -4,12 +4,14 @@ A block stored once may run at several steps of the core, each with its own
 per-step parts, all passed as arguments (:class:`BlockParts`), never set on
 the modules around the call:
 
-* ``film``: the step's FiLM ``(gamma [2, h], beta [2, h])``, applied after the
-  attention norm (row 0) and the MLP norm (row 1): ``gamma * Norm(x) + beta``;
+* ``hooks``: ``((part, tensors), ...)``, the step's per-pass parts that act
+  inside the call (:mod:`megatron_lol.convert.hf_modeling.parts_lol`): those of
+  the ``norm`` hook on the outputs of the attention norm (row 0) and the MLP
+  norm (row 1), e.g. FiLM ``gamma * Norm(x) + beta``; those of the ``write``
+  hook on the two residual writes, e.g. Accordion's loop gates
+  ``h1 = x + g_attn * (Attn_out - x)``, ``out = h1 + g_mlp * (MLP_out - h1)``;
 * ``attention``: the pass's own input norm and self-attention (Foil's untied
   attention; the MLP and its experts stay the block's);
-* ``gates``: ``(g_attn [h], g_mlp [h])``, Accordion's second-pass write gates:
-  ``h1 = x + g_attn * (Attn_out - x)``, ``out = h1 + g_mlp * (MLP_out - h1)``;
 * ``moe_router``: the pass's own MoE router (Accordion's separate router);
 * ``record_moe``: also return what the MoE router decided (U_t / B2 / MMR).
 
@@ -32,8 +34,7 @@ import torch
 from megatron.core.transformer.transformer_layer import TransformerLayer
 from torch import nn
 
-from megatron_lol.convert.hf_modeling.parts_lol import film as film_modulate
-from megatron_lol.convert.hf_modeling.parts_lol import gated_write
+from megatron_lol.convert.hf_modeling.parts_lol import apply_norm, apply_write
 from megatron_lol.model.attention import TokenRopeParams, applies_token_rope
 
 
@@ -41,11 +42,18 @@ from megatron_lol.model.attention import TokenRopeParams, applies_token_rope
 class BlockParts:
     """The per-step parts of one block call (see the module docstring)."""
 
-    film: Optional[tuple] = None
+    hooks: tuple = ()
     attention: Optional[nn.Module] = None
-    gates: Optional[tuple] = None
     moe_router: Optional[nn.Module] = None
     record_moe: bool = False
+
+    @property
+    def norm(self) -> tuple:
+        return tuple(item for item in self.hooks if item[0].hook == "norm")
+
+    @property
+    def write(self) -> tuple:
+        return tuple(item for item in self.hooks if item[0].hook == "write")
 
 
 NO_PARTS = BlockParts()
@@ -60,15 +68,15 @@ class MoERoute:
     routing_map: torch.Tensor
 
 
-def _modulator(film: Optional[tuple], row: int):
-    if film is None:
+def _modulator(norm_parts: tuple, row: int):
+    """The norm-hook parts of row ``row`` as one function of the norm's output (None: there are none)."""
+    if not norm_parts:
         return None
-    gamma, beta = film[0][row], film[1][row]
-    return lambda y: film_modulate(y, gamma, beta)
+    return lambda y: apply_norm(y, row, norm_parts)
 
 
-def _attention_half(att, x, mask, rope, film, packed_seq_params, backend) -> torch.Tensor:
-    modulate = _modulator(film, 0)
+def _attention_half(att, x, mask, rope, norm_parts, packed_seq_params, backend) -> torch.Tensor:
+    modulate = _modulator(norm_parts, 0)
     if backend is not None and packed_seq_params is None:
         out = backend.attention_half(att, x, mask, rope, modulate)
         if out is not None:
@@ -97,8 +105,8 @@ def moe_forward(moe, x: torch.Tensor, router: nn.Module, record: bool) -> tuple:
     return moe.postprocess(moe.combine(out), shared), route
 
 
-def _mlp_half(layer, h, film, parts: BlockParts, backend) -> tuple:
-    modulate = _modulator(film, 1)
+def _mlp_half(layer, h, parts: BlockParts, backend) -> tuple:
+    modulate = _modulator(parts.norm, 1)
     if backend is not None:
         out = backend.mlp_half(layer, h, modulate)
         if out is not None:
@@ -118,13 +126,11 @@ def _mlp_half(layer, h, film, parts: BlockParts, backend) -> tuple:
 def reference_layer(layer, x, mask, rope, parts: BlockParts = NO_PARTS, packed_seq_params=None, backend=None) -> tuple:
     """``(output, MoERoute or None)`` of one layer call on ``x`` ``[s, b, h]``."""
     att = parts.attention if parts.attention is not None else layer
-    h = _attention_half(att, x, mask, rope, parts.film, packed_seq_params, backend)
-    if parts.gates is not None:
-        h = gated_write(x, h, parts.gates[0])
-    out, route = _mlp_half(layer, h, parts.film, parts, backend)
-    if parts.gates is not None:
-        out = gated_write(h, out, parts.gates[1])
-    return out, route
+    h = _attention_half(att, x, mask, rope, parts.norm, packed_seq_params, backend)
+    writes = parts.write
+    h = apply_write(x, h, 0, writes)
+    out, route = _mlp_half(layer, h, parts, backend)
+    return apply_write(h, out, 1, writes), route
 
 
 class LoLTransformerLayer(TransformerLayer):

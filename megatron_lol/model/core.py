@@ -33,6 +33,7 @@ from torch import nn
 
 from megatron_lol.backends import select_backend
 from megatron_lol.config.schema import ModelConfig
+from megatron_lol.convert.hf_modeling.parts_lol import selected
 from megatron_lol.model.balancing import BalancingBias
 from megatron_lol.model.block_call import BlockParts, call_block
 from megatron_lol.model.core_steps import CoreContext, CoreState, DepthRecord, FixedStep, RoutedStep
@@ -42,6 +43,7 @@ from megatron_lol.model.grouped_core import grouped_core_support
 from megatron_lol.model.host_layout import layout_from_documents, routed_depths
 from megatron_lol.model.init import seeded
 from megatron_lol.model.library import build_attention_set, build_layer
+from megatron_lol.model.parts import part_parameters, step_parts
 from megatron_lol.model.precision import row_multiple
 from megatron_lol.model.router import WindowRouter
 from megatron_lol.model.static_routing import router_only_prefix_means
@@ -184,12 +186,14 @@ class Core(nn.Module):
                     model.bias_clamp,
                     model.bias_update_stop_fraction,
                 )
-        if model.film != "off":
-            shape = (D, 2, h) if model.film == "depth" else (D, L, 2, h)
-            self.film_gamma = nn.Parameter(torch.ones(shape, dtype=tconfig.params_dtype))
-            self.film_beta = nn.Parameter(torch.zeros(shape, dtype=tconfig.params_dtype))
-        if model.input_injection:
-            self.injection_logit = nn.Parameter(torch.zeros(h, dtype=tconfig.params_dtype))
+        # the per-pass parts' tensors (FiLM, injection, loop gates, plug-ins: megatron_lol/model/parts.py),
+        # each a parameter of the core under its own name; the model-wide parts' first, as registered
+        self.step_parts = step_parts(model, plan)
+        self.part_names = tuple(part_parameters(model, plan))
+        for name, (part, shape, init) in part_parameters(model, plan).items():
+            if not part.enabled(model):
+                continue
+            self.register_parameter(name, nn.Parameter(torch.full(shape, init, dtype=tconfig.params_dtype)))
         self._build_pass_parts(tconfig, spec, first_layer_number, init_seed, vp_stage)
         # how the routed depths' blocks run, chosen once (routing is the same either way)
         self.grouped_refusal = grouped_core_support(self) if grouped else "not asked for"
@@ -198,10 +202,8 @@ class Core(nn.Module):
             # a fixed-plan core may run sequence-sharded (see ExecutionPlan.gathers_sequence): per-channel
             # parameters applied to the local tokens get partial gradients, which megatron's
             # finalize_model_grads sums over the TP group for parameters marked like this (as its norms)
-            for name in ("loop_gates", "film_gamma", "film_beta", "injection_logit"):
-                param = getattr(self, name, None)
-                if isinstance(param, nn.Parameter):
-                    param.sequence_parallel = True
+            for name in self.part_names:
+                getattr(self, name).sequence_parallel = True
 
     def _build_pass_parts(self, tconfig, spec, first_layer_number, init_seed, vp_stage) -> None:
         """Parts of a block that belong to one pass only (Foil's attention, Accordion's gates/router)."""
@@ -215,12 +217,9 @@ class Core(nn.Module):
                     self.pass_attention[f"{b}_{p}"] = build_attention_set(
                         spec, tconfig, first_layer_number + b, vp_stage
                     )
-        self.loop_gates = None
-        if plan.gated_blocks():
-            # per-channel gates of the second pass's attention and MLP writes; 1 = an ordinary layer call
-            self.loop_gates = nn.Parameter(
-                torch.ones(plan.num_stored_blocks, 2, self.cfg.hidden_size, dtype=tconfig.params_dtype)
-            )
+        for name, (part, shape, init) in part_parameters(self.cfg, plan).items():
+            if not part.enabled(self.cfg):  # the steps' own parts (Accordion's loop gates), after the pass attention
+                self.register_parameter(name, nn.Parameter(torch.full(shape, init, dtype=tconfig.params_dtype)))
         self.second_pass_routers = None
         if plan.separate_router_blocks():
             self.second_pass_routers = nn.ModuleDict()
@@ -256,23 +255,22 @@ class Core(nn.Module):
     def router_for(self, depth: int) -> WindowRouter:
         return self.routers[0 if len(self.routers) == 1 else depth - 1]
 
-    def _film(self, depth: int, block: int) -> Optional[tuple]:
-        if self.cfg.film == "off":
-            return None
-        if self.cfg.film == "depth":
-            return self.film_gamma[depth - 1], self.film_beta[depth - 1]
-        return self.film_gamma[depth - 1, block], self.film_beta[depth - 1, block]
+    def part_params(self) -> dict:
+        """The per-pass parts' tensors by name (what :meth:`Part.select` reads)."""
+        return {name: getattr(self, name) for name in self.part_names}
+
+    def step_hooks(self, step: Step, block: int, hook: Optional[str] = None) -> tuple:
+        """``((part, tensors), ...)`` of the parts ``step`` applies to a call of ``block`` (of ``hook`` only)."""
+        parts = self.step_parts[step.depth - 1]
+        if not parts:
+            return ()
+        return selected(parts, self.part_params(), step.depth, step.pass_index, block, hook)
 
     def parts(self, step: Step, block: int, record_moe: bool = False) -> BlockParts:
         """Everything step ``step`` passes to a call of ``block`` besides its input."""
         return BlockParts(
-            film=self._film(step.depth, block),
+            hooks=tuple(item for item in self.step_hooks(step, block) if item[0].hook != "input"),
             attention=self.pass_attention[f"{block}_{step.pass_index}"] if step.untied_attention else None,
-            gates=(
-                (self.loop_gates[block, 0], self.loop_gates[block, 1])
-                if step.gated and self.loop_gates is not None
-                else None
-            ),
             moe_router=self.second_pass_routers[str(block)] if step.separate_router else None,
             record_moe=record_moe,
         )

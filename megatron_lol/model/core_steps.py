@@ -6,8 +6,8 @@ of the plan into one of the step classes here and runs them in order over a
 forcing, truncation, the backend) is one :class:`CoreContext`. A step is
 Algorithm 1's body at depth ``l`` (docs/model.md, "The routed core"):
 
-* the optional diagonal input injection, ``s <- sig(theta) s + (1 - sig(theta)) s0``
-  (:meth:`CoreStep.run`, shared by every kind);
+* the step's parts of the ``input`` hook (the optional diagonal input injection,
+  ``s <- sig(theta) s + (1 - sig(theta)) s0``; :meth:`CoreStep.run`, shared by every kind);
 * :class:`RoutedStep` (LoL): windows of depth ``l`` (from the host-built layout),
   the router's decision (or a forced path), balancing terms, then
   ``s_I <- s_I + alpha (E_rho(s_I) - s_I)`` with every block run once on all
@@ -28,7 +28,6 @@ from typing import Optional
 
 import torch
 
-from megatron_lol.convert.hf_modeling.parts_lol import inject
 from megatron_lol.model.attention import SegmentMask
 from megatron_lol.model.executors import routed_update
 from megatron_lol.model.forward_options import ForwardOptions
@@ -131,8 +130,8 @@ class CoreStep:
         self.step = step
 
     def run(self, state: CoreState, ctx: CoreContext) -> CoreState:
-        if self.core.cfg.input_injection:
-            state.flat = inject(state.flat, state.injected, self.core.injection_logit)
+        for part, tensors in self.core.step_hooks(self.step, self.step.block, "input"):
+            state.flat = part.apply(state.flat, state.injected, *tensors)
         return self.advance(state, ctx)
 
     def advance(self, state: CoreState, ctx: CoreContext) -> CoreState:

@@ -30,7 +30,7 @@ from typing import Optional
 import torch
 
 from megatron_lol.model.attention import SegmentMask, chunk_bias, uses_flex, window_mask
-from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, stack_library
+from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, part_rows, stack_library
 from megatron_lol.model.grouped_exchange import exchange_rows
 from megatron_lol.model.static_routing import (
     TokenGrouping,
@@ -163,15 +163,17 @@ class GroupedGEMMs:
                 lambda: stack_library([core.block(i) for i in core.local_block_ids()]),
             )
         )
-        film = None
-        if core.cfg.film != "off":  # [2, h] per depth, [L, 2, h] per (depth, block): this rank's blocks
-            film = (core.film_gamma[step.depth - 1], core.film_beta[step.depth - 1])
-            if film[0].dim() == 3:
-                per_rank = library.qkv.shape[0]
-                film = tuple(part[first_block : first_block + per_rank] for part in film)
+        hooks = ()
+        if core.step_parts[step.depth - 1]:  # the step's per-pass parts of this rank's blocks, per row
+            per_block = [
+                tuple(item for item in core.step_hooks(step, b) if item[0].hook != "input")
+                for b in range(first_block, first_block + library.qkv.shape[0])
+            ]
+            if per_block[0]:
+                hooks = part_rows(per_block, grouping, core.cfg)
         rope = RowRope.from_table(ctx.rope, positions, rows.dtype) if ctx.rope is not None else None
         W = core.cfg.window_size
-        return grouped_blocks(library, rows, grouping, rope, window_mask(grouping.segments, W), W, film)
+        return grouped_blocks(library, rows, grouping, rope, window_mask(grouping.segments, W), W, hooks)
 
     def fused_update(self, *args, **kwargs):
         return None

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from megatron_lol.convert.hf_modeling.parts_lol import film as film_modulate
+from megatron_lol.convert.hf_modeling.parts_lol import apply_norm, apply_write
 from megatron_lol.model.attention import chunked_attention
 from megatron_lol.model.static_routing import TokenGrouping, gather_segment_rows
 
@@ -277,17 +277,23 @@ def _rotate_half(t: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
-def _film(y: torch.Tensor, film: Optional[tuple], row: int, grouping: TokenGrouping) -> torch.Tensor:
-    """``gamma * y + beta``: FiLM per depth (``[2, h]``) broadcast, per (depth, block) (``[L, 2, h]``)
-    gathered per row by block."""
-    if film is None:
-        return y
-    gamma, beta = film
-    if gamma.dim() == 2:
-        return film_modulate(y, gamma[row], beta[row])
-    g = gather_segment_rows(gamma[:, row], grouping.block_of_row, grouping.group_offsets)
-    b = gather_segment_rows(beta[:, row], grouping.block_of_row, grouping.group_offsets)
-    return film_modulate(y, g, b)
+def part_rows(per_block: list, grouping: TokenGrouping, config) -> tuple:
+    """The step's per-pass parts for the grouped rows: ``per_block`` holds, for each block of the stacked
+    library in order, its ``((part, tensors), ...)``; the tensors of a part that gives every block the
+    same (``Part.per_block``: FiLM per depth) stay as they are, the others are gathered per row by block
+    (``[T, ...]``: parts index their tensors from the end, parts_lol.Part.apply)."""
+    out = []
+    for i, (part, first) in enumerate(per_block[0]):
+        if not part.per_block(config):
+            out.append((part, first))
+            continue
+        tensors = []
+        for j, t in enumerate(first):
+            table = torch.stack([hooks[i][1][j] for hooks in per_block]).reshape(len(per_block), -1)
+            rows = gather_segment_rows(table, grouping.block_of_row, grouping.group_offsets)
+            tensors.append(rows.view((rows.shape[0],) + tuple(t.shape)))
+        out.append((part, tuple(tensors)))
+    return tuple(out)
 
 
 def _norm(x: torch.Tensor, gains: torch.Tensor, eps: float, grouping: TokenGrouping) -> torch.Tensor:
@@ -339,7 +345,7 @@ def grouped_blocks(
     rope: Optional[RowRope],
     attention_bias,
     chunk: int,
-    film: Optional[tuple] = None,
+    hooks: tuple = (),
 ) -> torch.Tensor:
     """``E_m(x)`` of every grouped row ``x`` ``[T, h]`` (row ``r`` through block ``block_of_row[r]``).
 
@@ -347,11 +353,14 @@ def grouped_blocks(
     in its order, on all blocks' rows at once. ``attention_bias``: the grouped stream's window
     mask (``window_mask(grouping.segments, chunk)``: the chunked algorithm's additive mask on the CPU,
     a FlexAttention block mask on GPUs).
-    ``film``: the step's ``(gamma, beta)``, ``[2, h]`` per depth or ``[L, 2, h]`` per block.
+    ``hooks``: the step's per-pass parts per row (:func:`part_rows`), applied where the layer call
+    applies them (block_call.py).
     """
+    norms = tuple(item for item in hooks if item[0].hook == "norm")
+    writes = tuple(item for item in hooks if item[0].hook == "write")
     t = x.shape[0]
     offs = grouping.group_ends
-    y = _film(_norm(x, lib.norm1, lib.eps, grouping), film, 0, grouping)
+    y = apply_norm(_norm(x, lib.norm1, lib.eps, grouping), 0, norms)
     mixed = _grouped_linear(_column_input(y, lib), lib.qkv, offs)
     per_group = lib.heads // lib.groups
     c = lib.head_dim
@@ -367,9 +376,9 @@ def grouped_blocks(
     # FlexAttention when the mask is a block mask (off the CPU), else the chunked algorithm
     context = chunked_attention(query, key, value, attention_bias, chunk, lib.softmax_scale)
     attn = _grouped_linear(context.reshape(t, lib.heads * c), lib.proj, offs)
-    h1 = x + _row_output(attn, lib)
-    y = _film(_norm(h1, lib.norm2, lib.eps, grouping), film, 1, grouping)
+    h1 = apply_write(x, x + _row_output(attn, lib), 0, writes)
+    y = apply_norm(_norm(h1, lib.norm2, lib.eps, grouping), 1, norms)
     fc1 = _grouped_linear(_column_input(y, lib), lib.fc1, offs)
     gate, linear = torch.chunk(fc1, 2, dim=-1)
     fc2 = _grouped_linear(F.silu(gate) * linear, lib.fc2, offs)
-    return h1 + _row_output(fc2, lib)
+    return apply_write(h1, h1 + _row_output(fc2, lib), 1, writes)

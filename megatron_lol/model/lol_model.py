@@ -46,6 +46,7 @@ from megatron_lol.model.library import (
     transformer_config,
     use_te_for,
 )
+from megatron_lol.model.parts import model_parts
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
@@ -173,11 +174,13 @@ class LoLGPTModel(_language_module()):
             get_moe_layer_wise_logging_tracker().clear()
         fixed_spec = block_spec(self.use_te, num_experts=moe)  # prelude / coda
         # the library runs grouped (stacked local-spec weights, torch._grouped_mm) or per block, in TE layers
-        # under the TE spec; FiLM modulates the core's blocks: under TE they get separate norm modules for it
+        # under the TE spec; a part of the norm hook (FiLM) modulates the core's blocks' norm outputs: under TE
+        # they get separate norm modules for it
         grouped = routes_grouped(model, cuda_available())
         self.grouped_library = self.use_te and grouped
         core_te = self.use_te and not self.grouped_library
-        spec = block_spec(core_te, num_experts=moe if model.moe_layers == "all" else None, film=model.film != "off")
+        modulated = any(part.hook == "norm" for part in model_parts(model, model.execution_plan()))
+        spec = block_spec(core_te, num_experts=moe if model.moe_layers == "all" else None, film=modulated)
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:

@@ -22,6 +22,11 @@ Categories (``ParamCounts.breakdown``), all bias-free at TP 1 as megatron-core b
   every block on every pass after the first), Accordion's ``loop_gates`` and
   separate second-pass MoE routers (``second_pass_router``).
 
+A per-pass part's tensors (``megatron_lol/model/parts.py``) are in the category the part
+names (``Part.category``: FiLM in ``film``, ...); a plug-in part with a category of its own
+is counted under :attr:`ParamCounts.part_params`, in the totals and, like the routing
+extras, fully in the active figures.
+
 Active parameters: the convention
 ----------------------------------
 The "active" figure (docs/model.md, "Parameter accounting") counts the parameters *stored once* that a token
@@ -89,6 +94,7 @@ from typing import Callable, Optional
 
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.inventory import parameter_shapes
+from megatron_lol.model.parts import part_of_parameter
 
 
 @dataclass
@@ -172,6 +178,7 @@ class ParamCounts:
     block: LayerCounts = field(repr=False, default=None)  # one library block
     loop_accounting: Optional[dict] = field(repr=False, default=None)  # looped MoE core (Foil)
     budgets: Optional[list] = field(repr=False, default=None)  # accordion: one entry per budget
+    part_params: dict = field(default_factory=dict)  # per-pass parts' own categories (plug-ins), in total
 
     @property
     def breakdown(self) -> dict:
@@ -194,8 +201,10 @@ class ParamCounts:
         d = {
             f: getattr(self, f)
             for f in self.__dataclass_fields__
-            if f not in ("prelude_layer", "coda_layer", "block", "loop_accounting", "budgets")
+            if f not in ("prelude_layer", "coda_layer", "block", "loop_accounting", "budgets", "part_params")
         }
+        if self.part_params:
+            d["part_params"] = dict(self.part_params)
         d["fixed_layer"] = self.prelude_layer.to_dict()
         d["block"] = self.block.to_dict()
         if self.loop_accounting is not None:
@@ -233,9 +242,10 @@ PAPER_CONVENTIONS: dict[str, Callable[[str], bool]] = {
     # LoL routers (W_r, b_r, W_n, b_n) and the router embeddings of router-only tokens
     "router": lambda n: n.startswith("core.routers.") or n == "core.router_only_embeddings",
     "depth_vectors": lambda n: n == "core.depth_vectors",
-    "film": lambda n: n.startswith("core.film_"),
-    "injection": lambda n: n == "core.injection_logit",
-    "loop_gates": lambda n: n == "core.loop_gates",
+    # per-pass parts: the category their part names (megatron_lol/model/parts.py)
+    "film": lambda n: _part_category(n) == "film",
+    "injection": lambda n: _part_category(n) == "injection",
+    "loop_gates": lambda n: _part_category(n) == "loop_gates",
     "pass_attention": lambda n: n.startswith("core.pass_attention."),  # norm gain + attention per set
     "second_pass_router": lambda n: n.startswith("core.second_pass_routers."),
     "norms": lambda n: _is_norm(n),
@@ -258,8 +268,20 @@ def _is_norm(name: str) -> bool:
     return "layernorm" in name or "layer_norm" in name or name.startswith("final_norm.")
 
 
+def _part_category(name: str) -> Optional[str]:
+    """The category of a per-pass part's tensor ``core.<name>`` (None: not a part's)."""
+    if not name.startswith("core."):
+        return None
+    part = part_of_parameter(name[len("core.") :])
+    return None if part is None else part.category
+
+
 def category(name: str) -> str:
-    """The breakdown category of parameter ``name`` (:data:`PAPER_CONVENTIONS`)."""
+    """The breakdown category of parameter ``name`` (:data:`PAPER_CONVENTIONS`; a per-pass part's
+    tensor: its part's category, which may be one of the part's own)."""
+    own = _part_category(name)
+    if own is not None:
+        return own
     for key, takes in PAPER_CONVENTIONS.items():
         if takes(name):
             return key
@@ -360,20 +382,24 @@ def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     topk = model.moe_router_topk
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
+    part_params: dict = {}
     linear_total = 0
     pass_attention_linear = 0
     film_active = 0  # one (gamma, beta) set per executed depth: a (D, L, 2, d) table counts its (D, 2, d) share
     for name, shape in shapes.items():
         n = prod(shape)
         cat = category(name)
-        breakdown[cat] += n
+        if cat in breakdown:
+            breakdown[cat] += n
+        else:
+            part_params[cat] = part_params.get(cat, 0) + n
         if is_linear(name):
             linear_total += n
             if cat == "pass_attention":
                 pass_attention_linear += n
         if cat == "film":
             film_active += n // shape[1] if len(shape) == 4 else n
-    total = sum(breakdown.values())
+    total = sum(breakdown.values()) + sum(part_params.values())
     embedding, output = breakdown["embedding"], breakdown["output"]
 
     fixed_layers = sorted({m.group(0) for m in map(_FIXED_LAYER.match, shapes) if m}, key=lambda p: p.split("."))
@@ -390,7 +416,7 @@ def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     gates = shapes.get("core.loop_gates")
     gate_each = prod(gates[1:]) if gates else 0  # one (attention, MLP) gate pair per stored block
     final_norm = sum(prod(s) for name, s in shapes.items() if name.startswith("final_norm."))
-    extras = breakdown["router"] + breakdown["depth_vectors"] + breakdown["injection"]
+    extras = breakdown["router"] + breakdown["depth_vectors"] + breakdown["injection"] + sum(part_params.values())
 
     # stored once: every fixed layer, the distinct blocks a token can reach, every pass set it reads;
     # per execution: the plan's schedule runs a block-sized layer D times
@@ -448,4 +474,5 @@ def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
         block=block,
         loop_accounting=loop_accounting(model),
         budgets=budgets,
+        part_params=part_params,
     )

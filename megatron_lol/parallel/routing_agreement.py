@@ -103,11 +103,15 @@ def tensor_parallel_check(step: int, num_blocks: int, interval: Optional[int]) -
 
 def replicated_routing_parameters(core) -> list:
     """The core's parameters that act on the tensor-parallel-replicated stream outside any TP reduction:
-    the window routers and depth vectors (the routing itself), input injection and Accordion's loop gates
-    (the states the next router reads). Sequence-parallel ones (a fixed plan's core on sharded tokens) are
-    excluded: megatron sums those over the group already."""
+    the window routers and depth vectors (the routing itself) and the tensors of every per-pass part that
+    says so (``Part.replicated``: input injection, Accordion's loop gates, ...: the states the next router
+    reads). Sequence-parallel ones (a fixed plan's core on sharded tokens) are excluded: megatron sums those
+    over the group already."""
+    from megatron_lol.convert.hf_modeling.parts_lol import part_of_parameter
+
+    parts = [n for n in getattr(core, "part_names", ()) if part_of_parameter(n).replicated]
     params = []
-    for name in ("routers", "depth_vectors", "injection_logit", "loop_gates"):
+    for name in ("routers", "depth_vectors", *parts):
         obj = getattr(core, name, None)
         if isinstance(obj, torch.nn.Parameter):
             params.append(obj)

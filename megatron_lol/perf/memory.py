@@ -191,6 +191,7 @@ def rank_parameters(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_r
             + counts.injection
             + counts.loop_gates
             + counts.second_pass_router
+            + sum(counts.part_params.values())  # plug-in per-pass parts with categories of their own
         )
     return out
 

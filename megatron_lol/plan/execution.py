@@ -57,8 +57,10 @@ class Step:
     (causal inside the document, optionally the last ``window_size`` tokens),
     ``strided`` (the windows of this depth, a fixed block).
     ``untied_attention``: run the pass's own input norm and attention (Foil).
-    ``gated``: scale the two residual writes by the block's loop gates
-    (Accordion's second pass). ``separate_router``: the pass's own MoE router.
+    ``separate_router``: the pass's own MoE router. ``parts``: the names of the
+    per-pass parts the step applies besides the model-wide ones (e.g.
+    ``loop_gates``, Accordion's second pass; registered parts,
+    ``megatron_lol/convert/hf_modeling/parts_lol.py``).
     """
 
     depth: int
@@ -66,12 +68,17 @@ class Step:
     pass_index: int = 0
     attention: str = "full"
     untied_attention: bool = False
-    gated: bool = False
     separate_router: bool = False
+    parts: tuple = ()
 
     @property
     def routed(self) -> bool:
         return self.block is None
+
+    @property
+    def gated(self) -> bool:
+        """Whether the step scales its two residual writes by the block's loop gates."""
+        return "loop_gates" in self.parts
 
     @property
     def windowed(self) -> bool:
@@ -85,8 +92,8 @@ class Step:
             "pass": self.pass_index,
             "attention": self.attention,
             "untied_attention": self.untied_attention,
-            "gated": self.gated,
             "separate_router": self.separate_router,
+            "parts": list(self.parts),
         }
 
 
@@ -196,6 +203,10 @@ class ExecutionPlan:
 
     def gated_blocks(self) -> list:
         return sorted({s.block for s in self._steps if s.gated})
+
+    def step_part_names(self) -> list:
+        """The parts the plan's steps name (model-wide parts aside), in first use order."""
+        return list(dict.fromkeys(name for s in self._steps for name in s.parts))
 
     # ---------------------------------------------------------------- steps
     def steps(self, depth: Optional[int] = None) -> tuple:

@@ -257,7 +257,7 @@ class LoLCache(Cache):
             config.window_size,
             config.window_shift,
         )
-        self.n_prelude, self.input_injection = config.n_prelude, bool(config.input_injection)
+        self.n_prelude = config.n_prelude
         self.parts: dict = {}  # (layer index, block) -> a block call's keyword arguments, filled by decoding
 
     def get_seq_length(self, layer_idx: int = 0) -> int:

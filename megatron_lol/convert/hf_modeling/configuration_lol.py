@@ -19,13 +19,21 @@ The core's schedule is ``execution_plan``, written by the exporter: ``steps``,
 one per core execution in order, each with the stored ``block`` it runs (None:
 routed per window), its ``pass``, its ``attention`` (``window``, ``full``,
 ``sliding``, ``strided``), whether the pass has its own attention
-(``untied_attention``, Foil), gated writes (``gated``) and its own MoE router
-(``separate_router``, Accordion); and, for Accordion, ``depth_for_budget``: how
+(``untied_attention``, Foil), its own MoE router (``separate_router``,
+Accordion) and the per-pass parts it names (``parts``, e.g. ``loop_gates``;
+FiLM and input injection are on for every step when ``film`` /
+``input_injection`` say so); ``part_modules``: the parts the export ships as
+source (``part_<name>.py``, registered by ``plugin_parts_lol.py``); and, for Accordion, ``depth_for_budget``: how
 many of the steps a loop budget runs. The remote code runs these steps; it
 does not re-derive them from the other fields.
 """
 
 from transformers import PretrainedConfig
+
+# the parts this export ships (plugin_parts_lol.py, written by the exporter): the config checks it has
+# the ones it names, and importing them here makes the config class differ with them, which matters
+# because transformers keys an already loaded remote model class by its config class
+from .plugin_parts_lol import SHIPPED as SHIPPED_PARTS
 
 
 class LoLConfig(PretrainedConfig):
@@ -69,6 +77,7 @@ class LoLConfig(PretrainedConfig):
         loop_budget=None,
         second_pass_router="shared",
         loop_gates=True,
+        part_modules=None,
         execution_plan=None,
         rms_norm_eps=1e-5,
         rope_theta=10000.0,
@@ -117,6 +126,10 @@ class LoLConfig(PretrainedConfig):
         self.second_pass_router = second_pass_router
         self.loop_gates = loop_gates
         self.execution_plan = execution_plan
+        self.part_modules = dict(part_modules or {})
+        missing = sorted(set(self.part_modules) - {part.name for part in SHIPPED_PARTS})
+        if missing:
+            raise ValueError(f"config.json: part_modules names {', '.join(missing)}, which this export does not ship")
         self.rms_norm_eps = rms_norm_eps
         self.rope_theta = rope_theta
         self.rope_scaling_factor = rope_scaling_factor

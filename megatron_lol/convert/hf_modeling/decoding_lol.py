@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from .layers_lol import MLP, rotate_half
-from .parts_lol import film as apply_film
+from .parts_lol import apply_norm
 
 
 def prefill_window(
@@ -51,7 +51,7 @@ def prefill_window(
         rows = torch.nonzero(row_block == block).squeeze(1)
         parts = model.step_parts(step, block)
         k, v = model.blocks[block].key_values(
-            xs.index_select(0, rows), pos.index_select(0, rows), parts["film"], parts["attention"]
+            xs.index_select(0, rows), pos.index_select(0, rows), parts["hooks"], parts.get("attention")
         )
         if keys is None:
             keys, values = k.new_zeros((b,) + k.shape[1:]), v.new_zeros((b,) + v.shape[1:])
@@ -122,8 +122,7 @@ def decode_one(
         s = layer(s, positions, in_document, cache=cache, cache_index=i, rope=rope)
     s0 = s
     for i, step in enumerate(steps):
-        if cache.input_injection:
-            s = model.inject(s, s0)
+        s = model.inject(step, s, s0)
         index = cache.n_prelude + i
         if step["attention"] in ("window", "strided"):
             s = _window_step(model, cache, index, step, s, positions, rope)
@@ -245,12 +244,18 @@ def _block_weights(model, cache, index: int, step: dict, block: int) -> dict:
         weights = {
             "norms": (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
             "eps": layer.input_layernorm.eps,
-            "film": _parts(model, cache, index, step, block)["film"],
+            "norm_parts": tuple(
+                item for item in _parts(model, cache, index, step, block)["hooks"] if item[0].hook == "norm"
+            ),
             "qkvo": (att.q_proj.weight, att.k_proj.weight, att.v_proj.weight, att.o_proj.weight),
             "mlp": ((mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight) if isinstance(mlp, MLP) else mlp),
         }
         cache.parts[key] = weights
     return weights
+
+
+def _norm_hooks(parts: dict) -> tuple:
+    return tuple(item for item in parts["hooks"] if item[0].hook == "norm")
 
 
 def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torch.Tensor, rope) -> torch.Tensor:
@@ -268,8 +273,7 @@ def _rows_of_several_blocks(model, cache, index: int, step: dict, layer, s: torc
         parts = []
         for w, first, end in blocks:
             y = F.rms_norm(t[first:end], (h,), w["norms"][which].to(t.dtype), w["eps"])
-            film = w["film"]
-            parts.append(y if film is None else apply_film(y, film[0][which], film[1][which]))
+            parts.append(apply_norm(y, which, w["norm_parts"]))
         return torch.cat(parts, dim=0)
 
     def linear(t, group: str, i: int):

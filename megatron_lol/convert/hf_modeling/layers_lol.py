@@ -13,8 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .configuration_lol import LoLConfig
-from .parts_lol import film as apply_film
-from .parts_lol import gated_write
+from .parts_lol import apply_norm, apply_write
 
 
 class RMSNorm(nn.Module):
@@ -213,43 +212,34 @@ class Layer(nn.Module):
         positions,
         allowed,
         *,
-        film=None,
+        hooks: tuple = (),
         attention: Optional[AttentionSet] = None,
-        gates=None,
         moe_router: Optional[Router] = None,
         cache=None,
         cache_index: Optional[int] = None,
         cache_kwargs: Optional[dict] = None,
         rope=None,
     ):
-        """``film``: optional ``(gamma [2, h], beta [2, h])`` applied after the two norms;
-        ``attention``: another input norm + attention to use (Foil's later passes);
-        ``gates``: ``(g_attn [h], g_mlp [h])`` scaling the two residual writes (Accordion's
-        second pass); ``moe_router``: an MoE router (weights and bias) to use instead of the block's;
+        """``hooks``: the step's per-pass parts ``((part, tensors), ...)`` (parts_lol.py): those of the
+        ``norm`` hook on the two norms' outputs (FiLM), those of the ``write`` hook on the two residual
+        writes (Accordion's loop gates); ``attention``: another input norm + attention to use (Foil's
+        later passes); ``moe_router``: an MoE router (weights and bias) to use instead of the block's;
         ``rope``: RoPE's ``(cos, sin)`` of ``positions``, when computed once for several layers."""
         att = self if attention is None else attention
-        y = att.input_layernorm(x)
-        if film is not None:
-            y = apply_film(y, film[0][0], film[1][0])
-        h = x + att.self_attn(y, positions, allowed, cache, cache_index, cache_kwargs, rope)
-        if gates is not None:
-            h = gated_write(x, h, gates[0])
-        y = self.post_attention_layernorm(h)
-        if film is not None:
-            y = apply_film(y, film[0][1], film[1][1])
+        norms = tuple(item for item in hooks if item[0].hook == "norm")
+        writes = tuple(item for item in hooks if item[0].hook == "write")
+        y = apply_norm(att.input_layernorm(x), 0, norms)
+        h = apply_write(x, x + att.self_attn(y, positions, allowed, cache, cache_index, cache_kwargs, rope), 0, writes)
+        y = apply_norm(self.post_attention_layernorm(h), 1, norms)
         out = h + (self.mlp(y) if moe_router is None else self.mlp(y, moe_router))
-        if gates is not None:
-            out = gated_write(h, out, gates[1])
-        return out
+        return apply_write(h, out, 1, writes)
 
-    def key_values(self, x, positions, film=None, attention: Optional[AttentionSet] = None):
+    def key_values(self, x, positions, hooks: tuple = (), attention: Optional[AttentionSet] = None):
         """The keys and values [B, kv_heads, n, d] this layer's attention computes for ``x`` [B, n, h]
         (what :meth:`forward` would put in a cache): the prefill of a window cache uses it for the
         tokens of the windows still open."""
         att = self if attention is None else attention
-        y = att.input_layernorm(x)
-        if film is not None:
-            y = apply_film(y, film[0][0], film[1][0])
+        y = apply_norm(att.input_layernorm(x), 0, tuple(item for item in hooks if item[0].hook == "norm"))
         _, k, v = att.self_attn.project(y, positions)
         return k, v
 

@@ -14,8 +14,12 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
 * **core**: the steps of ``config.execution_plan`` (written by the exporter), in order;
   step ``l`` (its ``depth``):
 
-  - (``input_injection``) ``s <- sigmoid(theta) * s + (1 - sigmoid(theta)) * s0``,
-    ``s0`` the output of the prelude;
+  - the step's per-pass parts (``parts_lol.py``): those the config turns on for every step
+    (FiLM, input injection) and those the step names (``parts``), each applied at its hook:
+    before the step (``input``: input injection, ``s <- sigmoid(theta) * s + (1 - sigmoid(theta))
+    * s0``, ``s0`` the output of the prelude), on the block's norm outputs (``norm``: FiLM) or
+    on its two residual writes (``write``: Accordion's loop gates); a part defined outside
+    megatron_lol is shipped with the export (``plugin_parts_lol.py``);
   - windows: position ``i`` of a document is in window ``floor((i + delta_l) / W)``,
     ``delta_l = ((l - 1) * S) mod W``;
   - a routed step (``block`` None), from the step's input only: ``r_0 = (e_l + s_first) / 2``
@@ -29,8 +33,8 @@ inference-time forward of megatron-lol's ``LoLGPTModel`` and nothing else:
     (document), ``sliding`` (the last ``W`` tokens of the document) or ``strided``
     (the windows above)); with ``untied_attention`` (Foil) the pass uses its own
     input norm and attention ``pass_attention["{block}_{pass}"]`` (the MLP / experts,
-    their router and the MLP norm are the block's own); with ``gated`` (Accordion's
-    second pass) the two residual writes are gated per channel:
+    their router and the MLP norm are the block's own); with the ``loop_gates`` part
+    (Accordion's second pass) the two residual writes are gated per channel:
     ``h1 = h + g[i,0] * (Attn_out - h)``, ``h2 = h1 + g[i,1] * (MLP_out - h1)``
     (``*_out`` include their residual); with ``separate_router`` the MoE router weights
     are ``second_pass_routers[i]`` instead of the block's. Accordion's loop budget
@@ -77,7 +81,8 @@ from .layers_lol import (
     positions_in_segment,
     segment_ids,
 )
-from .parts_lol import inject as inject_input
+from .parts_lol import parts_of_step, selected
+from .plugin_parts_lol import SHIPPED as _SHIPPED_PARTS  # noqa: F401 (registers the parts this export ships)
 
 # transformers 5 calls the KV cache ``cache``, earlier versions ``past_key_values``
 _CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
@@ -132,17 +137,18 @@ class LoLModel(LoLPreTrainedModel):
         steps = config.steps
         if any(step["block"] is None for step in steps):
             self.routing = Routing(config)
-        if config.film != "off":
-            shape = (D, 2, h) if config.film == "depth" else (D, L, 2, h)
-            self.film_gamma = nn.Parameter(torch.ones(shape))
-            self.film_beta = nn.Parameter(torch.zeros(shape))
-        if config.input_injection:
-            self.injection_logit = nn.Parameter(torch.zeros(h))
+        # per step, the per-pass parts it applies; their tensors are parameters of this module by name
+        self.step_part_classes = [self._parts_of(step) for step in steps]
+        used = list(dict.fromkeys(cls for parts in self.step_part_classes for cls in parts))
+        passes = 1 + max((st["pass"] for st in steps), default=0)
+        self.part_names = []
+        for cls in used:
+            for name, (shape, init) in cls.parameters(config, L, D, passes).items():
+                self.register_parameter(name, nn.Parameter(torch.full(tuple(shape), float(init))))
+                self.part_names.append(name)
         untied = sorted({(st["block"], st["pass"]) for st in steps if st["untied_attention"]})
         if untied:
             self.pass_attention = nn.ModuleDict({f"{i}_{p}": AttentionSet(config) for i, p in untied})
-        if any(step["gated"] for step in steps):
-            self.loop_gates = nn.Parameter(torch.ones(L, 2, h))
         if any(step["separate_router"] for step in steps):
             self.second_pass_routers = nn.ModuleList(
                 Router(h, config.block_experts, getattr(config, "moe_router_expert_bias", False)) for _ in range(L)
@@ -170,27 +176,40 @@ class LoLModel(LoLPreTrainedModel):
         self.embed_tokens = value
 
     # ------------------------------------------------------------------ pieces shared with decoding
-    def film(self, depth: int, block: int):
-        if self.config.film == "off":
-            return None
-        if self.config.film == "depth":
-            return self.film_gamma[depth - 1], self.film_beta[depth - 1]
-        return self.film_gamma[depth - 1, block], self.film_beta[depth - 1, block]
+    def _parts_of(self, step: dict) -> tuple:
+        try:
+            return parts_of_step(self.config, step.get("parts", ()))
+        except KeyError as err:
+            raise ValueError(
+                f"config.json: step {step['depth']} names a part this export does not ship ({err.args[0]})"
+            ) from None
 
-    def step_parts(self, step: dict, block: int) -> dict:
-        """Keyword arguments of a block call at ``step`` besides the input and attention."""
+    def hooks(self, step: dict, block, hook=None) -> tuple:
+        """``((part, tensors), ...)`` of the parts ``step`` applies to a call of ``block`` (of ``hook`` only)."""
+        parts = self.step_part_classes[step["depth"] - 1]
+        if not parts:
+            return ()
+        params = {name: getattr(self, name) for name in self.part_names}
+        return selected(parts, params, step["depth"], step["pass"], block, hook)
+
+    def step_parts(self, step: dict, block: int, routed: bool = False) -> dict:
+        """Keyword arguments of a block call at ``step`` besides the input and attention (a routed step:
+        its parts only; untied attention and separate routers are fixed steps')."""
+        hooks = tuple(item for item in self.hooks(step, block) if item[0].hook != "input")
+        if routed:
+            return {"hooks": hooks}
         p = step["pass"]
         return {
-            "film": self.film(step["depth"], block),
+            "hooks": hooks,
             "attention": self.pass_attention[f"{block}_{p}"] if step["untied_attention"] else None,
-            "gates": (self.loop_gates[block, 0], self.loop_gates[block, 1]) if step["gated"] else None,
             "moe_router": self.second_pass_routers[block] if step["separate_router"] else None,
         }
 
-    def inject(self, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
-        if not self.config.input_injection:
-            return s
-        return inject_input(s, s0, self.injection_logit)
+    def inject(self, step: dict, s: torch.Tensor, s0: torch.Tensor) -> torch.Tensor:
+        """``s`` through the step's parts of the ``input`` hook (input injection)."""
+        for cls, tensors in self.hooks(step, step["block"], "input"):
+            s = cls.apply(s, s0, *tensors)
+        return s
 
     def first_window_summary(self, depth: int, first: torch.Tensor) -> torch.Tensor:
         """``r_0 = (e_l + s_first) / 2`` (fp32) for first tokens ``first`` [N, h]."""
@@ -343,7 +362,7 @@ class LoLModel(LoLPreTrainedModel):
         update = torch.zeros_like(flat)
         for block in torch.unique(route["choice"]).tolist():
             chosen = route["choice"] == block
-            parts = {"film": self.film(depth, block)}
+            parts = self.step_parts(step, block, routed=True)
             x, out, tokens = self._run_windows(block, parts, flat, flat_pos, packed[chosen], valid[chosen])
             update[tokens] = out - x
         token_gate = route["gate"][window]
@@ -420,7 +439,7 @@ class LoLModel(LoLPreTrainedModel):
         steps = self.schedule(budget)
         s0 = s
         for i, step in enumerate(steps):
-            s = self.inject(s, s0)
+            s = self.inject(step, s, s0)
             index = cfg.n_prelude + i
             if step["block"] is None:
                 s = self._routed_step(

@@ -69,7 +69,7 @@ class AccordionPlan(ExecutionPlan):
                 depth=n + i + 1,
                 block=i,
                 pass_index=1,
-                gated=bool(o.gates),
+                parts=("loop_gates",) if o.gates else (),
                 separate_router=o.second_pass_router == "separate",
             )
             for i in range(k_max)
