@@ -32,6 +32,7 @@ import torch
 from megatron_lol.model.attention import SegmentMask, chunk_bias, uses_flex, window_mask
 from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, stack_library
 from megatron_lol.model.grouped_exchange import exchange_rows
+from megatron_lol.model.library import segment_offsets
 from megatron_lol.model.static_routing import (
     TokenGrouping,
     gated_combine,
@@ -84,10 +85,13 @@ class PerBlockCalls:
 
     grouped = False
 
-    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0):
+    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0, segment_bound=None):
         """``run_block(block, rows, segments, positions)`` for this depth (``positions``: the rows' RoPE
         positions; ``counts[m]`` rows of block ``first_block + m``). On the CPU (chunked attention) the
-        masks of all blocks' windows are built at once."""
+        masks of all blocks' windows are built at once. Packed, each call's THD offsets are found on
+        the device (:func:`~.library.segment_offsets`, no read) with room for ``min(rows,
+        segment_bound)`` windows (``segment_bound``: the layout's window capacity; None under expert
+        parallelism, where the rows' window ids come from several senders)."""
         W = core.cfg.window_size
         biases = {}
         if not core.packed and not uses_flex(segments_all):
@@ -104,21 +108,42 @@ class PerBlockCalls:
                 at += k
 
         def run_block(block, rows, segments, positions):
-            if core.packed:  # THD attention: the table and each row's position in its window
+            cu_seqlens = None
+            if core.packed:  # THD attention: the table, each row's position in its window, the windows' offsets
                 rope, mask_positions = ctx.rope, positions.view(1, -1)
+                n = segments.shape[0]
+                cu_seqlens = segment_offsets(segments, n if segment_bound is None else min(n, segment_bound))
             else:
                 rope = ctx.rope.index_select(0, positions) if ctx.rope is not None else None
                 mask_positions = None
-            mask = SegmentMask(segments=segments.view(1, -1), chunk=W, bias=biases.get(block), positions=mask_positions)
+            mask = SegmentMask(
+                segments=segments.view(1, -1),
+                chunk=W,
+                bias=biases.get(block),
+                positions=mask_positions,
+                cu_seqlens=cu_seqlens,
+            )
             return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx, pad_to=core.row_multiple).squeeze(1)
 
         return run_block
 
-    def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, counts=None):
+    def run(
+        self,
+        core,
+        step,
+        ctx,
+        rows,
+        grouping: TokenGrouping,
+        positions,
+        *,
+        first_block: int = 0,
+        counts=None,
+        segment_bound=None,
+    ):
         """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order."""
         if counts is None:
             counts = group_sizes(grouping)
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block, segment_bound)
         pieces = rows.split(counts, dim=0)  # views; their backward is one cat
         outputs = []
         lo = 0
@@ -131,14 +156,14 @@ class PerBlockCalls:
             return rows * 0  # nothing here: the (empty) outputs keep the rows' graph
         return torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]
 
-    def fused_update(self, core, step, ctx, flat, grouping: TokenGrouping, decision, token_positions):
+    def fused_update(self, core, step, ctx, flat, grouping: TokenGrouping, decision, token_positions, segment_bound):
         """The whole update by the backend's fused combine (CPU), or None where it declines."""
         backend = ctx.backend
         if backend is None:
             return None
         counts = group_sizes(grouping)
         groups = HostGroups(order=grouping.order, segments=grouping.segments, counts=counts)
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, segment_bound=segment_bound)
         return backend.gated_update(
             flat,
             groups,
@@ -154,7 +179,7 @@ class GroupedGEMMs:
 
     grouped = True
 
-    def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, counts=None):
+    def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, **unused):
         # stacked once per forward and grad mode (a frozen depth's stacks carry no graph to the blocks)
         library = for_depth(
             _cached(
@@ -200,14 +225,14 @@ def routed_update(core, step, flat: torch.Tensor, windows, decision, ctx) -> tor
     with torch.no_grad() if truncation == "frozen" else contextlib.nullcontext():
         grouping = group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window, L)
         if truncation is None and group is None:
-            new = executor.fused_update(core, step, ctx, flat, grouping, decision, token_positions)
+            new = executor.fused_update(core, step, ctx, flat, grouping, decision, token_positions, windows.capacity)
             if new is not None:
                 return new
         gate = token_gates(windows, decision.gate)
         rows = permute_rows(flat, grouping.order, grouping.inverse)
         positions = token_positions.index_select(0, grouping.order)
         if group is None:
-            grouped_out = executor.run(core, step, ctx, rows, grouping, positions)
+            grouped_out = executor.run(core, step, ctx, rows, grouping, positions, segment_bound=windows.capacity)
         else:
             received = exchange_rows(rows, grouping, positions, L, group)
             if received.rows.shape[0] == 0:  # nothing routed here: the (empty) rows keep the exchange's graph
