@@ -247,7 +247,9 @@ def measure_counts(args):
                 "model grouped": model_runner(net, "grouped", layout, tokens, labels, seeds),
             }
             if blocks == max(int(x) for x in args.blocks.split(",")):
-                runs["dense"] = model_runner(dense, "ref", host_layout(args, dense, tokens, seeds), tokens, labels, seeds)
+                runs["dense"] = model_runner(
+                    dense, "ref", host_layout(args, dense, tokens, seeds), tokens, labels, seeds
+                )
             timed = {
                 (name, on): run
                 for name, run in runs.items()

@@ -125,8 +125,8 @@ def test_launches_counts_every_path_and_the_grouped_core_reads_nothing_back():
             assert r[4:6] == ["2", "0"] and r[-2:] == ["tolist", "2"], r
         if r[2:4] == ["model", "grouped"]:  # at most 2 reads a micro-batch, local and packed (THD RoPE included)
             assert int(r[4]) + int(r[5]) <= 2, r
-        if r[2] == "dense":  # given the host layout, its THD offsets too
-            assert r[4:6] == ["0", "0"], r
+        if r[2] == "dense":  # given the host layout, its THD offsets too (a one-word path: columns from 3)
+            assert r[3:5] == ["0", "0"], r
     assert "L=4 / dense" in out
     assert any(line.startswith("quickstart") for line in out.splitlines())  # the stacking measurement
 
