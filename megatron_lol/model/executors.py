@@ -127,22 +127,13 @@ class PerBlockCalls:
 
         return run_block
 
-    def run(
-        self,
-        core,
-        step,
-        ctx,
-        rows,
-        grouping: TokenGrouping,
-        positions,
-        *,
-        first_block: int = 0,
-        counts=None,
-        segment_bound=None,
-    ):
-        """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order."""
+    def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, counts=None):
+        """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order.
+        ``counts`` given (expert parallelism: the exchange's split table) or read here, once."""
+        segment_bound = None  # under expert parallelism the rows' window ids come from several senders
         if counts is None:
             counts = group_sizes(grouping)
+            segment_bound = ctx.layout.capacity  # the depth's own windows
         run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block, segment_bound)
         pieces = rows.split(counts, dim=0)  # views; their backward is one cat
         outputs = []
@@ -156,14 +147,14 @@ class PerBlockCalls:
             return rows * 0  # nothing here: the (empty) outputs keep the rows' graph
         return torch.cat(outputs, dim=0) if len(outputs) > 1 else outputs[0]
 
-    def fused_update(self, core, step, ctx, flat, grouping: TokenGrouping, decision, token_positions, segment_bound):
+    def fused_update(self, core, step, ctx, flat, grouping: TokenGrouping, decision, token_positions):
         """The whole update by the backend's fused combine (CPU), or None where it declines."""
         backend = ctx.backend
         if backend is None:
             return None
         counts = group_sizes(grouping)
         groups = HostGroups(order=grouping.order, segments=grouping.segments, counts=counts)
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, segment_bound=segment_bound)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, segment_bound=ctx.layout.capacity)
         return backend.gated_update(
             flat,
             groups,
@@ -179,7 +170,7 @@ class GroupedGEMMs:
 
     grouped = True
 
-    def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, **unused):
+    def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, counts=None):
         # stacked once per forward and grad mode (a frozen depth's stacks carry no graph to the blocks)
         library = for_depth(
             _cached(
@@ -225,14 +216,14 @@ def routed_update(core, step, flat: torch.Tensor, windows, decision, ctx) -> tor
     with torch.no_grad() if truncation == "frozen" else contextlib.nullcontext():
         grouping = group_tokens(decision.choice.index_select(0, windows.token_window), windows.token_window, L)
         if truncation is None and group is None:
-            new = executor.fused_update(core, step, ctx, flat, grouping, decision, token_positions, windows.capacity)
+            new = executor.fused_update(core, step, ctx, flat, grouping, decision, token_positions)
             if new is not None:
                 return new
         gate = token_gates(windows, decision.gate)
         rows = permute_rows(flat, grouping.order, grouping.inverse)
         positions = token_positions.index_select(0, grouping.order)
         if group is None:
-            grouped_out = executor.run(core, step, ctx, rows, grouping, positions, segment_bound=windows.capacity)
+            grouped_out = executor.run(core, step, ctx, rows, grouping, positions)
         else:
             received = exchange_rows(rows, grouping, positions, L, group)
             if received.rows.shape[0] == 0:  # nothing routed here: the (empty) rows keep the exchange's graph
