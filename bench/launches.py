@@ -22,7 +22,10 @@ Rows:
   model ref      the whole LoL model (embedding, prelude, core, coda, loss) with
                  the per-block executor, given the layout as the trainer gives it;
   model grouped  the whole model with the grouped executor (prelude and coda unchanged);
-  dense          ``plan: dense`` with ``D`` core layers (full causal attention).
+  dense          ``plan: dense`` with ``D`` core layers (full causal attention), given its
+                 host layout (the documents) as the LoL models are.
+
+``--film depth`` (or ``depth_block``): the LoL models with FiLM (the dense model has none).
 
 CPU time: median over ``--reps`` of one forward + backward (process CPU time),
 with the CPU backend off and on (``cpu ms``: the reference with the CPU backend,
