@@ -85,13 +85,13 @@ class PerBlockCalls:
 
     grouped = False
 
-    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0, segment_bound=None):
+    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0, own_windows: bool = True):
         """``run_block(block, rows, segments, positions)`` for this depth (``positions``: the rows' RoPE
         positions; ``counts[m]`` rows of block ``first_block + m``). On the CPU (chunked attention) the
         masks of all blocks' windows are built at once. Packed, each call's THD offsets are found on
-        the device (:func:`~.library.segment_offsets`, no read) with room for ``min(rows,
-        segment_bound)`` windows (``segment_bound``: the layout's window capacity; None under expert
-        parallelism, where the rows' window ids come from several senders)."""
+        the device (:func:`~.library.segment_offsets`, no read) with room for ``min(rows, the
+        layout's window capacity)`` windows, or as many as rows where the rows are not the depth's
+        ``own_windows`` (expert parallelism: their window ids come from several senders)."""
         W = core.cfg.window_size
         biases = {}
         if not core.packed and not uses_flex(segments_all):
@@ -112,7 +112,7 @@ class PerBlockCalls:
             if core.packed:  # THD attention: the table, each row's position in its window, the windows' offsets
                 rope, mask_positions = ctx.rope, positions.view(1, -1)
                 n = segments.shape[0]
-                cu_seqlens = segment_offsets(segments, n if segment_bound is None else min(n, segment_bound))
+                cu_seqlens = segment_offsets(segments, min(n, ctx.layout.capacity) if own_windows else n)
             else:
                 rope = ctx.rope.index_select(0, positions) if ctx.rope is not None else None
                 mask_positions = None
@@ -130,11 +130,10 @@ class PerBlockCalls:
     def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, counts=None):
         """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order.
         ``counts`` given (expert parallelism: the exchange's split table) or read here, once."""
-        segment_bound = None  # under expert parallelism the rows' window ids come from several senders
-        if counts is None:
+        own_windows = counts is None  # else the rows arrived from the expert-parallel exchange
+        if own_windows:
             counts = group_sizes(grouping)
-            segment_bound = ctx.layout.capacity  # the depth's own windows
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block, segment_bound)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block, own_windows)
         pieces = rows.split(counts, dim=0)  # views; their backward is one cat
         outputs = []
         lo = 0
@@ -154,7 +153,7 @@ class PerBlockCalls:
             return None
         counts = group_sizes(grouping)
         groups = HostGroups(order=grouping.order, segments=grouping.segments, counts=counts)
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, segment_bound=ctx.layout.capacity)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts)
         return backend.gated_update(
             flat,
             groups,
