@@ -22,7 +22,10 @@ Rows:
   model ref      the whole LoL model (embedding, prelude, core, coda, loss) with
                  the per-block executor, given the layout as the trainer gives it;
   model grouped  the whole model with the grouped executor (prelude and coda unchanged);
-  dense          ``plan: dense`` with ``D`` core layers (full causal attention).
+  dense          ``plan: dense`` with ``D`` core layers (full causal attention), given its
+                 host layout (the documents) as the LoL models are.
+
+``--film depth`` (or ``depth_block``): the LoL models with FiLM (the dense model has none).
 
 CPU time: median over ``--reps`` of one forward + backward (process CPU time),
 with the CPU backend off and on (``cpu ms``: the reference with the CPU backend,
@@ -73,6 +76,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=97)
     p.add_argument("--docs-per-row", type=int, default=2, help="EOD-separated documents per row")
+    p.add_argument("--film", default="off", help="model.film of the LoL models: off, depth, depth_block")
     p.add_argument("--layouts", default="local,packed")
     p.add_argument(
         "--reps", type=int, default=3, help="timed forward+backward repetitions (median; 0: counts only, no CPU times)"
@@ -97,7 +101,7 @@ def model_config(args, blocks, plan=None):
         n_coda=args.coda,
     )
     if m["plan"]["kind"] == "lol":
-        m.update(window_size=args.window, window_shift=args.shift)
+        m.update(window_size=args.window, window_shift=args.shift, film=args.film)
     if args.ffn:
         m["ffn_hidden_size"] = args.ffn
     return config_from_dict({"model": m}).model
@@ -134,11 +138,12 @@ def make_batch(args, seed: int = 0):
 
 
 def host_layout(args, net, tokens, seeds):
-    from megatron_lol.model.host_layout import build_host_layout
+    """The micro-batch's layout as the trainer builds it with the batch (the dense plan: documents only)."""
+    from megatron_lol.model.host_layout import build_host_layout, routed_depths
 
     plan = net.core.plan
     return build_host_layout(
-        tokens, 0, args.window, args.shift, range(1, plan.depth + 1), plan.num_stored_blocks, seeds
+        tokens, 0, args.window, args.shift, routed_depths(plan), plan.num_stored_blocks, seeds if plan.routed else None
     )
 
 
@@ -245,7 +250,9 @@ def measure_counts(args):
                 "model grouped": model_runner(net, "grouped", layout, tokens, labels, seeds),
             }
             if blocks == max(int(x) for x in args.blocks.split(",")):
-                runs["dense"] = model_runner(dense, "ref", None, tokens, labels, seeds)
+                runs["dense"] = model_runner(
+                    dense, "ref", host_layout(args, dense, tokens, seeds), tokens, labels, seeds
+                )
             timed = {
                 (name, on): run
                 for name, run in runs.items()
@@ -270,7 +277,7 @@ def print_counts(args, rows, paired):
     print(
         f"per micro-batch: {args.batch} x {args.seq} tokens ({args.docs_per_row} documents per row), "
         f"width {args.hidden}, D={args.depth}, W={args.window}, S={args.shift}, prelude {args.prelude}, "
-        f"coda {args.coda}; {torch.get_num_threads()} thread(s); counts with {BACKEND_ENV}=0"
+        f"coda {args.coda}, FiLM {args.film}; {torch.get_num_threads()} thread(s); counts with {BACKEND_ENV}=0"
     )
     print(
         f"{'layout':7s} {'L':>3s} {'path':14s} {'syncs fwd':>9s} {'syncs bwd':>9s} {'ops fwd':>8s} {'ops bwd':>8s}"

@@ -17,7 +17,9 @@ Models (same width, heads, FFN, vocabulary, sequence, batch; same optimizer):
            ``n_prelude + D + n_coda`` layers and full causal attention.
 
 A step is ``zero_grad; loss = model(tokens, labels).mean(); loss.backward();
-AdamW.step()``. Steps of the models are interleaved (lol, fixed, forced, dense,
+AdamW.step()``; the LoL-family models get the micro-batch's host layout built
+with the batch (``host_layout.host_layout_for_batch``, as the trainer builds it
+beside each batch), so their forward does not build it. Steps of the models are interleaved (lol, fixed, forced, dense,
 lol, ...) so that load from other processes hits them alike; the median step
 time of each is reported, with the ratios and the FLOP model's predictions
 (``megatron_lol.perf.flops``, executed and allowed attention pairs) beside them,
@@ -135,15 +137,20 @@ def make_step(name, net, forced, tokens, labels):
     opt = torch.optim.AdamW(net.parameters(), lr=1e-4)
     s = tokens.shape[1]
     causal = torch.triu(torch.ones(1, 1, s, s, dtype=torch.bool), diagonal=1)  # True = masked
+    layout = None
+    if name != "dense":  # built with the batch, as the trainer does: the forward does not build it
+        from megatron_lol.model.host_layout import host_layout_for_batch
+
+        layout = host_layout_for_batch({"tokens": tokens}, net.cfg, net.plan, net.eod_id, 0, pin=False)
 
     def step():
         opt.zero_grad(set_to_none=True)
         if name == "dense":
             loss = net(tokens, None, causal, labels=labels).float().mean()
         elif name == "forced":
-            loss = net(tokens, labels=labels, forced_path=forced).float().mean()
+            loss = net(tokens, labels=labels, forced_path=forced, layout=layout).float().mean()
         else:
-            loss = net(tokens, labels=labels).float().mean()
+            loss = net(tokens, labels=labels, layout=layout).float().mean()
         loss.backward()
         opt.step()
         return float(loss)

@@ -898,3 +898,39 @@ def test_evaluate_part_reads_the_split_as_training_does(tmp_path):
     assert evaluate.data_part(args, SimpleNamespace(data=SimpleNamespace(paths=["1", "other"]))) == "all"
     args = parser.parse_args(["--load", "x", "--data-path", prefix, "--part", "train"])
     assert evaluate.data_part(args, run) == "train"
+
+
+def test_generate_prefill_builds_no_host_layout(monkeypatch):
+    """``megatron-lol generate`` decodes with the plain-PyTorch model (``LoLForCausalLM``), whose windows
+    are its own (:mod:`~megatron_lol.convert.hf_modeling.modeling_lol`): its prefill never reaches the
+    training core's host layout (built with the batch there, or by ``Core._layout`` from a forward
+    given none, a copy of the documents to the host). What the prefill does read back is that model's
+    routing (group sizes, window starts), counted here by kind."""
+    import argparse
+
+    from megatron_lol.inference.generate import generate_batch
+    from megatron_lol.model import core, host_layout
+    from megatron_lol.perf.op_count import OpCounter
+
+    def no_layout(*args, **kwargs):
+        raise AssertionError("generate built a host layout")
+
+    for module, name in ((host_layout, "build_host_layout"), (host_layout, "layout_from_documents")):
+        monkeypatch.setattr(module, name, no_layout)
+    monkeypatch.setattr(core.Core, "_layout", no_layout)
+    model = random_model("lol_film_injection")
+    prompts = [p.tolist() for p in prompts_with_documents(2, 24, 1)]
+    args = argparse.Namespace(max_new_tokens=1, temperature=0.0, ignore_eod=True, record_routes=False)
+    with OpCounter() as count:
+        (new, _), _ = generate_batch(model, prompts, args, EOD_ID, None)
+    assert len(new) == 1
+    assert count.sync_names.get("cpu", 0) == 1, count.sync_names  # the generated ids, after decoding
+    assert set(count.sync_names) <= {
+        "cpu",
+        "nonzero",
+        "bincount",
+        "_local_scalar_dense",
+        "_unique2",
+        "tolist",
+        "index (boolean mask)",
+    }, count.sync_names

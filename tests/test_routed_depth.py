@@ -1053,3 +1053,47 @@ def test_auto_runs_the_library_grouped_under_the_transformer_engine_spec(monkeyp
     assert set(grads_g) == set(grads_r)
     for name, grad in grads_r.items():
         torch.testing.assert_close(grads_g[name], grad, **TOL, msg=name)
+
+
+def test_segment_offsets_are_the_thd_offsets_without_a_read():
+    """The per-block executor's THD offsets of a block's rows (packed layout): the offsets
+    ``thd_params`` finds with a read, then zero-length sequences up to the bound."""
+    from megatron_lol.model.library import segment_offsets, thd_params
+
+    g = torch.Generator().manual_seed(2)
+    for n, runs in ((1, 1), (17, 5), (40, 40), (64, 9)):
+        cuts = torch.sort(torch.randperm(n - 1, generator=g)[: runs - 1] + 1).values
+        lengths = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([n])]))
+        ids = torch.sort(torch.randperm(3 * runs, generator=g)[:runs]).values  # increasing, with gaps
+        segments = torch.repeat_interleave(ids, lengths)
+        found, _ = thd_params(segments, 8)
+        for bound in (runs, runs + 3, n):
+            with OpCounter() as count:
+                cu = segment_offsets(segments, bound)
+            assert count.syncs == 0, count.sync_names
+            assert cu.dtype == torch.int32 and cu.shape == (bound + 1,)
+            assert torch.equal(cu[: runs + 1], found.cu_seqlens_q) and bool((cu[runs:] == n).all())
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_forward_given_the_host_layout_builds_none_and_reads_no_documents(monkeypatch, packed):
+    """``model(tokens, layout=model.host_layout(tokens))`` (the layout built with the batch, as the
+    trainer, evaluation, analysis and the benches do) never reaches the core's fallback, which copies
+    the documents to the host; the per-block executor then reads its group sizes, one per depth."""
+    from megatron_lol.model.core import Core
+
+    net = _lol(monkeypatch, packed, film="depth").eval()
+    tokens = _tokens(2, 40, 21)
+    with torch.no_grad(), OpCounter() as fallback:
+        expected = net(tokens)
+    assert fallback.sync_names["cpu"] >= 2, fallback.sync_names  # positions and document ids to the host
+
+    def no_layout(*args, **kwargs):
+        raise AssertionError("the forward built a host layout")
+
+    monkeypatch.setattr(Core, "_layout", no_layout)
+    layout = net.host_layout(tokens)
+    with torch.no_grad(), OpCounter() as given:
+        got = net(tokens, layout=layout)
+    torch.testing.assert_close(got, expected, rtol=0, atol=0)
+    assert dict(given.sync_names) == {"tolist": net.plan.depth}, given.sync_names

@@ -83,7 +83,8 @@ def collect_moe_records(
     for batch in progress(
         pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing", unit="batch"
     ):
-        _, core = model(batch.tokens.to(device), record_moe=True, return_core=True, **forward_kwargs)
+        layout = model.host_layout(batch.tokens).to(device)  # built with the batch, on the host
+        _, core = model(batch.tokens.to(device), record_moe=True, return_core=True, layout=layout, **forward_kwargs)
         batches.append(core.moe_records)
     return batches
 
@@ -171,7 +172,8 @@ def collect_routes(
     for batch in progress(
         pack_examples(examples, seq_length, eod_id, rows_per_batch), desc="analyze: routing", unit="batch"
     ):
-        _, core = model(batch.tokens.to(device), record=True, forced_path=forced, return_core=True)
+        layout = model.host_layout(batch.tokens).to(device)  # built with the batch, on the host
+        _, core = model(batch.tokens.to(device), record=True, forced_path=forced, return_core=True, layout=layout)
         for rec in core.records:
             ex_of_window = batch.example_of_doc[rec.window_doc.cpu()]
             for i in batch.example_ids:
@@ -340,7 +342,8 @@ def lm_loss(
         from megatron_lol.model.windows import DocumentLayout
 
         tokens = batch.tokens.to(device)
-        logits = model.gather_logits(model(tokens, forced_path=forced, **forward_kwargs))
+        layout = model.host_layout(batch.tokens).to(device)  # built with the batch, on the host
+        logits = model.gather_logits(model(tokens, forced_path=forced, layout=layout, **forward_kwargs))
         logp = torch.log_softmax(logits[:, :-1].float(), -1)
         nll = -logp.gather(-1, tokens[:, 1:, None]).squeeze(-1).cpu()
         docs = DocumentLayout.from_tokens(batch.tokens, eod_id)
@@ -374,16 +377,17 @@ def greedy_generate(
     under a forced path (windows beyond the path's ordinals are routed normally)."""
     model.eval()
     device = next(model.parameters()).device
-    seq = torch.tensor([list(prompt)], dtype=torch.long, device=device)
+    host_seq = torch.tensor([list(prompt)], dtype=torch.long)  # the batch is built on the host, with its layout
     new = []
     for _ in progress(range(max_new_tokens), desc="analyze: generating", unit="token"):
-        logits = model(seq, forced_path=forced, **forward_kwargs)
+        seq = host_seq.to(device)
+        logits = model(seq, forced_path=forced, layout=model.host_layout(host_seq).to(device), **forward_kwargs)
         logits = model.gather_logits(logits[:, -1:])[0, -1]
         nxt = int(logits.argmax())
         new.append(nxt)
         if stop_at_eod and eod_id is not None and nxt == eod_id:
             break
-        seq = torch.cat([seq, torch.tensor([[nxt]], device=device)], 1)
+        host_seq = torch.cat([host_seq, torch.tensor([[nxt]])], 1)
     return new
 
 

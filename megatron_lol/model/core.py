@@ -315,8 +315,7 @@ class Core(nn.Module):
         :class:`~.forward_options.ForwardOptions` (keyword arguments named like its fields override
         it); its ``depth`` must be given. ``options.layout``: the micro-batch's host-built
         :class:`~.host_layout.HostLayout` on the states' device, whose windows and router noise the
-        routed depths use; without one the core builds it here from ``docs`` (a copy to the host on
-        a GPU: the trainer, evaluation and the benches bring theirs).
+        routed depths use; without one the core builds it here from ``docs`` (:meth:`_layout`).
         ``router_only`` [b, s]: each token's index in ``model.router_only_tokens`` (-1: an ordinary
         token), for the router's router-only term.
         """
@@ -355,7 +354,13 @@ class Core(nn.Module):
 
     def _layout(self, docs: DocumentLayout, steps: Sequence[Step], opts: ForwardOptions, device):
         """The host layout of a forward that brought none (from ``docs``; router noise from
-        ``opts.noise_seeds`` as the trainer's layouts draw it)."""
+        ``opts.noise_seeds`` as the trainer's layouts draw it).
+
+        Kept for the model's public call, ``model(tokens)`` (tests, tools, a notebook: a forward
+        from token ids alone must work). It copies the documents to the host, one device read per
+        forward on a GPU, so every caller in the package builds the layout with its batch instead
+        and passes ``layout=``: the trainer and ``evaluate`` (``host_layout_for_batch``,
+        ``packed_eval``), ``analyze`` (``LoLGPTModel.host_layout``) and the benches."""
         cpu_docs = DocumentLayout(docs.positions.cpu(), docs.doc_index.cpu(), docs.num_docs)
         seeds = opts.noise_seeds
         if seeds is not None and not (self.training and self.cfg.router_noise):

@@ -173,6 +173,8 @@ class FixedStep(CoreStep):
                     ctx.cache[key] = SegmentMask(
                         segments=ctx.docs.doc_index,
                         sliding=sliding,
+                        # packed: the documents' THD offsets from the host-built layout (no device read)
+                        cu_seqlens=ctx.layout.doc_cu_seqlens if ctx.layout is not None else None,
                         positions=ctx.docs.positions if core.packed else None,
                     )
                 mask = ctx.cache[key]

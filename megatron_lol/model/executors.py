@@ -32,6 +32,7 @@ import torch
 from megatron_lol.model.attention import SegmentMask, chunk_bias, uses_flex, window_mask
 from megatron_lol.model.grouped_blocks import RowRope, for_depth, grouped_blocks, part_rows, stack_library
 from megatron_lol.model.grouped_exchange import exchange_rows
+from megatron_lol.model.library import segment_offsets
 from megatron_lol.model.static_routing import (
     TokenGrouping,
     gated_combine,
@@ -84,10 +85,13 @@ class PerBlockCalls:
 
     grouped = False
 
-    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0):
+    def run_block_fn(self, core, step, ctx, segments_all, counts, first_block: int = 0, own_windows: bool = True):
         """``run_block(block, rows, segments, positions)`` for this depth (``positions``: the rows' RoPE
         positions; ``counts[m]`` rows of block ``first_block + m``). On the CPU (chunked attention) the
-        masks of all blocks' windows are built at once."""
+        masks of all blocks' windows are built at once. Packed, each call's THD offsets are found on
+        the device (:func:`~.library.segment_offsets`, no read) with room for ``min(rows, the
+        layout's window capacity)`` windows, or as many as rows where the rows are not the depth's
+        ``own_windows`` (expert parallelism: their window ids come from several senders)."""
         W = core.cfg.window_size
         biases = {}
         if not core.packed and not uses_flex(segments_all):
@@ -104,21 +108,32 @@ class PerBlockCalls:
                 at += k
 
         def run_block(block, rows, segments, positions):
-            if core.packed:  # THD attention: the table and each row's position in its window
+            cu_seqlens = None
+            if core.packed:  # THD attention: the table, each row's position in its window, the windows' offsets
                 rope, mask_positions = ctx.rope, positions.view(1, -1)
+                n = segments.shape[0]
+                cu_seqlens = segment_offsets(segments, min(n, ctx.layout.capacity) if own_windows else n)
             else:
                 rope = ctx.rope.index_select(0, positions) if ctx.rope is not None else None
                 mask_positions = None
-            mask = SegmentMask(segments=segments.view(1, -1), chunk=W, bias=biases.get(block), positions=mask_positions)
+            mask = SegmentMask(
+                segments=segments.view(1, -1),
+                chunk=W,
+                bias=biases.get(block),
+                positions=mask_positions,
+                cu_seqlens=cu_seqlens,
+            )
             return core.call(step, block, rows.unsqueeze(1), mask, rope, ctx, pad_to=core.row_multiple).squeeze(1)
 
         return run_block
 
     def run(self, core, step, ctx, rows, grouping: TokenGrouping, positions, *, first_block: int = 0, counts=None):
-        """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order."""
-        if counts is None:
+        """``E_m(rows)`` of the grouped rows ``[R, h]`` (blocks ``first_block + m``), in their order.
+        ``counts`` given (expert parallelism: the exchange's split table) or read here, once."""
+        own_windows = counts is None  # else the rows arrived from the expert-parallel exchange
+        if own_windows:
             counts = group_sizes(grouping)
-        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block)
+        run_block = self.run_block_fn(core, step, ctx, grouping.segments, counts, first_block, own_windows)
         pieces = rows.split(counts, dim=0)  # views; their backward is one cat
         outputs = []
         lo = 0

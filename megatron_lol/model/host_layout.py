@@ -172,32 +172,17 @@ class HostLayout:
         return self._map(lambda t: t.to(device, non_blocking=non_blocking))
 
 
-def build_host_layout(
-    tokens: torch.Tensor,
-    eod_id: Optional[int],
-    window_size: int,
-    window_shift: int,
-    depths: Iterable[int],
-    num_blocks: Optional[int] = None,
-    row_seeds: Optional[torch.Tensor] = None,
-) -> HostLayout:
-    """The layout of the micro-batch ``tokens`` ``[b, s]`` (on the CPU) for the routed ``depths``.
-
-    ``row_seeds`` ``[b]`` (with ``num_blocks``): also draw the router noise of
-    every depth, as :func:`~.router.window_noise` does from those seeds
-    (the trainer's seeds: ``sample_id + run_seed * 1,000,000,007``).
-    """
+def build_host_layout(tokens: torch.Tensor, eod_id: Optional[int], *layout_args, **layout_kwargs) -> HostLayout:
+    """The layout of the micro-batch ``tokens`` ``[b, s]`` (on the CPU): its documents (``eod_id``), then
+    :func:`layout_from_documents` with the rest (``window_size, window_shift, depths, num_blocks=None,
+    row_seeds=None``), which checks them: one place for the layout's arguments and their checks."""
     if tokens.device.type != "cpu":
         raise ValueError(
             f"build_host_layout: tokens must be on the CPU (where the batch is built), got {tokens.device}"
         )
     if tokens.dim() != 2:
         raise ValueError(f"build_host_layout: tokens must be [b, s], got shape {tuple(tokens.shape)}")
-    if row_seeds is not None and num_blocks is None:
-        raise ValueError("build_host_layout: row_seeds needs num_blocks (the noise has one column per block)")
-    return layout_from_documents(
-        DocumentLayout.from_tokens(tokens, eod_id), window_size, window_shift, depths, num_blocks, row_seeds
-    )
+    return layout_from_documents(DocumentLayout.from_tokens(tokens, eod_id), *layout_args, **layout_kwargs)
 
 
 def layout_from_documents(
@@ -208,12 +193,18 @@ def layout_from_documents(
     num_blocks: Optional[int] = None,
     row_seeds: Optional[torch.Tensor] = None,
 ) -> HostLayout:
-    """:func:`build_host_layout` from the micro-batch's :class:`~.windows.DocumentLayout` on the CPU (the
-    core builds it so for a caller that brought none: a forward of tests, tools or a notebook)."""
+    """The layout of the micro-batch whose :class:`~.windows.DocumentLayout` (on the CPU) is ``docs``, for
+    the routed ``depths`` (:func:`build_host_layout` starts from the token ids; the core builds it from
+    ``docs`` for a caller that brought none, see ``Core.forward``).
+
+    ``row_seeds`` ``[b]`` (with ``num_blocks``): also draw the router noise of
+    every depth, as :func:`~.router.window_noise` does from those seeds
+    (the trainer's seeds: ``sample_id + run_seed * 1,000,000,007``).
+    """
     if docs.positions.device.type != "cpu":
         raise ValueError(f"layout_from_documents: documents must be on the CPU, got {docs.positions.device}")
     if row_seeds is not None and num_blocks is None:
-        raise ValueError("layout_from_documents: row_seeds needs num_blocks (the noise has one column per block)")
+        raise ValueError("host layout: row_seeds needs num_blocks (the noise has one column per block)")
     depths = sorted(set(int(d) for d in depths))
     b, s = docs.shape
     per_offset = {}

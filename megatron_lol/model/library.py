@@ -284,6 +284,26 @@ def thd_params(
     return params, padded
 
 
+def segment_offsets(segments: torch.Tensor, bound: int) -> torch.Tensor:
+    """THD offsets ``[bound + 1]`` (int32) of a stream of contiguous segment runs ``[n]``, found on the
+    device without a host read: the shape is the caller's bound of the number of runs (at most ``n``),
+    and the offsets past the last run are ``n`` (zero-length sequences, as a host layout's padding).
+
+    Each row's run number is a running count of the places where the id changes; a run starts at
+    the smallest row of its number (``scatter_reduce`` with ``amin``: one value per slot, whatever
+    the order of the writes). The per-block executor gives each block call its windows' offsets so
+    (:class:`~.executors.PerBlockCalls`), instead of :func:`thd_params` finding them with a read.
+    """
+    seg = segments.reshape(-1)
+    n = seg.numel()
+    changes = torch.ones_like(seg, dtype=torch.long)
+    changes[1:] = (seg[1:] != seg[:-1]).long()
+    run = torch.cumsum(changes, 0) - 1
+    cu = torch.full((bound + 1,), n, dtype=torch.long, device=seg.device)
+    cu = cu.scatter_reduce(0, run, torch.arange(n, device=seg.device), "amin")
+    return cu.to(torch.int32)
+
+
 def pad_rows(x: torch.Tensor, padded: int) -> torch.Tensor:
     """``x`` ``[T, ...]`` with zero rows appended up to ``padded`` rows (itself when nothing is added)."""
     extra = padded - x.shape[0]

@@ -358,6 +358,22 @@ class LoLGPTModel(_language_module()):
             return self.compute_language_model_loss(labels.reshape(1, b * s), logits).view(b, s)
         return self.compute_language_model_loss(labels, logits)
 
+    def host_layout(self, tokens: torch.Tensor):
+        """The :class:`~.host_layout.HostLayout` of the micro-batch ``tokens`` ``[b, s]`` on the CPU (its
+        documents and the windows of this plan's routed depths; no router noise: an evaluation forward),
+        for a caller that builds its batch on the host, as the trainer does, and passes it as
+        ``layout=`` (moved with ``.to(device)``): the forward then does not build it."""
+        from megatron_lol.model.host_layout import build_host_layout, routed_depths
+
+        return build_host_layout(
+            tokens,
+            self.eod_id,
+            self.cfg.window_size,
+            self.cfg.window_shift,
+            routed_depths(self.plan),
+            self.plan.num_stored_blocks,
+        )
+
     def router_only_index(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
         """Each token's index in ``model.router_only_tokens`` (-1: an ordinary token); None when there are none."""
         if self.router_only_ids.numel() == 0:

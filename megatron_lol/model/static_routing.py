@@ -193,21 +193,28 @@ def gather_rows(table: torch.Tensor, index: torch.Tensor, num_rows: int) -> torc
     return permute_rows(gather_segment_rows(table, sorted_index, offsets), inverse, order)
 
 
-class _FirstTokenRows(torch.autograd.Function):
-    """``per_token[first_token]`` ``[C, h]``; backward a gather too: each window's first token takes its
-    window's gradient (real windows' first tokens are distinct; padding windows get none)."""
+class _GatherBackward(torch.autograd.Function):
+    """A function of one differentiable input (and three tensors that are not) whose backward is a
+    gather: input row ``i`` takes the output gradient's row ``index[i]`` where ``keep[i]``, else 0.
+    A subclass's ``forward`` saves ``(index, keep)``. Each input row takes one output row: no sum,
+    so no ordering to keep."""
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad):
+        index, keep = ctx.saved_tensors
+        rows = grad.index_select(0, index)
+        return torch.where(keep.unsqueeze(1), rows, torch.zeros_like(rows)), None, None, None
+
+
+class _FirstTokenRows(_GatherBackward):
+    """``per_token[first_token]`` ``[C, h]``; backward: each window's first token takes its window's
+    gradient (real windows' first tokens are distinct; padding windows get none)."""
 
     @staticmethod
     def forward(ctx, per_token, first_token, token_window, token_is_first):
         ctx.save_for_backward(token_window, token_is_first)
         return per_token.index_select(0, first_token)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        token_window, token_is_first = ctx.saved_tensors
-        per_token = grad.index_select(0, token_window)
-        return torch.where(token_is_first.unsqueeze(1), per_token, torch.zeros_like(per_token)), None, None, None
 
 
 def with_router_only(windows: DepthWindows, summaries: torch.Tensor, router_only: Optional[torch.Tensor]):
@@ -329,7 +336,7 @@ def window_loads(windows: DepthWindows, choice: torch.Tensor, num_blocks: int) -
     return (hits & windows.window_valid.unsqueeze(1)).sum(dim=0)
 
 
-class _DocumentSums(torch.autograd.Function):
+class _DocumentSums(_GatherBackward):
     """Ordered sums of the windows of each document, ``[C, L]`` (documents padded to ``C``);
     backward: each window gets its document's gradient (padding windows: none)."""
 
@@ -337,13 +344,6 @@ class _DocumentSums(torch.autograd.Function):
     def forward(ctx, values, doc_offsets, window_doc, window_valid):
         ctx.save_for_backward(window_doc, window_valid)
         return segment_sum(values, doc_offsets)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, grad):
-        window_doc, window_valid = ctx.saved_tensors
-        per_window = grad.index_select(0, window_doc)
-        return torch.where(window_valid.unsqueeze(1), per_window, torch.zeros_like(per_window)), None, None, None
 
 
 def sequence_aux_loss(windows: DepthWindows, decision: RoutingDecision) -> torch.Tensor:
