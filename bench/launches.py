@@ -25,7 +25,8 @@ Rows:
   dense          ``plan: dense`` with ``D`` core layers (full causal attention), given its
                  host layout (the documents) as the LoL models are.
 
-``--film depth`` (or ``depth_block``): the LoL models with FiLM (the dense model has none).
+``--film depth`` (or ``depth_block``): the LoL models with FiLM; with ``depth``, the dense model too
+(FiLM per depth is a dense plan's option as well; per block has no dense counterpart).
 
 CPU time: median over ``--reps`` of one forward + backward (process CPU time),
 with the CPU backend off and on (``cpu ms``: the reference with the CPU backend,
@@ -102,6 +103,8 @@ def model_config(args, blocks, plan=None):
     )
     if m["plan"]["kind"] == "lol":
         m.update(window_size=args.window, window_shift=args.shift, film=args.film)
+    elif args.film == "depth":  # the dense model of equal executed layers does the same FiLM per depth
+        m.update(film="depth")
     if args.ffn:
         m["ffn_hidden_size"] = args.ffn
     return config_from_dict({"model": m}).model

@@ -50,8 +50,8 @@ def choose_blocks(probs: torch.Tensor, bias: Optional[torch.Tensor]) -> tuple[to
     choice = torch.argmax(biased.detach(), dim=-1)
     # a_rho as a masked sum (one non-zero term: exact) rather than ``gather``, whose backward is a
     # scatter-add (CUDA atomics): the router's gradient is the same on every rank that computes it
-    chosen = choice.unsqueeze(-1) == torch.arange(probs.shape[-1], device=probs.device)
-    gate = torch.where(chosen, probs, 0).sum(dim=-1)
+    others = choice.unsqueeze(-1) != torch.arange(probs.shape[-1], device=probs.device)
+    gate = probs.masked_fill(others, 0).sum(dim=-1)
     return choice, gate
 
 

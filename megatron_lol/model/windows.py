@@ -143,9 +143,11 @@ def segment_means(
     for start in range(0, n, per_chunk):
         first, length = first_row[start : start + per_chunk], segment_length[start : start + per_chunk]
         rows = (first.unsqueeze(1) + slots).clamp_(max=total - 1)  # [c, max_length] row of each slot
-        valid = (slots < length.unsqueeze(1)).unsqueeze(2)
+        past_end = (slots >= length.unsqueeze(1)).unsqueeze(2)
         gathered = states.index_select(0, rows.reshape(-1)).view(rows.shape[0], max_length, h)
-        sums.append(torch.where(valid, gathered, 0).sum(dim=1, dtype=torch.float32))
+        # masked_fill with a Python zero: one operation each way (``torch.where(valid, x, 0)`` wraps the
+        # zero as a 0-dim tensor, a fill launched on a GPU, in the forward and again in the backward)
+        sums.append(gathered.masked_fill(past_end, 0).sum(dim=1, dtype=torch.float32))
     total_sums = sums[0] if len(sums) == 1 else torch.cat(sums)
     return total_sums / segment_length.unsqueeze(1).to(torch.float32)
 
@@ -164,7 +166,7 @@ def segmented_inclusive_sum(values: torch.Tensor, ordinal: torch.Tensor, bound: 
     step = 1
     while step < bound:
         shifted = torch.cat([out.new_zeros((min(step, n),) + tuple(out.shape[1:])), out[: max(0, n - step)]])
-        out = out + torch.where((ordinal >= step).view(shape), shifted, 0)
+        out = out + shifted.masked_fill((ordinal < step).view(shape), 0)
         step *= 2
     return out
 
@@ -185,7 +187,7 @@ def document_prefix_means(window_means: torch.Tensor, ordinal: torch.Tensor, bou
     n = window_means.shape[0]
     inclusive = segmented_inclusive_sum(window_means, ordinal, bound)
     before = torch.cat([inclusive.new_zeros((min(1, n),) + tuple(inclusive.shape[1:])), inclusive[: n - 1]])
-    exclusive = torch.where((ordinal >= 1).unsqueeze(1), before, 0)
+    exclusive = before.masked_fill((ordinal < 1).unsqueeze(1), 0)
     return exclusive / ordinal.clamp(min=1).unsqueeze(1).to(exclusive.dtype)
 
 
