@@ -22,7 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_lol.config.flags import BOOL_FLAGS, CHOICE_FLAGS, GROUPS, MEGATRON_FLAGS  # noqa: F401 - re-exported
-from megatron_lol.config.migration import FLAT_KEYS, migrate_model, set_flat_key
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, migrate_model, moved_key, set_flat_key
 from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 PARAMS_GROUPS = ("model", "tokenizer", "parallelism")
@@ -232,6 +232,9 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
 
 def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
+    if parts[0] == "model" and len(parts) == 2 and parts[1] in MOVED_KEYS:
+        key = moved_key(parts[1], source)  # --set model.num_experts=...: model.moe.num_experts
+        parts = key.split(".")
     if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)
         return

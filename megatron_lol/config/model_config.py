@@ -16,7 +16,16 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_lol.config.checks import asdict, choice, nonnegative, positive
-from megatron_lol.config.migration import FLAT_KEYS, migrate_model
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, migrate_model
+from megatron_lol.config.sections import (  # noqa: F401 - re-exported
+    FP8_RECIPES,
+    MOE_SCORE_FUNCTIONS,
+    PARAMS_DTYPES,
+    MoEConfig,
+    PrecisionConfig,
+    fp8_row_multiple,
+    resolve_params_dtype,
+)
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan import ExecutionPlan, build_plan, plan_kind
 from megatron_lol.plan.execution import DENSE_ATTENTION, plan_section, section_dict
@@ -25,18 +34,6 @@ BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 ROUTED_CORES = ("auto", "reference", "grouped")
 ROUTER_INPUTS = ("windows", "depth")
-PARAMS_DTYPES = ("auto", "fp32", "bf16")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-
-
-def resolve_params_dtype(value: str) -> str:
-    """``auto``: ``bf16`` on a CUDA target (Megatron-LM's ``--bf16``), ``fp32`` on CPUs (:mod:`.target`)."""
-    if value != "auto":
-        return value
-    from megatron_lol.config.target import target_has_cuda
-
-    return "bf16" if target_has_cuda() else "fp32"
 
 
 def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
@@ -50,12 +47,6 @@ def fp8_recipe_default(plan: ExecutionPlan) -> str:
     """Megatron-LM's ``delayed`` where every layer runs once per forward; current (``tensorwise``)
     scaling for plans that run layers repeatedly or data-dependently (delayed scaling is refused there)."""
     return "tensorwise" if runs_layers_repeatedly(plan) else "delayed"
-
-
-def fp8_row_multiple(recipe: Optional[str]) -> int:
-    """Rows an FP8 GEMM operand needs in multiples of: megatron-core's ``fp8_utils.get_fp8_align_size``
-    (32 for MXFP8, else 16), restated here so that validation does not import megatron-core."""
-    return 32 if recipe == "mxfp8" else 16
 
 
 @dataclass
@@ -133,39 +124,10 @@ class ModelConfig:
     # PerBlockCalls); "grouped" = all blocks of a depth as one grouped computation (GroupedGEMMs); "auto" =
     # grouped on CUDA where the model supports it, per block elsewhere (on CPU, with the CPU backend, faster)
     routed_core: str = "auto"
-    # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
-    num_experts: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_layers: str = "none"  # none | fixed (prelude+coda) | all
-    core_num_experts: Optional[int] = None  # experts per MoE layer of the core (Foil's E); default num_experts
-    moe_shared_expert_intermediate_size: Optional[int] = None  # one always-on shared expert (Accordion)
-    moe_aux_loss_coeff: float = 0.01  # Switch load-balancing loss (megatron-core "aux_loss")
-    moe_z_loss_coeff: Optional[float] = None  # router z-loss (Foil: 1e-3)
-    # megatron-core's router score (Megatron-LM's --moe-router-score-function): softmax over the top-k logits,
-    # or sigmoid scores normalised over the chosen k
-    moe_router_score_function: str = "softmax"
-    # megatron-core's auxiliary-loss-free balancing (--moe-router-enable-expert-bias, sigmoid scores only): a
-    # per-expert bias added to the scores for the top-k choice only, moved after every optimizer step by
-    # moe_router_bias_update_rate toward equal loads (the global batch's token counts)
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    # Foil: average the two losses over all MoE layer executions (every layer on every pass)
-    # instead of megatron-core's sum over layers
-    moe_loss_average_over_executions: bool = False
-    # auto | fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md); auto: bf16 where
-    # CUDA is present, fp32 on CPUs, resolved by validation (run_config.yaml records the result)
-    params_dtype: str = "auto"
-    use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
-    # FP8 through Transformer Engine, Megatron-LM's flags (--fp8-format, --fp8-recipe, --fp8-margin,
-    # --fp8-amax-history-len, --fp8-amax-compute-algo); the layers' GEMMs only, see model/precision.py
-    fp8: Optional[str] = None  # e4m3 | hybrid
-    # delayed | tensorwise (current scaling) | mxfp8 | blockwise; default (resolved by validation): delayed for
-    # plans that run each layer once per forward, tensorwise for the others (see fp8_recipe_default)
-    fp8_recipe: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"  # most_recent | max
+    # FFN mixtures of experts (megatron-core MoE) in the fixed layers and/or blocks (config/sections.py)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # the weights' dtype, the layer implementation (TE or local) and FP8 (config/sections.py)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     @property
     def ffn_hidden(self) -> int:
@@ -178,7 +140,14 @@ class ModelConfig:
 
     def normalize(self) -> "ModelConfig":
         """Read ``plan`` (a kind's name or a section mapping) into the kind's section object; idempotent,
-        so it also runs after ``--set`` overrides."""
+        so it also runs after ``--set`` overrides; ``moe`` / ``precision`` given as mappings become
+        their sections."""
+        for name, cls in (("moe", MoEConfig), ("precision", PrecisionConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict) or value is None:
+                from megatron_lol.config.loader import build_dataclass
+
+                object.__setattr__(self, name, build_dataclass(cls, value or {}, f"model.{name}", f"model.{name}."))
         if isinstance(self.plan, str):
             self.plan = plan_section(self.plan)
         elif isinstance(self.plan, dict):
@@ -239,12 +208,8 @@ class ModelConfig:
         return self.execution_plan().depth
 
     def uses_transformer_engine(self) -> bool:
-        """The layer spec: ``use_transformer_engine``, or (unset) whether TE imports with CUDA."""
-        if self.use_transformer_engine is not None:
-            return bool(self.use_transformer_engine)
-        from megatron_lol.platform import has_transformer_engine
-
-        return has_transformer_engine()
+        """The layer spec: ``precision.transformer_engine``, or (unset) whether TE imports with CUDA."""
+        return self.precision.uses_transformer_engine()
 
     @property
     def core_experts(self) -> Optional[int]:
@@ -280,10 +245,6 @@ class ModelConfig:
         self._validate_router_only(prefix)
         choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
-        if self.params_dtype == "fp16":
-            raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")
-        choice(f"{prefix}.params_dtype", self.params_dtype, PARAMS_DTYPES)
-        self.params_dtype = resolve_params_dtype(self.params_dtype)
         positive(f"{prefix}.hidden_size", self.hidden_size)
         positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
@@ -323,107 +284,8 @@ class ModelConfig:
         nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
         nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
         positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
-        choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
-        if self.fp8 is not None:
-            self._validate_fp8(prefix)
-        if self.use_transformer_engine:
-            from megatron_lol.platform import has_transformer_engine
-
-            if not has_transformer_engine():
-                raise ConfigError(
-                    f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
-                    f"is not available on this machine"
-                )
-        if self.params_dtype == "fp32" and self.uses_transformer_engine():
-            # TE 2.9/2.10 get_attention_backend: FlashAttention and FusedAttention take fp16/bf16 only and
-            # UnfusedDotProductAttention no THD, the packed layout of this spec (docs/gpu.md, "Precision")
-            raise ConfigError(
-                f"{prefix}.params_dtype: fp32 under the Transformer Engine spec has no attention "
-                f"backend (TE's fused attention needs bf16, its unfused one does not take the packed "
-                f"THD layout); use bf16 (or auto), or model.use_transformer_engine: false"
-            )
-        if self.moe_layers != "none":
-            if self.num_experts is None or self.num_experts < 1:
-                raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
-            if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise ConfigError(
-                    f"{prefix}.moe_router_topk: must be in [1, num_experts={self.num_experts}] "
-                    f"(got {self.moe_router_topk})"
-                )
-            if self.core_num_experts is not None:
-                if self.moe_layers != "all":
-                    raise ConfigError(f"{prefix}.core_num_experts: needs moe_layers: all (got {self.moe_layers})")
-                if not self.moe_router_topk <= self.core_num_experts:
-                    raise ConfigError(
-                        f"{prefix}.core_num_experts: must be >= moe_router_topk="
-                        f"{self.moe_router_topk} (got {self.core_num_experts})"
-                    )
-            if self.moe_shared_expert_intermediate_size is not None:
-                positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
-            nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
-            if self.moe_z_loss_coeff is not None:
-                nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
-            choice(f"{prefix}.moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
-            nonnegative(f"{prefix}.moe_router_bias_update_rate", self.moe_router_bias_update_rate)
-            if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-                # megatron-core's TransformerConfig refuses it too: the bias is added to sigmoid scores
-                raise ConfigError(
-                    f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
-                    f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
-                    f"{self.moe_router_score_function})"
-                )
-        else:
-            for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
-            if self.moe_router_enable_expert_bias:
-                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs MoE layers (moe_layers is none)")
-
-    def _validate_fp8(self, prefix: str) -> None:
-        """FP8 needs TE on CUDA (and Blackwell for MXFP8); the block GEMMs it runs need rows in
-        multiples of 16 (checked with the batch shape in :meth:`ExperimentConfig.validate`)."""
-        from megatron_lol.platform import cuda_available, has_transformer_engine
-
-        choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
-        if self.fp8_recipe is None:
-            self.fp8_recipe = fp8_recipe_default(self.execution_plan(prefix))
-        choice(f"{prefix}.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
-        positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
-        nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
-        if self.use_transformer_engine is False or not has_transformer_engine():
-            why = (
-                "disabled by use_transformer_engine: false"
-                if self.use_transformer_engine is False
-                else "not available on this machine"
-            )
-            raise ConfigError(f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA ({why})")
-        if self.params_dtype != "bf16":
-            raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
-        if self.fp8_recipe == "mxfp8" and cuda_available():
-            import torch
-
-            major, _ = torch.cuda.get_device_capability()
-            if major < 10:
-                raise ConfigError(
-                    f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
-                    f"this one has {major}.x); use delayed or tensorwise"
-                )
-        plan = self.execution_plan(prefix)
-        if self.fp8_recipe == "delayed" and runs_layers_repeatedly(plan):
-            # TE's autocast: with reduce_amax a module must not run more than once per region, and every
-            # rank must register the same modules in the same order for the amax all-reduce
-            raise ConfigError(
-                f"{prefix}.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward "
-                f"on every rank, but plan {plan.name} runs its blocks "
-                f"{'where windows are routed' if plan.routed else 'several times'}; "
-                f"use tensorwise (current scaling, the default for this plan)"
-            )
-        if plan.routed and self.moe_layers == "all":
-            raise ConfigError(
-                f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
-                f"windows to FP8's row multiple to experts; use moe_layers: fixed or no fp8"
-            )
+        self.moe.validate(f"{prefix}.moe")
+        self.precision.validate(self, f"{prefix}.precision")
 
 
 def typing_hints(cls) -> dict:
@@ -437,27 +299,26 @@ _dataclass_init = ModelConfig.__init__
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs) -> None:
-    """The dataclass's ``__init__``, taking the deprecated flat plan keys too (``ModelConfig(<flat key>=...)``,
-    ``dataclasses.replace(model, ...)``): rewritten into the plan's section by the migration table."""
-    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS}
+    """The dataclass's ``__init__``, taking the deprecated flat keys too (``ModelConfig(<flat key>=...)``,
+    ``dataclasses.replace(model, ...)``): rewritten into the plan's section and the ``moe`` /
+    ``precision`` sub-sections by the migration tables."""
+    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS}
     if flat:
         plan = kwargs.get("plan", "lol")
-        raw = {
-            "plan": plan,
-            "moe_layers": kwargs.get("moe_layers", "none"),
-            "num_experts": kwargs.get("num_experts"),
-            "core_num_experts": kwargs.get("core_num_experts"),
-            **flat,
-        }
+        raw = {"plan": plan, **{k: kwargs[k] for k in ("moe", "precision") if kwargs.get(k) is not None}, **flat}
         moved = migrate_model(raw, "ModelConfig", override=not isinstance(plan, (str, dict)))
-        kwargs["plan"], kwargs["core_num_experts"] = moved["plan"], moved.get("core_num_experts")
+        kwargs["plan"] = moved["plan"]
+        kwargs.update({k: moved[k] for k in ("moe", "precision") if k in moved})
     _dataclass_init(self, *args, **kwargs)
 
 
 def _setattr(self, name: str, value: Any) -> None:
-    """A deprecated flat plan key is refused, not stored beside the section where nothing reads it."""
+    """A deprecated flat key is refused, not stored beside the section where nothing reads it."""
     if name in FLAT_KEYS:
         raise AttributeError(f"ModelConfig.{name}: a plan option; it lives in model.plan.{FLAT_KEYS[name][1]}")
+    if name in MOVED_KEYS:
+        section, key = MOVED_KEYS[name]
+        raise AttributeError(f"ModelConfig.{name}: it lives in model.{section}.{key}")
     object.__setattr__(self, name, value)
 
 
