@@ -413,7 +413,7 @@ def test_accordion_config_errors():
         ).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.untie_attention: not used by plan dense"):
         config_from_dict({"model": dict(plan="dense", untie_attention=True)}).validate(check_data=False)
-    with pytest.raises(ConfigError, match="model.core_num_experts: needs moe_layers: all"):
+    with pytest.raises(ConfigError, match="model.moe.core_num_experts: needs moe_layers: all"):
         config_from_dict(
             {
                 "model": dict(
@@ -421,7 +421,7 @@ def test_accordion_config_errors():
                 )
             }
         ).validate(check_data=False)
-    with pytest.raises(ConfigError, match="model.moe_layers: plan foil loops a block of MoE layers"):
+    with pytest.raises(ConfigError, match="model.moe.layers: plan foil loops a block of MoE layers"):
         config_from_dict({"model": dict(FOIL, moe_layers="fixed")}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.routed_depth: not used by plan foil"):
         config_from_dict({"model": dict(FOIL, routed_depth=4)}).validate(check_data=False)

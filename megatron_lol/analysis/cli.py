@@ -131,7 +131,7 @@ def _load(args):
         if plan.routed or plan.core_experts is None:
             raise CliError(
                 f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
-                f"(model.moe_layers: all); this model is plan {m.plan.kind!r}, moe_layers {m.moe_layers!r}"
+                f"(model.moe.layers: all); this model is plan {m.plan.kind!r}, moe_layers {m.moe.layers!r}"
             )
     elif args.analysis == "budgets":
         if not has_budgets:
@@ -327,7 +327,7 @@ def run_moe_routing(args, ckpt, toks, labels) -> dict:
     records = [r for batch in batches for r in batch]
     if not records:
         raise CliError("moe-routing: no example was long enough to route (see --seq-length / --max-examples)")
-    E, D, passes, k = plan.core_experts, plan.num_stored_blocks, plan.loop_passes, m.moe_router_topk
+    E, D, passes, k = plan.core_experts, plan.num_stored_blocks, plan.loop_passes, m.moe.router_topk
     summary = summarise(records, E, k)
     shape = {
         "E": E,

@@ -233,7 +233,7 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
 def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
     if parts[0] == "model" and len(parts) == 2 and parts[1] in MOVED_KEYS:
-        key = moved_key(parts[1], source)  # --set model.num_experts=...: model.moe.num_experts
+        key = moved_key(parts[1], source)  # --set model.moe.num_experts=...: model.moe.num_experts
         parts = key.split(".")
     if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)

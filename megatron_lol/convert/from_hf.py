@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=None, help="training YAML whose data/optimizer/training sections the run_config.yaml takes"
     )
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model.params_dtype")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model.precision.params_dtype")
     parser.add_argument("--force", action="store_true", help="replace an existing --save directory")
 
 

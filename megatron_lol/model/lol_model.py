@@ -163,7 +163,7 @@ class LoLGPTModel(_language_module()):
             raise ValueError(
                 "LoLGPTModel(packed_sequences=False): the Transformer Engine spec runs packed (THD) sequences only"
             )
-        moe = model.num_experts if model.moe_layers != "none" else None
+        moe = model.moe.num_experts if model.moe.layers != "none" else None
         if moe:
             # megatron-core's MoE loss logging tracker is process-global and sized by the first
             # model's num_layers; a model built later in the same process (tests, notebooks,
@@ -177,7 +177,7 @@ class LoLGPTModel(_language_module()):
         grouped = routes_grouped(model, cuda_available())
         self.grouped_library = self.use_te and grouped
         core_te = self.use_te and not self.grouped_library
-        spec = block_spec(core_te, num_experts=moe if model.moe_layers == "all" else None, film=model.film != "off")
+        spec = block_spec(core_te, num_experts=moe if model.moe.layers == "all" else None, film=model.film != "off")
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, check_data=False)
     overrides = overrides_from_args(args)
     if _requested_dtype(args.config, overrides) == "auto" and target.gpus_per_node > 0:
-        cfg.model.params_dtype = "bf16"  # what `auto` runs in on a GPU, whatever this machine has
+        cfg.model.precision.params_dtype = "bf16"  # what `auto` runs in on a GPU, whatever this machine has
     error = layout_error(cfg, target.world)  # needs no vocabulary: a pipeline's tokenizer may not exist yet
     if error is None and args.check and args.device_memory is not None:
         error = _memory_error(cfg, _vocab(cfg), target)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                     "device_memory_bytes": target.device_bytes,
                     "mfu": target.mfu,
                     "peak_tflops": target.peak_tflops,
-                    "params_dtype": cfg.model.params_dtype,
+                    "params_dtype": cfg.model.precision.params_dtype,
                     "config_error": error,
                     "proposals": [p.to_dict() for p in proposals],
                 }
@@ -190,9 +190,9 @@ def _target(args: argparse.Namespace):
 
 
 def _requested_dtype(path: str, overrides: list) -> str:
-    """``model.params_dtype`` as written (the loaded config has ``auto`` resolved for this machine)."""
+    """``model.precision.params_dtype`` as written (the loaded config has ``auto`` resolved for this machine)."""
     for key, value, _ in reversed(overrides):
-        if key == "model.params_dtype":
+        if key == "model.precision.params_dtype":
             return str(value)
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}

@@ -183,9 +183,9 @@ class ExecutionPlan:
     def core_experts(self) -> Optional[int]:
         """Experts per MoE layer of the core's blocks (None: dense MLPs)."""
         m = self.model
-        if m.moe_layers != "all":
+        if m.moe.layers != "all":
             return None
-        return m.core_num_experts or m.num_experts
+        return m.moe.core_num_experts or m.moe.num_experts
 
     def untied_attention_sets(self) -> list:
         """``(block, pass)`` of every pass that runs its own attention."""
