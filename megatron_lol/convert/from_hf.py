@@ -216,7 +216,7 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
         rotary_scaling_factor=factor,
         norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)),
         init_method_std=float(conf.get("initializer_range", 0.02)),
-        params_dtype=dtype,
+        precision={"params_dtype": dtype},
     )
     for key in (
         "window_size",

@@ -180,7 +180,7 @@ def _peak_memory_bytes() -> dict:
 def _precision(cfg, override: Optional[str]) -> str:
     if override:
         return override
-    if getattr(cfg.model, "fp8", None):
+    if cfg.model.precision.fp8:
         return "fp8"
     return "bf16" if cfg.model.precision.params_dtype == "bf16" else "tf32"
 
