@@ -207,6 +207,22 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
         "N",
         "compare the routing across the tensor-parallel group every N iterations (default: --log-interval; 0: never)",
     ),
+    "--num-experts": (
+        "model.moe.num_experts",
+        "model",
+        "N",
+        "experts per MoE layer (which layers are MoE: --set model.moe.layers=fixed or all)",
+    ),
+    "--moe-router-topk": ("model.moe.router_topk", "model", "K", "experts each token is routed to"),
+    "--moe-ffn-hidden-size": ("model.moe.ffn_hidden_size", "model", "N", "an expert's hidden width"),
+    "--moe-aux-loss-coeff": ("model.moe.aux_loss_coeff", "model", "X", "Switch load-balancing loss coefficient"),
+    "--moe-z-loss-coeff": ("model.moe.z_loss_coeff", "model", "X", "router z-loss coefficient"),
+    "--moe-router-score-function": (
+        "model.moe.router_score_function",
+        "model",
+        "FN",
+        "softmax or sigmoid router scores",
+    ),
     "--fp8-format": (
         "model.precision.fp8",
         "precision",
