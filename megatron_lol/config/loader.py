@@ -22,7 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_lol.config.flags import BOOL_FLAGS, CHOICE_FLAGS, GROUPS, MEGATRON_FLAGS  # noqa: F401 - re-exported
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, migrate_model, moved_key, set_flat_key
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model, moved_key, set_flat_key
 from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 PARAMS_GROUPS = ("model", "tokenizer", "parallelism")
@@ -238,7 +238,7 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
     if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)
         return
-    if parts[0] == "model" and len(parts) == 2 and parts[1] in FLAT_KEYS:
+    if parts[0] == "model" and len(parts) == 2 and (parts[1] in FLAT_KEYS or parts[1] in ROUTING_KEYS):
         set_flat_key(cfg.model, parts[1], value, source)
         return
     obj = cfg
@@ -258,9 +258,11 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
 def set_plan(model: ModelConfig, rest: list, value: Any, source: str, key: str) -> None:
     """``model.plan=KIND`` (the kind with its defaults), ``model.plan={kind: ..., ...}``
     (a whole section) or ``model.plan.OPTION=VALUE`` (one option of the current kind)."""
-    if len(rest) > 1:
-        raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION)")
-    if rest:
+    if len(rest) > 2:
+        raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION[.KEY])")
+    if len(rest) == 2:
+        model.set_plan_option(rest[1], value, source, sub=rest[0])
+    elif rest:
         model.set_plan_option(rest[0], value, source)
     elif isinstance(value, dict):
         model.read_plan_section(value, source)

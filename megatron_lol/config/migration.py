@@ -23,7 +23,10 @@ earlier versions load to the same model:
   ``model.num_experts`` for ``model.moe.num_experts``, ``model.moe_router_topk``
   for ``model.moe.router_topk``, ``model.params_dtype`` for
   ``model.precision.params_dtype``, ``model.use_transformer_engine`` for
-  ``model.precision.transformer_engine``.
+  ``model.precision.transformer_engine``;
+* the window router's and its balancing's settings as flat ``model`` keys
+  (:data:`ROUTING_KEYS`): ``model.balancing`` for ``model.plan.routing.balancing``
+  (a kind without a router drops them).
 
 This module is the only one in the package that names an option by its flat
 key (tests/test_config_migration.py scans for the others); the loader calls
@@ -35,6 +38,7 @@ key (tests/test_config_migration.py scans for the others); the loader calls
 from __future__ import annotations
 
 import warnings
+from dataclasses import fields
 from typing import Any
 
 from megatron_lol.errors import ConfigError
@@ -82,6 +86,25 @@ MOVED_KEYS = {
 }
 
 
+#: flat ``model`` keys of the window router and its balancing: now keys of ``model.plan.routing``, the
+#: sub-section of the kinds that route (:mod:`megatron_lol.plan.routing`), under the same names
+ROUTING_KEYS = (
+    "router_tied",
+    "router_noise",
+    "router_noise_clamp",
+    "router_input",
+    "router_only_tokens",
+    "router_only_filler",
+    "balancing",
+    "bias_update_speed",
+    "bias_clamp",
+    "bias_update_stop_fraction",
+    "per_depth_bias",
+    "seq_aux_loss_coeff",
+    "aux_loss_coeff",
+)
+
+
 #: the defaults of the flat keys that had one (the others defaulted to null): a run_config.yaml of that
 #: version lists every kind's keys, and these values of another kind's keys mean "not set"
 FLAT_DEFAULTS = {"loop_budgets": [0], "second_pass_router": "shared", "loop_gates": True}
@@ -96,26 +119,68 @@ def _warn(message: str) -> None:
 
 
 def migrate_model(model: dict, source: str, override: bool = False) -> dict:
-    """``model`` (a raw mapping of the ``model`` section) with every flat plan key moved into
-    ``model.plan`` as ``{kind: ..., ...}`` (deprecation warnings); unchanged without flat keys.
+    """``model`` (a raw mapping of the ``model`` section) in the current layout: the flat MoE /
+    precision keys in their sub-sections, the flat plan keys in ``model.plan``, the flat router and
+    balancing keys in ``model.plan.routing`` (deprecation warnings); unchanged when already current.
 
     ``override``: the flat keys replace the section's values (``--set model.<flat key>``,
     ``dataclasses.replace``); otherwise a flat key and a different section value are refused.
     """
     model = migrate_sections(model, source, override)
+    model = _migrate_plan_keys(model, source, override)
+    return migrate_routing(model, source, override)
+
+
+def _plan_mapping(plan: Any) -> dict:
+    """The plan as ``{kind: ..., ...}``, from a name, a mapping or a section object."""
+    if isinstance(plan, dict):
+        return dict(plan)
+    if isinstance(plan, str):
+        return {"kind": plan}
+    from megatron_lol.plan.execution import section_dict
+
+    return section_dict(plan)
+
+
+def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` with the flat router / balancing keys (:data:`ROUTING_KEYS`) moved into the plan's
+    ``routing`` sub-section; for a kind without a router they are dropped (they never did anything
+    there), each with a deprecation warning."""
+    flat = {k: model[k] for k in ROUTING_KEYS if k in model}
+    if not flat:
+        return model
+    from megatron_lol.plan import PLANS
+
+    out = {k: v for k, v in model.items() if k not in ROUTING_KEYS}
+    section = _plan_mapping(model.get("plan", "lol"))
+    kind = section.get("kind")
+    cls = PLANS.get(kind)
+    if cls is None or "routing" not in {f.name for f in fields(cls.Options)}:
+        for key in flat:
+            _warn(f"{source}: model.{key} is deprecated and not used by plan {kind} (dropped)")
+        return out
+    written = section.get("routing")
+    routing = _section_values(written)
+    for key, value in flat.items():
+        if not override and isinstance(written, dict) and key in written and written[key] != value:
+            raise ConfigError(
+                f"{source}: model.{key}={value!r} given together with model.plan.routing.{key}={written[key]!r}; "
+                f"remove model.{key}"
+            )
+        routing[key] = value
+        _warn(f"{source}: model.{key} is deprecated; write it as model.plan.routing.{key}")
+    section["routing"] = routing
+    out["plan"] = section
+    return out
+
+
+def _migrate_plan_keys(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` with every flat plan key moved into ``model.plan`` as ``{kind: ..., ...}``."""
     flat = {k: model[k] for k in FLAT_KEYS if k in model}
     if not flat:
         return model
     out = {k: v for k, v in model.items() if k not in FLAT_KEYS}
-    plan = model.get("plan", "lol")
-    if isinstance(plan, dict):
-        section = dict(plan)
-    elif isinstance(plan, str):
-        section = {"kind": plan}
-    else:  # a section object (Python construction)
-        from megatron_lol.plan.execution import section_dict
-
-        section = section_dict(plan)
+    section = _plan_mapping(model.get("plan", "lol"))
     kind = section.get("kind")
     flat = {k: v for k, v in flat.items() if v is not None}  # unset: means nothing in any spelling
     kind = _older_shape_keys(kind, flat, section, out)
@@ -233,5 +298,9 @@ def moved_key(key: str, source: str) -> str:
 
 def set_flat_key(model, key: str, value: Any, source: str) -> None:
     """``--set model.<flat key>=VALUE``: the option of the current plan (deprecation warning)."""
+    if key in ROUTING_KEYS:
+        _warn(f"{source}: model.{key} is deprecated; write it as model.plan.routing.{key}")
+        model.set_plan_option(key, value, source, sub="routing")
+        return
     migrated = migrate_model({"plan": model.plan, key: value}, source, override=True)
     model.read_plan_section(migrated["plan"], source)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_lol.config.checks import asdict, choice, nonnegative, positive
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, migrate_model
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model
 from megatron_lol.config.sections import (  # noqa: F401 - re-exported
     FP8_RECIPES,
     MOE_SCORE_FUNCTIONS,
@@ -29,11 +29,10 @@ from megatron_lol.config.sections import (  # noqa: F401 - re-exported
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan import ExecutionPlan, build_plan, plan_kind
 from megatron_lol.plan.execution import DENSE_ATTENTION, plan_section, section_dict
+from megatron_lol.plan.routing import BALANCING, ROUTER_INPUTS, RoutingOptions  # noqa: F401 - re-exported
 
-BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 ROUTED_CORES = ("auto", "reference", "grouped")
-ROUTER_INPUTS = ("windows", "depth")
 
 
 def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
@@ -95,27 +94,6 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    # router (docs/model.md, "Router")
-    router_tied: bool = True
-    router_noise: bool = True
-    router_noise_clamp: float = 10.0
-    # what the router reads (docs/model.md, "Router"): "windows" = the past windows' states (LoL);
-    # "depth" = only the depth vector e^(l), a learned route that ignores the input (the control run
-    # that separates input adaptivity from the shared library, masks, FiLM and growth schedule)
-    router_input: str = "windows"
-    # router-only tokens (docs/model.md, "Router-only tokens"): these ids reach the router only (the mean
-    # of their router embeddings, up to each window's first token, is added to the router's input); the
-    # layers see router_only_filler in their place and their labels carry no loss (a strategy field)
-    router_only_tokens: list = field(default_factory=list)
-    router_only_filler: Optional[int] = None
-    # balancing (docs/model.md, "Load balancing")
-    balancing: str = "loss_free"
-    bias_update_speed: float = 1e-3
-    bias_clamp: float = 16.0
-    bias_update_stop_fraction: float = 0.966
-    per_depth_bias: bool = False
-    seq_aux_loss_coeff: float = 1e-4
-    aux_loss_coeff: float = 0.02
     # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
@@ -168,26 +146,46 @@ class ModelConfig:
         values = {key: self._option_value(cls, key, value, source) for key, value in section.items() if key != "kind"}
         self.plan = plan_section(cls.name, values)
 
-    def set_plan_option(self, key: str, value: Any, source: str = "model.plan") -> None:
-        """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``)."""
+    def set_plan_option(self, key: str, value: Any, source: str = "model.plan", sub: Optional[str] = None) -> None:
+        """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``), or ``sub``'s
+        key ``key`` of its sub-section option ``sub`` (``--set model.plan.routing.balancing=none``)."""
         self.normalize()
         cls = plan_kind(self.plan.kind, "model")
+        if sub is not None:
+            section = getattr(self.plan, self._option_name(cls, sub, source))
+            if not dataclasses.is_dataclass(section):
+                raise ConfigError(f"{source}: model.plan.{sub} is an option of plan {cls.name}, not a section")
+            key_of = f"model.plan.{sub}."
+            from megatron_lol.config.loader import build_dataclass
+
+            updated = build_dataclass(type(section), {**asdict(section), key: value}, source, key_of)
+            self.plan = dataclasses.replace(self.plan, **{sub: updated})
+            return
         self.plan = dataclasses.replace(self.plan, **{key: self._option_value(cls, key, value, source)})
+
+    @staticmethod
+    def _option_name(cls, key: str, source: str) -> str:
+        """``key`` if it is an option of kind ``cls``, else a one-line ConfigError with a did-you-mean."""
+        fields = [f.name for f in dataclasses.fields(cls.Options)]
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
+            )
+        return key
 
     @staticmethod
     def _option_value(cls, key: str, value: Any, source: str) -> Any:
         """``value`` coerced to option ``key``'s type of kind ``cls``; did-you-mean over its options."""
         from megatron_lol.config.loader import coerce_value
 
-        fields = {f.name: f for f in dataclasses.fields(cls.Options)}
-        if key not in fields:
-            known = ", ".join(fields) or "none"
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(
-                f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
-            )
-        return coerce_value(typing_hints(cls.Options)[key], value, source, f"model.plan.{key}")
+        ModelConfig._option_name(cls, key, source)
+        hint = typing_hints(cls.Options)[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):  # a sub-section already read
+            return value
+        return coerce_value(hint, value, source, f"model.plan.{key}")
 
     def to_dict(self) -> dict:
         """Plain data with the plan as its tagged section: what run_config.yaml holds."""
@@ -216,33 +214,9 @@ class ModelConfig:
         """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
         return self.execution_plan().core_experts
 
-    def _validate_router_only(self, prefix: str) -> None:
-        ids = self.router_only_tokens
-        if not ids:
-            if self.router_only_filler is not None:
-                raise ConfigError(f"{prefix}.router_only_filler: set without {prefix}.router_only_tokens")
-            return
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
-            raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
-        if not self.execution_plan().routed:
-            raise ConfigError(
-                f"{prefix}.router_only_tokens: only a routed plan has a window router (plan {self.plan.kind})"
-            )
-        if self.router_input != "windows":
-            raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
-        filler = self.router_only_filler
-        if not isinstance(filler, int) or filler < 0 or filler in ids:
-            raise ConfigError(
-                f"{prefix}.router_only_filler: the token id the layers see in place of a router-only token, "
-                f"not one of router_only_tokens (got {filler})"
-            )
-
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
-        choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.film", self.film, FILM_MODES)
-        choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
-        self._validate_router_only(prefix)
         choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         positive(f"{prefix}.hidden_size", self.hidden_size)
@@ -275,15 +249,6 @@ class ModelConfig:
         positive(f"{prefix}.rotary_base", self.rotary_base)
         positive(f"{prefix}.rotary_scaling_factor", self.rotary_scaling_factor)
         positive(f"{prefix}.init_method_std", self.init_method_std)
-        nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
-        positive(f"{prefix}.bias_clamp", self.bias_clamp)
-        if not 0 <= self.bias_update_stop_fraction <= 1:
-            raise ConfigError(
-                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] (got {self.bias_update_stop_fraction})"
-            )
-        nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
-        nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
-        positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
         self.moe.validate(f"{prefix}.moe")
         self.precision.validate(self, f"{prefix}.precision")
 
@@ -302,7 +267,7 @@ def _init(self, *args, **kwargs) -> None:
     """The dataclass's ``__init__``, taking the deprecated flat keys too (``ModelConfig(<flat key>=...)``,
     ``dataclasses.replace(model, ...)``): rewritten into the plan's section and the ``moe`` /
     ``precision`` sub-sections by the migration tables."""
-    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS}
+    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS}
     if flat:
         plan = kwargs.get("plan", "lol")
         raw = {"plan": plan, **{k: kwargs[k] for k in ("moe", "precision") if kwargs.get(k) is not None}, **flat}
@@ -316,6 +281,8 @@ def _setattr(self, name: str, value: Any) -> None:
     """A deprecated flat key is refused, not stored beside the section where nothing reads it."""
     if name in FLAT_KEYS:
         raise AttributeError(f"ModelConfig.{name}: a plan option; it lives in model.plan.{FLAT_KEYS[name][1]}")
+    if name in ROUTING_KEYS:
+        raise AttributeError(f"ModelConfig.{name}: a router option; it lives in model.plan.routing.{name}")
     if name in MOVED_KEYS:
         section, key = MOVED_KEYS[name]
         raise AttributeError(f"ModelConfig.{name}: it lives in model.{section}.{key}")

@@ -316,7 +316,15 @@ def plan_section(kind: str, values: Optional[dict] = None, prefix: str = "model"
     """The section object of kind ``kind``: an instance of its ``Options`` (``values``, else the
     defaults) that also says ``kind``; what ``ModelConfig.plan`` holds."""
     cls = plan_kind(kind, prefix)
-    return _section_class(cls)(**(values or {}))
+    values = dict(values or {})
+    hints = None
+    for f in dataclasses.fields(cls.Options):
+        if isinstance(values.get(f.name), dict):  # a sub-section (``routing``) as a mapping
+            import typing
+
+            hints = hints or typing.get_type_hints(cls.Options)
+            values[f.name] = hints[f.name](**values[f.name])
+    return _section_class(cls)(**values)
 
 
 _SECTIONS: dict = {}
@@ -336,8 +344,16 @@ def _section_class(cls: type) -> type:
 
 
 def section_dict(section: Any) -> dict:
-    """``{kind: ..., option: value, ...}``: the section as a config writes it."""
-    return {"kind": section.kind, **{f.name: getattr(section, f.name) for f in dataclasses.fields(section)}}
+    """``{kind: ..., option: value, ...}``: the section as a config writes it (sub-sections as mappings)."""
+    return {"kind": section.kind, **{f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _section_repr(self) -> str:
