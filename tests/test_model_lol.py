@@ -487,7 +487,7 @@ def test_router_input_is_validated():
     from megatron_lol.config import config_from_dict
     from megatron_lol.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.router_input"):
+    with pytest.raises(ConfigError, match="model.plan.routing.router_input"):
         config_from_dict({"model": {"router_input": "tokens"}}, check_data=False)
 
 

@@ -157,7 +157,7 @@ STUDIES = {
         "spread (max - min over the seeds) of the two.",
         arms=[
             Arm("lol"),
-            Arm("lol-fixed-route", {"model.router_input": "depth"}),
+            Arm("lol-fixed-route", {"model.plan.routing.router_input": "depth"}),
             Arm("dense", {"model.plan": "{kind: dense, layers: 4}"}),
             Arm("looped", {"model.plan": "{kind: looped, layers: 2, loops: 2}"}),
         ],

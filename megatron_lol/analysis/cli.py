@@ -186,8 +186,8 @@ def _meta(ckpt, args, n: int) -> dict:
         "depth": plan.depth,
         "window_size": m.window_size,
         "window_shift": m.window_shift,
-        "router_tied": m.router_tied,
-        "router_input": m.router_input,
+        "router_tied": m.plan.routing.router_tied,
+        "router_input": m.plan.routing.router_input,
         "data": args.data_path or args.jsonl,
         "part": args.part if args.data_path else None,
     }

@@ -423,7 +423,7 @@ def _flops(
         if routed:
             n_windows = batch * len(window_lengths(seq, W, delta))
             r = 2 * n_windows * d * L
-            if training and model.router_noise:
+            if training and model.plan.routing.router_noise:
                 r += 2 * n_windows * L * L
             core_f = core_f + Flops(router=r)
             if grad_tokens:
