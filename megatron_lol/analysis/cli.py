@@ -31,6 +31,7 @@ import time
 
 from megatron_lol.errors import CliError
 from megatron_lol.log import add_general_arguments
+from megatron_lol.plan.routing import routing_of
 
 SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 
@@ -186,8 +187,8 @@ def _meta(ckpt, args, n: int) -> dict:
         "depth": plan.depth,
         "window_size": m.window_size,
         "window_shift": m.window_shift,
-        "router_tied": m.plan.routing.router_tied,
-        "router_input": m.plan.routing.router_input,
+        "router_tied": routing_of(m).router_tied,
+        "router_input": routing_of(m).router_input,
         "data": args.data_path or args.jsonl,
         "part": args.part if args.data_path else None,
     }

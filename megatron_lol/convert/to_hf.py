@@ -31,6 +31,7 @@ from megatron_lol.convert import mapping
 from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_apart, iteration_dir, read_run_config
 from megatron_lol.errors import CliError
 from megatron_lol.progress import progress
+from megatron_lol.plan.routing import routing_of
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
 # the remote code written next to a LoL model's config.json (modeling_lol.py imports the others)
@@ -215,11 +216,11 @@ def lol_config_json(
         "window_size": m.window_size,
         "window_shift": m.window_shift,
         "dense_attention": m.dense_attention,
-        "router_tied": m.plan.routing.router_tied,
-        "router_input": m.plan.routing.router_input,
-        "router_only_tokens": list(m.plan.routing.router_only_tokens),
-        "router_only_filler": m.plan.routing.router_only_filler,
-        "per_depth_bias": m.plan.routing.per_depth_bias,
+        "router_tied": routing_of(m).router_tied,
+        "router_input": routing_of(m).router_input,
+        "router_only_tokens": list(routing_of(m).router_only_tokens),
+        "router_only_filler": routing_of(m).router_only_filler,
+        "per_depth_bias": routing_of(m).per_depth_bias,
         "film": m.film,
         "input_injection": m.input_injection,
         "moe_layers": m.moe.layers,

@@ -49,6 +49,7 @@ from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.stages import local_blocks
 from megatron_lol.platform.trace_ranges import trace_range, trace_steps
+from megatron_lol.plan.routing import routing_of
 
 __all__ = ["Core", "CoreOutput", "DepthRecord", "ForcedPath", "MoERecord"]
 
@@ -160,9 +161,10 @@ class Core(nn.Module):
                 p.allreduce = False
         self.balancer = None
         if plan.routed:
-            n_routers = 1 if model.plan.routing.router_tied else D
+            routing = model.plan.routing
+            n_routers = 1 if routing.router_tied else D
             self.routers = nn.ModuleList(
-                WindowRouter(h, L, noise=model.plan.routing.router_noise, noise_clamp=model.plan.routing.router_noise_clamp)
+                WindowRouter(h, L, noise=routing.router_noise, noise_clamp=routing.router_noise_clamp)
                 for _ in range(n_routers)
             )
             # e^(l): exists whether or not the router is tied
@@ -319,7 +321,7 @@ class Core(nn.Module):
         :class:`~.host_layout.HostLayout` on the states' device, whose windows and router noise the
         routed depths use; without one the core builds it here from ``docs`` (a copy to the host on
         a GPU: the trainer, evaluation and the benches bring theirs).
-        ``router_only`` [b, s]: each token's index in ``model.plan.routing.router_only_tokens`` (-1: an ordinary
+        ``router_only`` [b, s]: each token's index in ``plan.routing.router_only_tokens`` (-1: an ordinary
         token), for the router's router-only term.
         """
         opts = ForwardOptions.of(options, overrides, "Core.forward")
@@ -360,7 +362,7 @@ class Core(nn.Module):
         ``opts.noise_seeds`` as the trainer's layouts draw it)."""
         cpu_docs = DocumentLayout(docs.positions.cpu(), docs.doc_index.cpu(), docs.num_docs)
         seeds = opts.noise_seeds
-        if seeds is not None and not (self.training and self.cfg.plan.routing.router_noise):
+        if seeds is not None and not (self.training and routing_of(self.cfg).router_noise):
             seeds = None
         layout = layout_from_documents(
             cpu_docs,

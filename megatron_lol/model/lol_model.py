@@ -51,6 +51,7 @@ from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
 from megatron_lol.platform import cuda_available
 from megatron_lol.platform.trace_ranges import trace_range
+from megatron_lol.plan.routing import routing_of
 
 
 class AuxLossAttach(torch.autograd.Function):
@@ -145,9 +146,8 @@ class LoLGPTModel(_language_module()):
         self.plan = plan
         self.eod_id = eod_id
         # router-only token ids (docs/model.md, "Router-only tokens"); moves with the module (.cuda())
-        self.register_buffer(
-            "router_only_ids", torch.tensor(list(model.plan.routing.router_only_tokens), dtype=torch.long), persistent=False
-        )
+        router_only = list(routing_of(model).router_only_tokens)
+        self.register_buffer("router_only_ids", torch.tensor(router_only, dtype=torch.long), persistent=False)
         self.vocab_size = vocab_size
         self.vp_stage = vp_stage
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -273,7 +273,7 @@ class LoLGPTModel(_language_module()):
         router_only = self.router_only_index(input_ids)
         if router_only is not None:
             # the layers see the filler: a router-only token's identity reaches the router only
-            input_ids = torch.where(router_only >= 0, self.cfg.plan.routing.router_only_filler, input_ids)
+            input_ids = torch.where(router_only >= 0, routing_of(self.cfg).router_only_filler, input_ids)
         if self.pre_process:
             # packed: the micro-batch is one row of b*s tokens (so is the embedding's SP scatter)
             hidden = self.embedding(
@@ -356,7 +356,8 @@ class LoLGPTModel(_language_module()):
         return self.compute_language_model_loss(labels, logits)
 
     def router_only_index(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """Each token's index in ``model.plan.routing.router_only_tokens`` (-1: an ordinary token); None when there are none."""
+        """Each token's index in ``model.plan.routing.router_only_tokens`` (-1: an ordinary token); None when
+        there are none."""
         if self.router_only_ids.numel() == 0:
             return None
         match = tokens.unsqueeze(-1) == self.router_only_ids
