@@ -56,7 +56,9 @@ def test_transformer_engine_spec_refuses_fp32_in_one_line(fake_cuda):
         with pytest.raises(ConfigError) as err:
             config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=te)})
         message = str(err.value)
-        assert "\n" not in message and message.startswith("model.precision.params_dtype: fp32 under the Transformer Engine")
+        assert "\n" not in message and message.startswith(
+            "model.precision.params_dtype: fp32 under the Transformer Engine"
+        )
         assert "no attention backend" in message and "use bf16 (or auto)" in message
     assert config_from_dict({"model": dict(LOL)}).model.params_dtype == "bf16"  # auto under TE
 

@@ -437,8 +437,14 @@ def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
 
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)  # params_dtype auto: bf16
-    for extra in ([], [("model.precision.params_dtype", "bf16", "--bf16"), ("model.precision.fp8", "hybrid", "--fp8-format")]):
-        overrides = [("model.precision.transformer_engine", True, "--set model.precision.transformer_engine=true"), *extra]
+    for extra in (
+        [],
+        [("model.precision.params_dtype", "bf16", "--bf16"), ("model.precision.fp8", "hybrid", "--fp8-format")],
+    ):
+        overrides = [
+            ("model.precision.transformer_engine", True, "--set model.precision.transformer_engine=true"),
+            *extra,
+        ]
         try:
             cfg = load_config(path, overrides, check_data=False)
         except ConfigError as err:
@@ -466,7 +472,11 @@ def test_fp8_and_precision_validation(monkeypatch):
     fp8 = dict(base, params_dtype="bf16", fp8="hybrid")
     cfg = config_from_dict({"model": fp8, "training": {"seq_length": 64, "micro_batch_size": 2}})
     # a routed plan: current scaling by default (delayed scaling is refused for it: tests/test_gpu_first_run.py)
-    assert (cfg.model.precision.fp8, cfg.model.precision.fp8_recipe, cfg.model.precision.fp8_amax_history_len) == ("hybrid", "tensorwise", 1)
+    assert (cfg.model.precision.fp8, cfg.model.precision.fp8_recipe, cfg.model.precision.fp8_amax_history_len) == (
+        "hybrid",
+        "tensorwise",
+        1,
+    )
     with pytest.raises(
         ConfigError,
         match=r"^training\.seq_length: FP8 GEMMs \(tensorwise\) need micro_batch_size x "
@@ -518,8 +528,17 @@ def test_megatron_lm_precision_flags(tmp_path, monkeypatch):
         ]
     )
     m = config_from_args(args, check_data=False).model
-    assert (m.precision.params_dtype, m.precision.transformer_engine, m.precision.fp8, m.precision.fp8_recipe) == ("bf16", True, "e4m3", "tensorwise")
-    assert (m.precision.fp8_amax_history_len, m.precision.fp8_amax_compute_algo, m.precision.fp8_margin) == (1024, "max", 1)
+    assert (m.precision.params_dtype, m.precision.transformer_engine, m.precision.fp8, m.precision.fp8_recipe) == (
+        "bf16",
+        True,
+        "e4m3",
+        "tensorwise",
+    )
+    assert (m.precision.fp8_amax_history_len, m.precision.fp8_amax_compute_algo, m.precision.fp8_margin) == (
+        1024,
+        "max",
+        1,
+    )
     args = parser.parse_args(["--config", str(path), "--fp16"])
     with pytest.raises(ConfigError, match=r"^model\.params_dtype: fp16"):
         config_from_args(args, check_data=False)

@@ -146,7 +146,12 @@ def accordion_verdict(results: dict) -> dict:
 
 
 # ------------------------------------------------------------------ studies
-_MOE = {"model.moe.layers": "all", "model.moe.num_experts": 4, "model.moe.router_topk": 2, "model.moe.ffn_hidden_size": 192}
+_MOE = {
+    "model.moe.layers": "all",
+    "model.moe.num_experts": 4,
+    "model.moe.router_topk": 2,
+    "model.moe.ffn_hidden_size": 192,
+}
 
 STUDIES = {
     "lol-vs-dense": Study(

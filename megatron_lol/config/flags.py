@@ -236,8 +236,18 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
         "delayed, tensorwise, mxfp8 or blockwise scaling (default: tensorwise for plans that run "
         "a layer more than once per forward, else delayed)",
     ),
-    "--fp8-margin": ("model.precision.fp8_margin", "precision", "N", "margin of the FP8 scaling factor (delayed scaling)"),
-    "--fp8-amax-history-len": ("model.precision.fp8_amax_history_len", "precision", "N", "amax history length (delayed scaling)"),
+    "--fp8-margin": (
+        "model.precision.fp8_margin",
+        "precision",
+        "N",
+        "margin of the FP8 scaling factor (delayed scaling)",
+    ),
+    "--fp8-amax-history-len": (
+        "model.precision.fp8_amax_history_len",
+        "precision",
+        "N",
+        "amax history length (delayed scaling)",
+    ),
     "--fp8-amax-compute-algo": (
         "model.precision.fp8_amax_compute_algo",
         "precision",

@@ -267,7 +267,9 @@ def _init(self, *args, **kwargs) -> None:
     """The dataclass's ``__init__``, taking the deprecated flat keys too (``ModelConfig(<flat key>=...)``,
     ``dataclasses.replace(model, ...)``): rewritten into the plan's section and the ``moe`` /
     ``precision`` sub-sections by the migration tables."""
-    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS}
+    flat = {
+        key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS
+    }
     if flat:
         plan = kwargs.get("plan", "lol")
         raw = {"plan": plan, **{k: kwargs[k] for k in ("moe", "precision") if kwargs.get(k) is not None}, **flat}

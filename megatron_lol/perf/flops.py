@@ -448,9 +448,7 @@ def dense_equivalent(model: ModelConfig, depth: Optional[int] = None) -> ModelCo
     over = dict(
         plan={"kind": "dense", "layers": depth},
         dense_attention="full",
-        moe=dataclasses.replace(
-            model.moe, core_num_experts=plan.core_experts if model.moe.layers == "all" else None
-        ),
+        moe=dataclasses.replace(model.moe, core_num_experts=plan.core_experts if model.moe.layers == "all" else None),
     )
     return dataclasses.replace(model, **over)
 

@@ -70,12 +70,16 @@ class RoutingOptions:
         ids = self.router_only_tokens
         if not ids:
             if self.router_only_filler is not None:
-                raise ConfigError(f"{prefix}.plan.routing.router_only_filler: set without {prefix}.plan.routing.router_only_tokens")
+                raise ConfigError(
+                    f"{prefix}.plan.routing.router_only_filler: set without {prefix}.plan.routing.router_only_tokens"
+                )
             return
         if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
             raise ConfigError(f"{prefix}.plan.routing.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
         if self.router_input != "windows":
-            raise ConfigError(f"{prefix}.plan.routing.router_only_tokens: needs router_input: windows (got {self.router_input})")
+            raise ConfigError(
+                f"{prefix}.plan.routing.router_only_tokens: needs router_input: windows (got {self.router_input})"
+            )
         filler = self.router_only_filler
         if not isinstance(filler, int) or filler < 0 or filler in ids:
             raise ConfigError(
