@@ -30,8 +30,8 @@ from megatron_lol.config.schema import ExperimentConfig, ModelConfig
 from megatron_lol.convert import mapping
 from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_apart, iteration_dir, read_run_config
 from megatron_lol.errors import CliError
-from megatron_lol.progress import progress
 from megatron_lol.plan.routing import routing_of
+from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
 # the remote code written next to a LoL model's config.json (modeling_lol.py imports the others)

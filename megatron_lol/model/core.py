@@ -47,9 +47,9 @@ from megatron_lol.model.router import WindowRouter
 from megatron_lol.model.static_routing import router_only_prefix_means
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan import Step
+from megatron_lol.plan.routing import routing_of
 from megatron_lol.plan.stages import local_blocks
 from megatron_lol.platform.trace_ranges import trace_range, trace_steps
-from megatron_lol.plan.routing import routing_of
 
 __all__ = ["Core", "CoreOutput", "DepthRecord", "ForcedPath", "MoERecord"]
 

@@ -48,10 +48,10 @@ from megatron_lol.model.library import (
 )
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
+from megatron_lol.plan.routing import routing_of
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
 from megatron_lol.platform import cuda_available
 from megatron_lol.platform.trace_ranges import trace_range
-from megatron_lol.plan.routing import routing_of
 
 
 class AuxLossAttach(torch.autograd.Function):

@@ -53,37 +53,33 @@ class RoutingOptions:
         """``prefix``: the sub-section's key as the user writes it (``model.plan.routing``)."""
         from megatron_lol.config.checks import choice, nonnegative, positive  # the plan package loads first
 
-        choice(f"{prefix}.plan.routing.balancing", self.balancing, BALANCING)
-        choice(f"{prefix}.plan.routing.router_input", self.router_input, ROUTER_INPUTS)
-        positive(f"{prefix}.plan.routing.router_noise_clamp", self.router_noise_clamp)
-        nonnegative(f"{prefix}.plan.routing.bias_update_speed", self.bias_update_speed)
-        positive(f"{prefix}.plan.routing.bias_clamp", self.bias_clamp)
+        choice(f"{prefix}.balancing", self.balancing, BALANCING)
+        choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
+        positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
+        nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
+        positive(f"{prefix}.bias_clamp", self.bias_clamp)
         if not 0 <= self.bias_update_stop_fraction <= 1:
             raise ConfigError(
-                f"{prefix}.plan.routing.bias_update_stop_fraction: must be in [0, 1] (got {self.bias_update_stop_fraction})"
+                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] (got {self.bias_update_stop_fraction})"
             )
-        nonnegative(f"{prefix}.plan.routing.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
-        nonnegative(f"{prefix}.plan.routing.aux_loss_coeff", self.aux_loss_coeff)
+        nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
+        nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
         self._validate_router_only(prefix)
 
     def _validate_router_only(self, prefix: str) -> None:
         ids = self.router_only_tokens
         if not ids:
             if self.router_only_filler is not None:
-                raise ConfigError(
-                    f"{prefix}.plan.routing.router_only_filler: set without {prefix}.plan.routing.router_only_tokens"
-                )
+                raise ConfigError(f"{prefix}.router_only_filler: set without {prefix}.router_only_tokens")
             return
         if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
-            raise ConfigError(f"{prefix}.plan.routing.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
+            raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
         if self.router_input != "windows":
-            raise ConfigError(
-                f"{prefix}.plan.routing.router_only_tokens: needs router_input: windows (got {self.router_input})"
-            )
+            raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
         filler = self.router_only_filler
         if not isinstance(filler, int) or filler < 0 or filler in ids:
             raise ConfigError(
-                f"{prefix}.plan.routing.router_only_filler: the token id the layers see in place of a router-only token, "
+                f"{prefix}.router_only_filler: the token id the layers see in place of a router-only token, "
                 f"not one of router_only_tokens (got {filler})"
             )
 
