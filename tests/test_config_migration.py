@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from megatron_lol.config import ModelConfig, config_from_dict, load_config
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ConfigDeprecationWarning
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, ConfigDeprecationWarning
 from megatron_lol.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -34,11 +34,17 @@ ALLOWED_BASES = {"plan", "options", "o", "self", "counts", "args", "loaded", "ru
 # a moved MoE / precision key may also be read from its own section and from megatron-core's
 # TransformerConfig (``config.fp8``, ``tconfig.params_dtype``, ``core_cfg``), which has the same names
 SECTION_BASES = ALLOWED_BASES | {"moe", "precision", "config", "tconfig", "core_cfg", "c", "block"}
+# a router / balancing key: from the routing sub-section (``m.plan.routing``, ``routing_of(m)``) or a
+# router module's own attribute
+# (``moe.aux_loss_coeff`` is the MoE section's own key of that name)
+ROUTING_BASES = ALLOWED_BASES | {"routing", "routing_of", "moe"}
 
 
 def _flagged(key: str, base: str) -> bool:
     if key in FLAT_KEYS and base not in ALLOWED_BASES:
         return True
+    if key in ROUTING_KEYS:
+        return base not in ROUTING_BASES
     return key in MOVED_KEYS and base not in SECTION_BASES
 
 
@@ -47,7 +53,8 @@ def flat_reads(source: str) -> list:
     found = []
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Attribute):
-            if _flagged(node.attr, ast.unparse(node.value).split(".")[-1]):
+            value = node.value.func if isinstance(node.value, ast.Call) else node.value  # routing_of(m).key
+            if _flagged(node.attr, ast.unparse(value).split(".")[-1]):
                 found.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.Call):
             name = ast.unparse(node.func).split(".")[-1]
@@ -56,7 +63,9 @@ def flat_reads(source: str) -> list:
                 found += [
                     (node.lineno, f"{name}({k.arg}=...)")
                     for k in node.keywords
-                    if k.arg in FLAT_KEYS or (k.arg in MOVED_KEYS and (name == "ModelConfig" or first != "plan"))
+                    if k.arg in FLAT_KEYS
+                    or k.arg in ROUTING_KEYS
+                    or (k.arg in MOVED_KEYS and (name == "ModelConfig" or first != "plan"))
                 ]
             if name in ("getattr", "setattr", "hasattr") and len(node.args) > 1:
                 key = node.args[1]
@@ -79,12 +88,16 @@ model.params_dtype
 replace(m, fp8=None)
 ModelConfig(use_transformer_engine=False)
 getattr(cfg.model, "fp8", None)
+cfg.model.balancing
+self.cfg.router_noise
+ModelConfig(router_tied=False)
 """
-    assert len(flat_reads(bad)) == 11
+    assert len(flat_reads(bad)) == 14
     good = (
         "m.plan.window\nm.plan.num_blocks\nself.loop_gates\ncounts.second_pass_router\nreplace(m.plan, budget=1)\n"
         "m.moe.num_experts\ncfg.model.precision.fp8\ntconfig.params_dtype\nreplace(core_cfg, fp8=None)\n"
         "replace(m.precision, fp8=None)\ngetattr(config, 'fp8', None)\n"
+        "m.plan.routing.balancing\nrouting_of(m).router_only_filler\nrouting.router_tied\n"
     )
     assert flat_reads(good) == []
 
@@ -107,6 +120,10 @@ def test_model_config_has_no_flat_plan_fields():
     for key, (section, option) in MOVED_KEYS.items():
         assert not hasattr(m, key), key
         with pytest.raises(AttributeError, match=f"lives in model.{section}.{option}"):
+            setattr(m, key, 1)
+    for key in ROUTING_KEYS:
+        assert not hasattr(m, key), key
+        with pytest.raises(AttributeError, match=f"lives in model.plan.routing.{key}"):
             setattr(m, key, 1)
     assert (m.plan.kind, m.plan.window, m.plan.budgets, m.plan.gates) == ("accordion", 3, [0, 3], True)
 
@@ -213,6 +230,61 @@ def test_set_of_a_moved_key_and_python_construction(tmp_path):
             config_from_dict({"model": {"moe": {"layers": "fixed", "num_experts": 2}, "num_experts": 3}})
 
 
+ROUTING_VALUES = {
+    "router_tied": False,
+    "router_noise": False,
+    "router_noise_clamp": 5.0,
+    "router_input": "windows",
+    "router_only_tokens": [5, 6],
+    "router_only_filler": 7,
+    "balancing": "aux_loss",
+    "bias_update_speed": 2e-3,
+    "bias_clamp": 8.0,
+    "bias_update_stop_fraction": 0.5,
+    "per_depth_bias": True,
+    "seq_aux_loss_coeff": 1e-2,
+    "aux_loss_coeff": 0.05,
+}
+
+
+ROUTING_DEFAULTS = ModelConfig().to_dict()["plan"]["routing"]
+
+
+def test_each_router_key_reads_as_its_routing_key():
+    """The flat router / balancing keys read (with a deprecation each) as ``model.plan.routing.*`` of a
+    kind that routes, and are dropped (with a warning) for a kind without a router."""
+    assert set(ROUTING_VALUES) == set(ROUTING_KEYS)
+    with pytest.warns(ConfigDeprecationWarning) as caught:
+        cfg = config_from_dict({"model": {"plan": {"kind": "lol", "num_blocks": 2}, **ROUTING_VALUES}})
+    for key, value in ROUTING_VALUES.items():
+        assert getattr(cfg.model.plan.routing, key) == value, key
+        assert any(f"model.{key} is deprecated; write it as model.plan.routing.{key}" in str(w.message) for w in caught)
+    assert cfg.to_dict()["model"]["plan"]["routing"]["balancing"] == "aux_loss"
+    with pytest.warns(ConfigDeprecationWarning, match="model.balancing is deprecated and not used by plan dense"):
+        dense = config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "balancing": "none"}})
+    assert not hasattr(dense.model.plan, "routing")
+    with pytest.warns(ConfigDeprecationWarning, match="model.router_tied is deprecated"):
+        m = ModelConfig(router_tied=False, plan={"kind": "lol", "routing": {"per_depth_bias": True}})
+    assert (m.plan.routing.router_tied, m.plan.routing.per_depth_bias) == (False, True)
+
+
+def test_set_of_a_routing_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"plan": {"kind": "lol", "routing": {"bias_clamp": 4.0}}}}))
+    cfg = load_config(
+        path, [("model.plan.routing.balancing", "none", "--set model.plan.routing.balancing=none")], check_data=False
+    )
+    assert (cfg.model.plan.routing.balancing, cfg.model.plan.routing.bias_clamp) == ("none", 4.0)
+    with pytest.warns(ConfigDeprecationWarning, match="model.per_depth_bias is deprecated"):
+        cfg = load_config(path, [("model.per_depth_bias", True, "--set model.per_depth_bias=true")], check_data=False)
+    assert cfg.model.plan.routing.per_depth_bias is True and cfg.model.plan.routing.bias_clamp == 4.0
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'model.plan.routing.balancng' \(did you mean 'model.plan.routing.balancing'\?\)",
+    ):
+        load_config(path, [("model.plan.routing.balancng", "none", "--set")], check_data=False)
+
+
 FLAT_RUN_CONFIG_OF_DENSE = {
     # a run_config.yaml of the flat version: every kind's keys, the other kinds' at their defaults
     "plan": "dense",
@@ -300,6 +372,7 @@ def flat_layout(model: dict) -> dict:
     for key, (name, option) in MOVED_KEYS.items():  # and the MoE / precision settings flat too
         out[key] = model[name][option]
     section = dict(model["plan"])
+    out.update(section.pop("routing", {}))  # and the router's
     kind = section.pop("kind")
     out["plan"] = kind
     for key, (kinds, option) in FLAT_KEYS.items():
@@ -321,7 +394,7 @@ def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, t
     assert first == {1: ref[1], 2: ref[2]}
     run_config = tmp_path / "old" / "iter_0000002" / "run_config.yaml"
     saved = yaml.safe_load(run_config.read_text())
-    assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3}
+    assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3, "routing": ROUTING_DEFAULTS}
     saved["model"] = flat_layout(saved["model"])
     run_config.write_text(yaml.safe_dump(saved))
     # the checkpoint that version saved lists this run_config.yaml in its checksum manifest
