@@ -26,7 +26,7 @@ earlier versions load to the same model:
   ``model.precision.transformer_engine``;
 * the window router's and its balancing's settings as flat ``model`` keys
   (:data:`ROUTING_KEYS`): ``model.balancing`` for ``model.plan.routing.balancing``
-  (a kind without a router drops them).
+  (for a kind without a router: dropped at their defaults, refused otherwise).
 
 This module is the only one in the package that names an option by its flat
 key (tests/test_config_migration.py scans for the others); the loader calls
@@ -144,8 +144,9 @@ def _plan_mapping(plan: Any) -> dict:
 
 def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
     """``model`` with the flat router / balancing keys (:data:`ROUTING_KEYS`) moved into the plan's
-    ``routing`` sub-section; for a kind without a router they are dropped (they never did anything
-    there), each with a deprecation warning."""
+    ``routing`` sub-section (a deprecation warning each); for a kind without a router they are
+    dropped at their defaults (a ``run_config.yaml`` of that version lists them) and refused
+    otherwise."""
     flat = {k: model[k] for k in ROUTING_KEYS if k in model}
     if not flat:
         return model
@@ -156,8 +157,15 @@ def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
     kind = section.get("kind")
     cls = PLANS.get(kind)
     if cls is None or "routing" not in {f.name for f in fields(cls.Options)}:
-        for key in flat:
-            _warn(f"{source}: model.{key} is deprecated and not used by plan {kind} (dropped)")
+        from megatron_lol.plan.routing import RoutingOptions
+
+        defaults = RoutingOptions()
+        for key, value in flat.items():
+            if value != getattr(defaults, key):  # at its default: a run_config.yaml of that version lists it
+                raise ConfigError(
+                    f"{source}: model.{key}: plan {kind} has no window router (a key of "
+                    f"model.plan.routing of a kind that routes, e.g. lol)"
+                )
         return out
     written = section.get("routing")
     routing = _section_values(written)
