@@ -106,8 +106,8 @@ class ParallelConfig:
             # leaving some (block, expert) pairs on no rank
             raise ConfigError(
                 f"{prefix}.expert_model_parallel_size: plan {plan.name} shards its block library "
-                f"over EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
-                f"moe_layers: fixed or expert_model_parallel_size: 1"
+                f"over EP={ep}; its blocks cannot also be MoE layers (model.moe.layers: all); use "
+                f"model.moe.layers: fixed or expert_model_parallel_size: 1"
             )
         if model.moe.layers != "none" and tp > 1:
             # megatron-core refuses to train MoE layers under TP without SP

@@ -199,7 +199,16 @@ def _requested_dtype(path: str, overrides: list) -> str:
     except (OSError, yaml.YAMLError):
         return "auto"
     model = raw.get("model") if isinstance(raw, dict) else None
-    return str(model.get("params_dtype", "auto")) if isinstance(model, dict) else "auto"
+    if not isinstance(model, dict):
+        return "auto"
+    import warnings
+
+    from megatron_lol.config.migration import migrate_sections
+
+    with warnings.catch_warnings():  # the load that follows warns about a deprecated spelling once
+        warnings.simplefilter("ignore")
+        precision = migrate_sections(model, path).get("precision")
+    return str(precision.get("params_dtype", "auto")) if isinstance(precision, dict) else "auto"
 
 
 def _vocab(cfg) -> int:

@@ -36,7 +36,7 @@ class FoilPlan(LoopedPlan):
         m = self.model
         if m.moe.layers != "all":
             raise ConfigError(
-                f"{self.prefix}.moe.layers: plan foil loops a block of MoE layers: set moe_layers: all "
+                f"{self.prefix}.moe.layers: plan foil loops a block of MoE layers: set model.moe.layers: all "
                 f"(got {m.moe.layers})"
             )
         self._require("experts", self.options.experts)
