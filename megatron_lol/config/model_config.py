@@ -1,8 +1,10 @@
 """The ``model`` section: what the network computes (:class:`ModelConfig`), with its validation.
 
 The plan kind's options live in its section (``model.plan: {kind: ..., ...}``,
-:mod:`megatron_lol.plan`); the rest of the model (sizes, windows, router,
-balancing, FiLM, injection, MoE, precision) is here. :mod:`.schema` holds the
+:mod:`megatron_lol.plan`; the router and its balancing are its ``routing``
+sub-section, :mod:`megatron_lol.plan.routing`); MoE and precision are the
+``model.moe`` / ``model.precision`` sub-sections (:mod:`.sections`); what every
+kind shares (sizes, windows, FiLM, injection) is here. :mod:`.schema` holds the
 other sections of a run and re-exports these names.
 """
 
@@ -69,8 +71,20 @@ class ModelConfig:
     A bare kind name (``plan: lol``) takes the kind's defaults. Once read, ``plan`` is the
     section object (:func:`megatron_lol.plan.execution.plan_section`): ``plan.kind`` and the
     kind's options as attributes (``plan.window``), the only place they are kept.
-    ``to_dict`` writes the section; earlier spellings (the options as flat ``model`` keys,
-    ``num_blocks`` / ``routed_depth`` for every kind) are rewritten by
+
+    The sections, drawn by what a reader asks of each (docs/model.md, "Execution plans"):
+
+    * ``plan``: what the kind executes; a kind whose router picks blocks per window has the
+      ``routing`` sub-section (``plan.routing.balancing``), one definition
+      (:class:`~megatron_lol.plan.routing.RoutingOptions`) that every routed kind includes;
+    * the fields below: what every kind shares. The windows W / S are here, not in ``routing``,
+      because the fixed plans' ``sliding`` / ``strided`` attention uses them too; FiLM and input
+      injection are here because lol, dense, looped and foil all use them (accordion refuses them);
+    * ``moe`` and ``precision``: settings of their own (:mod:`.sections`), typed, checked with
+      their keys' full paths.
+
+    ``to_dict`` writes the sections; earlier spellings (the options, router, MoE and precision
+    keys as flat ``model`` keys; ``num_blocks`` / ``routed_depth`` for every kind) are rewritten by
     :mod:`megatron_lol.config.migration`.
     """
 
