@@ -252,7 +252,7 @@ ROUTING_DEFAULTS = ModelConfig().to_dict()["plan"]["routing"]
 
 def test_each_router_key_reads_as_its_routing_key():
     """The flat router / balancing keys read (with a deprecation each) as ``model.plan.routing.*`` of a
-    kind that routes; for a kind without a router they are dropped at their defaults, refused otherwise."""
+    kind that routes; for a kind without a router they are dropped (the router-only tokens refused)."""
     assert set(ROUTING_VALUES) == set(ROUTING_KEYS)
     with pytest.warns(ConfigDeprecationWarning) as caught:
         cfg = config_from_dict({"model": {"plan": {"kind": "lol", "num_blocks": 2}, **ROUTING_VALUES}})
@@ -262,8 +262,10 @@ def test_each_router_key_reads_as_its_routing_key():
     assert cfg.to_dict()["model"]["plan"]["routing"]["balancing"] == "aux_loss"
     dense = config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "balancing": "loss_free"}})
     assert not hasattr(dense.model.plan, "routing")  # a default of the flat layout: dropped
-    with pytest.raises(ConfigError, match=r"^<dict>: model.balancing: plan dense has no window router"):
+    with pytest.warns(ConfigDeprecationWarning, match="plan dense has no window router: dropped"):
         config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "balancing": "none"}})
+    with pytest.raises(ConfigError, match=r"^<dict>: model.router_only_tokens: plan dense has no window router"):
+        config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "router_only_tokens": [3]}})
     with pytest.warns(ConfigDeprecationWarning, match="model.router_tied is deprecated"):
         m = ModelConfig(router_tied=False, plan={"kind": "lol", "routing": {"per_depth_bias": True}})
     assert (m.plan.routing.router_tied, m.plan.routing.per_depth_bias) == (False, True)

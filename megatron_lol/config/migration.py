@@ -26,7 +26,7 @@ earlier versions load to the same model:
   ``model.precision.transformer_engine``;
 * the window router's and its balancing's settings as flat ``model`` keys
   (:data:`ROUTING_KEYS`): ``model.balancing`` for ``model.plan.routing.balancing``
-  (for a kind without a router: dropped at their defaults, refused otherwise).
+  (for a kind without a router: dropped, except router-only tokens, refused as before).
 
 This module is the only one in the package that names an option by its flat
 key (tests/test_config_migration.py scans for the others); the loader calls
@@ -144,9 +144,10 @@ def _plan_mapping(plan: Any) -> dict:
 
 def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
     """``model`` with the flat router / balancing keys (:data:`ROUTING_KEYS`) moved into the plan's
-    ``routing`` sub-section (a deprecation warning each); for a kind without a router they are
-    dropped at their defaults (a ``run_config.yaml`` of that version lists them) and refused
-    otherwise."""
+    ``routing`` sub-section (a deprecation warning each). For a kind without a router they are
+    dropped: silently at their defaults (a ``run_config.yaml`` of that version lists them), with a
+    warning at other values (that version took them with any kind, unused), except the
+    router-only tokens, which it refused for such kinds and which are refused here too."""
     flat = {k: model[k] for k in ROUTING_KEYS if k in model}
     if not flat:
         return model
@@ -161,11 +162,15 @@ def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
 
         defaults = RoutingOptions()
         for key, value in flat.items():
-            if value != getattr(defaults, key):  # at its default: a run_config.yaml of that version lists it
+            if value == getattr(defaults, key):
+                continue  # at its default: a run_config.yaml of that version lists every key
+            if key.startswith("router_only"):  # refused for such kinds in that version too
                 raise ConfigError(
                     f"{source}: model.{key}: plan {kind} has no window router (a key of "
                     f"model.plan.routing of a kind that routes, e.g. lol)"
                 )
+            # that version took (and never used) the other router keys with any kind
+            _warn(f"{source}: model.{key} is deprecated, and plan {kind} has no window router: dropped")
         return out
     written = section.get("routing")
     routing = _section_values(written)
