@@ -36,10 +36,10 @@ def fake_cuda(monkeypatch):
 def test_params_dtype_auto_resolves_per_device(monkeypatch):
     cfg = config_from_dict({"model": dict(LOL)})
     assert cfg.model.precision.params_dtype == "fp32"  # CPU
-    assert cfg.to_dict()["model"]["params_dtype"] == "fp32"  # what run_config.yaml records
+    assert cfg.to_dict()["model"]["precision"]["params_dtype"] == "fp32"  # what run_config.yaml records
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)
     gpu = config_from_dict({"model": dict(LOL, use_transformer_engine=False)})
-    assert gpu.model.precision.params_dtype == "bf16" and gpu.to_dict()["model"]["params_dtype"] == "bf16"
+    assert gpu.model.precision.params_dtype == "bf16" and gpu.to_dict()["model"]["precision"]["params_dtype"] == "bf16"
     assert (
         config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}).model.params_dtype
         == "fp32"
