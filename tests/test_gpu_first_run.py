@@ -41,7 +41,9 @@ def test_params_dtype_auto_resolves_per_device(monkeypatch):
     gpu = config_from_dict({"model": dict(LOL, use_transformer_engine=False)})
     assert gpu.model.precision.params_dtype == "bf16" and gpu.to_dict()["model"]["precision"]["params_dtype"] == "bf16"
     assert (
-        config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}).model.params_dtype
+        config_from_dict(
+            {"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}
+        ).model.precision.params_dtype
         == "fp32"
     )  # an explicit choice stays
     from megatron_lol.training.console import startup_line
@@ -60,7 +62,7 @@ def test_transformer_engine_spec_refuses_fp32_in_one_line(fake_cuda):
             "model.precision.params_dtype: fp32 under the Transformer Engine"
         )
         assert "no attention backend" in message and "use bf16 (or auto)" in message
-    assert config_from_dict({"model": dict(LOL)}).model.params_dtype == "bf16"  # auto under TE
+    assert config_from_dict({"model": dict(LOL)}).model.precision.params_dtype == "bf16"  # auto under TE
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
@@ -90,9 +92,11 @@ def test_tf32_for_fp32_on_cuda_only(monkeypatch):
 def test_fp8_recipes_for_plans_that_run_layers_repeatedly(fake_cuda):
     fp8 = dict(LOL, fp8="hybrid")
     training = {"seq_length": 64, "micro_batch_size": 2}
-    assert config_from_dict({"model": fp8, "training": training}).model.fp8_recipe == "tensorwise"
+    assert config_from_dict({"model": fp8, "training": training}).model.precision.fp8_recipe == "tensorwise"
     dense = dict(plan="dense", core_layers=2, hidden_size=64, num_attention_heads=4, fp8="hybrid")
-    assert config_from_dict({"model": dense, "training": training}).model.fp8_recipe == "delayed"  # Megatron-LM's
+    assert (
+        config_from_dict({"model": dense, "training": training}).model.precision.fp8_recipe == "delayed"
+    )  # Megatron-LM's
     looped = dict(plan="looped", loop_layers=2, loop_count=2, hidden_size=64, num_attention_heads=4, fp8="e4m3")
     for model in (fp8, looped):
         with pytest.raises(ConfigError) as err:
