@@ -144,7 +144,7 @@ def flag_for_key(key: str, message: str = "") -> Optional[str]:
     return min((h for h in hits if h[0] >= 0), default=(0, flags[0] if flags else other))[1]
 
 
-_LEADING_KEY = re.compile(r"^([a-z_]+\.[a-z_0-9]+)(?=[:= ])")
+_LEADING_KEY = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+)(?=[:= ])")  # model.precision.params_dtype too
 
 
 def name_flag(message: str, known_options=None) -> str:
