@@ -49,7 +49,9 @@ def test_params_dtype_auto_resolves_per_device(monkeypatch):
     from megatron_lol.training.console import startup_line
 
     assert ", params bf16)" in startup_line(gpu, "c.yaml", 8)
-    with pytest.raises(ConfigError, match=r"^model\.params_dtype: must be one of auto, fp32, bf16 \(got 'fp64'\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.precision\.params_dtype: must be one of auto, fp32, bf16 \(got 'fp64'\)$"
+    ):
         config_from_dict({"model": dict(LOL, params_dtype="fp64")})
 
 

@@ -466,7 +466,9 @@ def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
 
 def test_fp8_and_precision_validation(monkeypatch):
     base = dict(hidden_size=64, num_attention_heads=4, num_blocks=4, routed_depth=4, window_size=8, window_shift=4)
-    with pytest.raises(ConfigError, match=r"^model\.params_dtype: fp16 is not offered \(it needs loss scaling\)"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.precision\.params_dtype: fp16 is not offered \(it needs loss scaling\)"
+    ):
         config_from_dict({"model": dict(base, params_dtype="fp16")})
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
     fp8 = dict(base, params_dtype="bf16", fp8="hybrid")
@@ -483,15 +485,15 @@ def test_fp8_and_precision_validation(monkeypatch):
         r"seq_length = 30 tokens in multiples of 16",
     ):
         config_from_dict({"model": fp8, "training": {"seq_length": 15, "micro_batch_size": 2}})
-    with pytest.raises(ConfigError, match=r"^model\.fp8: routed MoE blocks"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8: routed MoE blocks"):
         config_from_dict({"model": dict(fp8, num_experts=4, moe_layers="all")})
-    with pytest.raises(ConfigError, match=r"^model\.fp8_amax_compute_algo: must be one of most_recent, max"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8_amax_compute_algo: must be one of most_recent, max"):
         config_from_dict({"model": dict(fp8, fp8_amax_compute_algo="mean")})
-    with pytest.raises(ConfigError, match=r"^model\.fp8: FP8 training needs params_dtype: bf16"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8: FP8 training needs params_dtype: bf16"):
         config_from_dict({"model": dict(fp8, params_dtype="fp32")})
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ConfigError, match=r"^model\.fp8_recipe: mxfp8 needs a Blackwell GPU"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8_recipe: mxfp8 needs a Blackwell GPU"):
         config_from_dict({"model": dict(fp8, fp8_recipe="mxfp8")})
 
 
@@ -540,7 +542,7 @@ def test_megatron_lm_precision_flags(tmp_path, monkeypatch):
         1,
     )
     args = parser.parse_args(["--config", str(path), "--fp16"])
-    with pytest.raises(ConfigError, match=r"^model\.params_dtype: fp16"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.params_dtype: fp16"):
         config_from_args(args, check_data=False)
 
 
