@@ -276,6 +276,8 @@ def _coerce(hint, value, source: str, key: str):
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):  # a section already read (a ModelConfig's fields passed on)
+            return value
         return build_dataclass(hint, value, source, key + ".")
     if origin is typing.Union:
         if value is None and type(None) in args:
