@@ -94,7 +94,7 @@ def run_one(spec: dict) -> dict:
     data = SyntheticTokens(seq, model["vocab_size"])
     trainer = Trainer(cfg, tokenizer=Tokenizer(model["vocab_size"]), datasets=(data, None, None)).setup()
     # FP32 compares against the CPU: the trainer enables TF32 for FP32 on CUDA, these runs take it back
-    fp32 = cfg.model.params_dtype == "fp32"
+    fp32 = cfg.model.precision.params_dtype == "fp32"
     tf32 = trainer.tf32
     if fp32:
         torch.set_float32_matmul_precision("highest")
@@ -119,8 +119,8 @@ def run_one(spec: dict) -> dict:
         "device": str(trainer.device),
         "use_te": bool(trainer.model.use_te),
         "grouped_core": bool(trainer.grouped_core),
-        "params_dtype": cfg.model.params_dtype,
-        "fp8_recipe": cfg.model.fp8_recipe if cfg.model.fp8 else None,
+        "params_dtype": cfg.model.precision.params_dtype,
+        "fp8_recipe": cfg.model.precision.fp8_recipe if cfg.model.precision.fp8 else None,
         "tf32_enabled": tf32,
         "routing_checks": len(checks),
         "pinned_batches": bool(batch["tokens"].is_pinned()),

@@ -130,7 +130,10 @@ def test_mode_path_forcing_loss_and_generation(routed_model):
 # ------------------------------------------------------------------ CLI on a trained checkpoint
 TINY = """\
 model:
-  plan: lol
+  plan:
+    kind: lol
+    routing:
+      bias_update_speed: 0.01
   hidden_size: 32
   num_attention_heads: 4
   ffn_hidden_size: 64
@@ -141,7 +144,6 @@ model:
   window_size: 16
   window_shift: 8
   make_vocab_size_divisible_by: 64
-  bias_update_speed: 0.01
 data:
   paths: [{prefix}]
   split: "80,20,0"

@@ -38,6 +38,103 @@ def test_bad_model_values(model, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize(
+    "model,message",
+    [
+        ({"moe": {"num_expert": 4}}, "unknown key 'model.moe.num_expert' (did you mean 'model.moe.num_experts'?)"),
+        ({"moe": {"router_top_k": 2}}, "unknown key 'model.moe.router_top_k' (did you mean 'model.moe.router_topk'?)"),
+        (
+            {"precision": {"param_dtype": "bf16"}},
+            "unknown key 'model.precision.param_dtype' (did you mean 'model.precision.params_dtype'?)",
+        ),
+        ({"precision": {"fp9": "e4m3"}}, "unknown key 'model.precision.fp9' (did you mean 'model.precision.fp8'?)"),
+        (
+            {"plan": {"kind": "lol", "routing": {"balancng": "none"}}},
+            "unknown key 'model.plan.routing.balancng' (did you mean 'model.plan.routing.balancing'?)",
+        ),
+        (
+            {"plan": {"kind": "lol", "routng": {}}},
+            "model.plan.routng is not an option of plan lol; did you mean routing?",
+        ),
+        (
+            {"plan": {"kind": "dense", "layers": 2, "routing": {}}},
+            "model.plan.routing is not an option of plan dense",
+        ),
+        ({"moe": {"layers": "some"}}, "model.moe.layers: must be one of none, fixed, all (got 'some')"),
+        ({"moe": {"layers": "fixed"}}, "model.moe.num_experts: model.moe.layers=fixed needs num_experts >= 1"),
+        (
+            {"moe": {"layers": "fixed", "num_experts": 4, "router_topk": 5}},
+            "model.moe.router_topk: must be in [1, num_experts=4] (got 5)",
+        ),
+        ({"moe": {"z_loss_coeff": 0.1}}, "model.moe.z_loss_coeff: needs MoE layers (model.moe.layers is none)"),
+        ({"precision": {"params_dtype": "fp16"}}, "model.precision.params_dtype: fp16 is not offered"),
+        ({"precision": {"params_dtype": "fp64"}}, "model.precision.params_dtype: must be one of auto, fp32, bf16"),
+        (
+            {"plan": {"kind": "lol", "routing": {"balancing": "bias"}}},
+            "model.plan.routing.balancing: must be one of loss_free, aux_loss, none (got 'bias')",
+        ),
+        (
+            {"plan": {"kind": "lol", "routing": {"router_only_filler": 3}}},
+            "model.plan.routing.router_only_filler: set without model.plan.routing.router_only_tokens",
+        ),
+        (
+            {"plan": {"kind": "lol", "routing": {"bias_update_stop_fraction": 2}}},
+            "model.plan.routing.bias_update_stop_fraction: must be in [0, 1] (got 2.0)",
+        ),
+    ],
+)
+def test_section_keys_are_named_as_written(model, message):
+    """The ``moe``, ``precision`` and ``plan.routing`` sections: an unknown key gets a did-you-mean over the
+    section's own keys, a bad value a message naming the key by its full path."""
+    with pytest.raises(ConfigError) as err:
+        config_from_dict({"model": model})
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "plan,key",
+    [
+        ({"kind": "dense"}, "model.plan.layers"),
+        ({"kind": "looped", "layers": 2}, "model.plan.loops"),
+        ({"kind": "looped", "loops": 2}, "model.plan.layers"),
+        ({"kind": "foil", "layers": 2, "loops": 2}, "model.plan.experts"),
+        ({"kind": "accordion"}, "model.plan.window"),
+    ],
+)
+def test_a_required_option_of_each_built_in_kind(plan, key):
+    """(lol's two options have defaults: ``plan: lol`` alone is a model.)"""
+    moe = {"layers": "all", "num_experts": 4} if plan["kind"] == "foil" else {}
+    with pytest.raises(ConfigError, match=rf"^{key}: plan {plan['kind']} needs it$"):
+        config_from_dict({"model": {"plan": plan, "moe": moe}})
+
+
+def test_megatron_flags_set_the_sections(tmp_path):
+    """Megatron-LM's MoE and precision flags land in ``model.moe`` / ``model.precision``."""
+    import argparse
+
+    from megatron_lol.config.loader import add_config_arguments, overrides_from_args
+
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(
+        ["--config", "x.yaml", "--num-experts", "4", "--moe-router-topk", "1", "--moe-ffn-hidden-size", "32"]
+        + ["--bf16", "--fp8-format", "hybrid", "--transformer-impl", "local"]
+    )
+    keys = {key: value for key, value, _ in overrides_from_args(args)}
+    assert keys == {
+        "model.moe.num_experts": 4,
+        "model.moe.router_topk": 1,
+        "model.moe.ffn_hidden_size": 32,
+        "model.precision.params_dtype": "bf16",
+        "model.precision.fp8": "hybrid",
+        "model.precision.transformer_engine": False,
+    }
+    path = _write(tmp_path, {"model": {"moe": {"layers": "fixed"}}})
+    overrides = [(k, v, "flag") for k, v in keys.items() if k.startswith("model.moe")]
+    cfg = load_config(path, overrides, check_data=False)
+    assert (cfg.model.moe.num_experts, cfg.model.moe.router_topk, cfg.model.moe.ffn_hidden_size) == (4, 1, 32)
+
+
 def _write(tmp_path, data, name="cfg.yaml"):
     path = tmp_path / name
     path.write_text(yaml.safe_dump(data))

@@ -1,4 +1,5 @@
-"""A plan kind's options live only in ``model.plan``; earlier spellings are rewritten by one table.
+"""A plan kind's options live only in ``model.plan``, the MoE and precision settings only in
+``model.moe`` / ``model.precision``; earlier spellings are rewritten by the tables of one module.
 
 ``megatron_lol/config/migration.py`` is the only module that names an option by
 its flat ``model`` key. The scan below reads every module of the package and
@@ -17,7 +18,7 @@ import pytest
 import yaml
 
 from megatron_lol.config import ModelConfig, config_from_dict, load_config
-from megatron_lol.config.migration import FLAT_KEYS, ConfigDeprecationWarning
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, ConfigDeprecationWarning
 from megatron_lol.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -30,23 +31,45 @@ HF_REMOTE_CODE = PACKAGE / "convert" / "hf_modeling"
 # (``self.loop_gates``, a parameter), a ParamCounts (``counts.loop_gates``, a parameter
 # category) and the CLI's arguments / a loaded run (``args.loop_budget``, a flag)
 ALLOWED_BASES = {"plan", "options", "o", "self", "counts", "args", "loaded", "run"}
+# a moved MoE / precision key may also be read from its own section and from megatron-core's
+# TransformerConfig (``config.fp8``, ``tconfig.params_dtype``, ``core_cfg``), which has the same names
+SECTION_BASES = ALLOWED_BASES | {"moe", "precision", "config", "tconfig", "core_cfg", "c", "block"}
+# a router / balancing key: from the routing sub-section (``m.plan.routing``, ``routing_of(m)``) or a
+# router module's own attribute
+# (``moe.aux_loss_coeff`` is the MoE section's own key of that name)
+ROUTING_BASES = ALLOWED_BASES | {"routing", "routing_of", "moe"}
+
+
+def _flagged(key: str, base: str) -> bool:
+    if key in FLAT_KEYS and base not in ALLOWED_BASES:
+        return True
+    if key in ROUTING_KEYS:
+        return base not in ROUTING_BASES
+    return key in MOVED_KEYS and base not in SECTION_BASES
 
 
 def flat_reads(source: str) -> list:
     """``(line, text)`` of every read of a flat plan key that is not one of the allowed kinds."""
     found = []
     for node in ast.walk(ast.parse(source)):
-        if isinstance(node, ast.Attribute) and node.attr in FLAT_KEYS:
-            base = ast.unparse(node.value).split(".")[-1]
-            if base not in ALLOWED_BASES:
+        if isinstance(node, ast.Attribute):
+            value = node.value.func if isinstance(node.value, ast.Call) else node.value  # routing_of(m).key
+            if _flagged(node.attr, ast.unparse(value).split(".")[-1]):
                 found.append((node.lineno, ast.unparse(node)))
         elif isinstance(node, ast.Call):
             name = ast.unparse(node.func).split(".")[-1]
-            if name in ("ModelConfig", "replace"):
-                found += [(node.lineno, f"{name}({k.arg}=...)") for k in node.keywords if k.arg in FLAT_KEYS]
+            first = ast.unparse(node.args[0]).split(".")[-1] if node.args else ""
+            if name == "ModelConfig" or (name == "replace" and first not in SECTION_BASES - ALLOWED_BASES):
+                found += [
+                    (node.lineno, f"{name}({k.arg}=...)")
+                    for k in node.keywords
+                    if k.arg in FLAT_KEYS
+                    or k.arg in ROUTING_KEYS
+                    or (k.arg in MOVED_KEYS and (name == "ModelConfig" or first != "plan"))
+                ]
             if name in ("getattr", "setattr", "hasattr") and len(node.args) > 1:
                 key = node.args[1]
-                if isinstance(key, ast.Constant) and key.value in FLAT_KEYS:
+                if isinstance(key, ast.Constant) and _flagged(str(key.value), first):
                     found.append((node.lineno, ast.unparse(node)))
     return found
 
@@ -59,9 +82,23 @@ cfg.model.num_blocks
 replace(m, core_layers=3)
 ModelConfig(loop_gates=False)
 getattr(model, "foil_experts")
+cfg.model.num_experts
+m.moe_router_topk
+model.params_dtype
+replace(m, fp8=None)
+ModelConfig(use_transformer_engine=False)
+getattr(cfg.model, "fp8", None)
+cfg.model.balancing
+self.cfg.router_noise
+ModelConfig(router_tied=False)
 """
-    assert len(flat_reads(bad)) == 5
-    good = "m.plan.window\nm.plan.num_blocks\nself.loop_gates\ncounts.second_pass_router\nreplace(m.plan, budget=1)\n"
+    assert len(flat_reads(bad)) == 14
+    good = (
+        "m.plan.window\nm.plan.num_blocks\nself.loop_gates\ncounts.second_pass_router\nreplace(m.plan, budget=1)\n"
+        "m.moe.num_experts\ncfg.model.precision.fp8\ntconfig.params_dtype\nreplace(core_cfg, fp8=None)\n"
+        "replace(m.precision, fp8=None)\ngetattr(config, 'fp8', None)\n"
+        "m.plan.routing.balancing\nrouting_of(m).router_only_filler\nrouting.router_tied\n"
+    )
     assert flat_reads(good) == []
 
 
@@ -79,6 +116,14 @@ def test_model_config_has_no_flat_plan_fields():
     for key, (_, option) in FLAT_KEYS.items():
         assert not hasattr(m, key), key
         with pytest.raises(AttributeError, match=f"lives in model.plan.{option}"):
+            setattr(m, key, 1)
+    for key, (section, option) in MOVED_KEYS.items():
+        assert not hasattr(m, key), key
+        with pytest.raises(AttributeError, match=f"lives in model.{section}.{option}"):
+            setattr(m, key, 1)
+    for key in ROUTING_KEYS:
+        assert not hasattr(m, key), key
+        with pytest.raises(AttributeError, match=f"lives in model.plan.routing.{key}"):
             setattr(m, key, 1)
     assert (m.plan.kind, m.plan.window, m.plan.budgets, m.plan.gates) == ("accordion", 3, [0, 3], True)
 
@@ -132,6 +177,115 @@ def test_set_of_a_flat_key_sets_the_section(tmp_path):
     with pytest.warns(ConfigDeprecationWarning, match="model.core_layers is deprecated"):
         cfg = load_config(path, [("model.core_layers", 5, "--set model.core_layers=5")], check_data=False)
     assert cfg.model.plan.layers == 5 and cfg.model.execution_plan().num_stored_blocks == 5
+
+
+MOVED_VALUES = {
+    "num_experts": 4,
+    "moe_ffn_hidden_size": 48,
+    "moe_router_topk": 1,
+    "moe_layers": "fixed",
+    "core_num_experts": None,
+    "moe_shared_expert_intermediate_size": 32,
+    "moe_aux_loss_coeff": 0.03,
+    "moe_z_loss_coeff": 1e-3,
+    "moe_router_score_function": "sigmoid",
+    "moe_router_enable_expert_bias": True,
+    "moe_router_bias_update_rate": 2e-3,
+    "moe_loss_average_over_executions": True,
+    "params_dtype": "fp32",
+    "use_transformer_engine": False,
+    "fp8": None,
+    "fp8_recipe": None,
+    "fp8_margin": 1,
+    "fp8_amax_history_len": 4,
+    "fp8_amax_compute_algo": "max",
+}
+
+
+def test_each_moved_key_reads_as_its_section_key():
+    """The flat MoE / precision keys of the previous layout, all at once, read (with a deprecation each)
+    as ``model.moe.*`` / ``model.precision.*``."""
+    assert set(MOVED_VALUES) == set(MOVED_KEYS)
+    with pytest.warns(ConfigDeprecationWarning) as caught:
+        cfg = config_from_dict({"model": dict(MOVED_VALUES)})
+    for key, value in MOVED_VALUES.items():
+        section, option = MOVED_KEYS[key]
+        assert getattr(getattr(cfg.model, section), option) == value, key
+        assert any(f"model.{key} is deprecated; write it as model.{section}.{option}" in str(w.message) for w in caught)
+    assert "num_experts" not in cfg.to_dict()["model"] and cfg.to_dict()["model"]["moe"]["num_experts"] == 4
+
+
+def test_set_of_a_moved_key_and_python_construction(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"moe": {"layers": "fixed", "num_experts": 2}}}))
+    with pytest.warns(ConfigDeprecationWarning, match="model.num_experts is deprecated"):
+        cfg = load_config(path, [("model.num_experts", 6, "--set model.num_experts=6")], check_data=False)
+    assert cfg.model.moe.num_experts == 6 and cfg.model.moe.layers == "fixed"
+    with pytest.warns(ConfigDeprecationWarning, match="model.params_dtype is deprecated"):
+        m = ModelConfig(params_dtype="bf16", moe={"layers": "fixed", "num_experts": 2})
+    assert m.precision.params_dtype == "bf16" and m.moe.num_experts == 2
+    with pytest.raises(ConfigError, match=r"model.num_experts=3 given together with model.moe.num_experts=2"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigDeprecationWarning)
+            config_from_dict({"model": {"moe": {"layers": "fixed", "num_experts": 2}, "num_experts": 3}})
+
+
+ROUTING_VALUES = {
+    "router_tied": False,
+    "router_noise": False,
+    "router_noise_clamp": 5.0,
+    "router_input": "windows",
+    "router_only_tokens": [5, 6],
+    "router_only_filler": 7,
+    "balancing": "aux_loss",
+    "bias_update_speed": 2e-3,
+    "bias_clamp": 8.0,
+    "bias_update_stop_fraction": 0.5,
+    "per_depth_bias": True,
+    "seq_aux_loss_coeff": 1e-2,
+    "aux_loss_coeff": 0.05,
+}
+
+
+ROUTING_DEFAULTS = ModelConfig().to_dict()["plan"]["routing"]
+
+
+def test_each_router_key_reads_as_its_routing_key():
+    """The flat router / balancing keys read (with a deprecation each) as ``model.plan.routing.*`` of a
+    kind that routes; for a kind without a router they are dropped (the router-only tokens refused)."""
+    assert set(ROUTING_VALUES) == set(ROUTING_KEYS)
+    with pytest.warns(ConfigDeprecationWarning) as caught:
+        cfg = config_from_dict({"model": {"plan": {"kind": "lol", "num_blocks": 2}, **ROUTING_VALUES}})
+    for key, value in ROUTING_VALUES.items():
+        assert getattr(cfg.model.plan.routing, key) == value, key
+        assert any(f"model.{key} is deprecated; write it as model.plan.routing.{key}" in str(w.message) for w in caught)
+    assert cfg.to_dict()["model"]["plan"]["routing"]["balancing"] == "aux_loss"
+    dense = config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "balancing": "loss_free"}})
+    assert not hasattr(dense.model.plan, "routing")  # a default of the flat layout: dropped
+    with pytest.warns(ConfigDeprecationWarning, match="plan dense has no window router: dropped"):
+        config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "balancing": "none"}})
+    with pytest.raises(ConfigError, match=r"^<dict>: model.router_only_tokens: plan dense has no window router"):
+        config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, "router_only_tokens": [3]}})
+    with pytest.warns(ConfigDeprecationWarning, match="model.router_tied is deprecated"):
+        m = ModelConfig(router_tied=False, plan={"kind": "lol", "routing": {"per_depth_bias": True}})
+    assert (m.plan.routing.router_tied, m.plan.routing.per_depth_bias) == (False, True)
+
+
+def test_set_of_a_routing_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"plan": {"kind": "lol", "routing": {"bias_clamp": 4.0}}}}))
+    cfg = load_config(
+        path, [("model.plan.routing.balancing", "none", "--set model.plan.routing.balancing=none")], check_data=False
+    )
+    assert (cfg.model.plan.routing.balancing, cfg.model.plan.routing.bias_clamp) == ("none", 4.0)
+    with pytest.warns(ConfigDeprecationWarning, match="model.per_depth_bias is deprecated"):
+        cfg = load_config(path, [("model.per_depth_bias", True, "--set model.per_depth_bias=true")], check_data=False)
+    assert cfg.model.plan.routing.per_depth_bias is True and cfg.model.plan.routing.bias_clamp == 4.0
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'model.plan.routing.balancng' \(did you mean 'model.plan.routing.balancing'\?\)",
+    ):
+        load_config(path, [("model.plan.routing.balancng", "none", "--set")], check_data=False)
 
 
 FLAT_RUN_CONFIG_OF_DENSE = {
@@ -213,11 +367,15 @@ def _train(cfg) -> dict:
 
 def flat_layout(model: dict) -> dict:
     """``model`` as the version before plan sections wrote it into run_config.yaml: ``plan`` the
-    kind's name and every kind's options as flat keys (the other kinds' at their defaults)."""
+    kind's name, every kind's options as flat keys (the other kinds' at their defaults), and the
+    MoE / precision settings as flat keys."""
     from megatron_lol.config.migration import FLAT_DEFAULTS
 
-    out = {k: v for k, v in model.items() if k != "plan"}
+    out = {k: v for k, v in model.items() if k not in ("plan", "moe", "precision")}
+    for key, (name, option) in MOVED_KEYS.items():  # and the MoE / precision settings flat too
+        out[key] = model[name][option]
     section = dict(model["plan"])
+    out.update(section.pop("routing", {}))  # and the router's
     kind = section.pop("kind")
     out["plan"] = kind
     for key, (kinds, option) in FLAT_KEYS.items():
@@ -239,7 +397,7 @@ def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, t
     assert first == {1: ref[1], 2: ref[2]}
     run_config = tmp_path / "old" / "iter_0000002" / "run_config.yaml"
     saved = yaml.safe_load(run_config.read_text())
-    assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3}
+    assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3, "routing": ROUTING_DEFAULTS}
     saved["model"] = flat_layout(saved["model"])
     run_config.write_text(yaml.safe_dump(saved))
     # the checkpoint that version saved lists this run_config.yaml in its checksum manifest

@@ -498,7 +498,7 @@ def test_flag_errors_are_one_line_with_a_suggestion_that_matches(capsys, monkeyp
     assert "did you mean: --weight-decay-incr -> --weight-decay?" not in capsys.readouterr().err
     assert _main("train", "--config", TINY, "--fp16", "--dry-run=config") == 2
     err = capsys.readouterr().err
-    assert err.startswith("megatron-lol train: error: model.params_dtype (--fp16): fp16 is not offered"), err
+    assert err.startswith("megatron-lol train: error: model.precision.params_dtype (--fp16): fp16 is not offered"), err
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(SystemExit) as stop:
         _main("train", "--config", TINY, "--lrr", 1)

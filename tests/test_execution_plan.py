@@ -247,11 +247,13 @@ def test_flat_plan_keys_of_earlier_run_configs_load_with_a_deprecation():
         raw = cfg.to_dict()
         section = raw["model"].pop("plan")
         kind = section.pop("kind")
+        raw["model"].update(section.pop("routing", {}))  # the router's keys were flat ``model`` keys too
         flats = {key: flat for flat, (kinds, key) in FLAT_KEYS.items() if kind in kinds}
         raw["model"].update({"plan": kind, **{flats[key]: value for key, value in section.items()}})
         with pytest.warns(ConfigDeprecationWarning, match="deprecated; write it in the plan's section"):
             again = config_from_dict(raw)
         assert again.model.execution_plan().to_dict() == cfg.model.execution_plan().to_dict(), path.name
+        assert again.model.to_dict() == cfg.model.to_dict(), path.name
 
 
 def test_saved_config_round_trips_without_deprecation():

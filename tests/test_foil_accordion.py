@@ -323,7 +323,7 @@ def test_expert_bias_balancing_through_the_trainer(megatron_env, monkeypatch):
     )
     with pytest.raises(
         ConfigError,
-        match=r"^model\.moe_router_enable_expert_bias: needs moe_router_score_function: "
+        match=r"^model\.moe\.router_enable_expert_bias: needs router_score_function: "
         r"sigmoid .*got softmax\)$",
     ):
         config_from_dict({"model": dict(model, moe_router_score_function="softmax")})
@@ -413,7 +413,7 @@ def test_accordion_config_errors():
         ).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.untie_attention: not used by plan dense"):
         config_from_dict({"model": dict(plan="dense", untie_attention=True)}).validate(check_data=False)
-    with pytest.raises(ConfigError, match="model.core_num_experts: needs moe_layers: all"):
+    with pytest.raises(ConfigError, match="model.moe.core_num_experts: needs model.moe.layers: all"):
         config_from_dict(
             {
                 "model": dict(
@@ -421,7 +421,7 @@ def test_accordion_config_errors():
                 )
             }
         ).validate(check_data=False)
-    with pytest.raises(ConfigError, match="model.moe_layers: plan foil loops a block of MoE layers"):
+    with pytest.raises(ConfigError, match="model.moe.layers: plan foil loops a block of MoE layers"):
         config_from_dict({"model": dict(FOIL, moe_layers="fixed")}).validate(check_data=False)
     with pytest.raises(ConfigError, match="model.routed_depth: not used by plan foil"):
         config_from_dict({"model": dict(FOIL, routed_depth=4)}).validate(check_data=False)

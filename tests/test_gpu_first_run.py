@@ -35,19 +35,23 @@ def fake_cuda(monkeypatch):
 # ---------------------------------------------------------------------------------------- precision
 def test_params_dtype_auto_resolves_per_device(monkeypatch):
     cfg = config_from_dict({"model": dict(LOL)})
-    assert cfg.model.params_dtype == "fp32"  # CPU
-    assert cfg.to_dict()["model"]["params_dtype"] == "fp32"  # what run_config.yaml records
+    assert cfg.model.precision.params_dtype == "fp32"  # CPU
+    assert cfg.to_dict()["model"]["precision"]["params_dtype"] == "fp32"  # what run_config.yaml records
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)
     gpu = config_from_dict({"model": dict(LOL, use_transformer_engine=False)})
-    assert gpu.model.params_dtype == "bf16" and gpu.to_dict()["model"]["params_dtype"] == "bf16"
+    assert gpu.model.precision.params_dtype == "bf16" and gpu.to_dict()["model"]["precision"]["params_dtype"] == "bf16"
     assert (
-        config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}).model.params_dtype
+        config_from_dict(
+            {"model": dict(LOL, params_dtype="fp32", use_transformer_engine=False)}
+        ).model.precision.params_dtype
         == "fp32"
     )  # an explicit choice stays
     from megatron_lol.training.console import startup_line
 
     assert ", params bf16)" in startup_line(gpu, "c.yaml", 8)
-    with pytest.raises(ConfigError, match=r"^model\.params_dtype: must be one of auto, fp32, bf16 \(got 'fp64'\)$"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.precision\.params_dtype: must be one of auto, fp32, bf16 \(got 'fp64'\)$"
+    ):
         config_from_dict({"model": dict(LOL, params_dtype="fp64")})
 
 
@@ -56,9 +60,11 @@ def test_transformer_engine_spec_refuses_fp32_in_one_line(fake_cuda):
         with pytest.raises(ConfigError) as err:
             config_from_dict({"model": dict(LOL, params_dtype="fp32", use_transformer_engine=te)})
         message = str(err.value)
-        assert "\n" not in message and message.startswith("model.params_dtype: fp32 under the Transformer Engine")
+        assert "\n" not in message and message.startswith(
+            "model.precision.params_dtype: fp32 under the Transformer Engine"
+        )
         assert "no attention backend" in message and "use bf16 (or auto)" in message
-    assert config_from_dict({"model": dict(LOL)}).model.params_dtype == "bf16"  # auto under TE
+    assert config_from_dict({"model": dict(LOL)}).model.precision.params_dtype == "bf16"  # auto under TE
 
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
@@ -66,7 +72,7 @@ def test_paper_configs_run_bf16_on_gpus_without_edits(fake_cuda, path):
     from megatron_lol.config import load_config
 
     cfg = load_config(path, check_data=False)
-    assert cfg.model.params_dtype == "bf16" and cfg.model.uses_transformer_engine()
+    assert cfg.model.precision.params_dtype == "bf16" and cfg.model.uses_transformer_engine()
 
 
 def test_tf32_for_fp32_on_cuda_only(monkeypatch):
@@ -88,15 +94,17 @@ def test_tf32_for_fp32_on_cuda_only(monkeypatch):
 def test_fp8_recipes_for_plans_that_run_layers_repeatedly(fake_cuda):
     fp8 = dict(LOL, fp8="hybrid")
     training = {"seq_length": 64, "micro_batch_size": 2}
-    assert config_from_dict({"model": fp8, "training": training}).model.fp8_recipe == "tensorwise"
+    assert config_from_dict({"model": fp8, "training": training}).model.precision.fp8_recipe == "tensorwise"
     dense = dict(plan="dense", core_layers=2, hidden_size=64, num_attention_heads=4, fp8="hybrid")
-    assert config_from_dict({"model": dense, "training": training}).model.fp8_recipe == "delayed"  # Megatron-LM's
+    assert (
+        config_from_dict({"model": dense, "training": training}).model.precision.fp8_recipe == "delayed"
+    )  # Megatron-LM's
     looped = dict(plan="looped", loop_layers=2, loop_count=2, hidden_size=64, num_attention_heads=4, fp8="e4m3")
     for model in (fp8, looped):
         with pytest.raises(ConfigError) as err:
             config_from_dict({"model": dict(model, fp8_recipe="delayed"), "training": training})
         assert str(err.value).startswith(
-            "model.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward on every rank"
+            "model.precision.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward on every rank"
         ) and "\n" not in str(err.value)
     assert config_from_dict({"model": dict(dense, fp8_recipe="delayed"), "training": training})
 

@@ -395,9 +395,16 @@ def _shrunk(model) -> dict:
         window_shift=4,
         n_prelude=min(d["n_prelude"], 1),
         n_coda=min(d["n_coda"], 1),
-        use_transformer_engine=False,
-        params_dtype="fp32",
-        fp8=None,
+        precision=dataclasses.replace(model.precision, transformer_engine=False, params_dtype="fp32", fp8=None),
+    )
+    moe = model.moe
+    d["moe"] = dataclasses.replace(
+        moe,
+        num_experts=moe.num_experts and min(moe.num_experts, 4),
+        core_num_experts=moe.core_num_experts and min(moe.core_num_experts, 4),
+        router_topk=min(moe.router_topk, 2),
+        ffn_hidden_size=moe.ffn_hidden_size and 32,
+        shared_expert_intermediate_size=moe.shared_expert_intermediate_size and 32,
     )
     if d["num_query_groups"]:
         d["num_query_groups"] = 2
@@ -410,17 +417,11 @@ def _shrunk(model) -> dict:
         "foil_layers": 2,
         "foil_loops": 2,
         "foil_experts": 4,
-        "num_experts": 4,
-        "core_num_experts": 4,
-        "moe_router_topk": 2,
         "loop_window": 3,
     }
     for key, n in small.items():
         if d.get(key) is not None:
             d[key] = min(d[key], n)
-    for key in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
-        if d.get(key) is not None:
-            d[key] = 32
     if d["plan"] == "accordion":
         d["loop_budgets"] = sorted({min(k, 3) for k in d["loop_budgets"]})
         d["loop_budget"] = None
@@ -429,7 +430,7 @@ def _shrunk(model) -> dict:
 
 @pytest.mark.parametrize("path", PAPER, ids=lambda p: p.stem)
 def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
-    """Every paper config with ``--set model.use_transformer_engine=true`` (and with BF16 FP8 on top) is
+    """Every paper config with ``--set model.precision.transformer_engine=true`` (and with BF16 FP8 on top) is
     accepted or refused by validation in one line naming a key; an accepted one builds and runs forward and
     backward in the TE layout (packed sequences, sliding windows from the config, FiLM norms)."""
     from megatron_lol.config import load_config
@@ -437,18 +438,24 @@ def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
 
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)  # params_dtype auto: bf16
-    for extra in ([], [("model.params_dtype", "bf16", "--bf16"), ("model.fp8", "hybrid", "--fp8-format")]):
-        overrides = [("model.use_transformer_engine", True, "--set model.use_transformer_engine=true"), *extra]
+    for extra in (
+        [],
+        [("model.precision.params_dtype", "bf16", "--bf16"), ("model.precision.fp8", "hybrid", "--fp8-format")],
+    ):
+        overrides = [
+            ("model.precision.transformer_engine", True, "--set model.precision.transformer_engine=true"),
+            *extra,
+        ]
         try:
             cfg = load_config(path, overrides, check_data=False)
         except ConfigError as err:
             message = str(err)
-            assert "\n" not in message and message.split(":")[0].count(".") == 1, message
+            assert "\n" not in message and message.split(":")[0].count(".") in (1, 2), message
             assert message.split(":")[0].split(".")[0] in ("model", "parallel", "training", "curriculum")
             continue
-        assert cfg.model.use_transformer_engine is True and cfg.model.params_dtype == "bf16"
+        assert cfg.model.precision.transformer_engine is True and cfg.model.precision.params_dtype == "bf16"
     # the paper configs' own options (not their sizes) in the TE layout, with local modules
-    cfg = load_config(path, [("model.use_transformer_engine", True, "--set")], check_data=False)
+    cfg = load_config(path, [("model.precision.transformer_engine", True, "--set")], check_data=False)
     tiny = config_from_dict({"model": _shrunk(cfg.model)}).model
     net = LoLGPTModel(tiny, 128, EOD, init_seed=3, packed_sequences=True).train()
     tokens = torch.randint(1, 128, (2, 24), generator=torch.Generator().manual_seed(0))
@@ -460,28 +467,34 @@ def test_paper_configs_with_transformer_engine(megatron_env, monkeypatch, path):
 
 def test_fp8_and_precision_validation(monkeypatch):
     base = dict(hidden_size=64, num_attention_heads=4, num_blocks=4, routed_depth=4, window_size=8, window_shift=4)
-    with pytest.raises(ConfigError, match=r"^model\.params_dtype: fp16 is not offered \(it needs loss scaling\)"):
+    with pytest.raises(
+        ConfigError, match=r"^model\.precision\.params_dtype: fp16 is not offered \(it needs loss scaling\)"
+    ):
         config_from_dict({"model": dict(base, params_dtype="fp16")})
     monkeypatch.setattr("megatron_lol.platform.has_transformer_engine", lambda: True)
     fp8 = dict(base, params_dtype="bf16", fp8="hybrid")
     cfg = config_from_dict({"model": fp8, "training": {"seq_length": 64, "micro_batch_size": 2}})
     # a routed plan: current scaling by default (delayed scaling is refused for it: tests/test_gpu_first_run.py)
-    assert (cfg.model.fp8, cfg.model.fp8_recipe, cfg.model.fp8_amax_history_len) == ("hybrid", "tensorwise", 1)
+    assert (cfg.model.precision.fp8, cfg.model.precision.fp8_recipe, cfg.model.precision.fp8_amax_history_len) == (
+        "hybrid",
+        "tensorwise",
+        1,
+    )
     with pytest.raises(
         ConfigError,
         match=r"^training\.seq_length: FP8 GEMMs \(tensorwise\) need micro_batch_size x "
         r"seq_length = 30 tokens in multiples of 16",
     ):
         config_from_dict({"model": fp8, "training": {"seq_length": 15, "micro_batch_size": 2}})
-    with pytest.raises(ConfigError, match=r"^model\.fp8: routed MoE blocks"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8: routed MoE blocks"):
         config_from_dict({"model": dict(fp8, num_experts=4, moe_layers="all")})
-    with pytest.raises(ConfigError, match=r"^model\.fp8_amax_compute_algo: must be one of most_recent, max"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8_amax_compute_algo: must be one of most_recent, max"):
         config_from_dict({"model": dict(fp8, fp8_amax_compute_algo="mean")})
-    with pytest.raises(ConfigError, match=r"^model\.fp8: FP8 training needs params_dtype: bf16"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8: FP8 training needs params_dtype: bf16"):
         config_from_dict({"model": dict(fp8, params_dtype="fp32")})
     monkeypatch.setattr("megatron_lol.platform.cuda_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    with pytest.raises(ConfigError, match=r"^model\.fp8_recipe: mxfp8 needs a Blackwell GPU"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8_recipe: mxfp8 needs a Blackwell GPU"):
         config_from_dict({"model": dict(fp8, fp8_recipe="mxfp8")})
 
 
@@ -518,10 +531,19 @@ def test_megatron_lm_precision_flags(tmp_path, monkeypatch):
         ]
     )
     m = config_from_args(args, check_data=False).model
-    assert (m.params_dtype, m.use_transformer_engine, m.fp8, m.fp8_recipe) == ("bf16", True, "e4m3", "tensorwise")
-    assert (m.fp8_amax_history_len, m.fp8_amax_compute_algo, m.fp8_margin) == (1024, "max", 1)
+    assert (m.precision.params_dtype, m.precision.transformer_engine, m.precision.fp8, m.precision.fp8_recipe) == (
+        "bf16",
+        True,
+        "e4m3",
+        "tensorwise",
+    )
+    assert (m.precision.fp8_amax_history_len, m.precision.fp8_amax_compute_algo, m.precision.fp8_margin) == (
+        1024,
+        "max",
+        1,
+    )
     args = parser.parse_args(["--config", str(path), "--fp16"])
-    with pytest.raises(ConfigError, match=r"^model\.params_dtype: fp16"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.params_dtype: fp16"):
         config_from_args(args, check_data=False)
 
 
@@ -548,7 +570,7 @@ def test_fp8_runs_the_layers_only(megatron_env, monkeypatch):
     monkeypatch.setattr(precision, "_te_autocast", recorder)
     cfg = _model_config(plan="lol", film="depth", num_experts=4, moe_ffn_hidden_size=32, moe_layers="fixed")
     net = LoLGPTModel(cfg, VOCAB, EOD, init_seed=1).train()
-    # what transformer_config sets from model.fp8 (TE itself is not here), in the model's config and
+    # what transformer_config sets from model.precision.fp8 (TE itself is not here), in the model's config and
     # in the core's (its own copy: library.core_config)
     net.config.fp8 = net.core.tconfig.fp8 = "hybrid"
     seen: dict = {}

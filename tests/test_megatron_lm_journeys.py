@@ -362,11 +362,11 @@ def test_memory_estimates_the_target_device_not_the_login_node(capsys):
 
     paper = REPO / "examples" / "configs" / "paper" / "lol-360m-L8.yaml"
     runs = {}
-    for extra in ((), ("--target", "cpu"), ("--set", "model.params_dtype=fp32")):
+    for extra in ((), ("--target", "cpu"), ("--set", "model.precision.params_dtype=fp32")):
         code, out, err = _main(capsys, "memory", "--config", paper, "--world-size", 8, "--json", *extra)
         assert code == 0, err
         runs[extra[:2]] = json.loads(out)
-    gpu, cpu, fp32 = runs[()], runs[("--target", "cpu")], runs[("--set", "model.params_dtype=fp32")]
+    gpu, cpu, fp32 = runs[()], runs[("--target", "cpu")], runs[("--set", "model.precision.params_dtype=fp32")]
     assert (gpu["target"], gpu["params_dtype"], cpu["params_dtype"], fp32["params_dtype"]) == (
         "gpu",
         "bf16",

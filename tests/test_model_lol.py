@@ -470,7 +470,10 @@ def test_router_only_tokens_keep_ordinary_tokens_causal_and_carry_no_loss(make_m
         (dict(router_only_tokens=[5], router_only_filler=5), "router_only_filler"),
         (dict(router_only_tokens=[5, 5], router_only_filler=6), "router_only_tokens"),
         (dict(router_only_filler=6), "router_only_filler"),
-        (dict(plan="dense", core_layers=2, router_only_tokens=[5], router_only_filler=6), "routed plan"),
+        (
+            dict(plan="dense", core_layers=2, router_only_tokens=[5], router_only_filler=6),
+            "plan dense has no window router",
+        ),
     ],
 )
 def test_router_only_config_is_validated(model, message):
@@ -487,7 +490,7 @@ def test_router_input_is_validated():
     from megatron_lol.config import config_from_dict
     from megatron_lol.errors import ConfigError
 
-    with pytest.raises(ConfigError, match="model.router_input"):
+    with pytest.raises(ConfigError, match="model.plan.routing.router_input"):
         config_from_dict({"model": {"router_input": "tokens"}}, check_data=False)
 
 

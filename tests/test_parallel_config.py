@@ -60,11 +60,11 @@ def test_world_size_must_match_layout():
 
 
 def test_fp8_and_te_need_transformer_engine_here():
-    with pytest.raises(ConfigError, match=r"^model\.fp8: e4m3 needs Transformer Engine"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8: e4m3 needs Transformer Engine"):
         config_from_dict(_cfg(model={"fp8": "e4m3", "params_dtype": "bf16"}))
-    with pytest.raises(ConfigError, match=r"^model\.fp8: must be one of"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.fp8: must be one of"):
         config_from_dict(_cfg(model={"fp8": "e5m2"}))
-    with pytest.raises(ConfigError, match=r"^model\.use_transformer_engine"):
+    with pytest.raises(ConfigError, match=r"^model\.precision\.transformer_engine"):
         config_from_dict(_cfg(model={"use_transformer_engine": True}))
 
 

@@ -266,7 +266,7 @@ def test_counter_matches_instantiated_model(build_model, case):
     assert counts.linear_total == (
         real["attention"] + real["mlp"] + real["experts"] + real["shared_experts"] + pass_linear
     )
-    if cfg.moe_layers == "all":
+    if cfg.moe.layers == "all":
         E = cfg.core_experts
         assert model.core.blocks["0"].mlp.router.weight.shape == (E, cfg.hidden_size)
 
@@ -300,8 +300,8 @@ def test_lol_360m_and_huginn(L, figure):
 def test_moe_baseline():
     cfg, c = paper_counts("moe-baseline")
     m = cfg.model
-    assert m.n_prelude + m.plan.layers + m.n_coda == 24 and m.plan.kind == "dense" and m.moe_layers == "all"
-    assert (m.num_experts, m.moe_ffn_hidden_size, m.moe_router_topk) == (3, 1408, 2)
+    assert m.n_prelude + m.plan.layers + m.n_coda == 24 and m.plan.kind == "dense" and m.moe.layers == "all"
+    assert (m.moe.num_experts, m.moe.ffn_hidden_size, m.moe.router_topk) == (3, 1408, 2)
     assert near(c.linear_total, 412.1)
     assert near(c.linear_active, 308.3)
     assert c.linear_active == c.linear_active_compute
@@ -310,7 +310,7 @@ def test_moe_baseline():
 def test_lol_vs_moe():
     cfg, c = paper_counts("lol-vs-moe")
     m = cfg.model
-    assert (m.n_prelude, m.n_coda, m.plan.num_blocks, m.plan.routed_depth, m.moe_layers) == (4, 4, 24, 16, "fixed")
+    assert (m.n_prelude, m.n_coda, m.plan.num_blocks, m.plan.routed_depth, m.moe.layers) == (4, 4, 24, 16, "fixed")
     assert near(c.linear_total, 445.6)
     assert near(c.linear_active, 308.3)
     _, moe = paper_counts("moe-baseline")
@@ -399,9 +399,9 @@ def test_foil_configs(name):
         untied,
     )
     assert (m.plan.experts, m.plan.layers, m.plan.loops) == (E, D, L)
-    assert (m.hidden_size, m.num_attention_heads, m.moe_ffn_hidden_size, m.moe_router_topk) == (1024, 16, 1536, 2)
-    assert (m.n_prelude, m.n_coda, m.num_experts, m.moe_layers) == (1, 1, 8, "all")
-    assert (m.moe_aux_loss_coeff, m.moe_z_loss_coeff, m.moe_loss_average_over_executions) == (0.01, 0.001, True)
+    assert (m.hidden_size, m.num_attention_heads, m.moe.ffn_hidden_size, m.moe.router_topk) == (1024, 16, 1536, 2)
+    assert (m.n_prelude, m.n_coda, m.moe.num_experts, m.moe.layers) == (1, 1, 8, "all")
+    assert (m.moe.aux_loss_coeff, m.moe.z_loss_coeff, m.moe.loss_average_over_executions) == (0.01, 0.001, True)
     # the Foil paper's accounting: E_real = E*D, D_eff = D*L, E_eq = E*D*L, E_comp = k*D*L
     acc = c.loop_accounting
     assert (acc["E_real"], acc["D_eff"], acc["E_eq"], acc["E_comp"]) == (64, 16, E * D * L, 32)
@@ -473,7 +473,7 @@ def test_accordion_configs(name):
         [0, 3, 6, 9, 12],
     )
     assert (m.hidden_size, m.num_attention_heads, m.num_query_groups, m.kv_channels) == (h, nq, nkv, 128)
-    assert (m.num_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.moe_shared_expert_intermediate_size) == (
+    assert (m.moe.num_experts, m.moe.router_topk, m.moe.ffn_hidden_size, m.moe.shared_expert_intermediate_size) == (
         128,
         8,
         f,

@@ -118,7 +118,7 @@ def test_paper_configs_at_every_cluster_size_take_the_first_proposal(tmp_path, t
                 cfg.parallel.tensor_model_parallel_size * cfg.parallel.pipeline_model_parallel_size * first["dp"]
                 == world
             )
-            cfg.model.params_dtype = "bf16"  # the target's (auto is fp32 on this CPU machine)
+            cfg.model.precision.params_dtype = "bf16"  # the target's (auto is fp32 on this CPU machine)
             need = memory_bytes(cfg, cfg.model.vocab_size, world)
             assert first["fits"] and need == pytest.approx(first["memory_bytes"], rel=1e-9)
             assert need <= USABLE_FRACTION * 80 * GIB, f"{config.name} on {nodes} nodes: {need / GIB:.1f} GiB"

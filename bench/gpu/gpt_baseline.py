@@ -33,8 +33,8 @@ def _config(path: str, sets: list, precision):
     from megatron_lol.config import load_config
 
     overrides = [(k, yaml.safe_load(v), "--set") for k, v in (s.split("=", 1) for s in sets)]
-    if precision == "fp8" and not any(k == "model.fp8" for k, _, _ in overrides):
-        overrides.append(("model.fp8", "hybrid", "--precision fp8"))
+    if precision == "fp8" and not any(k == "model.precision.fp8" for k, _, _ in overrides):
+        overrides.append(("model.precision.fp8", "hybrid", "--precision fp8"))
     cfg = load_config(path, overrides, check_data=False)
     if cfg.model.plan.kind != "dense":
         raise SystemExit(f"gpt_baseline.py: the config must describe a dense plan (got plan {cfg.model.plan.kind})")
@@ -93,7 +93,7 @@ def run(args) -> dict:
         parallel_state.initialize_model_parallel(1, 1)
     tensor_parallel.model_parallel_cuda_manual_seed(cfg.training.seed)
     torch.manual_seed(cfg.training.seed)
-    enable_tf32(device(), cfg.model.params_dtype)
+    enable_tf32(device(), cfg.model.precision.params_dtype)
     tr = cfg.training
     vocab = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
     # a step-time benchmark: the schedule only has to cover the timed steps (a FLOP budget is not derived here)

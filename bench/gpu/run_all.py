@@ -504,7 +504,7 @@ def throughput(proof: Proof, args, dense: dict, fp8: bool) -> None:
         f"training.global_batch_size={args.micro_batch_size}",
         "curriculum.initial_depth=null",
         "data.tokenizer_model=null",  # synthetic tokens over model.vocab_size
-        "model.params_dtype=bf16" if not args.dry_run or args.cuda else "model.params_dtype=fp32",
+        "model.precision.params_dtype=bf16" if not args.dry_run or args.cuda else "model.precision.params_dtype=fp32",
     ]
     base += TINY if args.dry_run else []
     dense_sets = [
@@ -513,7 +513,7 @@ def throughput(proof: Proof, args, dense: dict, fp8: bool) -> None:
         "model.film='off'",
     ]
     # current scaling for both: the LoL plan refuses delayed scaling (docs/gpu.md, "FP8")
-    precision = ["model.fp8=hybrid", "model.fp8_recipe=tensorwise"] if fp8 else []
+    precision = ["model.precision.fp8=hybrid", "model.precision.fp8_recipe=tensorwise"] if fp8 else []
     tag = "fp8" if fp8 else "bf16"
     section = proof.report["parts"][f"throughput_{tag}"] = {
         "ran": True,

@@ -93,8 +93,8 @@ def build_task(out: Path, examples: int, seed: int) -> dict:
         "data.tokenizer_type": "HuggingFaceTokenizer",
         "data.tokenizer_model": str(tokenizer),
         "data.cache_dir": str(out / "cache"),
-        "model.router_only_tokens": "[" + ",".join(str(token_id(s)) for s in STRATEGIES) + "]",
-        "model.router_only_filler": token_id("<filler>"),
+        "model.plan.routing.router_only_tokens": "[" + ",".join(str(token_id(s)) for s in STRATEGIES) + "]",
+        "model.plan.routing.router_only_filler": token_id("<filler>"),
     }
 
 

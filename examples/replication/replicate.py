@@ -146,7 +146,12 @@ def accordion_verdict(results: dict) -> dict:
 
 
 # ------------------------------------------------------------------ studies
-_MOE = {"model.moe_layers": "all", "model.num_experts": 4, "model.moe_router_topk": 2, "model.moe_ffn_hidden_size": 192}
+_MOE = {
+    "model.moe.layers": "all",
+    "model.moe.num_experts": 4,
+    "model.moe.router_topk": 2,
+    "model.moe.ffn_hidden_size": 192,
+}
 
 STUDIES = {
     "lol-vs-dense": Study(
@@ -157,7 +162,7 @@ STUDIES = {
         "spread (max - min over the seeds) of the two.",
         arms=[
             Arm("lol"),
-            Arm("lol-fixed-route", {"model.router_input": "depth"}),
+            Arm("lol-fixed-route", {"model.plan.routing.router_input": "depth"}),
             Arm("dense", {"model.plan": "{kind: dense, layers: 4}"}),
             Arm("looped", {"model.plan": "{kind: looped, layers: 2, loops: 2}"}),
         ],
@@ -203,7 +208,7 @@ STUDIES = {
                     **_MOE,
                     "curriculum.initial_depth": "null",
                     "model.plan": "{kind: accordion, window: 4, budgets: [0, 1, 2, 3, 4]}",
-                    "model.moe_shared_expert_intermediate_size": 192,
+                    "model.moe.shared_expert_intermediate_size": 192,
                 },
             ),
         ],

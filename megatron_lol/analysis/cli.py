@@ -31,6 +31,7 @@ import time
 
 from megatron_lol.errors import CliError
 from megatron_lol.log import add_general_arguments
+from megatron_lol.plan.routing import routing_of
 
 SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 
@@ -131,7 +132,7 @@ def _load(args):
         if plan.routed or plan.core_experts is None:
             raise CliError(
                 f"{ckpt.path}: moe-routing needs a looped, foil or accordion plan with MoE blocks "
-                f"(model.moe_layers: all); this model is plan {m.plan.kind!r}, moe_layers {m.moe_layers!r}"
+                f"(model.moe.layers: all); this model is plan {m.plan.kind!r}, moe_layers {m.moe.layers!r}"
             )
     elif args.analysis == "budgets":
         if not has_budgets:
@@ -186,8 +187,8 @@ def _meta(ckpt, args, n: int) -> dict:
         "depth": plan.depth,
         "window_size": m.window_size,
         "window_shift": m.window_shift,
-        "router_tied": m.router_tied,
-        "router_input": m.router_input,
+        "router_tied": routing_of(m).router_tied,
+        "router_input": routing_of(m).router_input,
         "data": args.data_path or args.jsonl,
         "part": args.part if args.data_path else None,
     }
@@ -327,7 +328,7 @@ def run_moe_routing(args, ckpt, toks, labels) -> dict:
     records = [r for batch in batches for r in batch]
     if not records:
         raise CliError("moe-routing: no example was long enough to route (see --seq-length / --max-examples)")
-    E, D, passes, k = plan.core_experts, plan.num_stored_blocks, plan.loop_passes, m.moe_router_topk
+    E, D, passes, k = plan.core_experts, plan.num_stored_blocks, plan.loop_passes, m.moe.router_topk
     summary = summarise(records, E, k)
     shape = {
         "E": E,

@@ -207,23 +207,49 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
         "N",
         "compare the routing across the tensor-parallel group every N iterations (default: --log-interval; 0: never)",
     ),
+    "--num-experts": (
+        "model.moe.num_experts",
+        "model",
+        "N",
+        "experts per MoE layer (which layers are MoE: --set model.moe.layers=fixed or all)",
+    ),
+    "--moe-router-topk": ("model.moe.router_topk", "model", "K", "experts each token is routed to"),
+    "--moe-ffn-hidden-size": ("model.moe.ffn_hidden_size", "model", "N", "an expert's hidden width"),
+    "--moe-aux-loss-coeff": ("model.moe.aux_loss_coeff", "model", "X", "Switch load-balancing loss coefficient"),
+    "--moe-z-loss-coeff": ("model.moe.z_loss_coeff", "model", "X", "router z-loss coefficient"),
+    "--moe-router-score-function": (
+        "model.moe.router_score_function",
+        "model",
+        "FN",
+        "softmax or sigmoid router scores",
+    ),
     "--fp8-format": (
-        "model.fp8",
+        "model.precision.fp8",
         "precision",
         "FORMAT",
         "FP8 for the blocks' GEMMs under Transformer Engine: e4m3 or hybrid",
     ),
     "--fp8-recipe": (
-        "model.fp8_recipe",
+        "model.precision.fp8_recipe",
         "precision",
         "RECIPE",
         "delayed, tensorwise, mxfp8 or blockwise scaling (default: tensorwise for plans that run "
         "a layer more than once per forward, else delayed)",
     ),
-    "--fp8-margin": ("model.fp8_margin", "precision", "N", "margin of the FP8 scaling factor (delayed scaling)"),
-    "--fp8-amax-history-len": ("model.fp8_amax_history_len", "precision", "N", "amax history length (delayed scaling)"),
+    "--fp8-margin": (
+        "model.precision.fp8_margin",
+        "precision",
+        "N",
+        "margin of the FP8 scaling factor (delayed scaling)",
+    ),
+    "--fp8-amax-history-len": (
+        "model.precision.fp8_amax_history_len",
+        "precision",
+        "N",
+        "amax history length (delayed scaling)",
+    ),
     "--fp8-amax-compute-algo": (
-        "model.fp8_amax_compute_algo",
+        "model.precision.fp8_amax_compute_algo",
         "precision",
         "ALGO",
         "max or most_recent amax of the history (delayed scaling)",
@@ -312,8 +338,8 @@ BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
         "on resume, keep the checkpoint's learning-rate and growth schedules",
     ),
     "--async-save": ("training.async_save", True, "checkpointing", "write checkpoints in the background"),
-    "--bf16": ("model.params_dtype", "bf16", "precision", "BF16 weights with FP32 main gradients"),
-    "--fp16": ("model.params_dtype", "fp16", "precision", "FP16 (refused by validation, with the reason)"),
+    "--bf16": ("model.precision.params_dtype", "bf16", "precision", "BF16 weights with FP32 main gradients"),
+    "--fp16": ("model.precision.params_dtype", "fp16", "precision", "FP16 (refused by validation, with the reason)"),
     "--muon-use-nesterov": ("optimizer.muon_use_nesterov", True, "optimizer", "Nesterov momentum in Muon"),
     "--muon-no-split-qkv": (
         "optimizer.muon_split_qkv",
@@ -345,7 +371,7 @@ BOOL_FLAGS: dict[str, tuple[str, bool, str, str]] = {
 # Megatron-LM flag -> (dotted key, {flag value: config value}, group, help)
 CHOICE_FLAGS: dict[str, tuple[str, dict, str, str]] = {
     "--transformer-impl": (
-        "model.use_transformer_engine",
+        "model.precision.transformer_engine",
         {"transformer_engine": True, "local": False},
         "precision",
         "layer implementation: transformer_engine (TE spec) or local",

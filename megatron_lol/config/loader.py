@@ -22,7 +22,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_lol.config.flags import BOOL_FLAGS, CHOICE_FLAGS, GROUPS, MEGATRON_FLAGS  # noqa: F401 - re-exported
-from megatron_lol.config.migration import FLAT_KEYS, migrate_model, set_flat_key
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model, moved_key, set_flat_key
 from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 PARAMS_GROUPS = ("model", "tokenizer", "parallelism")
@@ -144,7 +144,7 @@ def flag_for_key(key: str, message: str = "") -> Optional[str]:
     return min((h for h in hits if h[0] >= 0), default=(0, flags[0] if flags else other))[1]
 
 
-_LEADING_KEY = re.compile(r"^([a-z_]+\.[a-z_0-9]+)(?=[:= ])")
+_LEADING_KEY = re.compile(r"^([a-z_]+(?:\.[a-z_0-9]+)+)(?=[:= ])")  # model.precision.params_dtype too
 
 
 def name_flag(message: str, known_options=None) -> str:
@@ -232,10 +232,13 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
 
 def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
+    if parts[0] == "model" and len(parts) == 2 and parts[1] in MOVED_KEYS:
+        key = moved_key(parts[1], source)  # --set model.moe.num_experts=...: model.moe.num_experts
+        parts = key.split(".")
     if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)
         return
-    if parts[0] == "model" and len(parts) == 2 and parts[1] in FLAT_KEYS:
+    if parts[0] == "model" and len(parts) == 2 and (parts[1] in FLAT_KEYS or parts[1] in ROUTING_KEYS):
         set_flat_key(cfg.model, parts[1], value, source)
         return
     obj = cfg
@@ -255,9 +258,11 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
 def set_plan(model: ModelConfig, rest: list, value: Any, source: str, key: str) -> None:
     """``model.plan=KIND`` (the kind with its defaults), ``model.plan={kind: ..., ...}``
     (a whole section) or ``model.plan.OPTION=VALUE`` (one option of the current kind)."""
-    if len(rest) > 1:
-        raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION)")
-    if rest:
+    if len(rest) > 2:
+        raise ConfigError(f"{source}: unknown key '{key}' (a plan option is model.plan.OPTION[.KEY])")
+    if len(rest) == 2:
+        model.set_plan_option(rest[1], value, source, sub=rest[0])
+    elif rest:
         model.set_plan_option(rest[0], value, source)
     elif isinstance(value, dict):
         model.read_plan_section(value, source)
@@ -271,6 +276,8 @@ def _coerce(hint, value, source: str, key: str):
     origin = typing.get_origin(hint)
     args = typing.get_args(hint)
     if dataclasses.is_dataclass(hint):
+        if isinstance(value, hint):  # a section already read (a ModelConfig's fields passed on)
+            return value
         return build_dataclass(hint, value, source, key + ".")
     if origin is typing.Union:
         if value is None and type(None) in args:

@@ -10,14 +10,23 @@ earlier versions load to the same model:
   for ``model.plan.window``; a ``run_config.yaml`` of that version holds every
   kind's keys, the unused ones at their defaults (dropped here);
 * the older shape keys: ``num_blocks`` / ``routed_depth`` for every kind, Foil
-  as ``plan: looped`` with MoE blocks (``moe_layers: all``)::
+  as ``plan: looped`` with MoE blocks (``moe.layers: all``)::
 
     plan        deprecated keys                    current keys
     dense       num_blocks                         plan.layers
     looped      num_blocks, routed_depth           plan.layers, plan.loops (= routed_depth / num_blocks)
     looped with num_blocks, routed_depth,          plan: foil, plan.layers, plan.loops,
-    MoE blocks  core_num_experts                   plan.experts (default num_experts)
+    MoE blocks  moe.core_num_experts               plan.experts (default moe.num_experts)
     accordion   num_blocks                         plan.window
+
+* the MoE and precision settings as flat ``model`` keys (:data:`MOVED_KEYS`):
+  ``model.num_experts`` for ``model.moe.num_experts``, ``model.moe_router_topk``
+  for ``model.moe.router_topk``, ``model.params_dtype`` for
+  ``model.precision.params_dtype``, ``model.use_transformer_engine`` for
+  ``model.precision.transformer_engine``;
+* the window router's and its balancing's settings as flat ``model`` keys
+  (:data:`ROUTING_KEYS`): ``model.balancing`` for ``model.plan.routing.balancing``
+  (for a kind without a router: dropped, except router-only tokens, refused as before).
 
 This module is the only one in the package that names an option by its flat
 key (tests/test_config_migration.py scans for the others); the loader calls
@@ -29,6 +38,7 @@ key (tests/test_config_migration.py scans for the others); the loader calls
 from __future__ import annotations
 
 import warnings
+from dataclasses import fields
 from typing import Any
 
 from megatron_lol.errors import ConfigError
@@ -52,6 +62,49 @@ FLAT_KEYS = {
 }
 
 
+#: flat ``model`` key -> (the sub-section of ``model`` it moved to, its key there)
+MOVED_KEYS = {
+    "num_experts": ("moe", "num_experts"),
+    "moe_ffn_hidden_size": ("moe", "ffn_hidden_size"),
+    "moe_router_topk": ("moe", "router_topk"),
+    "moe_layers": ("moe", "layers"),
+    "core_num_experts": ("moe", "core_num_experts"),
+    "moe_shared_expert_intermediate_size": ("moe", "shared_expert_intermediate_size"),
+    "moe_aux_loss_coeff": ("moe", "aux_loss_coeff"),
+    "moe_z_loss_coeff": ("moe", "z_loss_coeff"),
+    "moe_router_score_function": ("moe", "router_score_function"),
+    "moe_router_enable_expert_bias": ("moe", "router_enable_expert_bias"),
+    "moe_router_bias_update_rate": ("moe", "router_bias_update_rate"),
+    "moe_loss_average_over_executions": ("moe", "loss_average_over_executions"),
+    "params_dtype": ("precision", "params_dtype"),
+    "use_transformer_engine": ("precision", "transformer_engine"),
+    "fp8": ("precision", "fp8"),
+    "fp8_recipe": ("precision", "fp8_recipe"),
+    "fp8_margin": ("precision", "fp8_margin"),
+    "fp8_amax_history_len": ("precision", "fp8_amax_history_len"),
+    "fp8_amax_compute_algo": ("precision", "fp8_amax_compute_algo"),
+}
+
+
+#: flat ``model`` keys of the window router and its balancing: now keys of ``model.plan.routing``, the
+#: sub-section of the kinds that route (:mod:`megatron_lol.plan.routing`), under the same names
+ROUTING_KEYS = (
+    "router_tied",
+    "router_noise",
+    "router_noise_clamp",
+    "router_input",
+    "router_only_tokens",
+    "router_only_filler",
+    "balancing",
+    "bias_update_speed",
+    "bias_clamp",
+    "bias_update_stop_fraction",
+    "per_depth_bias",
+    "seq_aux_loss_coeff",
+    "aux_loss_coeff",
+)
+
+
 #: the defaults of the flat keys that had one (the others defaulted to null): a run_config.yaml of that
 #: version lists every kind's keys, and these values of another kind's keys mean "not set"
 FLAT_DEFAULTS = {"loop_budgets": [0], "second_pass_router": "shared", "loop_gates": True}
@@ -66,25 +119,81 @@ def _warn(message: str) -> None:
 
 
 def migrate_model(model: dict, source: str, override: bool = False) -> dict:
-    """``model`` (a raw mapping of the ``model`` section) with every flat plan key moved into
-    ``model.plan`` as ``{kind: ..., ...}`` (deprecation warnings); unchanged without flat keys.
+    """``model`` (a raw mapping of the ``model`` section) in the current layout: the flat MoE /
+    precision keys in their sub-sections, the flat plan keys in ``model.plan``, the flat router and
+    balancing keys in ``model.plan.routing`` (deprecation warnings); unchanged when already current.
 
     ``override``: the flat keys replace the section's values (``--set model.<flat key>``,
     ``dataclasses.replace``); otherwise a flat key and a different section value are refused.
     """
+    model = migrate_sections(model, source, override)
+    model = _migrate_plan_keys(model, source, override)
+    return migrate_routing(model, source, override)
+
+
+def _plan_mapping(plan: Any) -> dict:
+    """The plan as ``{kind: ..., ...}``, from a name, a mapping or a section object."""
+    if isinstance(plan, dict):
+        return dict(plan)
+    if isinstance(plan, str):
+        return {"kind": plan}
+    from megatron_lol.plan.execution import section_dict
+
+    return section_dict(plan)
+
+
+def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` with the flat router / balancing keys (:data:`ROUTING_KEYS`) moved into the plan's
+    ``routing`` sub-section (a deprecation warning each). For a kind without a router they are
+    dropped: silently at their defaults (a ``run_config.yaml`` of that version lists them), with a
+    warning at other values (that version took them with any kind, unused), except the
+    router-only tokens, which it refused for such kinds and which are refused here too."""
+    flat = {k: model[k] for k in ROUTING_KEYS if k in model}
+    if not flat:
+        return model
+    from megatron_lol.plan import PLANS
+
+    out = {k: v for k, v in model.items() if k not in ROUTING_KEYS}
+    section = _plan_mapping(model.get("plan", "lol"))
+    kind = section.get("kind")
+    cls = PLANS.get(kind)
+    if cls is None or "routing" not in {f.name for f in fields(cls.Options)}:
+        from megatron_lol.plan.routing import RoutingOptions
+
+        defaults = RoutingOptions()
+        for key, value in flat.items():
+            if value == getattr(defaults, key):
+                continue  # at its default: a run_config.yaml of that version lists every key
+            if key.startswith("router_only"):  # refused for such kinds in that version too
+                raise ConfigError(
+                    f"{source}: model.{key}: plan {kind} has no window router (a key of "
+                    f"model.plan.routing of a kind that routes, e.g. lol)"
+                )
+            # that version took (and never used) the other router keys with any kind
+            _warn(f"{source}: model.{key} is deprecated, and plan {kind} has no window router: dropped")
+        return out
+    written = section.get("routing")
+    routing = _section_values(written)
+    for key, value in flat.items():
+        if not override and isinstance(written, dict) and key in written and written[key] != value:
+            raise ConfigError(
+                f"{source}: model.{key}={value!r} given together with model.plan.routing.{key}={written[key]!r}; "
+                f"remove model.{key}"
+            )
+        routing[key] = value
+        _warn(f"{source}: model.{key} is deprecated; write it as model.plan.routing.{key}")
+    section["routing"] = routing
+    out["plan"] = section
+    return out
+
+
+def _migrate_plan_keys(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` with every flat plan key moved into ``model.plan`` as ``{kind: ..., ...}``."""
     flat = {k: model[k] for k in FLAT_KEYS if k in model}
     if not flat:
         return model
     out = {k: v for k, v in model.items() if k not in FLAT_KEYS}
-    plan = model.get("plan", "lol")
-    if isinstance(plan, dict):
-        section = dict(plan)
-    elif isinstance(plan, str):
-        section = {"kind": plan}
-    else:  # a section object (Python construction)
-        from megatron_lol.plan.execution import section_dict
-
-        section = section_dict(plan)
+    section = _plan_mapping(model.get("plan", "lol"))
     kind = section.get("kind")
     flat = {k: v for k, v in flat.items() if v is not None}  # unset: means nothing in any spelling
     kind = _older_shape_keys(kind, flat, section, out)
@@ -142,9 +251,10 @@ def _older_shape_keys(kind: str, flat: dict, section: dict, out: dict) -> str:
         )
     del flat["num_blocks"], flat["routed_depth"]
     section.update(layers=blocks, loops=depth // blocks)
-    if out.get("moe_layers") == "all":
+    moe = out["moe"] = _section_values(out.get("moe"))  # a mapping as written, or a section object
+    if moe.get("layers") == "all":
         kind = "foil"
-        experts = out.pop("core_num_experts", None) or out.get("num_experts")
+        experts = moe.pop("core_num_experts", None) or moe.get("num_experts")
         if section.get("experts") is None:
             section["experts"] = experts
         if section.get("untie_attention") is None and flat.get("untie_attention") is None:
@@ -156,7 +266,54 @@ def _older_shape_keys(kind: str, flat: dict, section: dict, out: dict) -> str:
     return kind
 
 
+def _section_values(section: Any) -> dict:
+    """A sub-section as written (a mapping), or as read (its dataclass), as a new mapping."""
+    if section is None:
+        return {}
+    if isinstance(section, dict):
+        return dict(section)
+    from megatron_lol.config.checks import asdict
+
+    return asdict(section)
+
+
+def migrate_sections(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` with every flat MoE / precision key (:data:`MOVED_KEYS`) moved into its sub-section
+    (``model.moe``, ``model.precision``; deprecation warnings); unchanged without such keys.
+    ``override``: as for :func:`migrate_model`."""
+    flat = {k: model[k] for k in MOVED_KEYS if k in model}
+    if not flat:
+        return model
+    out = {k: v for k, v in model.items() if k not in MOVED_KEYS}
+    sections: dict = {}
+    for key, value in flat.items():
+        name, new = MOVED_KEYS[key]
+        if name not in sections:
+            sections[name] = _section_values(out.get(name))
+        written = out.get(name)  # a value the user wrote in the section itself (not a default)
+        if not override and isinstance(written, dict) and new in written and written[new] != value:
+            raise ConfigError(
+                f"{source}: model.{key}={value!r} given together with model.{name}.{new}={written[new]!r}; "
+                f"remove model.{key}"
+            )
+        sections[name][new] = value
+        _warn(f"{source}: model.{key} is deprecated; write it as model.{name}.{new}")
+    out.update(sections)
+    return out
+
+
+def moved_key(key: str, source: str) -> str:
+    """``--set model.<flat key>=...`` of a moved MoE / precision key: its dotted key now (deprecation)."""
+    name, new = MOVED_KEYS[key]
+    _warn(f"{source}: model.{key} is deprecated; write it as model.{name}.{new}")
+    return f"model.{name}.{new}"
+
+
 def set_flat_key(model, key: str, value: Any, source: str) -> None:
     """``--set model.<flat key>=VALUE``: the option of the current plan (deprecation warning)."""
+    if key in ROUTING_KEYS:
+        _warn(f"{source}: model.{key} is deprecated; write it as model.plan.routing.{key}")
+        model.set_plan_option(key, value, source, sub="routing")
+        return
     migrated = migrate_model({"plan": model.plan, key: value}, source, override=True)
     model.read_plan_section(migrated["plan"], source)

@@ -1,8 +1,10 @@
 """The ``model`` section: what the network computes (:class:`ModelConfig`), with its validation.
 
 The plan kind's options live in its section (``model.plan: {kind: ..., ...}``,
-:mod:`megatron_lol.plan`); the rest of the model (sizes, windows, router,
-balancing, FiLM, injection, MoE, precision) is here. :mod:`.schema` holds the
+:mod:`megatron_lol.plan`; the router and its balancing are its ``routing``
+sub-section, :mod:`megatron_lol.plan.routing`); MoE and precision are the
+``model.moe`` / ``model.precision`` sub-sections (:mod:`.sections`); what every
+kind shares (sizes, windows, FiLM, injection) is here. :mod:`.schema` holds the
 other sections of a run and re-exports these names.
 """
 
@@ -16,27 +18,23 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_lol.config.checks import asdict, choice, nonnegative, positive
-from megatron_lol.config.migration import FLAT_KEYS, migrate_model
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model
+from megatron_lol.config.sections import (  # noqa: F401 - re-exported
+    FP8_RECIPES,
+    MOE_SCORE_FUNCTIONS,
+    PARAMS_DTYPES,
+    MoEConfig,
+    PrecisionConfig,
+    fp8_row_multiple,
+    resolve_params_dtype,
+)
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan import ExecutionPlan, build_plan, plan_kind
 from megatron_lol.plan.execution import DENSE_ATTENTION, plan_section, section_dict
+from megatron_lol.plan.routing import BALANCING, ROUTER_INPUTS, RoutingOptions  # noqa: F401 - re-exported
 
-BALANCING = ("loss_free", "aux_loss", "none")
 FILM_MODES = ("off", "depth", "depth_block")
 ROUTED_CORES = ("auto", "reference", "grouped")
-ROUTER_INPUTS = ("windows", "depth")
-PARAMS_DTYPES = ("auto", "fp32", "bf16")
-FP8_RECIPES = ("delayed", "tensorwise", "mxfp8", "blockwise")
-MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
-
-
-def resolve_params_dtype(value: str) -> str:
-    """``auto``: ``bf16`` on a CUDA target (Megatron-LM's ``--bf16``), ``fp32`` on CPUs (:mod:`.target`)."""
-    if value != "auto":
-        return value
-    from megatron_lol.config.target import target_has_cuda
-
-    return "bf16" if target_has_cuda() else "fp32"
 
 
 def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
@@ -50,12 +48,6 @@ def fp8_recipe_default(plan: ExecutionPlan) -> str:
     """Megatron-LM's ``delayed`` where every layer runs once per forward; current (``tensorwise``)
     scaling for plans that run layers repeatedly or data-dependently (delayed scaling is refused there)."""
     return "tensorwise" if runs_layers_repeatedly(plan) else "delayed"
-
-
-def fp8_row_multiple(recipe: Optional[str]) -> int:
-    """Rows an FP8 GEMM operand needs in multiples of: megatron-core's ``fp8_utils.get_fp8_align_size``
-    (32 for MXFP8, else 16), restated here so that validation does not import megatron-core."""
-    return 32 if recipe == "mxfp8" else 16
 
 
 @dataclass
@@ -79,8 +71,20 @@ class ModelConfig:
     A bare kind name (``plan: lol``) takes the kind's defaults. Once read, ``plan`` is the
     section object (:func:`megatron_lol.plan.execution.plan_section`): ``plan.kind`` and the
     kind's options as attributes (``plan.window``), the only place they are kept.
-    ``to_dict`` writes the section; earlier spellings (the options as flat ``model`` keys,
-    ``num_blocks`` / ``routed_depth`` for every kind) are rewritten by
+
+    The sections, drawn by what a reader asks of each (docs/model.md, "Execution plans"):
+
+    * ``plan``: what the kind executes; a kind whose router picks blocks per window has the
+      ``routing`` sub-section (``plan.routing.balancing``), one definition
+      (:class:`~megatron_lol.plan.routing.RoutingOptions`) that every routed kind includes;
+    * the fields below: what every kind shares. The windows W / S are here, not in ``routing``,
+      because the fixed plans' ``sliding`` / ``strided`` attention uses them too; FiLM and input
+      injection are here because lol, dense, looped and foil all use them (accordion refuses them);
+    * ``moe`` and ``precision``: settings of their own (:mod:`.sections`), typed, checked with
+      their keys' full paths.
+
+    ``to_dict`` writes the sections; earlier spellings (the options, router, MoE and precision
+    keys as flat ``model`` keys; ``num_blocks`` / ``routed_depth`` for every kind) are rewritten by
     :mod:`megatron_lol.config.migration`.
     """
 
@@ -104,27 +108,6 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    # router (docs/model.md, "Router")
-    router_tied: bool = True
-    router_noise: bool = True
-    router_noise_clamp: float = 10.0
-    # what the router reads (docs/model.md, "Router"): "windows" = the past windows' states (LoL);
-    # "depth" = only the depth vector e^(l), a learned route that ignores the input (the control run
-    # that separates input adaptivity from the shared library, masks, FiLM and growth schedule)
-    router_input: str = "windows"
-    # router-only tokens (docs/model.md, "Router-only tokens"): these ids reach the router only (the mean
-    # of their router embeddings, up to each window's first token, is added to the router's input); the
-    # layers see router_only_filler in their place and their labels carry no loss (a strategy field)
-    router_only_tokens: list = field(default_factory=list)
-    router_only_filler: Optional[int] = None
-    # balancing (docs/model.md, "Load balancing")
-    balancing: str = "loss_free"
-    bias_update_speed: float = 1e-3
-    bias_clamp: float = 16.0
-    bias_update_stop_fraction: float = 0.966
-    per_depth_bias: bool = False
-    seq_aux_loss_coeff: float = 1e-4
-    aux_loss_coeff: float = 0.02
     # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
@@ -133,39 +116,10 @@ class ModelConfig:
     # PerBlockCalls); "grouped" = all blocks of a depth as one grouped computation (GroupedGEMMs); "auto" =
     # grouped on CUDA where the model supports it, per block elsewhere (on CPU, with the CPU backend, faster)
     routed_core: str = "auto"
-    # FFN mixture of experts (megatron-core MoE) in the fixed layers and/or blocks
-    num_experts: Optional[int] = None
-    moe_ffn_hidden_size: Optional[int] = None
-    moe_router_topk: int = 2
-    moe_layers: str = "none"  # none | fixed (prelude+coda) | all
-    core_num_experts: Optional[int] = None  # experts per MoE layer of the core (Foil's E); default num_experts
-    moe_shared_expert_intermediate_size: Optional[int] = None  # one always-on shared expert (Accordion)
-    moe_aux_loss_coeff: float = 0.01  # Switch load-balancing loss (megatron-core "aux_loss")
-    moe_z_loss_coeff: Optional[float] = None  # router z-loss (Foil: 1e-3)
-    # megatron-core's router score (Megatron-LM's --moe-router-score-function): softmax over the top-k logits,
-    # or sigmoid scores normalised over the chosen k
-    moe_router_score_function: str = "softmax"
-    # megatron-core's auxiliary-loss-free balancing (--moe-router-enable-expert-bias, sigmoid scores only): a
-    # per-expert bias added to the scores for the top-k choice only, moved after every optimizer step by
-    # moe_router_bias_update_rate toward equal loads (the global batch's token counts)
-    moe_router_enable_expert_bias: bool = False
-    moe_router_bias_update_rate: float = 1e-3
-    # Foil: average the two losses over all MoE layer executions (every layer on every pass)
-    # instead of megatron-core's sum over layers
-    moe_loss_average_over_executions: bool = False
-    # auto | fp32 | bf16 (BF16 weights, FP32 main grads and master weights: docs/gpu.md); auto: bf16 where
-    # CUDA is present, fp32 on CPUs, resolved by validation (run_config.yaml records the result)
-    params_dtype: str = "auto"
-    use_transformer_engine: Optional[bool] = None  # None: when TE imports and CUDA is present
-    # FP8 through Transformer Engine, Megatron-LM's flags (--fp8-format, --fp8-recipe, --fp8-margin,
-    # --fp8-amax-history-len, --fp8-amax-compute-algo); the layers' GEMMs only, see model/precision.py
-    fp8: Optional[str] = None  # e4m3 | hybrid
-    # delayed | tensorwise (current scaling) | mxfp8 | blockwise; default (resolved by validation): delayed for
-    # plans that run each layer once per forward, tensorwise for the others (see fp8_recipe_default)
-    fp8_recipe: Optional[str] = None
-    fp8_margin: int = 0
-    fp8_amax_history_len: int = 1
-    fp8_amax_compute_algo: str = "most_recent"  # most_recent | max
+    # FFN mixtures of experts (megatron-core MoE) in the fixed layers and/or blocks (config/sections.py)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+    # the weights' dtype, the layer implementation (TE or local) and FP8 (config/sections.py)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
 
     @property
     def ffn_hidden(self) -> int:
@@ -178,7 +132,14 @@ class ModelConfig:
 
     def normalize(self) -> "ModelConfig":
         """Read ``plan`` (a kind's name or a section mapping) into the kind's section object; idempotent,
-        so it also runs after ``--set`` overrides."""
+        so it also runs after ``--set`` overrides; ``moe`` / ``precision`` given as mappings become
+        their sections."""
+        for name, cls in (("moe", MoEConfig), ("precision", PrecisionConfig)):
+            value = getattr(self, name)
+            if isinstance(value, dict) or value is None:
+                from megatron_lol.config.loader import build_dataclass
+
+                object.__setattr__(self, name, build_dataclass(cls, value or {}, f"model.{name}", f"model.{name}."))
         if isinstance(self.plan, str):
             self.plan = plan_section(self.plan)
         elif isinstance(self.plan, dict):
@@ -199,26 +160,46 @@ class ModelConfig:
         values = {key: self._option_value(cls, key, value, source) for key, value in section.items() if key != "kind"}
         self.plan = plan_section(cls.name, values)
 
-    def set_plan_option(self, key: str, value: Any, source: str = "model.plan") -> None:
-        """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``)."""
+    def set_plan_option(self, key: str, value: Any, source: str = "model.plan", sub: Optional[str] = None) -> None:
+        """Set option ``key`` of the current plan kind (``--set model.plan.KEY=VALUE``), or ``sub``'s
+        key ``key`` of its sub-section option ``sub`` (``--set model.plan.routing.balancing=none``)."""
         self.normalize()
         cls = plan_kind(self.plan.kind, "model")
+        if sub is not None:
+            section = getattr(self.plan, self._option_name(cls, sub, source))
+            if not dataclasses.is_dataclass(section):
+                raise ConfigError(f"{source}: model.plan.{sub} is an option of plan {cls.name}, not a section")
+            key_of = f"model.plan.{sub}."
+            from megatron_lol.config.loader import build_dataclass
+
+            updated = build_dataclass(type(section), {**asdict(section), key: value}, source, key_of)
+            self.plan = dataclasses.replace(self.plan, **{sub: updated})
+            return
         self.plan = dataclasses.replace(self.plan, **{key: self._option_value(cls, key, value, source)})
+
+    @staticmethod
+    def _option_name(cls, key: str, source: str) -> str:
+        """``key`` if it is an option of kind ``cls``, else a one-line ConfigError with a did-you-mean."""
+        fields = [f.name for f in dataclasses.fields(cls.Options)]
+        if key not in fields:
+            known = ", ".join(fields) or "none"
+            close = difflib.get_close_matches(key, fields, n=1, cutoff=0.6)
+            hint = f"; did you mean {close[0]}?" if close else ""
+            raise ConfigError(
+                f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
+            )
+        return key
 
     @staticmethod
     def _option_value(cls, key: str, value: Any, source: str) -> Any:
         """``value`` coerced to option ``key``'s type of kind ``cls``; did-you-mean over its options."""
         from megatron_lol.config.loader import coerce_value
 
-        fields = {f.name: f for f in dataclasses.fields(cls.Options)}
-        if key not in fields:
-            known = ", ".join(fields) or "none"
-            close = difflib.get_close_matches(key, list(fields), n=1, cutoff=0.6)
-            hint = f"; did you mean {close[0]}?" if close else ""
-            raise ConfigError(
-                f"{source}: model.plan.{key} is not an option of plan {cls.name}{hint} (its options: {known})"
-            )
-        return coerce_value(typing_hints(cls.Options)[key], value, source, f"model.plan.{key}")
+        ModelConfig._option_name(cls, key, source)
+        hint = typing_hints(cls.Options)[key]
+        if dataclasses.is_dataclass(hint) and isinstance(value, hint):  # a sub-section already read
+            return value
+        return coerce_value(hint, value, source, f"model.plan.{key}")
 
     def to_dict(self) -> dict:
         """Plain data with the plan as its tagged section: what run_config.yaml holds."""
@@ -239,51 +220,19 @@ class ModelConfig:
         return self.execution_plan().depth
 
     def uses_transformer_engine(self) -> bool:
-        """The layer spec: ``use_transformer_engine``, or (unset) whether TE imports with CUDA."""
-        if self.use_transformer_engine is not None:
-            return bool(self.use_transformer_engine)
-        from megatron_lol.platform import has_transformer_engine
-
-        return has_transformer_engine()
+        """The layer spec: ``precision.transformer_engine``, or (unset) whether TE imports with CUDA."""
+        return self.precision.uses_transformer_engine()
 
     @property
     def core_experts(self) -> Optional[int]:
         """Experts per MoE layer of the core's blocks (None: the core has dense MLPs)."""
         return self.execution_plan().core_experts
 
-    def _validate_router_only(self, prefix: str) -> None:
-        ids = self.router_only_tokens
-        if not ids:
-            if self.router_only_filler is not None:
-                raise ConfigError(f"{prefix}.router_only_filler: set without {prefix}.router_only_tokens")
-            return
-        if not isinstance(ids, list) or not all(isinstance(t, int) and t >= 0 for t in ids) or len(set(ids)) < len(ids):
-            raise ConfigError(f"{prefix}.router_only_tokens: must be distinct token ids >= 0 (got {ids})")
-        if not self.execution_plan().routed:
-            raise ConfigError(
-                f"{prefix}.router_only_tokens: only a routed plan has a window router (plan {self.plan.kind})"
-            )
-        if self.router_input != "windows":
-            raise ConfigError(f"{prefix}.router_only_tokens: needs router_input: windows (got {self.router_input})")
-        filler = self.router_only_filler
-        if not isinstance(filler, int) or filler < 0 or filler in ids:
-            raise ConfigError(
-                f"{prefix}.router_only_filler: the token id the layers see in place of a router-only token, "
-                f"not one of router_only_tokens (got {filler})"
-            )
-
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
-        choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.film", self.film, FILM_MODES)
-        choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
-        self._validate_router_only(prefix)
         choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
-        if self.params_dtype == "fp16":
-            raise ConfigError(f"{prefix}.params_dtype: fp16 is not offered (it needs loss scaling); use bf16")
-        choice(f"{prefix}.params_dtype", self.params_dtype, PARAMS_DTYPES)
-        self.params_dtype = resolve_params_dtype(self.params_dtype)
         positive(f"{prefix}.hidden_size", self.hidden_size)
         positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
@@ -314,116 +263,8 @@ class ModelConfig:
         positive(f"{prefix}.rotary_base", self.rotary_base)
         positive(f"{prefix}.rotary_scaling_factor", self.rotary_scaling_factor)
         positive(f"{prefix}.init_method_std", self.init_method_std)
-        nonnegative(f"{prefix}.bias_update_speed", self.bias_update_speed)
-        positive(f"{prefix}.bias_clamp", self.bias_clamp)
-        if not 0 <= self.bias_update_stop_fraction <= 1:
-            raise ConfigError(
-                f"{prefix}.bias_update_stop_fraction: must be in [0, 1] (got {self.bias_update_stop_fraction})"
-            )
-        nonnegative(f"{prefix}.seq_aux_loss_coeff", self.seq_aux_loss_coeff)
-        nonnegative(f"{prefix}.aux_loss_coeff", self.aux_loss_coeff)
-        positive(f"{prefix}.router_noise_clamp", self.router_noise_clamp)
-        choice(f"{prefix}.moe_layers", self.moe_layers, ("none", "fixed", "all"))
-        if self.fp8 is not None:
-            self._validate_fp8(prefix)
-        if self.use_transformer_engine:
-            from megatron_lol.platform import has_transformer_engine
-
-            if not has_transformer_engine():
-                raise ConfigError(
-                    f"{prefix}.use_transformer_engine: true, but Transformer Engine with CUDA "
-                    f"is not available on this machine"
-                )
-        if self.params_dtype == "fp32" and self.uses_transformer_engine():
-            # TE 2.9/2.10 get_attention_backend: FlashAttention and FusedAttention take fp16/bf16 only and
-            # UnfusedDotProductAttention no THD, the packed layout of this spec (docs/gpu.md, "Precision")
-            raise ConfigError(
-                f"{prefix}.params_dtype: fp32 under the Transformer Engine spec has no attention "
-                f"backend (TE's fused attention needs bf16, its unfused one does not take the packed "
-                f"THD layout); use bf16 (or auto), or model.use_transformer_engine: false"
-            )
-        if self.moe_layers != "none":
-            if self.num_experts is None or self.num_experts < 1:
-                raise ConfigError(f"{prefix}.num_experts: moe_layers={self.moe_layers} needs num_experts >= 1")
-            if not 1 <= self.moe_router_topk <= self.num_experts:
-                raise ConfigError(
-                    f"{prefix}.moe_router_topk: must be in [1, num_experts={self.num_experts}] "
-                    f"(got {self.moe_router_topk})"
-                )
-            if self.core_num_experts is not None:
-                if self.moe_layers != "all":
-                    raise ConfigError(f"{prefix}.core_num_experts: needs moe_layers: all (got {self.moe_layers})")
-                if not self.moe_router_topk <= self.core_num_experts:
-                    raise ConfigError(
-                        f"{prefix}.core_num_experts: must be >= moe_router_topk="
-                        f"{self.moe_router_topk} (got {self.core_num_experts})"
-                    )
-            if self.moe_shared_expert_intermediate_size is not None:
-                positive(f"{prefix}.moe_shared_expert_intermediate_size", self.moe_shared_expert_intermediate_size)
-            nonnegative(f"{prefix}.moe_aux_loss_coeff", self.moe_aux_loss_coeff)
-            if self.moe_z_loss_coeff is not None:
-                nonnegative(f"{prefix}.moe_z_loss_coeff", self.moe_z_loss_coeff)
-            choice(f"{prefix}.moe_router_score_function", self.moe_router_score_function, MOE_SCORE_FUNCTIONS)
-            nonnegative(f"{prefix}.moe_router_bias_update_rate", self.moe_router_bias_update_rate)
-            if self.moe_router_enable_expert_bias and self.moe_router_score_function != "sigmoid":
-                # megatron-core's TransformerConfig refuses it too: the bias is added to sigmoid scores
-                raise ConfigError(
-                    f"{prefix}.moe_router_enable_expert_bias: needs moe_router_score_function: "
-                    f"sigmoid (megatron-core adds the expert bias to sigmoid scores only; got "
-                    f"{self.moe_router_score_function})"
-                )
-        else:
-            for key in ("core_num_experts", "moe_shared_expert_intermediate_size", "moe_z_loss_coeff"):
-                if getattr(self, key) is not None:
-                    raise ConfigError(f"{prefix}.{key}: needs MoE layers (moe_layers is none)")
-            if self.moe_router_enable_expert_bias:
-                raise ConfigError(f"{prefix}.moe_router_enable_expert_bias: needs MoE layers (moe_layers is none)")
-
-    def _validate_fp8(self, prefix: str) -> None:
-        """FP8 needs TE on CUDA (and Blackwell for MXFP8); the block GEMMs it runs need rows in
-        multiples of 16 (checked with the batch shape in :meth:`ExperimentConfig.validate`)."""
-        from megatron_lol.platform import cuda_available, has_transformer_engine
-
-        choice(f"{prefix}.fp8", self.fp8, ("e4m3", "hybrid"))
-        if self.fp8_recipe is None:
-            self.fp8_recipe = fp8_recipe_default(self.execution_plan(prefix))
-        choice(f"{prefix}.fp8_recipe", self.fp8_recipe, FP8_RECIPES)
-        choice(f"{prefix}.fp8_amax_compute_algo", self.fp8_amax_compute_algo, ("most_recent", "max"))
-        positive(f"{prefix}.fp8_amax_history_len", self.fp8_amax_history_len)
-        nonnegative(f"{prefix}.fp8_margin", self.fp8_margin)
-        if self.use_transformer_engine is False or not has_transformer_engine():
-            why = (
-                "disabled by use_transformer_engine: false"
-                if self.use_transformer_engine is False
-                else "not available on this machine"
-            )
-            raise ConfigError(f"{prefix}.fp8: {self.fp8} needs Transformer Engine on CUDA ({why})")
-        if self.params_dtype != "bf16":
-            raise ConfigError(f"{prefix}.fp8: FP8 training needs params_dtype: bf16 (got {self.params_dtype})")
-        if self.fp8_recipe == "mxfp8" and cuda_available():
-            import torch
-
-            major, _ = torch.cuda.get_device_capability()
-            if major < 10:
-                raise ConfigError(
-                    f"{prefix}.fp8_recipe: mxfp8 needs a Blackwell GPU (compute capability 10+, "
-                    f"this one has {major}.x); use delayed or tensorwise"
-                )
-        plan = self.execution_plan(prefix)
-        if self.fp8_recipe == "delayed" and runs_layers_repeatedly(plan):
-            # TE's autocast: with reduce_amax a module must not run more than once per region, and every
-            # rank must register the same modules in the same order for the amax all-reduce
-            raise ConfigError(
-                f"{prefix}.fp8_recipe: delayed scaling needs every FP8 layer to run once per forward "
-                f"on every rank, but plan {plan.name} runs its blocks "
-                f"{'where windows are routed' if plan.routed else 'several times'}; "
-                f"use tensorwise (current scaling, the default for this plan)"
-            )
-        if plan.routed and self.moe_layers == "all":
-            raise ConfigError(
-                f"{prefix}.fp8: routed MoE blocks would route the zero rows that pad each block's "
-                f"windows to FP8's row multiple to experts; use moe_layers: fixed or no fp8"
-            )
+        self.moe.validate(f"{prefix}.moe")
+        self.precision.validate(self, f"{prefix}.precision")
 
 
 def typing_hints(cls) -> dict:
@@ -437,27 +278,30 @@ _dataclass_init = ModelConfig.__init__
 
 @functools.wraps(_dataclass_init)
 def _init(self, *args, **kwargs) -> None:
-    """The dataclass's ``__init__``, taking the deprecated flat plan keys too (``ModelConfig(<flat key>=...)``,
-    ``dataclasses.replace(model, ...)``): rewritten into the plan's section by the migration table."""
-    flat = {key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS}
+    """The dataclass's ``__init__``, taking the deprecated flat keys too (``ModelConfig(<flat key>=...)``,
+    ``dataclasses.replace(model, ...)``): rewritten into the plan's section and the ``moe`` /
+    ``precision`` sub-sections by the migration tables."""
+    flat = {
+        key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS
+    }
     if flat:
         plan = kwargs.get("plan", "lol")
-        raw = {
-            "plan": plan,
-            "moe_layers": kwargs.get("moe_layers", "none"),
-            "num_experts": kwargs.get("num_experts"),
-            "core_num_experts": kwargs.get("core_num_experts"),
-            **flat,
-        }
+        raw = {"plan": plan, **{k: kwargs[k] for k in ("moe", "precision") if kwargs.get(k) is not None}, **flat}
         moved = migrate_model(raw, "ModelConfig", override=not isinstance(plan, (str, dict)))
-        kwargs["plan"], kwargs["core_num_experts"] = moved["plan"], moved.get("core_num_experts")
+        kwargs["plan"] = moved["plan"]
+        kwargs.update({k: moved[k] for k in ("moe", "precision") if k in moved})
     _dataclass_init(self, *args, **kwargs)
 
 
 def _setattr(self, name: str, value: Any) -> None:
-    """A deprecated flat plan key is refused, not stored beside the section where nothing reads it."""
+    """A deprecated flat key is refused, not stored beside the section where nothing reads it."""
     if name in FLAT_KEYS:
         raise AttributeError(f"ModelConfig.{name}: a plan option; it lives in model.plan.{FLAT_KEYS[name][1]}")
+    if name in ROUTING_KEYS:
+        raise AttributeError(f"ModelConfig.{name}: a router option; it lives in model.plan.routing.{name}")
+    if name in MOVED_KEYS:
+        section, key = MOVED_KEYS[name]
+        raise AttributeError(f"ModelConfig.{name}: it lives in model.{section}.{key}")
     object.__setattr__(self, name, value)
 
 

@@ -97,26 +97,26 @@ class ParallelConfig:
                 f"{prefix}.expert_model_parallel_size: {ep} does not divide the {plan.num_stored_blocks} "
                 f"stored blocks of plan {plan.name}"
             )
-        if not plan.shards_library and model.moe_layers != "none":
-            for key, n in (("num_experts", model.num_experts), ("core experts", plan.core_experts)):
+        if not plan.shards_library and model.moe.layers != "none":
+            for key, n in (("num_experts", model.moe.num_experts), ("core experts", plan.core_experts)):
                 if n is not None and n % ep:
                     raise ConfigError(f"{prefix}.expert_model_parallel_size: {ep} does not divide model.{key}={n}")
-        if plan.shards_library and model.moe_layers == "all" and ep > 1:
+        if plan.shards_library and model.moe.layers == "all" and ep > 1:
             # EP would shard the block library and every block's experts over the same ranks,
             # leaving some (block, expert) pairs on no rank
             raise ConfigError(
                 f"{prefix}.expert_model_parallel_size: plan {plan.name} shards its block library "
-                f"over EP={ep}; its blocks cannot also be MoE layers (moe_layers: all); use "
-                f"moe_layers: fixed or expert_model_parallel_size: 1"
+                f"over EP={ep}; its blocks cannot also be MoE layers (model.moe.layers: all); use "
+                f"model.moe.layers: fixed or expert_model_parallel_size: 1"
             )
-        if model.moe_layers != "none" and tp > 1:
+        if model.moe.layers != "none" and tp > 1:
             # megatron-core refuses to train MoE layers under TP without SP
             if not self.sequence_parallel:
                 raise ConfigError(
                     f"{prefix}.sequence_parallel: megatron-core MoE layers with "
                     f"tensor_model_parallel_size={tp} need sequence_parallel: true"
                 )
-            if model.moe_layers == "all" and plan.gathers_sequence:
+            if model.moe.layers == "all" and plan.gathers_sequence:
                 raise ConfigError(
                     f"{prefix}.tensor_model_parallel_size: MoE blocks in a core that gathers the "
                     f"sequence (routed or strided attention) cannot use TP={tp}; use "
@@ -484,10 +484,10 @@ class ExperimentConfig:
         # a warm-up longer than the run is allowed (a smoke run of a long config): the run ends inside
         # it, and the trainer says so (training/optimizer.py, build_scheduler)
         tr = self.training
-        multiple = fp8_row_multiple(self.model.fp8_recipe)
-        if self.model.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % multiple:
+        multiple = fp8_row_multiple(self.model.precision.fp8_recipe)
+        if self.model.precision.fp8 is not None and (tr.micro_batch_size * tr.seq_length) % multiple:
             raise ConfigError(
-                f"training.seq_length: FP8 GEMMs ({self.model.fp8_recipe}) need micro_batch_size x "
+                f"training.seq_length: FP8 GEMMs ({self.model.precision.fp8_recipe}) need micro_batch_size x "
                 f"seq_length = {tr.micro_batch_size * tr.seq_length} tokens in multiples of {multiple}"
             )
         if check_data:

@@ -1,6 +1,6 @@
 """The kind of device a config is resolved for: the machine it runs on, unless a command names another.
 
-``model.params_dtype: auto`` means BF16 where CUDA is present and FP32 on CPUs,
+``model.precision.params_dtype: auto`` means BF16 where CUDA is present and FP32 on CPUs,
 decided by the machine that validates the config. That is right for a run, and
 wrong for a command that plans a run elsewhere: ``megatron-lol memory`` on a CPU
 login node estimates the GPU job that will be submitted, so it resolves the

@@ -50,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config", default=None, help="training YAML whose data/optimizer/training sections the run_config.yaml takes"
     )
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model.params_dtype")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="model.precision.params_dtype")
     parser.add_argument("--force", action="store_true", help="replace an existing --save directory")
 
 
@@ -216,7 +216,7 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
         rotary_scaling_factor=factor,
         norm_epsilon=float(conf.get("rms_norm_eps", 1e-6)),
         init_method_std=float(conf.get("initializer_range", 0.02)),
-        params_dtype=dtype,
+        precision={"params_dtype": dtype},
     )
     for key in (
         "window_size",

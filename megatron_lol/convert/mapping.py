@@ -60,22 +60,22 @@ class Dims:
     @classmethod
     def of(cls, m: ModelConfig) -> "Dims":
         heads = m.num_attention_heads
-        moe = m.moe_layers != "none"
+        moe = m.moe.layers != "none"
         return cls(
             hidden=m.hidden_size,
             heads=heads,
             groups=m.num_query_groups or heads,
             head_dim=m.kv_channels or m.hidden_size // heads,
             ffn=m.ffn_hidden,
-            moe_ffn=(m.moe_ffn_hidden_size or m.ffn_hidden) if moe else 0,
-            shared_ffn=(m.moe_shared_expert_intermediate_size or 0) if moe else 0,
-            expert_bias=moe and m.moe_router_enable_expert_bias,
+            moe_ffn=(m.moe.ffn_hidden_size or m.ffn_hidden) if moe else 0,
+            shared_ffn=(m.moe.shared_expert_intermediate_size or 0) if moe else 0,
+            expert_bias=moe and m.moe.router_enable_expert_bias,
         )
 
 
 def fixed_experts(m: ModelConfig) -> int | None:
     """Experts of the prelude / coda MLPs (None: dense MLPs)."""
-    return m.num_experts if m.moe_layers in ("fixed", "all") else None
+    return m.moe.num_experts if m.moe.layers in ("fixed", "all") else None
 
 
 def core_experts(m: ModelConfig) -> int | None:

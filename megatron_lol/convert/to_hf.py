@@ -32,6 +32,7 @@ from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_a
 from megatron_lol.convert.part_sources import plugin_parts, write_part_sources
 from megatron_lol.errors import CliError
 from megatron_lol.model.parts import model_parts
+from megatron_lol.plan.routing import routing_of
 from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
@@ -75,7 +76,7 @@ def is_plain_stack(m: ModelConfig) -> bool:
         and m.dense_attention == "full"
         and not model_parts(m, m.execution_plan())  # no per-pass parts (FiLM, injection, ...)
         and m.rotary_scaling_factor >= 1.0
-        and m.moe_layers == "none"
+        and m.moe.layers == "none"
     )
 
 
@@ -219,20 +220,20 @@ def lol_config_json(
         "window_size": m.window_size,
         "window_shift": m.window_shift,
         "dense_attention": m.dense_attention,
-        "router_tied": m.router_tied,
-        "router_input": m.router_input,
-        "router_only_tokens": list(m.router_only_tokens),
-        "router_only_filler": m.router_only_filler,
-        "per_depth_bias": m.per_depth_bias,
+        "router_tied": routing_of(m).router_tied,
+        "router_input": routing_of(m).router_input,
+        "router_only_tokens": list(routing_of(m).router_only_tokens),
+        "router_only_filler": routing_of(m).router_only_filler,
+        "per_depth_bias": routing_of(m).per_depth_bias,
         "film": m.film,
         "input_injection": m.input_injection,
-        "moe_layers": m.moe_layers,
+        "moe_layers": m.moe.layers,
         "num_experts": mapping.fixed_experts(m),
         "core_num_experts": mapping.core_experts(m),
-        "num_experts_per_tok": m.moe_router_topk if m.moe_layers != "none" else None,
+        "num_experts_per_tok": m.moe.router_topk if m.moe.layers != "none" else None,
         "moe_intermediate_size": d.moe_ffn or None,
         "shared_expert_intermediate_size": d.shared_ffn or None,
-        "moe_router_score_function": m.moe_router_score_function,
+        "moe_router_score_function": m.moe.router_score_function,
         "moe_router_expert_bias": bool(d.expert_bias),
         "untie_attention": bool(plan.untied_attention_sets()),
         "loop_budgets": list(plan.budgets) if accordion else [0],
@@ -320,11 +321,11 @@ def convert_checkpoint(
     if fmt == "llama" and not is_plain_stack(m):
         raise CliError(
             f"--format llama: plan={m.plan.kind}, dense_attention={m.dense_attention}, film={m.film}, "
-            f"input_injection={m.input_injection}, moe_layers={m.moe_layers} is not an ordinary "
+            f"input_injection={m.input_injection}, moe_layers={m.moe.layers} is not an ordinary "
             f"Llama stack"
         )
     llama = fmt == "llama" or (fmt == "auto" and is_plain_stack(m))
-    torch_dtype = DTYPES[dtype or m.params_dtype]
+    torch_dtype = DTYPES[dtype or m.precision.params_dtype]
     max_bytes = parse_size(max_shard_size)
 
     check_output_apart(save, load)  # --force never deletes the checkpoint being converted

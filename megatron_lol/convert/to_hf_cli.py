@@ -27,7 +27,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iteration", type=int, default=None, help="iteration to export (default: the tracker's)")
     parser.add_argument("--save", required=True, help="output HuggingFace model directory")
     parser.add_argument(
-        "--dtype", choices=("bf16", "fp32"), default=None, help="weight dtype (default: the run's model.params_dtype)"
+        "--dtype",
+        choices=("bf16", "fp32"),
+        default=None,
+        help="weight dtype (default: the run's model.precision.params_dtype)",
     )
     parser.add_argument(
         "--tokenizer", default=None, help="tokenizer model file / directory (default: the run's data.tokenizer_model)"

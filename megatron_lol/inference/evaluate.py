@@ -52,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.set_defaults(dtype=None, device=None)
     for action in parser._actions:
         if action.dest == "dtype":
-            action.help = "weight dtype of the evaluated model (default: the run's model.params_dtype)"
+            action.help = "weight dtype of the evaluated model (default: the run's model.precision.params_dtype)"
         elif action.dest == "device":
             action.help = "cpu or cuda: must be the device policy's (CUDA when present, else the CPU)"
     src = parser.add_mutually_exclusive_group(required=True)
@@ -323,7 +323,7 @@ def score_with_training_forward(loaded, args, pieces_: list, num_docs: int, seq_
         )
     cfg = loaded.cfg
     if args.dtype is not None:
-        cfg.model.params_dtype = args.dtype
+        cfg.model.precision.params_dtype = args.dtype
     from megatron_lol.training.runtime import apply_threads
 
     apply_threads(args.threads)

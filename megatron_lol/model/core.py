@@ -49,6 +49,7 @@ from megatron_lol.model.router import WindowRouter
 from megatron_lol.model.static_routing import router_only_prefix_means
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan import Step
+from megatron_lol.plan.routing import routing_of
 from megatron_lol.plan.stages import local_blocks
 from megatron_lol.platform.trace_ranges import trace_range, trace_steps
 
@@ -162,29 +163,30 @@ class Core(nn.Module):
                 p.allreduce = False
         self.balancer = None
         if plan.routed:
-            n_routers = 1 if model.router_tied else D
+            routing = model.plan.routing
+            n_routers = 1 if routing.router_tied else D
             self.routers = nn.ModuleList(
-                WindowRouter(h, L, noise=model.router_noise, noise_clamp=model.router_noise_clamp)
+                WindowRouter(h, L, noise=routing.router_noise, noise_clamp=routing.router_noise_clamp)
                 for _ in range(n_routers)
             )
             # e^(l): exists whether or not the router is tied
             self.depth_vectors = nn.Parameter(torch.empty(D, h, dtype=torch.float32))
             with seeded(init_seed, "core.depth_vectors"):
                 nn.init.normal_(self.depth_vectors, std=model.init_method_std)
-            if model.router_only_tokens:
+            if model.plan.routing.router_only_tokens:
                 # the router's own embeddings of the router-only tokens (no layer ever reads them)
-                n_ro = len(model.router_only_tokens)
+                n_ro = len(model.plan.routing.router_only_tokens)
                 self.router_only_embeddings = nn.Parameter(torch.empty(n_ro, h, dtype=torch.float32))
                 with seeded(init_seed, "core.router_only_embeddings"):
                     nn.init.normal_(self.router_only_embeddings, std=model.init_method_std)
-            if model.balancing == "loss_free":
+            if model.plan.routing.balancing == "loss_free":
                 self.balancer = BalancingBias(
                     L,
                     D,
-                    model.per_depth_bias,
-                    model.bias_update_speed,
-                    model.bias_clamp,
-                    model.bias_update_stop_fraction,
+                    model.plan.routing.per_depth_bias,
+                    model.plan.routing.bias_update_speed,
+                    model.plan.routing.bias_clamp,
+                    model.plan.routing.bias_update_stop_fraction,
                 )
         # the per-pass parts' tensors (FiLM, injection, loop gates, plug-ins: megatron_lol/model/parts.py),
         # each a parameter of the core under its own name; the model-wide parts' first, as registered
@@ -316,7 +318,7 @@ class Core(nn.Module):
         it); its ``depth`` must be given. ``options.layout``: the micro-batch's host-built
         :class:`~.host_layout.HostLayout` on the states' device, whose windows and router noise the
         routed depths use; without one the core builds it here from ``docs`` (:meth:`_layout`).
-        ``router_only`` [b, s]: each token's index in ``model.router_only_tokens`` (-1: an ordinary
+        ``router_only`` [b, s]: each token's index in ``plan.routing.router_only_tokens`` (-1: an ordinary
         token), for the router's router-only term.
         """
         opts = ForwardOptions.of(options, overrides, "Core.forward")
@@ -363,7 +365,7 @@ class Core(nn.Module):
         ``packed_eval``), ``analyze`` (``LoLGPTModel.host_layout``) and the benches."""
         cpu_docs = DocumentLayout(docs.positions.cpu(), docs.doc_index.cpu(), docs.num_docs)
         seeds = opts.noise_seeds
-        if seeds is not None and not (self.training and self.cfg.router_noise):
+        if seeds is not None and not (self.training and routing_of(self.cfg).router_noise):
             seeds = None
         layout = layout_from_documents(
             cpu_docs,

@@ -211,11 +211,11 @@ class RoutedStep(CoreStep):
         if ctx.training:
             if core.balancer is not None:
                 core.balancer.record(step.depth, counts)
-            if cfg.balancing == "loss_free" and cfg.seq_aux_loss_coeff > 0:
+            if cfg.plan.routing.balancing == "loss_free" and cfg.plan.routing.seq_aux_loss_coeff > 0:
                 per_doc = sequence_aux_loss(windows, decision) / ctx.layout.doc_count.clamp(min=1)
-                state.aux_terms.append(cfg.seq_aux_loss_coeff * per_doc)
-            elif cfg.balancing == "aux_loss" and cfg.aux_loss_coeff > 0:
-                state.aux_terms.append(cfg.aux_loss_coeff * global_aux_loss(windows, decision))
+                state.aux_terms.append(cfg.plan.routing.seq_aux_loss_coeff * per_doc)
+            elif cfg.plan.routing.balancing == "aux_loss" and cfg.plan.routing.aux_loss_coeff > 0:
+                state.aux_terms.append(cfg.plan.routing.aux_loss_coeff * global_aux_loss(windows, decision))
         state.loads.append((step.depth, counts))
         if ctx.record:
             n = windows.num_windows  # the layout's real windows come first
@@ -239,7 +239,7 @@ class RoutedStep(CoreStep):
         core, depth = self.core, self.step.depth
         router = core.router_for(depth)
         depth_vector = core.depth_vectors[depth - 1]
-        if core.cfg.router_input == "depth":
+        if core.cfg.plan.routing.router_input == "depth":
             summaries = depth_only_summaries(windows, depth_vector)
         else:
             summaries = router_summaries(windows, flat, depth_vector)

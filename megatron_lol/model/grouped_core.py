@@ -30,7 +30,7 @@ def routes_grouped(model, cuda: bool) -> bool:
     if mode == "grouped":
         return plan.routed and all(step.routed for step in plan.steps())
     # MoE blocks: grouped_support declines them from the built blocks; here from the config
-    return grouped_config_support(model, plan) is None and model.moe_layers != "all"
+    return grouped_config_support(model, plan) is None and model.moe.layers != "all"
 
 
 def grouped_config_support(model, plan) -> Optional[str]:

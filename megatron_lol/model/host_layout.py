@@ -257,7 +257,7 @@ def host_layout_for_batch(batch: dict, model_cfg, plan, eod_id: Optional[int], r
     it here): ``batch["tokens"]`` ``[b, s]`` on the CPU and, for the router noise of a training
     forward, ``batch["sample_ids"]``. ``pin``: page-locked, so the copy to a GPU is asynchronous."""
     seeds = None
-    if "sample_ids" in batch and plan.routed and model_cfg.router_noise:
+    if "sample_ids" in batch and plan.routed and model_cfg.plan.routing.router_noise:
         seeds = noise_seeds(batch["sample_ids"], run_seed)
     layout = build_host_layout(
         batch["tokens"],

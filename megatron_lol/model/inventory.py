@@ -60,7 +60,9 @@ def _walk(model: ModelConfig, vocab_size: int) -> dict:
 
 
 def _counting_config(model: ModelConfig) -> ModelConfig:
-    return dataclasses.replace(model, use_transformer_engine=False, fp8=None)
+    return dataclasses.replace(
+        model, precision=dataclasses.replace(model.precision, transformer_engine=False, fp8=None)
+    )
 
 
 def _can_build_here() -> bool:

@@ -100,11 +100,11 @@ def transformer_engine_usable() -> bool:
 def use_te_for(model: ModelConfig) -> bool:
     """TE spec when TE imports and CUDA is present, unless the config says otherwise."""
     available = transformer_engine_usable()
-    if model.use_transformer_engine is None:
+    if model.precision.transformer_engine is None:
         return available
-    if model.use_transformer_engine and not available:
-        raise ConfigError("model.use_transformer_engine: true, but Transformer Engine with CUDA is not available")
-    return model.use_transformer_engine
+    if model.precision.transformer_engine and not available:
+        raise ConfigError("model.precision.transformer_engine: true, but Transformer Engine with CUDA is not available")
+    return model.precision.transformer_engine
 
 
 def transformer_config(
@@ -136,7 +136,7 @@ def transformer_config(
     from megatron_lol.config.schema import fp8_recipe_default, resolve_params_dtype
 
     parallel = parallel or ParallelConfig()
-    dtype = torch.bfloat16 if resolve_params_dtype(model.params_dtype) == "bf16" else torch.float32
+    dtype = torch.bfloat16 if resolve_params_dtype(model.precision.params_dtype) == "bf16" else torch.float32
     kwargs = dict(
         num_layers=num_layers or max(1, model.n_prelude + model.n_coda + model.execution_plan().num_stored_blocks),
         hidden_size=model.hidden_size,
@@ -162,7 +162,7 @@ def transformer_config(
         # the block library's expert parallelism lives in parallel_state and the
         # core; megatron's TransformerConfig reserves this field for FFN MoE
         expert_model_parallel_size=(
-            parallel.expert_model_parallel_size if model.num_experts and model.moe_layers != "none" else 1
+            parallel.expert_model_parallel_size if model.moe.num_experts and model.moe.layers != "none" else 1
         ),
         sequence_parallel=parallel.sequence_parallel,
         # the same seed gives the same weights whatever the layout: initialise the
@@ -180,39 +180,39 @@ def transformer_config(
         recompute_method="uniform" if parallel.recompute_granularity == "full" else None,
         recompute_num_layers=1 if parallel.recompute_granularity == "full" else None,
     )
-    if model.num_experts and model.moe_layers != "none":
+    if model.moe.num_experts and model.moe.layers != "none":
         # megatron-core MoE MLPs (used by the layers the spec gives an MoE MLP: see moe_layers)
         # Switch load balance + optional z-loss, both per layer call; Foil averages them over
         # every MoE execution (each layer on each pass) instead of megatron's sum over layers
-        scale = 1.0 / moe_executions(model) if model.moe_loss_average_over_executions else 1.0
+        scale = 1.0 / moe_executions(model) if model.moe.loss_average_over_executions else 1.0
         kwargs.update(
-            num_moe_experts=model.num_experts,
-            moe_router_topk=model.moe_router_topk,
-            moe_ffn_hidden_size=model.moe_ffn_hidden_size or model.ffn_hidden,
+            num_moe_experts=model.moe.num_experts,
+            moe_router_topk=model.moe.router_topk,
+            moe_ffn_hidden_size=model.moe.ffn_hidden_size or model.ffn_hidden,
             moe_router_load_balancing_type="aux_loss",
-            moe_aux_loss_coeff=model.moe_aux_loss_coeff * scale,
-            moe_z_loss_coeff=(model.moe_z_loss_coeff * scale if model.moe_z_loss_coeff else None),
-            moe_shared_expert_intermediate_size=model.moe_shared_expert_intermediate_size,
+            moe_aux_loss_coeff=model.moe.aux_loss_coeff * scale,
+            moe_z_loss_coeff=(model.moe.z_loss_coeff * scale if model.moe.z_loss_coeff else None),
+            moe_shared_expert_intermediate_size=model.moe.shared_expert_intermediate_size,
             moe_token_dispatcher_type="alltoall",
             moe_grouped_gemm=False,
             moe_router_dtype="fp32",
-            moe_router_score_function=model.moe_router_score_function,
+            moe_router_score_function=model.moe.router_score_function,
             # loss-free balancing: megatron-core's finalize_model_grads (called by the trainer's,
             # parallel/library_sync.py) moves each router's bias by the global batch's loads
-            moe_router_enable_expert_bias=model.moe_router_enable_expert_bias,
-            moe_router_bias_update_rate=model.moe_router_bias_update_rate,
+            moe_router_enable_expert_bias=model.moe.router_enable_expert_bias,
+            moe_router_bias_update_rate=model.moe.router_bias_update_rate,
         )
-    if model.fp8 is not None:
+    if model.precision.fp8 is not None:
         # Megatron-LM's --fp8-format / --fp8-recipe / --fp8-margin / --fp8-amax-* (TransformerConfig's own fields)
-        recipe = model.fp8_recipe or fp8_recipe_default(model.execution_plan())
+        recipe = model.precision.fp8_recipe or fp8_recipe_default(model.execution_plan())
         kwargs.update(
-            fp8=model.fp8,
+            fp8=model.precision.fp8,
             fp8_recipe=recipe,
-            fp8_margin=model.fp8_margin,
-            fp8_amax_history_len=model.fp8_amax_history_len,
-            fp8_amax_compute_algo=model.fp8_amax_compute_algo,
+            fp8_margin=model.precision.fp8_margin,
+            fp8_amax_history_len=model.precision.fp8_amax_history_len,
+            fp8_amax_compute_algo=model.precision.fp8_amax_compute_algo,
         )
-        if model.num_experts and model.moe_layers != "none":
+        if model.moe.num_experts and model.moe.layers != "none":
             # experts receive any number of tokens: megatron pads the routing map to FP8's multiple
             kwargs.update(moe_router_padding_for_quantization=True)
     return TransformerConfig(**kwargs)
@@ -220,8 +220,8 @@ def transformer_config(
 
 def moe_executions(model: ModelConfig) -> int:
     """MoE layer calls per forward pass (fixed layers once each, core blocks per execution)."""
-    fixed = model.n_prelude + model.n_coda if model.moe_layers in ("fixed", "all") else 0
-    return max(1, fixed + (model.core_depth if model.moe_layers == "all" else 0))
+    fixed = model.n_prelude + model.n_coda if model.moe.layers in ("fixed", "all") else 0
+    return max(1, fixed + (model.core_depth if model.moe.layers == "all" else 0))
 
 
 def core_config(config, model: ModelConfig, packed: bool = False):

@@ -49,6 +49,7 @@ from megatron_lol.model.library import (
 from megatron_lol.model.parts import model_parts
 from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
+from megatron_lol.plan.routing import routing_of
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
 from megatron_lol.platform import cuda_available
 from megatron_lol.platform.trace_ranges import trace_range
@@ -146,9 +147,8 @@ class LoLGPTModel(_language_module()):
         self.plan = plan
         self.eod_id = eod_id
         # router-only token ids (docs/model.md, "Router-only tokens"); moves with the module (.cuda())
-        self.register_buffer(
-            "router_only_ids", torch.tensor(list(model.router_only_tokens), dtype=torch.long), persistent=False
-        )
+        router_only = list(routing_of(model).router_only_tokens)
+        self.register_buffer("router_only_ids", torch.tensor(router_only, dtype=torch.long), persistent=False)
         self.vocab_size = vocab_size
         self.vp_stage = vp_stage
         pp = parallel_state.get_pipeline_model_parallel_world_size()
@@ -164,7 +164,7 @@ class LoLGPTModel(_language_module()):
             raise ValueError(
                 "LoLGPTModel(packed_sequences=False): the Transformer Engine spec runs packed (THD) sequences only"
             )
-        moe = model.num_experts if model.moe_layers != "none" else None
+        moe = model.moe.num_experts if model.moe.layers != "none" else None
         if moe:
             # megatron-core's MoE loss logging tracker is process-global and sized by the first
             # model's num_layers; a model built later in the same process (tests, notebooks,
@@ -180,7 +180,7 @@ class LoLGPTModel(_language_module()):
         self.grouped_library = self.use_te and grouped
         core_te = self.use_te and not self.grouped_library
         modulated = any(part.hook == "norm" for part in model_parts(model, model.execution_plan()))
-        spec = block_spec(core_te, num_experts=moe if model.moe_layers == "all" else None, film=modulated)
+        spec = block_spec(core_te, num_experts=moe if model.moe.layers == "all" else None, film=modulated)
         self.share_embeddings_and_output_weights = not model.untie_embeddings_and_output_weights
 
         if self.pre_process:
@@ -276,7 +276,7 @@ class LoLGPTModel(_language_module()):
         router_only = self.router_only_index(input_ids)
         if router_only is not None:
             # the layers see the filler: a router-only token's identity reaches the router only
-            input_ids = torch.where(router_only >= 0, self.cfg.router_only_filler, input_ids)
+            input_ids = torch.where(router_only >= 0, routing_of(self.cfg).router_only_filler, input_ids)
         if self.pre_process:
             # packed: the micro-batch is one row of b*s tokens (so is the embedding's SP scatter)
             hidden = self.embedding(
@@ -375,7 +375,8 @@ class LoLGPTModel(_language_module()):
         )
 
     def router_only_index(self, tokens: torch.Tensor) -> Optional[torch.Tensor]:
-        """Each token's index in ``model.router_only_tokens`` (-1: an ordinary token); None when there are none."""
+        """Each token's index in ``model.plan.routing.router_only_tokens`` (-1: an ordinary token); None when
+        there are none."""
         if self.router_only_ids.numel() == 0:
             return None
         match = tokens.unsqueeze(-1) == self.router_only_ids

@@ -343,7 +343,7 @@ def loop_accounting(model: ModelConfig) -> Optional[dict]:
     if plan.name not in ("looped", "foil") or plan.core_experts is None:
         return None
     E, D, L = plan.core_experts, plan.num_stored_blocks, plan.loop_passes
-    k = min(model.moe_router_topk, E)
+    k = min(model.moe.router_topk, E)
     return {
         "E": E,
         "D": D,
@@ -379,7 +379,7 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
 def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     shapes = parameter_shapes(model, vocab_size)
     plan = model.execution_plan()
-    topk = model.moe_router_topk
+    topk = model.moe.router_topk
 
     breakdown = dict.fromkeys(BREAKDOWN_KEYS, 0)
     part_params: dict = {}

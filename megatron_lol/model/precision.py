@@ -7,7 +7,7 @@ the dtype: the router (:class:`~megatron_lol.model.router.WindowRouter`),
 window means, prefix sums, the balancing bias and loads are FP32 tensors in
 every precision.
 
-FP8 (Transformer Engine, ``model.fp8`` with megatron-core's recipes) applies
+FP8 (Transformer Engine, ``model.precision.fp8`` with megatron-core's recipes) applies
 to the GEMMs of the transformer layers only: the model enters
 :func:`fp8_autocast` around its layers (one context per forward, as
 megatron-core's ``TransformerBlock`` does, so delayed scaling reduces its

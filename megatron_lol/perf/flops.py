@@ -169,16 +169,16 @@ def _dims(model: ModelConfig):
 
 
 def _is_moe(model: ModelConfig, where: str) -> bool:
-    if model.moe_layers == "all":
+    if model.moe.layers == "all":
         return True
-    return model.moe_layers == "fixed" and where == "fixed"
+    return model.moe.layers == "fixed" and where == "fixed"
 
 
 def _num_experts(model: ModelConfig, where: str) -> int:
     """Routed experts of an MoE layer: the core's own count in the blocks (Foil), else ``num_experts``."""
     if where == "block" and model.core_experts is not None:
         return model.core_experts
-    return model.num_experts
+    return model.moe.num_experts
 
 
 def layer_token_flops(model: ModelConfig, tokens: int, where: str = "fixed") -> Flops:
@@ -190,11 +190,11 @@ def layer_token_flops(model: ModelConfig, tokens: int, where: str = "fixed") -> 
     proj = 2 * tokens * d * (nq * c + 2 * nkv * c) + 2 * tokens * (nq * c) * d
     if _is_moe(model, where):
         E = _num_experts(model, where)
-        f = model.moe_ffn_hidden_size if model.moe_ffn_hidden_size is not None else model.ffn_hidden
-        k = min(model.moe_router_topk, E)
+        f = model.moe.ffn_hidden_size if model.moe.ffn_hidden_size is not None else model.ffn_hidden
+        k = min(model.moe.router_topk, E)
         mlp = k * 6 * tokens * d * f
-        if model.moe_shared_expert_intermediate_size:
-            mlp += 6 * tokens * d * model.moe_shared_expert_intermediate_size
+        if model.moe.shared_expert_intermediate_size:
+            mlp += 6 * tokens * d * model.moe.shared_expert_intermediate_size
         return Flops(attention_proj=proj, mlp=mlp, moe_router=2 * tokens * d * E)
     return Flops(attention_proj=proj, mlp=6 * tokens * d * model.ffn_hidden)
 
@@ -423,7 +423,7 @@ def _flops(
         if routed:
             n_windows = batch * len(window_lengths(seq, W, delta))
             r = 2 * n_windows * d * L
-            if training and model.router_noise:
+            if training and model.plan.routing.router_noise:
                 r += 2 * n_windows * L * L
             core_f = core_f + Flops(router=r)
             if grad_tokens:
@@ -448,7 +448,7 @@ def dense_equivalent(model: ModelConfig, depth: Optional[int] = None) -> ModelCo
     over = dict(
         plan={"kind": "dense", "layers": depth},
         dense_attention="full",
-        core_num_experts=plan.core_experts if model.moe_layers == "all" else None,
+        moe=dataclasses.replace(model.moe, core_num_experts=plan.core_experts if model.moe.layers == "all" else None),
     )
     return dataclasses.replace(model, **over)
 
@@ -503,7 +503,7 @@ def memory_model(
     from megatron_lol.model.params import count_parameters
 
     counts = count_parameters(model, vocab_size)
-    bf16 = model.params_dtype == "bf16"
+    bf16 = model.precision.params_dtype == "bf16"
     pbytes = 2 if bf16 else 4
     params = counts.total / tensor_parallel
     weights = params * pbytes
@@ -513,9 +513,9 @@ def memory_model(
         opt /= data_parallel
     d, nq, nkv, c = _dims(model)
     f = model.ffn_hidden
-    if _is_moe(model, "block") and model.num_experts:
-        f = (model.moe_ffn_hidden_size or f) * min(model.moe_router_topk, _num_experts(model, "block"))
-        f += model.moe_shared_expert_intermediate_size or 0
+    if _is_moe(model, "block") and model.moe.num_experts:
+        f = (model.moe.ffn_hidden_size or f) * min(model.moe.router_topk, _num_experts(model, "block"))
+        f += model.moe.shared_expert_intermediate_size or 0
     per_token = (4 * d + (nq + 2 * nkv) * c + nq * c + 3 * f) * pbytes / tensor_parallel
     T = micro_batch * seq
     depth = model.execution_plan().depth_for(None) if depth is None else depth

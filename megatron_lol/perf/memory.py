@@ -12,7 +12,7 @@ rank (the ranks of one pipeline stage hold the same) it counts:
   megatron-core does); linear weights and the vocabulary split over TP (experts
   over EP x TP, a routed library's blocks over EP), norms, routers, depth
   vectors and gates replicated;
-* **weights** in ``model.params_dtype``; **gradients**: megatron-core DDP's
+* **weights** in ``model.precision.params_dtype``; **gradients**: megatron-core DDP's
   FP32 gradient buffer (``grad_reduce_in_fp32``), 4 bytes each;
 * **optimizer state**: AdamW's two FP32 moments, Muon's one momentum for its
   matrices (:func:`~megatron_lol.training.optimizer.is_muon_matrix`'s
@@ -166,7 +166,7 @@ def rank_parameters(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_r
         out.other += blocks * (lc.norms + lc.moe_router)
 
     stages = _stage_items(cfg, layout, pp_rank)
-    fixed_ep = ep if m.moe_layers != "none" and not plan.shards_library else 1
+    fixed_ep = ep if m.moe.layers != "none" and not plan.shards_library else 1
     hosts_core = False
     for st in stages:
         for _ in st.prelude:
@@ -212,16 +212,16 @@ def layer_activation_bytes(
     the shared expert); per score entry and head the FP32 softmax output (and its cast copy in BF16).
     """
     m = cfg.model
-    pbytes = 2 if m.params_dtype == "bf16" else 4
+    pbytes = 2 if m.precision.params_dtype == "bf16" else 4
     tp = layout.tp
     d, nq, nkv, c = _dims(m)
     if layout.recompute == "full":
         residual = d / tp if (where == "fixed" and layout.sequence_parallel) else d
         return tokens * residual * pbytes
     f = m.ffn_hidden
-    if _is_moe(m, where) and m.num_experts:
-        f = (m.moe_ffn_hidden_size or f) * min(m.moe_router_topk, _num_experts(m, where))
-        f += m.moe_shared_expert_intermediate_size or 0
+    if _is_moe(m, where) and m.moe.num_experts:
+        f = (m.moe.ffn_hidden_size or f) * min(m.moe.router_topk, _num_experts(m, where))
+        f += m.moe.shared_expert_intermediate_size or 0
     residual = 6 * d / (tp if (where == "fixed" and layout.sequence_parallel) else 1)
     kv = 2 * nkv * c * (2 if attention == "chunked" else 1)
     per_token = (residual + (nq * c + kv + nq * c + 4 * f) / tp) * pbytes
@@ -237,7 +237,7 @@ def microbatch_activations(cfg: ExperimentConfig, layout: Layout, pp_rank: int =
     b, s = layout.micro_batch, layout.seq
     T = b * s
     dense_entries = b * s * s
-    pbytes = 2 if m.params_dtype == "bf16" else 4
+    pbytes = 2 if m.precision.params_dtype == "bf16" else 4
     backprop = cfg.curriculum.backprop_depth
     parts = {"prelude": 0.0, "core": 0.0, "coda": 0.0, "largest_layer": 0.0}
     for st in _stage_items(cfg, layout, pp_rank):
@@ -280,7 +280,7 @@ def logits_bytes(cfg: ExperimentConfig, vocab_size: int, layout: Layout) -> floa
     weights' dtype beside their FP32 max-shifted copy (which becomes the softmax it keeps, and in
     place its gradient; BF16 logits also get an FP32 copy first), plus the final norm's saved
     input and output (vocabulary split over TP)."""
-    pbytes = 2 if cfg.model.params_dtype == "bf16" else 4
+    pbytes = 2 if cfg.model.precision.params_dtype == "bf16" else 4
     tokens = layout.micro_batch * layout.seq
     entries = tokens * vocab_size / layout.tp
     return entries * (pbytes + 4 + (4 if pbytes != 4 else 0)) + 2 * tokens * cfg.model.hidden_size * pbytes
@@ -289,7 +289,7 @@ def logits_bytes(cfg: ExperimentConfig, vocab_size: int, layout: Layout) -> floa
 def rank_memory(cfg: ExperimentConfig, vocab_size: int, layout: Layout, pp_rank: int = 0) -> RankMemory:
     """The estimate for one rank of pipeline stage ``pp_rank`` (see the module docstring)."""
     params = rank_parameters(cfg, vocab_size, layout, pp_rank)
-    bf16 = cfg.model.params_dtype == "bf16"
+    bf16 = cfg.model.precision.params_dtype == "bf16"
     weights = params.total * (2 if bf16 else 4)
     gradients = params.total * 4
     muon = cfg.optimizer.name == "muon"
@@ -394,7 +394,7 @@ def format_estimate(
     )
     head = (
         f"per-rank memory estimate: {par}; micro-batch {layout.micro_batch} x {layout.seq} tokens, "
-        f"{layout.num_microbatches} micro-batch(es) per step, {cfg.model.params_dtype}, "
+        f"{layout.num_microbatches} micro-batch(es) per step, {cfg.model.precision.params_dtype}, "
         f"optimizer {cfg.optimizer.name}"
     )
     rows = [

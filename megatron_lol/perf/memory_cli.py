@@ -8,7 +8,7 @@ Takes the layout flags ``train`` takes; the data-parallel size is the rest of
 needs). Nothing is built and megatron-core is not imported.
 
 The estimate is for the device the run will have, not the machine that asks:
-``--target gpu`` (the default) resolves ``model.params_dtype: auto`` to BF16 as
+``--target gpu`` (the default) resolves ``model.precision.params_dtype: auto`` to BF16 as
 a GPU run does, also on a CPU login node, and compares with ``--device-memory``
 (else the local CUDA device's memory, if there is one); ``--target cpu``
 estimates a CPU run (FP32, compared with this machine's RAM).
@@ -101,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
                     "world_size": layout.world,
                     "vocab_size": vocab,
                     "target": args.target,
-                    "params_dtype": cfg.model.params_dtype,
+                    "params_dtype": cfg.model.precision.params_dtype,
                     "device_memory_bytes": device,
                     "ranks": [r.to_dict() for r in ranks],
                 }

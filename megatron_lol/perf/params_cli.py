@@ -168,13 +168,13 @@ def format_table(counts, cfg, config_path: str, vocab: int, training: dict | Non
     shape = f"plan {plan.name}, width {m.hidden_size}, {m.n_prelude}+{m.n_coda} fixed layers, {plan.describe()}"
     if not plan.routed:
         shape += f" ({m.dense_attention} attention)"
-    if m.moe_layers != "none":
-        experts = str(m.num_experts)
-        if m.core_experts is not None and m.core_experts != m.num_experts:
-            experts = f"{m.num_experts} fixed / {m.core_experts} core"
-        shape += f", MoE ({m.moe_layers}: {experts} experts, top-{m.moe_router_topk}"
-        if m.moe_shared_expert_intermediate_size:
-            shape += f", 1 shared expert of {m.moe_shared_expert_intermediate_size}"
+    if m.moe.layers != "none":
+        experts = str(m.moe.num_experts)
+        if m.core_experts is not None and m.core_experts != m.moe.num_experts:
+            experts = f"{m.moe.num_experts} fixed / {m.core_experts} core"
+        shape += f", MoE ({m.moe.layers}: {experts} experts, top-{m.moe.router_topk}"
+        if m.moe.shared_expert_intermediate_size:
+            shape += f", 1 shared expert of {m.moe.shared_expert_intermediate_size}"
         shape += ")"
     vocab_note = f"vocab {counts.vocab_size:,}" + (f" (padded from {vocab:,})" if vocab != counts.vocab_size else "")
     accordion = plan.has_budgets

@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, check_data=False)
     overrides = overrides_from_args(args)
     if _requested_dtype(args.config, overrides) == "auto" and target.gpus_per_node > 0:
-        cfg.model.params_dtype = "bf16"  # what `auto` runs in on a GPU, whatever this machine has
+        cfg.model.precision.params_dtype = "bf16"  # what `auto` runs in on a GPU, whatever this machine has
     error = layout_error(cfg, target.world)  # needs no vocabulary: a pipeline's tokenizer may not exist yet
     if error is None and args.check and args.device_memory is not None:
         error = _memory_error(cfg, _vocab(cfg), target)
@@ -139,7 +139,7 @@ def run(args: argparse.Namespace) -> int:
                     "device_memory_bytes": target.device_bytes,
                     "mfu": target.mfu,
                     "peak_tflops": target.peak_tflops,
-                    "params_dtype": cfg.model.params_dtype,
+                    "params_dtype": cfg.model.precision.params_dtype,
                     "config_error": error,
                     "proposals": [p.to_dict() for p in proposals],
                 }
@@ -190,16 +190,25 @@ def _target(args: argparse.Namespace):
 
 
 def _requested_dtype(path: str, overrides: list) -> str:
-    """``model.params_dtype`` as written (the loaded config has ``auto`` resolved for this machine)."""
+    """``model.precision.params_dtype`` as written (the loaded config has ``auto`` resolved for this machine)."""
     for key, value, _ in reversed(overrides):
-        if key == "model.params_dtype":
+        if key == "model.precision.params_dtype":
             return str(value)
     try:
         raw = yaml.safe_load(Path(path).read_text()) or {}
     except (OSError, yaml.YAMLError):
         return "auto"
     model = raw.get("model") if isinstance(raw, dict) else None
-    return str(model.get("params_dtype", "auto")) if isinstance(model, dict) else "auto"
+    if not isinstance(model, dict):
+        return "auto"
+    import warnings
+
+    from megatron_lol.config.migration import migrate_sections
+
+    with warnings.catch_warnings():  # the load that follows warns about a deprecated spelling once
+        warnings.simplefilter("ignore")
+        precision = migrate_sections(model, path).get("precision")
+    return str(precision.get("params_dtype", "auto")) if isinstance(precision, dict) else "auto"
 
 
 def _vocab(cfg) -> int:

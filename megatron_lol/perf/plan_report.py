@@ -69,7 +69,7 @@ def format_plan(config: str, cfg, target: Target, error, proposals: list, config
     lines = [
         f"plan-layout: {config} on {target.nodes} node(s) x {target.gpus_per_node} = {target.world} devices of "
         f"{target.device_bytes / 2**30:g} GiB (proposals fill at most {USABLE_FRACTION:.0%}), "
-        f"{cfg.model.params_dtype}; step times at MFU {target.mfu:g} of {target.peak_tflops:g} TFLOP/s",
+        f"{cfg.model.precision.params_dtype}; step times at MFU {target.mfu:g} of {target.peak_tflops:g} TFLOP/s",
         f"config as written: TP {par.tensor_model_parallel_size} x PP {par.pipeline_model_parallel_size}, "
         f"micro-batch {tr.micro_batch_size}, global batch {tr.global_batch_size}: "
         + (

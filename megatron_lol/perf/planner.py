@@ -263,8 +263,8 @@ def _structures(cfg: ExperimentConfig, target: Target) -> list:
     pps = [1] + ([p for p in range(2, 33) if world % p == 0] if plan.pipeline_ok else [])
     if plan.shards_library:
         ep_pool = plan.num_stored_blocks
-    elif m.moe_layers != "none" and m.num_experts:
-        ep_pool = math.gcd(m.num_experts, plan.core_experts or m.num_experts)
+    elif m.moe.layers != "none" and m.moe.num_experts:
+        ep_pool = math.gcd(m.moe.num_experts, plan.core_experts or m.moe.num_experts)
     else:
         ep_pool = 1
     out = []

@@ -190,9 +190,9 @@ class ExecutionPlan:
     def core_experts(self) -> Optional[int]:
         """Experts per MoE layer of the core's blocks (None: dense MLPs)."""
         m = self.model
-        if m.moe_layers != "all":
+        if m.moe.layers != "all":
             return None
-        return m.core_num_experts or m.num_experts
+        return m.moe.core_num_experts or m.moe.num_experts
 
     def untied_attention_sets(self) -> list:
         """``(block, pass)`` of every pass that runs its own attention."""
@@ -327,7 +327,15 @@ def plan_section(kind: str, values: Optional[dict] = None, prefix: str = "model"
     """The section object of kind ``kind``: an instance of its ``Options`` (``values``, else the
     defaults) that also says ``kind``; what ``ModelConfig.plan`` holds."""
     cls = plan_kind(kind, prefix)
-    return _section_class(cls)(**(values or {}))
+    values = dict(values or {})
+    hints = None
+    for f in dataclasses.fields(cls.Options):
+        if isinstance(values.get(f.name), dict):  # a sub-section (``routing``) as a mapping
+            import typing
+
+            hints = hints or typing.get_type_hints(cls.Options)
+            values[f.name] = hints[f.name](**values[f.name])
+    return _section_class(cls)(**values)
 
 
 _SECTIONS: dict = {}
@@ -347,8 +355,16 @@ def _section_class(cls: type) -> type:
 
 
 def section_dict(section: Any) -> dict:
-    """``{kind: ..., option: value, ...}``: the section as a config writes it."""
-    return {"kind": section.kind, **{f.name: getattr(section, f.name) for f in dataclasses.fields(section)}}
+    """``{kind: ..., option: value, ...}``: the section as a config writes it (sub-sections as mappings)."""
+    return {"kind": section.kind, **{f.name: _plain(getattr(section, f.name)) for f in dataclasses.fields(section)}}
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value
 
 
 def _section_repr(self) -> str:

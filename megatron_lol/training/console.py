@@ -74,9 +74,9 @@ def startup_line(cfg, config_path: str, world_size: int) -> str:
 
     m, tr = cfg.model, cfg.training
     plan = m.execution_plan()
-    shape = f"plan {plan.name}, width {m.hidden_size}, {plan.describe()}, params {m.params_dtype}"
-    if m.fp8:
-        shape += f" + FP8 {m.fp8} ({m.fp8_recipe})"
+    shape = f"plan {plan.name}, width {m.hidden_size}, {plan.describe()}, params {m.precision.params_dtype}"
+    if m.precision.fp8:
+        shape += f" + FP8 {m.precision.fp8} ({m.precision.fp8_recipe})"
     sinks = [name for name, on in (("TensorBoard", tr.tensorboard_dir), ("W&B", tr.wandb_project)) if on]
     iters = (
         f"{tr.train_iters} iterations"

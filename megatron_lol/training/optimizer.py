@@ -100,7 +100,7 @@ def megatron_optimizer_config(cfg: ExperimentConfig):
     from megatron.core.optimizer import OptimizerConfig as MegatronOptimizerConfig
 
     o = cfg.optimizer
-    bf16 = cfg.model.params_dtype == "bf16"
+    bf16 = cfg.model.precision.params_dtype == "bf16"
     return MegatronOptimizerConfig(
         optimizer="adam",
         lr=o.lr,

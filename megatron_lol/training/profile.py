@@ -180,9 +180,9 @@ def _peak_memory_bytes() -> dict:
 def _precision(cfg, override: Optional[str]) -> str:
     if override:
         return override
-    if getattr(cfg.model, "fp8", None):
+    if cfg.model.precision.fp8:
         return "fp8"
-    return "bf16" if cfg.model.params_dtype == "bf16" else "tf32"
+    return "bf16" if cfg.model.precision.params_dtype == "bf16" else "tf32"
 
 
 def profile_trainer(
@@ -428,7 +428,7 @@ def _report(
             "seq_length": seq,
             "global_batch_size": gbs,
             "micro_batch_size": cfg.training.micro_batch_size,
-            "params_dtype": cfg.model.params_dtype,
+            "params_dtype": cfg.model.precision.params_dtype,
             "vocab_size": trainer.vocab_size,
         },
         "steps": n,

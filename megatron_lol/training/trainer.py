@@ -115,7 +115,7 @@ class Trainer(TrainerData, TrainerLogging):
         self.device = device()  # the policy: cuda:LOCAL_RANK (NCCL) or cpu (gloo)
         from megatron_lol.model.precision import enable_tf32
 
-        self.tf32 = enable_tf32(self.device, cfg.model.params_dtype)  # FP32 on CUDA: TF32 matmuls
+        self.tf32 = enable_tf32(self.device, cfg.model.precision.params_dtype)  # FP32 on CUDA: TF32 matmuls
         world = torch.distributed.get_world_size()
         par = cfg.parallel
         self.dp_size = par.data_parallel_size(world)
@@ -249,10 +249,10 @@ class Trainer(TrainerData, TrainerLogging):
             return False
         log_rank0(" routed core: grouped (one grouped computation per depth on the host-built window layouts)")
         if getattr(self.model_chunks[0].module, "grouped_library", False):
-            fp8 = "; FP8 covers the prelude and coda only" if self.cfg.model.fp8 else ""
+            fp8 = "; FP8 covers the prelude and coda only" if self.cfg.model.precision.fp8 else ""
             log_rank0(
                 " routed core: prelude and coda in Transformer Engine layers, the library's blocks stacked "
-                f"for torch._grouped_mm in {self.cfg.model.params_dtype}{fp8}"
+                f"for torch._grouped_mm in {self.cfg.model.precision.params_dtype}{fp8}"
             )
         return True
 
@@ -438,7 +438,7 @@ class Trainer(TrainerData, TrainerLogging):
 
         if not records:
             return None
-        return summarise(records, self.plan.core_experts, self.cfg.model.moe_router_topk)
+        return summarise(records, self.plan.core_experts, self.cfg.model.moe.router_topk)
 
     def _balancers(self):
         cores = [c.module.core for c in self.model_chunks if c.module.core is not None]

@@ -60,7 +60,7 @@ class TrainerLogging:
         from megatron_lol.perf.peaks import peak_tflops
 
         m = self.cfg.model
-        precision = "fp8" if m.fp8 else "bf16" if m.params_dtype == "bf16" else "tf32"
+        precision = "fp8" if m.precision.fp8 else "bf16" if m.precision.params_dtype == "bf16" else "tf32"
         return peak_tflops(torch.cuda.get_device_name(), precision)
 
     def _log(

@@ -41,7 +41,7 @@ class CpuBackend:
         (megatron's collectives and RNG trackers name CUDA devices)."""
         from megatron.core import parallel_state
 
-        if core.packed or core.recompute_full or core.cfg.moe_layers == "all":
+        if core.packed or core.recompute_full or core.cfg.moe.layers == "all":
             return True
         if not parallel_state.model_parallel_is_initialized():
             return False

@@ -49,8 +49,8 @@ class AccordionPlan(ExecutionPlan):
             raise ConfigError(
                 f"{self.key('second_pass_router')}: must be one of shared, separate (got {o.second_pass_router!r})"
             )
-        if o.second_pass_router == "separate" and m.moe_layers != "all":
-            raise ConfigError(f"{self.key('second_pass_router')}: separate needs MoE blocks (moe_layers: all)")
+        if o.second_pass_router == "separate" and m.moe.layers != "all":
+            raise ConfigError(f"{self.key('second_pass_router')}: separate needs MoE blocks (model.moe.layers: all)")
         if m.dense_attention != "full":
             raise ConfigError(
                 f"{self.prefix}.dense_attention: accordion uses full causal attention (got {m.dense_attention})"

@@ -34,14 +34,14 @@ class FoilPlan(LoopedPlan):
     def _stored_blocks(self) -> int:
         n = super()._stored_blocks()
         m = self.model
-        if m.moe_layers != "all":
+        if m.moe.layers != "all":
             raise ConfigError(
-                f"{self.prefix}.moe_layers: plan foil loops a block of MoE layers: set moe_layers: all "
-                f"(got {m.moe_layers})"
+                f"{self.prefix}.moe.layers: plan foil loops a block of MoE layers: set model.moe.layers: all "
+                f"(got {m.moe.layers})"
             )
         self._require("experts", self.options.experts)
-        if m.core_num_experts is not None:
-            raise ConfigError(f"{self.prefix}.core_num_experts: plan foil takes its core experts from plan.experts")
+        if m.moe.core_num_experts is not None:
+            raise ConfigError(f"{self.prefix}.moe.core_num_experts: plan foil takes its core experts from plan.experts")
         return n
 
     @property

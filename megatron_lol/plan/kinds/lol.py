@@ -1,5 +1,6 @@
 """``lol``: Library of Layers. At each of ``routed_depth`` depths every window runs the block of the
-``num_blocks`` in the library that its causal router chose (docs/model.md, "The routed core")."""
+``num_blocks`` in the library that its causal router chose (docs/model.md, "The routed core"). The
+router and its balancing are the ``routing`` sub-section (:mod:`megatron_lol.plan.routing`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from dataclasses import dataclass
 
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_plan
+from megatron_lol.plan.routing import RoutingOptions, routing_option
 
 LOL_DEFAULT_BLOCKS = 4
 LOL_DEFAULT_DEPTH = 4
@@ -16,6 +18,7 @@ LOL_DEFAULT_DEPTH = 4
 class LoLOptions:
     num_blocks: int = option(LOL_DEFAULT_BLOCKS, help="L, blocks stored in the library")
     routed_depth: int = option(LOL_DEFAULT_DEPTH, help="D, routed depths")
+    routing: RoutingOptions = routing_option()
 
 
 @register_plan
@@ -31,6 +34,7 @@ class LoLPlan(ExecutionPlan):
                 f"{self.prefix}.dense_attention: plan lol attends inside its windows (got {self.model.dense_attention})"
             )
         self._require("routed_depth", self.options.routed_depth)
+        self.options.routing.validate(self.key("routing"))
         return self._require("num_blocks", self.options.num_blocks)
 
     def _build_steps(self) -> list:

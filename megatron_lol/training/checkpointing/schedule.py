@@ -4,7 +4,7 @@ A checkpoint holds megatron-core's ``OptimizerParamScheduler`` state (peak and
 final learning rate, warm-up and decay iterations, decay style, weight decay)
 and, in ``common["schedule"]``, ``train_iters``: the iterations the growing depth
 (``curriculum.growth_fraction``) and the balancing-bias stop
-(``model.bias_update_stop_fraction``) are measured against.
+(``model.plan.routing.bias_update_stop_fraction``) are measured against.
 
 Resuming the same run with settings that change any of these would change the
 rest of its schedules without a word (``--train-iters 800`` -> ``900`` moves the
