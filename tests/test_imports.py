@@ -26,7 +26,7 @@ PKG = Path(__file__).resolve().parents[1] / "megatron_lol"
 LAYERS = (
     # convert.hf_modeling: the HF remote code, shipped with every export, imports torch only; the
     # megatron-core side calls its per-pass parts (parts_lol) so both compute them one way
-    ("errors", "log", "process_guard", "progress", "convert.hf_modeling"),
+    ("errors", "checks", "log", "process_guard", "progress", "convert.hf_modeling"),
     ("plan", "platform"),
     ("backends", "parallel", "data"),
     ("config",),

@@ -272,7 +272,7 @@ def _section_values(section: Any) -> dict:
         return {}
     if isinstance(section, dict):
         return dict(section)
-    from megatron_lol.config.checks import asdict
+    from megatron_lol.checks import asdict
 
     return asdict(section)
 

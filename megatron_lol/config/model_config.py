@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_lol.config.checks import asdict, choice, nonnegative, positive
+from megatron_lol.checks import asdict, choice, nonnegative, positive
 from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model
 from megatron_lol.config.sections import (  # noqa: F401 - re-exported
     FP8_RECIPES,

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Optional
 
-from megatron_lol.config.checks import asdict, choice, nonnegative, positive
+from megatron_lol.checks import asdict, choice, nonnegative, positive
 from megatron_lol.config.model_config import (  # noqa: F401 - the model section, re-exported
     BALANCING,
     FILM_MODES,

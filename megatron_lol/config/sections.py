@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from megatron_lol.config.checks import choice, nonnegative, positive
+from megatron_lol.checks import choice, nonnegative, positive
 from megatron_lol.errors import ConfigError
 
 if TYPE_CHECKING:  # pragma: no cover

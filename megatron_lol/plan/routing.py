@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from megatron_lol.checks import choice, nonnegative, positive
 from megatron_lol.errors import ConfigError
 
 BALANCING = ("loss_free", "aux_loss", "none")
@@ -51,7 +52,6 @@ class RoutingOptions:
 
     def validate(self, prefix: str) -> None:
         """``prefix``: the sub-section's key as the user writes it (``model.plan.routing``)."""
-        from megatron_lol.config.checks import choice, nonnegative, positive  # the plan package loads first
 
         choice(f"{prefix}.balancing", self.balancing, BALANCING)
         choice(f"{prefix}.router_input", self.router_input, ROUTER_INPUTS)
