@@ -56,8 +56,8 @@ def model_config(args, **plan):
         params_dtype="bf16",
         plan=plan or dict(kind="lol", num_blocks=args.blocks, routed_depth=args.depth),
     )
-    if not plan:  # the grouped executor, chosen when the model is built (what CUDA's auto builds)
-        model.update(film="depth_block", input_injection=True, routed_core="grouped")
+    if not plan:  # the parts the grouped executor runs per block
+        model.update(film="depth_block", input_injection=True)
     return config_from_dict({"model": model}).model
 
 
@@ -92,13 +92,17 @@ def main(argv=None) -> int:
     warnings.filterwarnings("ignore")
     os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"  # the path a GPU runs
     setup_megatron(args.threads)
+    from megatron_lol.config.schema import ParallelConfig
     from megatron_lol.model.lol_model import LoLGPTModel
 
     tokens, layout, seeds = tokens_and_layout(args)
     labels = torch.roll(tokens, -1, dims=1)
     rows = []
     for packed in (False, True):
-        net = LoLGPTModel(model_config(args), VOCAB, EOD, init_seed=3, packed_sequences=packed).train()
+        grouped = ParallelConfig(routed_core="grouped")  # what CUDA's auto builds
+        net = LoLGPTModel(
+            model_config(args), VOCAB, EOD, parallel=grouped, init_seed=3, packed_sequences=packed
+        ).train()
         rope, steps, h = net.rotary(args.seq), net.core.plan.steps(), net.cfg.hidden_size
 
         def core(x, net=net, rope=rope, steps=steps):

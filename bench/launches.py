@@ -151,7 +151,8 @@ def host_layout(args, net, tokens, seeds):
 
 
 def use_executor(net, impl):
-    """The executor a model built with ``routed_core: grouped`` (``impl == "grouped"``) or ``reference`` has."""
+    """The executor a model built with ``parallel.routed_core: grouped`` (``impl == "grouped"``) or
+    ``reference`` has."""
     from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
 
     if net.core is not None and net.core.plan.routed:
@@ -178,7 +179,7 @@ def core_runner(net, impl, layout, seeds, args):
 
 def model_runner(net, impl, layout, tokens, labels, seeds):
     """One training forward of the whole model with either executor, on the micro-batch's host-built layout
-    as the trainer passes it (``model.routed_core: grouped`` or ``reference``)."""
+    as the trainer passes it (``parallel.routed_core: grouped`` or ``reference``)."""
 
     def run():
         use_executor(net, impl)

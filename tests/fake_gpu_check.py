@@ -421,12 +421,13 @@ def profile_host_syncs() -> dict:
     out = {}
     for name, plan in (
         ("dense", dict(plan="dense", core_layers=2, dense_attention="full")),
-        ("lol", dict(plan="lol", num_blocks=3, routed_depth=4, window_size=8, window_shift=4, routed_core="grouped")),
+        ("lol", dict(plan="lol", num_blocks=3, routed_depth=4, window_size=8, window_shift=4)),
     ):
         model = dict(hidden_size=32, num_attention_heads=4, ffn_hidden_size=64, n_prelude=1, n_coda=1, vocab_size=128)
         cfg = config_from_dict(
             {
                 "model": {**model, **plan},
+                "parallel": {"routed_core": "grouped" if name == "lol" else "auto"},
                 "training": {"train_iters": 6, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 32},
                 "optimizer": {"clip_grad": 1.0},
             }

@@ -56,11 +56,15 @@ def library_grads(fusion: bool, record: list, device=None, grouped: bool = False
                 n_coda=1,
                 params_dtype="bf16",
                 use_transformer_engine=False,
-                routed_core="grouped" if grouped else "reference",  # the executor the core is built with
-            )
+            ),
+            "parallel": {"routed_core": "grouped" if grouped else "reference"},  # the executor the core is built with
         }
-    ).model
-    net = LoLGPTModel(cfg, VOCAB, EOD, init_seed=5, gradient_accumulation_fusion=fusion).to(device).train()
+    )
+    net = (
+        LoLGPTModel(cfg.model, VOCAB, EOD, parallel=cfg.parallel, init_seed=5, gradient_accumulation_fusion=fusion)
+        .to(device)
+        .train()
+    )
     ddp = DistributedDataParallel(
         config=net.config, ddp_config=DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=net
     )

@@ -23,7 +23,7 @@ ITERS, SAVE_AT = 8, 4
 CASES = {
     # the routed depths grouped (host layouts, library gradients into main_grad per depth), under the
     # growing-depth curriculum of the tiny config; the other cases run the reference routed core
-    "adam-grouped-core": (["--set", "model.routed_core=grouped"], 1),
+    "adam-grouped-core": (["--routed-core", "grouped"], 1),
     "adam-distributed-dp2": (["--use-distributed-optimizer"], 2),
     "muon": (["--optimizer", "muon"], 1),
 }
@@ -56,7 +56,7 @@ def test_bf16_checkpoint_resumes_bit_exact(bf16_config, case):
     (resumed / "latest_checkpointed_iteration.txt").write_text(f"{SAVE_AT}\n")
     assert run(config, resumed, *flags, log=log, nproc=nproc) == 0, log.read_text()[-3000:]
     assert "optimizer loaded" in log.read_text()
-    if "model.routed_core=grouped" in flags:
+    if "--routed-core" in flags:
         assert "routed core: grouped" in log.read_text()
     got = metrics(resumed)
     assert sorted(got) == list(range(SAVE_AT + 1, ITERS + 1))

@@ -10,6 +10,7 @@ attribute; the runtime checks make sure the flat names are not attributes of
 
 from __future__ import annotations
 
+import argparse
 import ast
 import warnings
 from pathlib import Path
@@ -18,7 +19,7 @@ import pytest
 import yaml
 
 from megatron_lol.config import ModelConfig, config_from_dict, load_config
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, ConfigDeprecationWarning
+from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, RUNTIME_KEYS, ConfigDeprecationWarning
 from megatron_lol.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -41,6 +42,8 @@ ROUTING_BASES = ALLOWED_BASES | {"routing", "routing_of", "moe"}
 
 
 def _flagged(key: str, base: str) -> bool:
+    if key in RUNTIME_KEYS:  # how the model runs: from its section only (``cfg.parallel.routed_core``, ParallelConfig)
+        return base not in ("parallel", "self")
     if key in FLAT_KEYS and base not in ALLOWED_BASES:
         return True
     if key in ROUTING_KEYS:
@@ -65,6 +68,7 @@ def flat_reads(source: str) -> list:
                     for k in node.keywords
                     if k.arg in FLAT_KEYS
                     or k.arg in ROUTING_KEYS
+                    or (k.arg in RUNTIME_KEYS and name == "ModelConfig")
                     or (k.arg in MOVED_KEYS and (name == "ModelConfig" or first != "plan"))
                 ]
             if name in ("getattr", "setattr", "hasattr") and len(node.args) > 1:
@@ -91,13 +95,17 @@ getattr(cfg.model, "fp8", None)
 cfg.model.balancing
 self.cfg.router_noise
 ModelConfig(router_tied=False)
+cfg.model.routed_core
+ModelConfig(routed_core="grouped")
+getattr(model, "routed_core")
 """
-    assert len(flat_reads(bad)) == 14
+    assert len(flat_reads(bad)) == 17
     good = (
         "m.plan.window\nm.plan.num_blocks\nself.loop_gates\ncounts.second_pass_router\nreplace(m.plan, budget=1)\n"
         "m.moe.num_experts\ncfg.model.precision.fp8\ntconfig.params_dtype\nreplace(core_cfg, fp8=None)\n"
         "replace(m.precision, fp8=None)\ngetattr(config, 'fp8', None)\n"
         "m.plan.routing.balancing\nrouting_of(m).router_only_filler\nrouting.router_tied\n"
+        "cfg.parallel.routed_core\nParallelConfig(routed_core='grouped')\n"
     )
     assert flat_reads(good) == []
 
@@ -126,6 +134,44 @@ def test_model_config_has_no_flat_plan_fields():
         with pytest.raises(AttributeError, match=f"lives in model.plan.routing.{key}"):
             setattr(m, key, 1)
     assert (m.plan.kind, m.plan.window, m.plan.budgets, m.plan.gates) == ("accordion", 3, [0, 3], True)
+    for key, (section, option) in RUNTIME_KEYS.items():
+        assert not hasattr(m, key), key
+        with pytest.raises(AttributeError, match=f"how the model runs; it lives in {section}.{option}"):
+            setattr(m, key, "grouped")
+
+
+def test_routed_core_moves_to_parallel(tmp_path):
+    """``model.routed_core`` (how the model runs) of an earlier config or ``run_config.yaml`` reads as
+    ``parallel.routed_core``, as does ``--set model.routed_core``; both places at odds are refused, the model
+    section alone (``ModelConfig(routed_core=...)``) is refused naming where it lives, and
+    ``--routed-core`` sets it."""
+    from megatron_lol.config.loader import add_config_arguments, config_from_args
+
+    with pytest.warns(ConfigDeprecationWarning, match=r"model.routed_core is deprecated; write it as parallel"):
+        cfg = config_from_dict({"model": {"routed_core": "reference"}})
+    assert cfg.parallel.routed_core == "reference" and "routed_core" not in cfg.model.to_dict()
+    with pytest.warns(ConfigDeprecationWarning):
+        same = config_from_dict({"model": {"routed_core": "grouped"}, "parallel": {"routed_core": "grouped"}})
+    assert same.parallel.routed_core == "grouped"
+    with pytest.raises(ConfigError, match=r"model.routed_core='grouped' given together with parallel.routed_core"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigDeprecationWarning)
+            config_from_dict({"model": {"routed_core": "grouped"}, "parallel": {"routed_core": "reference"}})
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"plan": "lol"}}))
+    with pytest.warns(ConfigDeprecationWarning, match="model.routed_core is deprecated"):
+        cfg = load_config(path, [("model.routed_core", "grouped", "--set model.routed_core=grouped")], check_data=False)
+    assert cfg.parallel.routed_core == "grouped"
+    with pytest.raises(
+        ConfigError, match=r"ModelConfig: model.routed_core says how the model runs.*parallel.routed_core"
+    ):
+        ModelConfig(routed_core="grouped")
+    with pytest.raises(ConfigError, match=r"parallel.routed_core: must be one of"):
+        config_from_dict({"parallel": {"routed_core": "fast"}})
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser)
+    args = parser.parse_args(["--config", str(path), "--routed-core", "reference"])
+    assert config_from_args(args, check_data=False).parallel.routed_core == "reference"
 
 
 def test_each_flat_key_moves_into_its_kinds_section():
@@ -380,6 +426,7 @@ def flat_layout(model: dict) -> dict:
     out["plan"] = kind
     for key, (kinds, option) in FLAT_KEYS.items():
         out[key] = section[option] if kind in kinds else FLAT_DEFAULTS.get(key)
+    out["routed_core"] = "auto"  # how the model runs: that version kept it in model
     return out
 
 

@@ -145,13 +145,13 @@ def test_local_and_te_specs_agree_in_bf16():
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(not _te_available(), reason="needs Transformer Engine")
 def test_te_spec_runs_the_library_grouped_and_follows_the_per_block_te_core():
-    """``routed_core: auto`` under the TE spec: TE prelude and coda, the library grouped (local-spec weights on
+    """``parallel.routed_core: auto`` under the TE spec: TE prelude and coda, the library grouped (local-spec weights on
     ``torch._grouped_mm``), against the same model with every block a TE layer run per block, BF16."""
     lol = dict(PLANS["lol"], params_dtype="bf16", use_transformer_engine=True)
     out = _steps(
         {
-            "grouped": {"model": dict(lol, routed_core="auto"), "steps": 3},
-            "per-block": {"model": dict(lol, routed_core="reference"), "steps": 3},
+            "grouped": {"model": lol, "parallel": {"routed_core": "auto"}, "steps": 3},
+            "per-block": {"model": lol, "parallel": {"routed_core": "reference"}, "steps": 3},
         }
     )
     assert out["grouped"]["use_te"] and out["grouped"]["grouped_core"]

@@ -222,7 +222,7 @@ def test_profile_errors(tmp_path):
     assert main(["profile", "--config", _tiny_yaml(tmp_path), "--synthetic-data", "--steps", "0"]) == 2
 
 
-def _profiled(plan: dict, count_steps: int = 2) -> dict:
+def _profiled(plan: dict, count_steps: int = 2, routed_core: str = "auto") -> dict:
     """``profile``'s timed steps, then its counted and routing steps, in this process: a tiny model with
     2 micro-batches per step (the loss and the balancing loss summed over them on the device)."""
     from megatron_lol.config import config_from_dict
@@ -233,6 +233,7 @@ def _profiled(plan: dict, count_steps: int = 2) -> dict:
     cfg = config_from_dict(
         {
             "model": model,
+            "parallel": {"routed_core": routed_core},
             "training": {"train_iters": 8, "micro_batch_size": 2, "global_batch_size": 4, "seq_length": 32},
             "optimizer": {"clip_grad": 1.0},
         }
@@ -254,8 +255,8 @@ def test_profile_counts_the_host_syncs_of_its_steps(megatron_env):
             "routed_depth": 4,
             "window_size": 8,
             "window_shift": 4,
-            "routed_core": "grouped",
-        }
+        },
+        routed_core="grouped",
     )
     for rep in (dense, lol):
         hs = rep["host_syncs"]

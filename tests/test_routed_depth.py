@@ -268,13 +268,15 @@ def test_grouping_combine_loads_and_losses_equal_the_plain_definition():
 
 
 # ---------------------------------------------------------------- the grouped routed core
-def _lol(monkeypatch, packed=False, **model):
+def _lol(monkeypatch, packed=False, routed_core="auto", **model):
     from conftest import ensure_megatron
+
+    from megatron_lol.config.schema import ParallelConfig
 
     monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")  # the reference: per-block layer calls
     ensure_megatron()
     torch.set_num_threads(1)
-    return _build_lol(packed, None, **model)
+    return _build_lol(packed, ParallelConfig(routed_core=routed_core), **model)
 
 
 def _build_lol(packed, parallel, vocab=97, **model):
@@ -466,7 +468,7 @@ def test_model_with_the_grouped_core_equals_the_reference_model(monkeypatch):
 
 
 def test_the_executor_is_chosen_when_the_core_is_built(monkeypatch):
-    """``model.routed_core``: ``grouped`` builds the grouped GEMMs' executor, ``auto`` on the CPU and
+    """``parallel.routed_core``: ``grouped`` builds the grouped GEMMs' executor, ``auto`` on the CPU and
     ``reference`` the per-block calls, and a forward runs the executor the core holds, layout or not."""
     from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls
 
@@ -864,7 +866,6 @@ def _grouped_trainer(routed_core: str, parallel=None, **model):
                 window_size=8,
                 window_shift=4,
                 vocab_size=128,
-                routed_core=routed_core,
                 **{k: v for k, v in shape.items() if v is not None},
             ),
             "training": {
@@ -878,14 +879,14 @@ def _grouped_trainer(routed_core: str, parallel=None, **model):
                 "seed": 7,
             },
             "optimizer": {"lr": 1e-2, "min_lr": 1e-3, "lr_warmup_iters": 0},
-            "parallel": parallel or {},
+            "parallel": {**(parallel or {}), "routed_core": routed_core},
         }
     )
     return Trainer(cfg, tokenizer=TinyTokenizer(), datasets=(SyntheticTokens(16, 0), None, None)).setup()
 
 
 def test_training_with_the_grouped_core_equals_the_reference(megatron_env, monkeypatch):
-    """model.routed_core: grouped trains with the per-block executor's losses, both on the layouts the trainer
+    """parallel.routed_core: grouped trains with the per-block executor's losses, both on the layouts the trainer
     builds on the host (router noise included: drawn from the samples' seeds); auto runs per block on CPU."""
     monkeypatch.setenv("MEGATRON_LOL_CPU_BACKEND", "0")  # the reference: per-block layer calls
     losses = {}
@@ -919,14 +920,14 @@ def test_bf16_training_with_the_grouped_core_follows_the_reference(megatron_env,
 def test_grouped_core_refuses_what_it_cannot_run(megatron_env):
     from megatron_lol.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"model.routed_core: grouped runs routed depths, and plan 'dense'"):
+    with pytest.raises(ConfigError, match=r"parallel.routed_core: grouped runs routed depths, and plan 'dense'"):
         _grouped_trainer("grouped", plan="dense", core_layers=2, num_blocks=None, routed_depth=None, film=None)
-    with pytest.raises(ConfigError, match=r"model.routed_core: grouped cannot run this model: .*(MoE|expert)"):
+    with pytest.raises(ConfigError, match=r"parallel.routed_core: grouped cannot run this model: .*(MoE|expert)"):
         _grouped_trainer("grouped", moe_layers="all", num_experts=2, moe_ffn_hidden_size=16)
 
 
 def _train_both(parallel: dict, **model) -> dict:
-    """Rank side: three trainer steps with ``model.routed_core: reference``, then ``grouped`` (one launch)."""
+    """Rank side: three trainer steps with ``parallel.routed_core: reference``, then ``grouped`` (one launch)."""
     import os
 
     os.environ["MEGATRON_LOL_CPU_BACKEND"] = "0"
@@ -1014,10 +1015,10 @@ def test_auto_runs_the_library_grouped_under_the_transformer_engine_spec(monkeyp
     torch.set_num_threads(1)
     cfg = tiny_config(film="depth_block", routed_depth=3)
     assert routes_grouped(cfg, cuda=True) and not routes_grouped(cfg, cuda=False)
-    assert not routes_grouped(tiny_config(routed_core="reference"), cuda=True)
+    assert not routes_grouped(cfg, cuda=True, mode="reference")
     assert routes_grouped(tiny_config(router_input="depth"), cuda=True)  # routing is the same for both executors
     assert routes_grouped(tiny_config(router_only_tokens=[90], router_only_filler=89), cuda=True)
-    assert routes_grouped(tiny_config(routed_core="grouped"), cuda=False)
+    assert routes_grouped(cfg, cuda=False, mode="grouped")
     tconfig = library.transformer_config(cfg)  # the stand-in layers run megatron's unfused RoPE on the CPU
 
     reference = lol_model.LoLGPTModel(cfg, 97, 0, tconfig=tconfig, init_seed=3, packed_sequences=True)

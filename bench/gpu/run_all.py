@@ -23,7 +23,7 @@ Parts, in order:
 * ``gpu_tests``: ``pytest -m gpu tests/test_gpu.py`` (JUnit XML parsed: passed / failed / skipped);
 * ``throughput_bf16`` / ``throughput_fp8``: ``lol_<precision>``, ``megatron-lol profile --no-breakdown`` of
   the LoL config (whole steps timed with CUDA events, no section timers; the routed core is the one
-  ``routed_core: auto`` picks, the grouped core on CUDA where the layers allow it: docs/gpu.md), and
+  ``parallel.routed_core: auto`` picks, the grouped core on CUDA where the layers allow it: docs/gpu.md), and
   ``dense_<precision>``, megatron-core's ``GPTModel`` with the same layer spec (bench/gpu/gpt_baseline.py)
   whose executed FLOPs per step (perf/flops.py) are the LoL model's, at sequence length 2048; FP8 (current
   scaling for both) only where Transformer Engine imports on a GPU with FP8; then

@@ -6,7 +6,7 @@ implementations of some of its steps and declines where they do not apply.
 ``MEGATRON_LOL_CPU_BACKEND=0``) and None otherwise: the CPU backend plugs into the
 per-block executor (:class:`megatron_lol.model.executors.PerBlockCalls`: the
 fused gated combine, the short layer halves); on a GPU the routed depths run on
-the executor the model chose when it was built (``model.routed_core``: grouped
+the executor the model chose when it was built (``parallel.routed_core``: grouped
 where the model allows) and the layers on megatron-core / Transformer Engine
 kernels.
 """

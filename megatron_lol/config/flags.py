@@ -176,6 +176,12 @@ MEGATRON_FLAGS: dict[str, tuple[str, str, str, str]] = {
         "METHOD",
         "with full recomputation: uniform (every layer execution on its own)",
     ),
+    "--routed-core": (
+        "parallel.routed_core",
+        "parallelism",
+        "MODE",
+        "how a LoL core runs its blocks: auto (grouped on CUDA), grouped or reference (one call per block)",
+    ),
     "--distributed-timeout-minutes": (
         "training.distributed_timeout_minutes",
         "parallelism",

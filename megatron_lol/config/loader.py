@@ -22,7 +22,18 @@ from typing import Any, Optional
 import yaml
 
 from megatron_lol.config.flags import BOOL_FLAGS, CHOICE_FLAGS, GROUPS, MEGATRON_FLAGS  # noqa: F401 - re-exported
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model, moved_key, set_flat_key
+from megatron_lol.config.migration import (
+    FLAT_KEYS,
+    MOVED_KEYS,
+    ROUTING_KEYS,
+    RUNTIME_KEYS,
+    migrate_model,
+    migrate_runtime,
+    moved_key,
+    refuse_runtime_key,
+    runtime_key,
+    set_flat_key,
+)
 from megatron_lol.config.schema import ConfigError, ExperimentConfig, ModelConfig
 
 PARAMS_GROUPS = ("model", "tokenizer", "parallelism")
@@ -218,7 +229,11 @@ def config_from_dict(raw: dict, check_data: bool = False) -> ExperimentConfig:
 def build_dataclass(cls, raw: Any, source: str, prefix: str):
     if not isinstance(raw, dict):
         raise ConfigError(f"{source}: {prefix.rstrip('.') or 'config'} must be a mapping")
+    if cls is ExperimentConfig:
+        raw = migrate_runtime(raw, source)  # model.routed_core -> parallel.routed_core
     if cls is ModelConfig:
+        for key in RUNTIME_KEYS.keys() & raw.keys():  # the model section read alone: it cannot move them
+            refuse_runtime_key(key, source)
         raw = migrate_model(raw, source)
     hints = typing.get_type_hints(cls)
     names = {f.name for f in dataclasses.fields(cls)}
@@ -232,6 +247,9 @@ def build_dataclass(cls, raw: Any, source: str, prefix: str):
 
 def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None:
     parts = key.split(".")
+    if parts[0] == "model" and len(parts) == 2 and parts[1] in RUNTIME_KEYS:
+        key = runtime_key(parts[1], source)  # --set model.routed_core=...: parallel.routed_core
+        parts = key.split(".")
     if parts[0] == "model" and len(parts) == 2 and parts[1] in MOVED_KEYS:
         key = moved_key(parts[1], source)  # --set model.moe.num_experts=...: model.moe.num_experts
         parts = key.split(".")

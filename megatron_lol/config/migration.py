@@ -26,7 +26,10 @@ earlier versions load to the same model:
   ``model.precision.transformer_engine``;
 * the window router's and its balancing's settings as flat ``model`` keys
   (:data:`ROUTING_KEYS`): ``model.balancing`` for ``model.plan.routing.balancing``
-  (for a kind without a router: dropped, except router-only tokens, refused as before).
+  (for a kind without a router: dropped, except router-only tokens, refused as before);
+* how the model runs, as ``model`` keys (:data:`RUNTIME_KEYS`): ``model.routed_core``
+  for ``parallel.routed_core`` (:func:`migrate_runtime`, on the whole config: it
+  moves across sections).
 
 This module is the only one in the package that names an option by its flat
 key (tests/test_config_migration.py scans for the others); the loader calls
@@ -103,6 +106,10 @@ ROUTING_KEYS = (
     "seq_aux_loss_coeff",
     "aux_loss_coeff",
 )
+
+
+#: ``model`` keys that say how the model runs, not what it computes -> (the section they moved to, their key)
+RUNTIME_KEYS = {"routed_core": ("parallel", "routed_core")}
 
 
 #: the defaults of the flat keys that had one (the others defaulted to null): a run_config.yaml of that
@@ -300,6 +307,47 @@ def migrate_sections(model: dict, source: str, override: bool = False) -> dict:
         _warn(f"{source}: model.{key} is deprecated; write it as model.{name}.{new}")
     out.update(sections)
     return out
+
+
+def migrate_runtime(raw: dict, source: str) -> dict:
+    """The whole config ``raw`` with each ``model`` key of :data:`RUNTIME_KEYS` moved to its section
+    (``model.routed_core`` -> ``parallel.routed_core``; a deprecation warning each); a value given in both
+    places differently is refused. Unchanged without such keys."""
+    model = raw.get("model")
+    if not isinstance(model, dict) or not RUNTIME_KEYS.keys() & model.keys():
+        return raw
+    out = dict(raw)
+    out["model"] = {k: v for k, v in model.items() if k not in RUNTIME_KEYS}
+    for key in RUNTIME_KEYS.keys() & model.keys():
+        name, new = RUNTIME_KEYS[key]
+        section = out.get(name)
+        section = dict(section) if isinstance(section, dict) else {}
+        if new in section and section[new] != model[key]:
+            raise ConfigError(
+                f"{source}: model.{key}={model[key]!r} given together with {name}.{new}={section[new]!r}; "
+                f"remove model.{key}"
+            )
+        section[new] = model[key]
+        out[name] = section
+        _warn(f"{source}: model.{key} is deprecated; write it as {name}.{new} (how the model runs)")
+    return out
+
+
+def runtime_key(key: str, source: str) -> str:
+    """``--set model.<key>=...`` of a :data:`RUNTIME_KEYS` key: its dotted key now (deprecation)."""
+    name, new = RUNTIME_KEYS[key]
+    _warn(f"{source}: model.{key} is deprecated; write it as {name}.{new} (how the model runs)")
+    return f"{name}.{new}"
+
+
+def refuse_runtime_key(key: str, source: str) -> None:
+    """A :data:`RUNTIME_KEYS` key given to the ``model`` section alone (``ModelConfig(routed_core=...)``):
+    one line naming where it lives, since the model section cannot carry it over."""
+    name, new = RUNTIME_KEYS[key]
+    raise ConfigError(
+        f"{source}: model.{key} says how the model runs, not what it computes; it lives in {name}.{new} "
+        f"(ParallelConfig({new}=...), LoLGPTModel(parallel=...))"
+    )
 
 
 def moved_key(key: str, source: str) -> str:

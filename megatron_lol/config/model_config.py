@@ -18,7 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from megatron_lol.checks import asdict, choice, nonnegative, positive
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, migrate_model
+from megatron_lol.config.migration import (
+    FLAT_KEYS,
+    MOVED_KEYS,
+    ROUTING_KEYS,
+    RUNTIME_KEYS,
+    migrate_model,
+    refuse_runtime_key,
+)
 from megatron_lol.config.sections import (  # noqa: F401 - re-exported
     FP8_RECIPES,
     MOE_SCORE_FUNCTIONS,
@@ -34,7 +41,6 @@ from megatron_lol.plan.execution import DENSE_ATTENTION, plan_section, section_d
 from megatron_lol.plan.routing import BALANCING, ROUTER_INPUTS, RoutingOptions  # noqa: F401 - re-exported
 
 FILM_MODES = ("off", "depth", "depth_block")
-ROUTED_CORES = ("auto", "reference", "grouped")
 
 
 def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
@@ -83,6 +89,9 @@ class ModelConfig:
     * ``moe`` and ``precision``: settings of their own (:mod:`.sections`), typed, checked with
       their keys' full paths.
 
+    How the model runs rather than what it computes is not here: the routed depths' executor is
+    ``parallel.routed_core``, beside recomputation (:class:`~megatron_lol.config.schema.ParallelConfig`).
+
     ``to_dict`` writes the sections; earlier spellings (the options, router, MoE and precision
     keys as flat ``model`` keys; ``num_blocks`` / ``routed_depth`` for every kind) are rewritten by
     :mod:`megatron_lol.config.migration`.
@@ -111,11 +120,6 @@ class ModelConfig:
     # options (docs/model.md, "FiLM" and "Input injection")
     film: str = "off"
     input_injection: bool = False
-    # how a LoL core's routed depths run their blocks, chosen when the model is built (docs/gpu.md, "The routed
-    # depth on a GPU"; routing is the same either way): "reference" = one call per block (model/executors.py
-    # PerBlockCalls); "grouped" = all blocks of a depth as one grouped computation (GroupedGEMMs); "auto" =
-    # grouped on CUDA where the model supports it, per block elsewhere (on CPU, with the CPU backend, faster)
-    routed_core: str = "auto"
     # FFN mixtures of experts (megatron-core MoE) in the fixed layers and/or blocks (config/sections.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
     # the weights' dtype, the layer implementation (TE or local) and FP8 (config/sections.py)
@@ -231,7 +235,6 @@ class ModelConfig:
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
         choice(f"{prefix}.film", self.film, FILM_MODES)
-        choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         positive(f"{prefix}.hidden_size", self.hidden_size)
         positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
@@ -281,6 +284,8 @@ def _init(self, *args, **kwargs) -> None:
     """The dataclass's ``__init__``, taking the deprecated flat keys too (``ModelConfig(<flat key>=...)``,
     ``dataclasses.replace(model, ...)``): rewritten into the plan's section and the ``moe`` /
     ``precision`` sub-sections by the migration tables."""
+    for key in RUNTIME_KEYS.keys() & kwargs.keys():
+        refuse_runtime_key(key, "ModelConfig")
     flat = {
         key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS
     }
@@ -299,6 +304,9 @@ def _setattr(self, name: str, value: Any) -> None:
         raise AttributeError(f"ModelConfig.{name}: a plan option; it lives in model.plan.{FLAT_KEYS[name][1]}")
     if name in ROUTING_KEYS:
         raise AttributeError(f"ModelConfig.{name}: a router option; it lives in model.plan.routing.{name}")
+    if name in RUNTIME_KEYS:
+        section, key = RUNTIME_KEYS[name]
+        raise AttributeError(f"ModelConfig.{name}: how the model runs; it lives in {section}.{key}")
     if name in MOVED_KEYS:
         section, key = MOVED_KEYS[name]
         raise AttributeError(f"ModelConfig.{name}: it lives in model.{section}.{key}")

@@ -25,7 +25,6 @@ from megatron_lol.config.model_config import (  # noqa: F401 - the model section
     FP8_RECIPES,
     MOE_SCORE_FUNCTIONS,
     PARAMS_DTYPES,
-    ROUTED_CORES,
     ROUTER_INPUTS,
     ModelConfig,
     fp8_recipe_default,
@@ -36,6 +35,8 @@ from megatron_lol.config.model_config import (  # noqa: F401 - the model section
 )
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan.stages import check_pipeline_layout
+
+ROUTED_CORES = ("auto", "reference", "grouped")
 
 
 @dataclass
@@ -80,8 +81,15 @@ class ParallelConfig:
     # megatron-core DDP's overlap of the data-parallel gradient reduction with backward (Megatron-LM's
     # --overlap-grad-reduce); the core's buckets start when backward leaves the core (parallel/grad_ready.py)
     overlap_grad_reduce: bool = False
+    # how a LoL core's routed depths run their blocks, chosen when the model is built (docs/gpu.md, "The
+    # routed depth on a GPU"; the routing and the model are the same either way): "reference" = one call per
+    # block (model/executors.py PerBlockCalls); "grouped" = all blocks of a depth as one grouped computation
+    # (GroupedGEMMs); "auto" = grouped on CUDA where the model supports it, per block elsewhere (on CPU, with
+    # the CPU backend, faster)
+    routed_core: str = "auto"
 
     def validate(self, model: ModelConfig, prefix: str = "parallel") -> None:
+        choice(f"{prefix}.routed_core", self.routed_core, ROUTED_CORES)
         for name in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "expert_model_parallel_size"):
             positive(f"{prefix}.{name}", getattr(self, name))
         tp = self.tensor_model_parallel_size

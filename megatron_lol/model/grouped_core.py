@@ -14,16 +14,16 @@ from typing import Optional
 from megatron_lol.model.grouped_blocks import grouped_support
 
 
-def routes_grouped(model, cuda: bool) -> bool:
-    """Whether ``model``'s routed depths will run grouped (``model.routed_core``), decided from the config
-    when the model is built, so the library's blocks can be built for it: ``grouped`` always (the trainer
-    refuses with one line what :func:`grouped_core_support` declines), ``auto`` on CUDA for a plan of
-    routed depths only, with the window router, no router-only tokens and no MoE blocks.
+def routes_grouped(model, cuda: bool, mode: str = "auto") -> bool:
+    """Whether ``model``'s routed depths will run grouped under ``mode`` (``parallel.routed_core``: how the
+    model runs, not part of what it computes), decided from the config when the model is built, so the
+    library's blocks can be built for it: ``grouped`` always (the trainer refuses with one line what
+    :func:`grouped_core_support` declines), ``auto`` on CUDA for a plan of routed depths only, with the
+    window router, no router-only tokens and no MoE blocks.
 
     Under the Transformer Engine spec such a model keeps TE layers for its prelude and coda and builds
     its library with the local spec, whose weights the grouped computation stacks (``torch._grouped_mm``
     in the parameters' dtype: FP8, when configured, covers the prelude and coda only)."""
-    mode = model.routed_core
     if mode == "reference" or (mode == "auto" and not cuda):
         return False
     plan = model.execution_plan()

@@ -176,7 +176,7 @@ class LoLGPTModel(_language_module()):
         # the library runs grouped (stacked local-spec weights, torch._grouped_mm) or per block, in TE layers
         # under the TE spec; a part of the norm hook (FiLM) modulates the core's blocks' norm outputs: under TE
         # they get separate norm modules for it
-        grouped = routes_grouped(model, cuda_available())
+        grouped = routes_grouped(model, cuda_available(), parallel.routed_core if parallel else "auto")
         self.grouped_library = self.use_te and grouped
         core_te = self.use_te and not self.grouped_library
         modulated = any(part.hook == "norm" for part in model_parts(model, model.execution_plan()))

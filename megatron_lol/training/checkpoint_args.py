@@ -25,6 +25,7 @@ from typing import Any, Optional
 import yaml
 
 from megatron_lol.config.loader import config_from_raw, without_checkpoint_record
+from megatron_lol.config.migration import RUNTIME_KEYS
 from megatron_lol.config.schema import ConfigError, ExperimentConfig
 from megatron_lol.training.checkpointing.files import checkpoint_dir, latest_checkpoint
 
@@ -96,7 +97,8 @@ def config_with_checkpoint_args(config: Optional[str], overrides: list, check_da
         merged = saved
     else:
         merged = {k: v for k, v in raw.items()}
-        merged["model"] = saved.get("model", {})
+        # the shape from the checkpoint; how it runs (a runtime key an earlier version kept in model) from the config
+        merged["model"] = {k: v for k, v in (saved.get("model") or {}).items() if k not in RUNTIME_KEYS}
         data = dict(merged.get("data") or {})
         for key in TOKENIZER_KEYS:
             data[key] = (saved.get("data") or {}).get(key)

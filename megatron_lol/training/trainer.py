@@ -229,13 +229,13 @@ class Trainer(TrainerData, TrainerLogging):
 
     def _grouped_core(self) -> bool:
         """Whether the routed depths' blocks run grouped (the executor each core chose when it was built,
-        ``model.routed_core``; docs/gpu.md, "The routed depth on a GPU"): ``grouped`` where the model
+        ``parallel.routed_core``; docs/gpu.md, "The routed depth on a GPU"): ``grouped`` where the model
         supports it (else a one-line error), ``auto`` on CUDA where it does, never with ``reference``."""
-        mode = self.cfg.model.routed_core
+        mode = self.cfg.parallel.routed_core
         if not self.plan.routed:
             if mode == "grouped":
                 raise ConfigError(
-                    f"model.routed_core: grouped runs routed depths, and plan {self.plan.name!r} "
+                    f"parallel.routed_core: grouped runs routed depths, and plan {self.plan.name!r} "
                     f"has none (use auto or reference)"
                 )
             return False
@@ -243,7 +243,7 @@ class Trainer(TrainerData, TrainerLogging):
         refusals = [core.grouped_refusal for core in cores if not core.executor.grouped]
         if mode == "grouped" and refusals:
             raise ConfigError(
-                f"model.routed_core: grouped cannot run this model: {refusals[0]} (use auto or reference)"
+                f"parallel.routed_core: grouped cannot run this model: {refusals[0]} (use auto or reference)"
             )
         if refusals or not cores:
             return False
