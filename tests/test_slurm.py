@@ -53,6 +53,7 @@ import time
 from pathlib import Path
 
 import pytest
+from suite_support import machine_lock
 
 REPO = Path(__file__).resolve().parents[1]
 LOCAL_SLURM = REPO.parent / "shared" / "tools" / "local-slurm"  # provided by CI, outside the repository
@@ -101,19 +102,22 @@ def cluster():
         pytest.skip("local-slurm needs root")
     if not (LOCAL_SLURM / "start.sh").exists():
         pytest.skip(f"{LOCAL_SLURM} not present")
-    # 8 CPUs per node declared: the campaign's jobs run side by side (they mostly wait)
-    _sh("bash", LOCAL_SLURM / "start.sh", env=dict(os.environ, LOCAL_SLURM_CPUS="8"), timeout=600)
-    original = SLURM_CONF.read_text()
-    SLURM_CONF.write_text(
-        "".join(line for line in original.splitlines(keepends=True) if not line.startswith("DependencyParameters="))
-    )
-    try:
-        _sh("scontrol", "reconfigure")
-        assert "kill_invalid_depend" not in _sh("scontrol", "show", "config")
-        yield LOCAL_SLURM
-    finally:
-        SLURM_CONF.write_text(original)
-        _sh("scontrol", "reconfigure", check=False)
+    # one suite at a time on the machine's one cluster: the campaign reads every job the controller knows
+    # and rewrites slurm.conf (a second suite run beside this one, as the loaded-machine check does, waits)
+    with machine_lock("local-slurm"):
+        # 8 CPUs per node declared: the campaign's jobs run side by side (they mostly wait)
+        _sh("bash", LOCAL_SLURM / "start.sh", env=dict(os.environ, LOCAL_SLURM_CPUS="8"), timeout=600)
+        original = SLURM_CONF.read_text()
+        SLURM_CONF.write_text(
+            "".join(line for line in original.splitlines(keepends=True) if not line.startswith("DependencyParameters="))
+        )
+        try:
+            _sh("scontrol", "reconfigure")
+            assert "kill_invalid_depend" not in _sh("scontrol", "show", "config")
+            yield LOCAL_SLURM
+        finally:
+            SLURM_CONF.write_text(original)
+            _sh("scontrol", "reconfigure", check=False)
 
 
 # ------------------------------------------------------------------ helpers
