@@ -203,8 +203,11 @@ def forked_run(
 ) -> subprocess.CompletedProcess:
     """:func:`subprocess.run` for a ``[sys.executable, ...]`` command, forked by :func:`start`: the same
     exit status and output (``capture_output``, or ``stdout`` an open file that the output is appended
-    to; stderr goes with stdout, as ``stderr=subprocess.STDOUT`` would have it)."""
+    to; stderr goes with stdout, as ``stderr=subprocess.STDOUT`` would have it: the one ``stderr`` taken)."""
     import tempfile
+
+    if stderr not in (None, subprocess.STDOUT):
+        raise ValueError("forked_run writes stderr with stdout (one log): stderr=subprocess.STDOUT or nothing")
 
     if Path(cmd[0]).name != Path(sys.executable).name and cmd[0] != sys.executable:
         raise ValueError(f"forked_run starts python commands only, not {cmd[0]}")

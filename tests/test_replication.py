@@ -35,7 +35,6 @@ class _ForkedSubprocess:
     def run(cmd, **kw):
         from cli_processes import forked_run
 
-        kw.pop("stderr", None)
         return forked_run(list(map(str, cmd)), **kw)
 
 
