@@ -94,7 +94,7 @@ from typing import Callable, Optional
 
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.inventory import parameter_shapes
-from megatron_lol.model.parts import part_of_parameter
+from megatron_lol.model.parts import part_of_parameter, part_parameters, step_parts
 
 
 @dataclass
@@ -376,6 +376,21 @@ def count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     return copy.deepcopy(_COUNTS[key])
 
 
+def _part_params_per_reexecution(model: ModelConfig, plan) -> int:
+    """Parameters one re-execution of a block (a step of pass >= 1) reads from the parts its step applies,
+    by each part's own ``select`` on shape-only tensors: what the part picks for that step (Accordion's
+    loop gates: the block's gate pair), whatever the part is called."""
+    import torch
+
+    again = [(step, parts) for step, parts in zip(plan.steps(), step_parts(model, plan)) if step.pass_index >= 1]
+    if not again:
+        return 0
+    step, parts = again[0]
+    tables = {name: torch.empty(shape, device="meta") for name, (_, shape, _) in part_parameters(model, plan).items()}
+    picked = [t for cls in parts for t in cls.select(tables, step.depth, step.pass_index, step.block)]
+    return sum(t.numel() for t in picked)
+
+
 def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     shapes = parameter_shapes(model, vocab_size)
     plan = model.execution_plan()
@@ -413,8 +428,7 @@ def _count_parameters(model: ModelConfig, vocab_size: int) -> ParamCounts:
     D = plan.depth
     routers = _modules(shapes, "core.routers.")
     sets = len(_modules(shapes, "core.pass_attention."))
-    gates = shapes.get("core.loop_gates")
-    gate_each = prod(gates[1:]) if gates else 0  # one (attention, MLP) gate pair per stored block
+    gate_each = _part_params_per_reexecution(model, plan)  # Accordion: one (attention, MLP) gate pair
     final_norm = sum(prod(s) for name, s in shapes.items() if name.startswith("final_norm."))
     extras = breakdown["router"] + breakdown["depth_vectors"] + breakdown["injection"] + sum(part_params.values())
 
