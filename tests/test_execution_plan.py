@@ -133,7 +133,7 @@ def test_growth_period_is_exact():
             dict(plan="lol", untie_attention=True),
             "model.untie_attention: not used by plan lol (an option of plan looped / foil, model.plan.untie_attention)",
         ),
-        (dict(plan="lol", dense_attention="sliding"), "model.dense_attention: plan lol attends inside its windows"),
+        (dict(plan="lol", dense_attention="sliding"), "model.plan.attention: plan lol attends inside its windows"),
     ],
 )
 def test_plan_keys_are_validated(model, message):

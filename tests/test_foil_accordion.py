@@ -397,7 +397,7 @@ def test_accordion_config_errors():
     check({"loop_budgets": [3, 0]}, "model.plan.budgets: must be increasing")
     check({"loop_budget": 2}, "model.plan.budget: 2 is not one of budgets")
     check({"second_pass_router": "own"}, "model.plan.second_pass_router: must be one of shared, separate")
-    check({"dense_attention": "sliding"}, "model.dense_attention: accordion uses full causal attention")
+    check({"dense_attention": "sliding"}, "model.plan.attention: accordion uses full causal attention")
     check({}, "parallel.pipeline_model_parallel_size: plan accordion", parallel={"pipeline_model_parallel_size": 2})
     check({}, "curriculum.initial_depth: plan accordion", curriculum={"initial_depth": 2})
     with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size: plan lol shards its block library"):

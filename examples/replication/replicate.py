@@ -228,8 +228,8 @@ STUDIES = {
             Arm(
                 "lol-strategy",
                 {
-                    "model.window_size": 16,
-                    "model.window_shift": 8,
+                    "model.plan.windows.size": 16,
+                    "model.plan.windows.shift": 8,
                     "training.seq_length": 64,
                     "training.micro_batch_size": 16,
                     "training.global_batch_size": 16,
@@ -249,8 +249,8 @@ STUDIES = {
 SMOKE_SETS = {
     "model.hidden_size": 32,
     "model.ffn_hidden_size": 64,
-    "model.window_size": 8,
-    "model.window_shift": 4,
+    "model.plan.windows.size": 8,
+    "model.plan.windows.shift": 4,
     "training.seq_length": 32,
     "training.micro_batch_size": 2,
     "training.global_batch_size": 2,
