@@ -293,9 +293,10 @@ class ExecutionPlan:
             o.validate_attention(f"{self.prefix}.plan")
 
     def _fixed_attention(self) -> str:
-        """The attention of a fixed kind's steps (``plan.attention``; its ``Options`` inherit
-        :class:`~megatron_lol.plan.windows.FixedAttention`)."""
-        return self.options.attention
+        """The attention of a fixed kind's steps: ``plan.attention`` where its ``Options`` inherit
+        :class:`~megatron_lol.plan.windows.FixedAttention` (with the ``windows`` that ``sliding`` /
+        ``strided`` use), else full causal attention."""
+        return getattr(self.options, "attention", "full")
 
 
 PLANS: dict = {}
