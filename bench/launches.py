@@ -101,10 +101,11 @@ def model_config(args, blocks, plan=None):
         n_prelude=args.prelude,
         n_coda=args.coda,
     )
+    m["plan"] = dict(m["plan"])
     if m["plan"]["kind"] == "lol":
-        m.update(window_size=args.window, window_shift=args.shift, film=args.film)
+        m["plan"].update(windows={"size": args.window, "shift": args.shift}, film=args.film)
     elif args.film == "depth":  # the dense model of equal executed layers does the same FiLM per depth
-        m.update(film="depth")
+        m["plan"].update(film="depth")
     if args.ffn:
         m["ffn_hidden_size"] = args.ffn
     return config_from_dict({"model": m}).model

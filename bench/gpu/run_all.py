@@ -372,7 +372,7 @@ def dense_equal_flops(overrides: list, seq: int, batch: int) -> dict:
     for layers in range(1, 4 * plan.depth + 1):
         import dataclasses
 
-        dense = dataclasses.replace(dense_equivalent(m), plan={"kind": "dense", "layers": layers}, film="off")
+        dense = dataclasses.replace(dense_equivalent(m), plan={"kind": "dense", "layers": layers})
         f = training_flops(dense, vocab, seq, batch, attention_pairs="executed").total
         if best is None or abs(f - lol.total) < abs(best[1] - lol.total):
             best = (layers, f)
