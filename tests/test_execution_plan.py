@@ -134,11 +134,13 @@ def test_growth_period_is_exact():
             dict(plan="lol", untie_attention=True),
             "model.untie_attention: not used by plan lol (an option of plan looped / foil, model.plan.untie_attention)",
         ),
+        # rename_config: off (the deprecated key, named by its message)
         (
             dict(plan="lol", dense_attention="sliding"),
             "model.dense_attention='sliding': not used by plan lol (an option of plan dense / looped / foil, "
             "model.plan.attention)",
         ),
+        # rename_config: on
     ],
 )
 def test_plan_keys_are_validated(model, message):
