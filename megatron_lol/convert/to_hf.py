@@ -317,7 +317,7 @@ def convert_checkpoint(
     m = cfg.model
     if m.execution_plan().untied_attention_sets() and pass_parts_of(m).film != "off":
         raise CliError(
-            f"{path}: FiLM with untied per-pass attention (film={pass_parts_of(m).film}) is not exported "
+            f"{path}: FiLM with untied per-pass attention (plan.film={pass_parts_of(m).film}) is not exported "
             f"(no test covers the exported per-pass norms)"
         )
     if fmt == "llama" and not is_plain_stack(m):
