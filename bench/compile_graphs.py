@@ -49,15 +49,13 @@ def model_config(args, **plan):
     model = dict(
         hidden_size=32,
         num_attention_heads=4,
-        window_size=8,
-        window_shift=4,
         n_prelude=1,
         n_coda=1,
-        params_dtype="bf16",
-        plan=plan or dict(kind="lol", num_blocks=args.blocks, routed_depth=args.depth),
+        precision={"params_dtype": "bf16"},
+        plan=dict(plan or dict(kind="lol", num_blocks=args.blocks, routed_depth=args.depth)),
     )
-    if not plan:  # the parts the grouped executor runs per block
-        model.update(film="depth_block", input_injection=True)
+    if not plan:  # LoL's windows, and the parts the grouped executor runs per block
+        model["plan"].update(windows={"size": 8, "shift": 4}, film="depth_block", input_injection=True)
     return config_from_dict({"model": model}).model
 
 

@@ -89,8 +89,6 @@ def experiment(args, model: dict):
         ffn_hidden_size=args.ffn,
         n_prelude=1,
         n_coda=1,
-        window_size=args.window,
-        window_shift=args.shift,
     )
     m.update(model)
     return config_from_dict({"model": m, "training": {"seq_length": args.seq_length}})
@@ -106,7 +104,17 @@ def build_models(args) -> dict:
 
     tokens = {"eod_id": 2, "bos_id": 1, "pad_id": 0}
     configs = {
-        "lol": experiment(args, dict(plan=dict(kind="lol", num_blocks=args.blocks, routed_depth=args.depth))),
+        "lol": experiment(
+            args,
+            dict(
+                plan=dict(
+                    kind="lol",
+                    num_blocks=args.blocks,
+                    routed_depth=args.depth,
+                    windows={"size": args.window, "shift": args.shift},
+                )
+            ),
+        ),
         "dense": experiment(args, dict(plan=dict(kind="dense", layers=args.depth))),
         "accordion": experiment(
             args, dict(plan=dict(kind="accordion", window=args.depth - 1, budgets=[0, 1], budget=1))

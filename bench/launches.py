@@ -77,7 +77,7 @@ def parse_args(argv=None):
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--vocab", type=int, default=97)
     p.add_argument("--docs-per-row", type=int, default=2, help="EOD-separated documents per row")
-    p.add_argument("--film", default="off", help="model.film of the LoL models: off, depth, depth_block")
+    p.add_argument("--film", default="off", help="model.plan.film of the LoL models: off, depth, depth_block")
     p.add_argument("--layouts", default="local,packed")
     p.add_argument(
         "--reps", type=int, default=3, help="timed forward+backward repetitions (median; 0: counts only, no CPU times)"
@@ -101,10 +101,11 @@ def model_config(args, blocks, plan=None):
         n_prelude=args.prelude,
         n_coda=args.coda,
     )
+    m["plan"] = dict(m["plan"])
     if m["plan"]["kind"] == "lol":
-        m.update(window_size=args.window, window_shift=args.shift, film=args.film)
+        m["plan"].update(windows={"size": args.window, "shift": args.shift}, film=args.film)
     elif args.film == "depth":  # the dense model of equal executed layers does the same FiLM per depth
-        m.update(film="depth")
+        m["plan"].update(film="depth")
     if args.ffn:
         m["ffn_hidden_size"] = args.ffn
     return config_from_dict({"model": m}).model
@@ -367,10 +368,10 @@ def measure_stacking(args):
         blocks = [core.block(i) for i in range(cfg.plan.num_blocks)]
         t = batch * seq
         gen = torch.Generator().manual_seed(0)
-        choice = torch.randint(0, cfg.plan.num_blocks, (t // cfg.window_size + 1,), generator=gen)
-        token_window = torch.arange(t) // cfg.window_size
+        choice = torch.randint(0, cfg.plan.num_blocks, (t // cfg.plan.windows.size + 1,), generator=gen)
+        token_window = torch.arange(t) // cfg.plan.windows.size
         grouping = group_tokens(choice.index_select(0, token_window), token_window, cfg.plan.num_blocks)
-        mask = chunk_bias(grouping.segments, cfg.window_size, [0], [t])
+        mask = chunk_bias(grouping.segments, cfg.plan.windows.size, [0], [t])
         table = torch.randn(seq, 1, 1, cfg.hidden_size // cfg.num_attention_heads, generator=gen)
         rope = RowRope.from_table(table, (torch.arange(t) % seq).index_select(0, grouping.order), torch.float32)
         x0 = torch.randn(t, cfg.hidden_size, generator=gen)
@@ -386,7 +387,7 @@ def measure_stacking(args):
             nonlocal lib_once
             lib_once = stack_library(blocks) if lib_once is None else lib_once
             x = x0.clone().requires_grad_(True)
-            out = grouped_blocks(lib_once, x, grouping, rope, mask, cfg.window_size)
+            out = grouped_blocks(lib_once, x, grouping, rope, mask, cfg.plan.windows.size)
             out.sum().backward(retain_graph=True)
 
         def timed(fn):

@@ -6,7 +6,7 @@ Models (same width, heads, FFN, vocabulary, sequence, batch; same optimizer):
   lol      LoLGPTModel, plan lol: the router picks a block per window (training
            mode, router noise on, so windows spread over the blocks);
   fixed    the same library executed with a fixed path and no router:
-           ``plan: looped, dense_attention: strided`` runs block ``(l-1) mod L``
+           ``plan: {kind: looped, attention: strided}`` runs block ``(l-1) mod L``
            on LoL's shifted windows at depth ``l`` (same windows, same chunked
            attention, no router, no dispatch);
   forced   LoLGPTModel with a ForcedPath (block ``(l-1) mod L``, gate 1) for
@@ -80,11 +80,10 @@ def model_config(args, **over):
         ffn_hidden_size=args.ffn,
         n_prelude=args.prelude,
         n_coda=args.coda,
-        window_size=args.window,
-        window_shift=args.shift,
         vocab_size=args.vocab,
     )
     m.update(over)
+    m["plan"] = dict(m["plan"], windows={"size": args.window, "shift": args.shift})  # every kind here has them
     return config_from_dict({"model": m}).model
 
 
@@ -105,11 +104,10 @@ def build_models(args):
         raise SystemExit(f"--depth {args.depth} must be a multiple of --blocks {args.blocks} (the fixed path loops)")
     cfgs["fixed"] = model_config(
         args,
-        plan={"kind": "looped", "layers": args.blocks, "loops": args.depth // args.blocks},
-        dense_attention="strided",
+        plan={"kind": "looped", "layers": args.blocks, "loops": args.depth // args.blocks, "attention": "strided"},
     )
     n_layers = args.prelude + args.depth + args.coda
-    cfgs["dense"] = model_config(args, plan={"kind": "dense", "layers": args.depth}, dense_attention="full")
+    cfgs["dense"] = model_config(args, plan={"kind": "dense", "layers": args.depth, "attention": "full"})
     for name in names:
         torch.manual_seed(1234)
         if name == "dense":

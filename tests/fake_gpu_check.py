@@ -203,7 +203,9 @@ def grouped_core(expert_exchange: bool = False, per_block: bool = False) -> dict
 
     cfg = model_config(**PLANS["lol"], input_injection=True)
     tokens, _, seeds = batch()
-    layout = build_host_layout(tokens, EOD, cfg.window_size, cfg.window_shift, [1, 2, 3], 3, seeds).pin_memory()
+    layout = build_host_layout(
+        tokens, EOD, cfg.plan.windows.size, cfg.plan.windows.shift, [1, 2, 3], 3, seeds
+    ).pin_memory()
     forced = ForcedPath(ids=torch.tensor([[-1, 2], [1, -1], [-1, -1]]), gates=torch.full((3, 2), 0.5))
     results = []
     from megatron_lol.model.executors import GroupedGEMMs, PerBlockCalls

@@ -134,6 +134,9 @@ model:
     kind: lol
     routing:
       bias_update_speed: 0.01
+    windows:
+      size: 16
+      shift: 8
   hidden_size: 32
   num_attention_heads: 4
   ffn_hidden_size: 64
@@ -141,8 +144,6 @@ model:
   n_coda: 1
   num_blocks: 4
   routed_depth: 3
-  window_size: 16
-  window_shift: 8
   make_vocab_size_divisible_by: 64
 data:
   paths: [{prefix}]

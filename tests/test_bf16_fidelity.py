@@ -88,7 +88,7 @@ def _forced(cfg):
 
     plan = cfg.execution_plan()
     g = torch.Generator().manual_seed(5)
-    k = S // cfg.window_size + 2
+    k = S // cfg.plan.windows.size + 2
     ids = torch.randint(0, plan.num_stored_blocks, (plan.depth, k), generator=g)
     gates = 0.3 + 0.6 * torch.rand(plan.depth, k, generator=g)
     return ForcedPath(ids=ids, gates=gates)
@@ -115,7 +115,13 @@ def _grads(net, cfg, tokens, executor: str) -> dict:
         net.core.executor = GroupedGEMMs() if executor == "grouped" else PerBlockCalls()
         depths = [step.depth for step in plan.steps() if step.routed]
         kwargs["layout"] = build_host_layout(
-            tokens, EOD, cfg.window_size, cfg.window_shift, depths, plan.num_stored_blocks, kwargs["noise_seeds"]
+            tokens,
+            EOD,
+            cfg.plan.windows.size,
+            cfg.plan.windows.shift,
+            depths,
+            plan.num_stored_blocks,
+            kwargs["noise_seeds"],
         )
     labels = torch.roll(tokens, -1, dims=1)
     loss = net(tokens, labels, **kwargs).float().mean()

@@ -26,7 +26,11 @@ LAUNCH_TIMEOUT = 240
 
 TINY_CONFIG = """\
 model:
-  plan: lol
+  plan:
+    kind: lol
+    windows:
+      size: 16
+      shift: 8
   hidden_size: 32
   num_attention_heads: 4
   ffn_hidden_size: 64
@@ -34,8 +38,6 @@ model:
   n_coda: 1
   num_blocks: 4
   routed_depth: 4
-  window_size: 16
-  window_shift: 8
   make_vocab_size_divisible_by: 64
 curriculum:
   initial_depth: 2

@@ -18,10 +18,38 @@ TINY = os.path.join(REPO, "examples", "configs", "tiny-cpu.yaml")
 @pytest.mark.parametrize(
     "model,message",
     [
-        ({"window_size": 0}, "model.window_size: must be > 0 (got 0)"),
-        ({"window_size": -4}, "model.window_size: must be > 0 (got -4)"),
-        ({"window_shift": 32}, "model.window_shift: must be in [0, window_size=32) (got 32)"),
-        ({"window_shift": -1}, "model.window_shift: must be in [0, window_size=32) (got -1)"),
+        ({"plan": {"kind": "lol", "windows": {"size": 0}}}, "model.plan.windows.size: must be > 0 (got 0)"),
+        ({"plan": {"kind": "lol", "windows": {"size": -4}}}, "model.plan.windows.size: must be > 0 (got -4)"),
+        (
+            {"plan": {"kind": "lol", "windows": {"shift": 32}}},
+            "model.plan.windows.shift: must be in [0, size=32) (got 32)",
+        ),
+        (
+            {"plan": {"kind": "lol", "windows": {"shift": -1}}},
+            "model.plan.windows.shift: must be in [0, size=32) (got -1)",
+        ),
+        (
+            {"plan": {"kind": "dense", "layers": 2, "attention": "strided", "windows": {"size": 8, "shift": 8}}},
+            "model.plan.windows.shift: must be in [0, size=8) (got 8)",
+        ),
+        (
+            {"plan": {"kind": "dense", "layers": 2, "attention": "banded"}},
+            "model.plan.attention: must be one of full, sliding, strided (got 'banded')",
+        ),
+        ({"plan": {"kind": "lol", "film": "depths"}}, "model.plan.film: must be one of off, depth, depth_block"),
+        (
+            {"plan": {"kind": "accordion", "window": 2, "film": "depth"}},
+            "model.plan.film is not an option of plan accordion",
+        ),
+        (
+            {"plan": {"kind": "lol", "attention": "sliding"}},
+            "model.plan.attention is not an option of plan lol",
+        ),
+        ({"plan": {"kind": "lol", "windows": {"sise": 8}}}, "(did you mean 'model.plan.windows.size'?)"),
+        (
+            {"plan": {"kind": "looped", "layers": 2, "loops": 2, "film": "depth", "input_injektion": True}},
+            "model.plan.input_injektion is not an option of plan looped; did you mean input_injection?",
+        ),
         ({"routed_depth": 0}, "model.plan.routed_depth: must be > 0 (got 0)"),
         ({"num_blocks": 0}, "model.plan.num_blocks: must be > 0 (got 0)"),
         (
@@ -29,7 +57,7 @@ TINY = os.path.join(REPO, "examples", "configs", "tiny-cpu.yaml")
             "model.num_attention_heads: 4 does not divide model.hidden_size=130",
         ),
         ({"plan": "moe"}, "model.plan: kind must be one of dense, looped, foil, lol, accordion (got 'moe')"),
-        ({"window_size": "big"}, "model.window_size must be int (got 'big')"),
+        ({"plan": {"kind": "lol", "windows": {"size": "big"}}}, "model.plan.windows.size must be int (got 'big')"),
     ],
 )
 def test_bad_model_values(model, message):
@@ -171,7 +199,7 @@ def test_overrides_are_typed_and_checked(tmp_path):
 
 def test_cli_stops_before_any_work(tmp_path):
     cfg = yaml.safe_load(open(TINY))
-    cfg["model"]["window_shift"] = 40
+    cfg["model"]["plan"]["windows"]["shift"] = 40
     cfg["training"]["save"] = str(tmp_path / "run")
     path = _write(tmp_path, cfg)
     proc = subprocess.run(
@@ -183,7 +211,7 @@ def test_cli_stops_before_any_work(tmp_path):
     )
     assert proc.returncode == 2
     lines = [l for l in proc.stderr.strip().splitlines() if l.strip()]
-    assert lines == ["megatron-lol train: error: model.window_shift: must be in [0, window_size=32) (got 40)"]
+    assert lines == ["megatron-lol train: error: model.plan.windows.shift: must be in [0, size=32) (got 40)"]
     assert not (tmp_path / "run").exists()
     # a Megatron-LM flag is checked the same way
     proc = subprocess.run(
@@ -195,7 +223,7 @@ def test_cli_stops_before_any_work(tmp_path):
             "--config",
             path,
             "--set",
-            "model.window_shift=16",
+            "model.plan.windows.shift=16",
             "--micro-batch-size",
             "0",
         ],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import dataclasses
 import warnings
 from pathlib import Path
 
@@ -19,7 +20,14 @@ import pytest
 import yaml
 
 from megatron_lol.config import ModelConfig, config_from_dict, load_config
-from megatron_lol.config.migration import FLAT_KEYS, MOVED_KEYS, ROUTING_KEYS, RUNTIME_KEYS, ConfigDeprecationWarning
+from megatron_lol.config.migration import (
+    FLAT_KEYS,
+    MOVED_KEYS,
+    OPTION_KEYS,
+    ROUTING_KEYS,
+    RUNTIME_KEYS,
+    ConfigDeprecationWarning,
+)
 from megatron_lol.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
@@ -39,6 +47,10 @@ SECTION_BASES = ALLOWED_BASES | {"moe", "precision", "config", "tconfig", "core_
 # router module's own attribute
 # (``moe.aux_loss_coeff`` is the MoE section's own key of that name)
 ROUTING_BASES = ALLOWED_BASES | {"routing", "routing_of", "moe"}
+# a window / attention / FiLM / injection key: from the plan's section (``m.plan.windows.size``,
+# ``windows_of(m).shift``, ``pass_parts_of(m).film``), megatron-core's TransformerConfig
+# (``config.window_size``: its own sliding-window attention) or an object's own attribute
+OPTION_BASES = ALLOWED_BASES | {"windows", "windows_of", "pass_parts_of", "config", "tconfig", "core_cfg"}
 
 
 def _flagged(key: str, base: str) -> bool:
@@ -48,6 +60,8 @@ def _flagged(key: str, base: str) -> bool:
         return True
     if key in ROUTING_KEYS:
         return base not in ROUTING_BASES
+    if key in OPTION_KEYS:
+        return base not in OPTION_BASES
     return key in MOVED_KEYS and base not in SECTION_BASES
 
 
@@ -68,6 +82,7 @@ def flat_reads(source: str) -> list:
                     for k in node.keywords
                     if k.arg in FLAT_KEYS
                     or k.arg in ROUTING_KEYS
+                    or (k.arg in OPTION_KEYS and (name == "ModelConfig" or first not in OPTION_BASES))
                     or (k.arg in RUNTIME_KEYS and name == "ModelConfig")
                     or (k.arg in MOVED_KEYS and (name == "ModelConfig" or first != "plan"))
                 ]
@@ -98,14 +113,25 @@ ModelConfig(router_tied=False)
 cfg.model.routed_core
 ModelConfig(routed_core="grouped")
 getattr(model, "routed_core")
+cfg.model.window_size
+self.cfg.window_shift
+m.dense_attention
+model.film
+cfg.input_injection
+ModelConfig(window_size=8)
+replace(m, film="depth")
+getattr(cfg.model, "input_injection", False)
 """
-    assert len(flat_reads(bad)) == 17
+    assert len(flat_reads(bad)) == 25
     good = (
         "m.plan.window\nm.plan.num_blocks\nself.loop_gates\ncounts.second_pass_router\nreplace(m.plan, budget=1)\n"
         "m.moe.num_experts\ncfg.model.precision.fp8\ntconfig.params_dtype\nreplace(core_cfg, fp8=None)\n"
         "replace(m.precision, fp8=None)\ngetattr(config, 'fp8', None)\n"
         "m.plan.routing.balancing\nrouting_of(m).router_only_filler\nrouting.router_tied\n"
         "cfg.parallel.routed_core\nParallelConfig(routed_core='grouped')\n"
+        "m.plan.windows.size\nwindows_of(m).shift\npass_parts_of(cfg.model).film\nm.plan.input_injection\n"
+        "self.options.attention\nconfig.window_size\nreplace(tconfig, window_size=(7, 0))\n"
+        "replace(m.plan, film='depth')\n"
     )
     assert flat_reads(good) == []
 
@@ -134,6 +160,10 @@ def test_model_config_has_no_flat_plan_fields():
         with pytest.raises(AttributeError, match=f"lives in model.plan.routing.{key}"):
             setattr(m, key, 1)
     assert (m.plan.kind, m.plan.window, m.plan.budgets, m.plan.gates) == ("accordion", 3, [0, 3], True)
+    for key, (option, _) in OPTION_KEYS.items():
+        assert not hasattr(m, key), key
+        with pytest.raises(AttributeError, match=f"it lives in model.plan.{option}"):
+            setattr(m, key, 1)
     for key, (section, option) in RUNTIME_KEYS.items():
         assert not hasattr(m, key), key
         with pytest.raises(AttributeError, match=f"how the model runs; it lives in {section}.{option}"):
@@ -334,6 +364,85 @@ def test_set_of_a_routing_key(tmp_path):
         load_config(path, [("model.plan.routing.balancng", "none", "--set")], check_data=False)
 
 
+OPTION_VALUES = {
+    "window_size": 64,
+    "window_shift": 8,
+    "dense_attention": "strided",
+    "film": "depth",
+    "input_injection": True,
+}
+
+
+def test_each_option_key_reads_as_its_section_key():
+    """The flat window / attention / FiLM / injection keys read (with a deprecation each) as their keys in
+    ``model.plan`` of a kind that has them, for YAML / a dict, ``--set``, ``ModelConfig(...)`` and
+    ``dataclasses.replace``."""
+    assert set(OPTION_VALUES) == set(OPTION_KEYS)
+    with pytest.warns(ConfigDeprecationWarning) as caught:
+        cfg = config_from_dict({"model": {"plan": {"kind": "dense", "layers": 2}, **OPTION_VALUES}})
+    plan = cfg.model.plan
+    assert (plan.windows.size, plan.windows.shift, plan.attention, plan.film, plan.input_injection) == (
+        64,
+        8,
+        "strided",
+        "depth",
+        True,
+    )
+    for key, (path, _) in OPTION_KEYS.items():
+        assert any(f"model.{key} is deprecated; write it as model.plan.{path}" in str(w.message) for w in caught)
+    assert cfg.model.execution_plan().step(1).attention == "strided"
+    with pytest.warns(ConfigDeprecationWarning, match="model.window_shift is deprecated"):
+        m = ModelConfig(window_shift=4, plan={"kind": "lol", "windows": {"size": 8}, "film": "depth_block"})
+    assert (m.plan.windows.size, m.plan.windows.shift, m.plan.film) == (8, 4, "depth_block")
+    with pytest.warns(ConfigDeprecationWarning, match="model.film is deprecated"):
+        replaced = dataclasses.replace(m, film="off")
+    assert replaced.plan.film == "off" and replaced.plan.windows.shift == 4
+
+
+def test_an_option_key_for_a_kind_without_it():
+    """For a kind without the option: dropped at the flat key's default; refused otherwise, as the previous
+    version refused it (attention other than full for lol and accordion, FiLM / injection for accordion);
+    a window geometry, which that version took with any kind, dropped with a warning."""
+    accordion = {"kind": "accordion", "window": 2, "budgets": [0, 2]}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # at the defaults: dropped silently
+        cfg = config_from_dict(
+            {"model": {"plan": accordion, "film": "off", "input_injection": False, "dense_attention": "full"}}
+        )
+        lol = config_from_dict({"model": {"plan": "lol", "dense_attention": "full"}})
+    assert not hasattr(cfg.model.plan, "film") and not hasattr(lol.model.plan, "attention")
+    with pytest.raises(
+        ConfigError, match=r"^<dict>: model.film='depth': not used by plan accordion \(an option of plan"
+    ):
+        config_from_dict({"model": {"plan": accordion, "film": "depth"}})
+    with pytest.raises(ConfigError, match=r"model.input_injection=True: not used by plan accordion"):
+        ModelConfig(plan=accordion, input_injection=True)
+    with pytest.raises(
+        ConfigError, match=r"model.dense_attention='sliding': not used by plan lol .*model.plan.attention"
+    ):
+        config_from_dict({"model": {"plan": "lol", "dense_attention": "sliding"}})
+    with pytest.warns(ConfigDeprecationWarning, match="plan accordion has no windows: dropped"):
+        config_from_dict({"model": {"plan": accordion, "window_size": 64}})
+    with pytest.raises(ConfigError, match=r"model.window_size=64 given together with model.plan.windows.size=16"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConfigDeprecationWarning)
+            config_from_dict({"model": {"plan": {"kind": "lol", "windows": {"size": 16}}, "window_size": 64}})
+
+
+def test_set_of_an_option_key(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"plan": {"kind": "looped", "layers": 2, "loops": 2, "film": "depth"}}}))
+    with pytest.warns(ConfigDeprecationWarning, match="model.window_size is deprecated"):
+        cfg = load_config(path, [("model.window_size", 64, "--set model.window_size=64")], check_data=False)
+    assert (cfg.model.plan.windows.size, cfg.model.plan.windows.shift, cfg.model.plan.film) == (64, 16, "depth")
+    cfg = load_config(path, [("model.plan.windows.shift", 4, "--set model.plan.windows.shift=4")], check_data=False)
+    assert (cfg.model.plan.windows.size, cfg.model.plan.windows.shift) == (32, 4)
+    with pytest.raises(ConfigError, match=r"model.plan.windows.shift: must be in \[0, size=32\) \(got 40\)"):
+        load_config(path, [("model.plan.windows.shift", 40, "--set")], check_data=False)
+    with pytest.raises(ConfigError, match=r"did you mean 'model.plan.windows.shift'"):
+        load_config(path, [("model.plan.windows.shfit", 4, "--set")], check_data=False)
+
+
 FLAT_RUN_CONFIG_OF_DENSE = {
     # a run_config.yaml of the flat version: every kind's keys, the other kinds' at their defaults
     "plan": "dense",
@@ -351,6 +460,11 @@ FLAT_RUN_CONFIG_OF_DENSE = {
     "loop_budget": None,
     "second_pass_router": "shared",
     "loop_gates": True,
+    "window_size": 32,
+    "window_shift": 16,
+    "dense_attention": "full",
+    "film": "off",
+    "input_injection": False,
     "hidden_size": 32,
     "num_attention_heads": 4,
 }
@@ -359,7 +473,14 @@ FLAT_RUN_CONFIG_OF_DENSE = {
 def test_a_flat_run_config_lists_every_kind_and_reads_as_its_own():
     with pytest.warns(ConfigDeprecationWarning, match="model.core_layers is deprecated"):
         cfg = config_from_dict({"model": dict(FLAT_RUN_CONFIG_OF_DENSE)})
-    assert cfg.to_dict()["model"]["plan"] == {"kind": "dense", "layers": 3}
+    assert cfg.to_dict()["model"]["plan"] == {
+        "kind": "dense",
+        "layers": 3,
+        "attention": "full",
+        "windows": {"size": 32, "shift": 16},
+        "film": "off",
+        "input_injection": False,
+    }
     with pytest.raises(ConfigError, match=r"model.loop_gates: not used by plan dense"):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", ConfigDeprecationWarning)
@@ -378,12 +499,10 @@ class _Tokenizer:
 def _raw_run(save: Path, iters: int) -> dict:
     return {
         "model": {
-            "plan": {"kind": "lol", "num_blocks": 3, "routed_depth": 3},
+            "plan": {"kind": "lol", "num_blocks": 3, "routed_depth": 3, "windows": {"size": 8, "shift": 4}},
             "hidden_size": 32,
             "num_attention_heads": 4,
             "ffn_hidden_size": 64,
-            "window_size": 8,
-            "window_shift": 4,
             "make_vocab_size_divisible_by": 32,
         },
         "training": {
@@ -422,10 +541,13 @@ def flat_layout(model: dict) -> dict:
         out[key] = model[name][option]
     section = dict(model["plan"])
     out.update(section.pop("routing", {}))  # and the router's
-    kind = section.pop("kind")
+    kind = section["kind"]
     out["plan"] = kind
     for key, (kinds, option) in FLAT_KEYS.items():
         out[key] = section[option] if kind in kinds else FLAT_DEFAULTS.get(key)
+    for key, (path, default) in OPTION_KEYS.items():  # and the windows, attention, FiLM, injection
+        head, _, sub = path.partition(".")  # a kind without the option: the flat key's default
+        out[key] = section.get(head, {}).get(sub, default) if sub else section.get(head, default)
     out["routed_core"] = "auto"  # how the model runs: that version kept it in model
     return out
 
@@ -444,8 +566,17 @@ def test_a_checkpoint_with_the_flat_run_config_resumes_bit_exact(megatron_env, t
     assert first == {1: ref[1], 2: ref[2]}
     run_config = tmp_path / "old" / "iter_0000002" / "run_config.yaml"
     saved = yaml.safe_load(run_config.read_text())
-    assert saved["model"]["plan"] == {"kind": "lol", "num_blocks": 3, "routed_depth": 3, "routing": ROUTING_DEFAULTS}
+    assert saved["model"]["plan"] == {
+        "kind": "lol",
+        "num_blocks": 3,
+        "routed_depth": 3,
+        "routing": ROUTING_DEFAULTS,
+        "windows": {"size": 8, "shift": 4},
+        "film": "off",
+        "input_injection": False,
+    }
     saved["model"] = flat_layout(saved["model"])
+    assert (saved["model"]["window_size"], saved["model"]["dense_attention"]) == (8, "full")
     run_config.write_text(yaml.safe_dump(saved))
     # the checkpoint that version saved lists this run_config.yaml in its checksum manifest
     files = read_manifest(str(run_config.parent))

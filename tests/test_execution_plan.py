@@ -8,6 +8,7 @@ parameter counter and the HF export.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import warnings
@@ -133,7 +134,13 @@ def test_growth_period_is_exact():
             dict(plan="lol", untie_attention=True),
             "model.untie_attention: not used by plan lol (an option of plan looped / foil, model.plan.untie_attention)",
         ),
-        (dict(plan="lol", dense_attention="sliding"), "model.dense_attention: plan lol attends inside its windows"),
+        # rename_config: off (the deprecated key, named by its message)
+        (
+            dict(plan="lol", dense_attention="sliding"),
+            "model.dense_attention='sliding': not used by plan lol (an option of plan dense / looped / foil, "
+            "model.plan.attention)",
+        ),
+        # rename_config: on
     ],
 )
 def test_plan_keys_are_validated(model, message):
@@ -212,6 +219,21 @@ OLD_SPELLING = {
 }
 
 
+def _flat_options(section: dict) -> dict:
+    """The section's windows / attention / FiLM / injection options (popped) as the flat ``model`` keys
+    of the earlier spelling."""
+    from megatron_lol.config.migration import OPTION_KEYS
+
+    out = {}
+    for key, (path, _) in OPTION_KEYS.items():
+        head, _, sub = path.partition(".")
+        if head in section:
+            out[key] = section[head][sub] if sub else section[head]
+    for key in {path.partition(".")[0] for path, _ in OPTION_KEYS.values()}:
+        section.pop(key, None)
+    return out
+
+
 @pytest.mark.parametrize("name", list(OLD_SPELLING))
 def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_path):
     """A paper config in the deprecated spelling (every plan's shape in num_blocks / routed_depth, Foil as
@@ -226,9 +248,10 @@ def test_older_spelling_reads_with_a_deprecation_and_the_same_model(name, tmp_pa
         if not in_section:
             kept.append(line)
     at = kept.index("model:") + 1
-    old = "\n".join(kept[:at] + ["  " + old_shape] + kept[at:]) + "\n"
-    (tmp_path / "old.yaml").write_text(old)
     new_cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
+    flat = [f"  {key}: {json.dumps(value)}" for key, value in _flat_options(new_cfg.model.to_dict()["plan"]).items()]
+    old = "\n".join(kept[:at] + ["  " + old_shape] + flat + kept[at:]) + "\n"
+    (tmp_path / "old.yaml").write_text(old)
     with pytest.warns(ConfigDeprecationWarning):
         old_cfg = load_config(tmp_path / "old.yaml", check_data=False)
     assert old_cfg.model.plan == new_cfg.model.plan and new_cfg.model.plan.kind == plan_name
@@ -248,6 +271,7 @@ def test_flat_plan_keys_of_earlier_run_configs_load_with_a_deprecation():
         section = raw["model"].pop("plan")
         kind = section.pop("kind")
         raw["model"].update(section.pop("routing", {}))  # the router's keys were flat ``model`` keys too
+        raw["model"].update(_flat_options(section))  # and the windows, attention, FiLM and injection
         flats = {key: flat for flat, (kinds, key) in FLAT_KEYS.items() if kind in kinds}
         raw["model"].update({"plan": kind, **{flats[key]: value for key, value in section.items()}})
         with pytest.warns(ConfigDeprecationWarning, match="deprecated; write it in the plan's section"):

@@ -422,7 +422,7 @@ def test_nonfinite_lr_bad_blend_weights_and_wide_window_are_refused(corpus, tmp_
         (("data.paths", [-1, prefix, 1, prefix]), "weight -1 must be a finite number >= 0"),
         (("data.paths", ["nan", prefix, 1, prefix]), "weight 'nan' must be a finite number >= 0"),
         (("data.paths", [0, prefix, 0, prefix]), "the blend weights sum to zero"),
-        (("model.window_size", 128), "model.window_size: 128 is larger than training.seq_length=64"),
+        (("model.plan.windows.size", 128), "model.plan.windows.size: 128 is larger than training.seq_length=64"),
     ]
     for (key, value), message in cases:
         with pytest.raises(ConfigError) as info:

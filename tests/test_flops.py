@@ -134,8 +134,9 @@ def test_memory_model_is_positive_and_scales():
     d = fl.memory_model(m, 97, 64, 2, data_parallel=4, distributed_optimizer=True)
     assert d.optimizer == pytest.approx(a.optimizer / 4)
     # a routed depth also keeps its input and the block outputs for the gated combine (2 d per token)
-    looped = {"kind": "looped", "layers": 3, "loops": 1}  # the same 3 blocks, each once, strided
-    fixed = fl.memory_model(replace(m, plan=looped, dense_attention="strided"), 97, 64, 2)
+    windows = {"size": m.plan.windows.size, "shift": m.plan.windows.shift}  # the same windows
+    looped = {"kind": "looped", "layers": 3, "loops": 1, "attention": "strided", "windows": windows}
+    fixed = fl.memory_model(replace(m, plan=looped), 97, 64, 2)  # the same 3 blocks, each once, strided
     depth = fl.default_depth(m)
     assert a.activations - fixed.activations == pytest.approx(depth * 2 * 64 * 2 * m.hidden_size * 4)
 

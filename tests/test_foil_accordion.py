@@ -397,7 +397,14 @@ def test_accordion_config_errors():
     check({"loop_budgets": [3, 0]}, "model.plan.budgets: must be increasing")
     check({"loop_budget": 2}, "model.plan.budget: 2 is not one of budgets")
     check({"second_pass_router": "own"}, "model.plan.second_pass_router: must be one of shared, separate")
-    check({"dense_attention": "sliding"}, "model.dense_attention: accordion uses full causal attention")
+    # rename_config: off (the deprecated keys, named by the messages)
+    check({"dense_attention": "sliding"}, r"model.dense_attention='sliding': not used by plan accordion")
+    check({"film": "depth"}, r"model.film='depth': not used by plan accordion \(an option of plan dense / looped")
+    # rename_config: on
+    with pytest.raises(
+        ConfigError, match=r"model.plan.film is not an option of plan accordion \(its options: window, budgets"
+    ):
+        config_from_dict({"model": {"plan": {"kind": "accordion", "window": 3, "film": "depth"}}})
     check({}, "parallel.pipeline_model_parallel_size: plan accordion", parallel={"pipeline_model_parallel_size": 2})
     check({}, "curriculum.initial_depth: plan accordion", curriculum={"initial_depth": 2})
     with pytest.raises(ConfigError, match="parallel.expert_model_parallel_size: plan lol shards its block library"):

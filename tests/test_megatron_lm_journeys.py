@@ -418,8 +418,8 @@ def _muon_losses(modes: list) -> dict:
         over = {
             "model.hidden_size": 64,
             "model.ffn_hidden_size": 128,
-            "model.window_size": 16,
-            "model.window_shift": 8,
+            "model.plan.windows.size": 16,
+            "model.plan.windows.shift": 8,
             "model.vocab_size": 256,
             "training.seq_length": 64,
             "training.micro_batch_size": 2,

@@ -177,6 +177,7 @@ def test_grouping_runs_whole_windows_in_order():
 
     from megatron_lol.model.executors import PerBlockCalls, group_sizes
     from megatron_lol.model.static_routing import group_tokens, permute_rows
+    from megatron_lol.plan.windows import WindowOptions
 
     token_window = torch.tensor([0, 0, 0, 1, 1, 2, 3, 3, 3, 3, 4])
     choice_w = torch.tensor([2, 0, 2, 1, 0])
@@ -195,7 +196,9 @@ def test_grouping_runs_whole_windows_in_order():
         assert torch.equal(rope.view(-1), (rows % 6).float())  # row positions of a 6-token row
         return x * (block + 2)
 
-    core = SimpleNamespace(cfg=SimpleNamespace(window_size=4), packed=True, row_multiple=1, call=call)
+    core = SimpleNamespace(
+        cfg=SimpleNamespace(plan=SimpleNamespace(windows=WindowOptions(4, 2))), packed=True, row_multiple=1, call=call
+    )
     ctx = SimpleNamespace(rope=torch.arange(6.0).view(6, 1, 1, 1))
     core.packed = False
     rows = permute_rows(flat, grouping.order, grouping.inverse)

@@ -326,7 +326,7 @@ def test_math_1b():
     assert c.router_each == 16_464 and c.router == 16_464  # tied: one router
     for att in ("full", "sliding", "strided"):
         dcfg, d = paper_counts(f"math-1b-dense-{att}")
-        assert dcfg.model.plan.kind == "dense" and dcfg.model.dense_attention == att
+        assert dcfg.model.plan.kind == "dense" and dcfg.model.plan.attention == att
         assert d.linear_total == c.linear_total  # 16 distinct layers each
         assert d.linear_active == c.linear_active
 
@@ -361,13 +361,20 @@ def test_paper_configs_load_with_window_settings():
         cfg = load_config(PAPER / f"{name}.yaml", check_data=False)
         assert cfg.data.paths and (cfg.training.train_iters or 0) + (cfg.training.train_flops or 0) > 0
         if name in FOIL:
-            assert cfg.training.seq_length == 4096 and cfg.model.dense_attention == "full"
+            assert cfg.training.seq_length == 4096 and cfg.model.plan.attention == "full"
         elif name in ACCORDION:
             assert cfg.training.seq_length == 8192
         elif name in synthetic:
-            assert (cfg.model.window_size, cfg.model.window_shift) == (synthetic[name], synthetic[name] // 2)
+            assert (cfg.model.plan.windows.size, cfg.model.plan.windows.shift) == (
+                synthetic[name],
+                synthetic[name] // 2,
+            )
         else:
-            assert (cfg.model.window_size, cfg.model.window_shift, cfg.training.seq_length) == (128, 64, 1024)
+            assert (cfg.model.plan.windows.size, cfg.model.plan.windows.shift, cfg.training.seq_length) == (
+                128,
+                64,
+                1024,
+            )
 
 
 # ------------------------------------------------------- Foil (docs/model.md, "Foil")

@@ -99,7 +99,7 @@ def test_host_layout_for_a_trainer_batch_draws_the_trainers_noise():
     plan = cfg.execution_plan()
     layout = host_layout_for_batch(batch, cfg, plan, 0, run_seed=7, pin=False)
     assert routed_depths(plan) == [1, 2, 3] and sorted(layout.noise) == [1, 2, 3]
-    ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.window_size, cfg.window_shift)
+    ref = WindowLayout.build(DocumentLayout.from_tokens(tokens, 0), 3, cfg.plan.windows.size, cfg.plan.windows.shift)
     seeds = batch["sample_ids"] + 7 * 1_000_000_007
     assert torch.equal(layout.noise[3][: ref.num_windows], window_noise(ref, seeds, 3, cfg.plan.num_blocks, 24))
     assert host_layout_for_batch({"tokens": tokens}, cfg, plan, 0, run_seed=7, pin=False).noise == {}
@@ -391,7 +391,9 @@ def test_grouped_core_equals_the_per_block_reference(monkeypatch, case):
     b, s, h, L, D = 2, 40, net.cfg.hidden_size, core.plan.num_stored_blocks, core.plan.depth
     tokens = _tokens(b, s, 11, short_docs=True)
     seeds = torch.tensor([21, 22])
-    layout = build_host_layout(tokens, 0, net.cfg.window_size, net.cfg.window_shift, range(1, D + 1), L, seeds)
+    layout = build_host_layout(
+        tokens, 0, net.cfg.plan.windows.size, net.cfg.plan.windows.shift, range(1, D + 1), L, seeds
+    )
     forced = None
     if spec.get("forced") == "ordinal":
         ids = torch.full((D, 6), -1)

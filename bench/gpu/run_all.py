@@ -63,8 +63,8 @@ TINY = [
     "model.n_coda=1",
     "model.plan.num_blocks=2",
     "model.plan.routed_depth=2",
-    "model.window_size=16",
-    "model.window_shift=8",
+    "model.plan.windows.size=16",
+    "model.plan.windows.shift=8",
     "model.vocab_size=512",
 ]
 
@@ -372,7 +372,7 @@ def dense_equal_flops(overrides: list, seq: int, batch: int) -> dict:
     for layers in range(1, 4 * plan.depth + 1):
         import dataclasses
 
-        dense = dataclasses.replace(dense_equivalent(m), plan={"kind": "dense", "layers": layers}, film="off")
+        dense = dataclasses.replace(dense_equivalent(m), plan={"kind": "dense", "layers": layers})
         f = training_flops(dense, vocab, seq, batch, attention_pairs="executed").total
         if best is None or abs(f - lol.total) < abs(best[1] - lol.total):
             best = (layers, f)
@@ -509,8 +509,8 @@ def throughput(proof: Proof, args, dense: dict, fp8: bool) -> None:
     base += TINY if args.dry_run else []
     dense_sets = [
         f"model.plan={{kind: dense, layers: {dense['core_layers']}}}",
-        "model.dense_attention=full",
-        "model.film='off'",
+        "model.plan.attention=full",
+        "model.plan.film='off'",
     ]
     # current scaling for both: the LoL plan refuses delayed scaling (docs/gpu.md, "FP8")
     precision = ["model.precision.fp8=hybrid", "model.precision.fp8_recipe=tensorwise"] if fp8 else []

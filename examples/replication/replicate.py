@@ -228,8 +228,8 @@ STUDIES = {
             Arm(
                 "lol-strategy",
                 {
-                    "model.window_size": 16,
-                    "model.window_shift": 8,
+                    "model.plan.windows.size": 16,
+                    "model.plan.windows.shift": 8,
                     "training.seq_length": 64,
                     "training.micro_batch_size": 16,
                     "training.global_batch_size": 16,
@@ -249,8 +249,8 @@ STUDIES = {
 SMOKE_SETS = {
     "model.hidden_size": 32,
     "model.ffn_hidden_size": 64,
-    "model.window_size": 8,
-    "model.window_shift": 4,
+    "model.plan.windows.size": 8,
+    "model.plan.windows.shift": 4,
     "training.seq_length": 32,
     "training.micro_batch_size": 2,
     "training.global_batch_size": 2,
@@ -259,6 +259,19 @@ SMOKE_SETS = {
     "training.log_interval": 1,
     "optimizer.lr_warmup_iters": 1,
 }
+
+
+def smoke_sets(sets: dict) -> dict:
+    """:data:`SMOKE_SETS` for an arm with ``sets``: the small windows only where its plan kind has
+    windows (``model.plan.windows``; accordion has none, and refuses the key)."""
+    import yaml
+
+    from megatron_lol.plan import PLANS
+
+    plan = sets.get("model.plan")
+    kind = yaml.safe_load(plan)["kind"] if plan else "lol"  # tiny-cpu.yaml's plan
+    windowed = "windows" in {f.name for f in dataclasses.fields(PLANS[kind].Options)}
+    return {k: v for k, v in SMOKE_SETS.items() if windowed or not k.startswith("model.plan.windows.")}
 
 
 # ------------------------------------------------------------------ running
@@ -287,7 +300,7 @@ def _env() -> dict:
 def flop_budget(study: Study, smoke: bool, config: Path, task: Optional[dict] = None) -> float:
     """Training FLOPs of the reference arm at ``full_iters`` (2 when smoke), from ``megatron-lol params``."""
     arm = next(a for a in study.arms if a.name == study.reference)
-    sets = {**arm.sets, **(task or {}), **(SMOKE_SETS if smoke else {})}
+    sets = {**arm.sets, **(task or {}), **(smoke_sets(arm.sets) if smoke else {})}
     sets["training.train_iters"] = 2 if smoke else study.full_iters
     proc = subprocess.run(
         _cli("params", "--config", str(config), *argv_sets(sets), "--json"),
@@ -317,7 +330,7 @@ def last_validation(metrics: Path) -> dict:
 
 def train_arm(study: Study, arm: Arm, seed: int, budget: float, args) -> dict:
     save = Path(args.out) / f"{arm.name}-seed{seed}"
-    sets = {**arm.sets, **args.task, **(SMOKE_SETS if args.size == "smoke" else {})}
+    sets = {**arm.sets, **args.task, **(smoke_sets(arm.sets) if args.size == "smoke" else {})}
     sets.update({"training.train_flops": budget, "training.train_iters": "null", "training.save_interval": "null"})
     # each run its own dataset index cache: runs trained at once (--jobs) would build the same files together
     sets["data.cache_dir"] = str(save / "data_cache")

@@ -32,6 +32,7 @@ import time
 from megatron_lol.errors import CliError
 from megatron_lol.log import add_general_arguments
 from megatron_lol.plan.routing import routing_of
+from megatron_lol.plan.windows import windows_of
 
 SUBCOMMANDS = ("utilisation", "paths", "mode-path", "distinct", "moe-routing", "budgets")
 
@@ -185,8 +186,8 @@ def _meta(ckpt, args, n: int) -> dict:
         "examples": n,
         "num_blocks": plan.num_stored_blocks,
         "depth": plan.depth,
-        "window_size": m.window_size,
-        "window_shift": m.window_shift,
+        "window_size": windows_of(m).size,
+        "window_shift": windows_of(m).shift,
         "router_tied": routing_of(m).router_tied,
         "router_input": routing_of(m).router_input,
         "data": args.data_path or args.jsonl,
@@ -298,7 +299,7 @@ def run_distinct(args, ckpt, toks, labels) -> dict:
 
     m, plan = ckpt.cfg.model, ckpt.model.plan
     routes = collect_routes(ckpt.model, toks, _seq_length(args, ckpt), ckpt.eod_id, args.rows_per_batch)
-    summary = distinct_summary(routes, plan.depth, plan.num_stored_blocks, m.window_size, m.window_shift)
+    summary = distinct_summary(routes, plan.depth, plan.num_stored_blocks, windows_of(m).size, windows_of(m).shift)
     png = os.path.join(args.output, "distinct.png")
     plots.distinct_histogram(
         summary["histogram"],

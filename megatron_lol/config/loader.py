@@ -25,6 +25,7 @@ from megatron_lol.config.flags import BOOL_FLAGS, CHOICE_FLAGS, GROUPS, MEGATRON
 from megatron_lol.config.migration import (
     FLAT_KEYS,
     MOVED_KEYS,
+    OPTION_KEYS,
     ROUTING_KEYS,
     RUNTIME_KEYS,
     migrate_model,
@@ -256,7 +257,11 @@ def set_dotted(cfg: ExperimentConfig, key: str, value: Any, source: str) -> None
     if parts[:2] == ["model", "plan"]:
         set_plan(cfg.model, parts[2:], value, source, key)
         return
-    if parts[0] == "model" and len(parts) == 2 and (parts[1] in FLAT_KEYS or parts[1] in ROUTING_KEYS):
+    if (
+        parts[0] == "model"
+        and len(parts) == 2
+        and (parts[1] in FLAT_KEYS or parts[1] in ROUTING_KEYS or parts[1] in OPTION_KEYS)
+    ):
         set_flat_key(cfg.model, parts[1], value, source)
         return
     obj = cfg

@@ -27,6 +27,10 @@ earlier versions load to the same model:
 * the window router's and its balancing's settings as flat ``model`` keys
   (:data:`ROUTING_KEYS`): ``model.balancing`` for ``model.plan.routing.balancing``
   (for a kind without a router: dropped, except router-only tokens, refused as before);
+* the windows, the fixed kinds' attention, FiLM and input injection as flat ``model`` keys
+  (:data:`OPTION_KEYS`): ``model.window_size`` for ``model.plan.windows.size``,
+  ``model.dense_attention`` for ``model.plan.attention``, ``model.film`` for ``model.plan.film``
+  (for a kind without the option: dropped at the old default, refused otherwise);
 * how the model runs, as ``model`` keys (:data:`RUNTIME_KEYS`): ``model.routed_core``
   for ``parallel.routed_core`` (:func:`migrate_runtime`, on the whole config: it
   moves across sections).
@@ -108,6 +112,17 @@ ROUTING_KEYS = (
 )
 
 
+#: flat ``model`` keys that are now options of the kinds that have them (:mod:`megatron_lol.plan.windows`,
+#: :mod:`megatron_lol.plan.pass_parts`) -> (their dotted key under ``model.plan``, the flat key's default)
+OPTION_KEYS = {
+    "window_size": ("windows.size", 32),
+    "window_shift": ("windows.shift", 16),
+    "dense_attention": ("attention", "full"),
+    "film": ("film", "off"),
+    "input_injection": ("input_injection", False),
+}
+
+
 #: ``model`` keys that say how the model runs, not what it computes -> (the section they moved to, their key)
 RUNTIME_KEYS = {"routed_core": ("parallel", "routed_core")}
 
@@ -135,7 +150,63 @@ def migrate_model(model: dict, source: str, override: bool = False) -> dict:
     """
     model = migrate_sections(model, source, override)
     model = _migrate_plan_keys(model, source, override)
-    return migrate_routing(model, source, override)
+    model = migrate_routing(model, source, override)
+    return migrate_options(model, source, override)
+
+
+def migrate_options(model: dict, source: str, override: bool = False) -> dict:
+    """``model`` with the flat window / attention / FiLM / injection keys (:data:`OPTION_KEYS`) moved
+    into the plan's section (a deprecation warning each). For a kind without the option: dropped
+    silently at the old default (a ``run_config.yaml`` of that version lists every key); otherwise
+    refused as that version refused it (attention other than full for lol and accordion, FiLM and
+    injection for accordion), except a window geometry, which that version took with any kind and
+    never used: dropped with a warning."""
+    flat = {k: model[k] for k in OPTION_KEYS if k in model}
+    if not flat:
+        return model
+    from megatron_lol.plan import PLANS
+
+    out = {k: v for k, v in model.items() if k not in OPTION_KEYS}
+    section = _plan_mapping(model.get("plan", "lol"))
+    kind = section.get("kind")
+    cls = PLANS.get(kind)
+    own = {f.name for f in fields(cls.Options)} if cls is not None else set()
+    for key, value in flat.items():
+        path, default = OPTION_KEYS[key]
+        head, _, sub = path.partition(".")
+        if head not in own:
+            if value == default:
+                continue  # a run_config.yaml of that version lists every key
+            if head == "windows":  # that version took (and never used) a window geometry with any kind
+                _warn(f"{source}: model.{key} is deprecated, and plan {kind} has no windows: dropped")
+                continue
+            kinds = [name for name, c in PLANS.items() if head in {f.name for f in fields(c.Options)}]
+            raise ConfigError(
+                f"{source}: model.{key}={value!r}: not used by plan {kind} (an option of plan "
+                f"{' / '.join(kinds)}, model.plan.{path})"
+            )
+        holder = section
+        if sub:
+            holder = section[head] = _section_values(section.get(head))
+        name = sub or head
+        written = holder.get(name)
+        if not override and name in holder and written != value and _was_written(model.get("plan"), path):
+            raise ConfigError(
+                f"{source}: model.{key}={value!r} given together with model.plan.{path}={written!r}; remove model.{key}"
+            )
+        holder[name] = value
+        _warn(f"{source}: model.{key} is deprecated; write it as model.plan.{path}")
+    out["plan"] = section
+    return out
+
+
+def _was_written(plan: Any, path: str) -> bool:
+    """Whether the plan as written (a mapping) gives the dotted option ``path`` itself."""
+    for part in path.split("."):
+        if not isinstance(plan, dict) or part not in plan:
+            return False
+        plan = plan[part]
+    return True
 
 
 def _plan_mapping(plan: Any) -> dict:
@@ -362,6 +433,11 @@ def set_flat_key(model, key: str, value: Any, source: str) -> None:
     if key in ROUTING_KEYS:
         _warn(f"{source}: model.{key} is deprecated; write it as model.plan.routing.{key}")
         model.set_plan_option(key, value, source, sub="routing")
+        return
+    if key in OPTION_KEYS:
+        migrated = migrate_options({"plan": model.plan, key: value}, source, override=True)
+        if migrated["plan"] is not model.plan:
+            model.read_plan_section(migrated["plan"], source)
         return
     migrated = migrate_model({"plan": model.plan, key: value}, source, override=True)
     model.read_plan_section(migrated["plan"], source)

@@ -2,9 +2,10 @@
 
 The plan kind's options live in its section (``model.plan: {kind: ..., ...}``,
 :mod:`megatron_lol.plan`; the router and its balancing are its ``routing``
-sub-section, :mod:`megatron_lol.plan.routing`); MoE and precision are the
+sub-section, :mod:`megatron_lol.plan.routing`; the windows its ``windows``
+sub-section, :mod:`megatron_lol.plan.windows`); MoE and precision are the
 ``model.moe`` / ``model.precision`` sub-sections (:mod:`.sections`); what every
-kind shares (sizes, windows, FiLM, injection) is here. :mod:`.schema` holds the
+kind shares (sizes, embeddings, rotary) is here. :mod:`.schema` holds the
 other sections of a run and re-exports these names.
 """
 
@@ -17,10 +18,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from megatron_lol.checks import asdict, choice, nonnegative, positive
+from megatron_lol.checks import asdict, nonnegative, positive
 from megatron_lol.config.migration import (
     FLAT_KEYS,
     MOVED_KEYS,
+    OPTION_KEYS,
     ROUTING_KEYS,
     RUNTIME_KEYS,
     migrate_model,
@@ -37,10 +39,10 @@ from megatron_lol.config.sections import (  # noqa: F401 - re-exported
 )
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan import ExecutionPlan, build_plan, plan_kind
-from megatron_lol.plan.execution import DENSE_ATTENTION, plan_section, section_dict
+from megatron_lol.plan.execution import plan_section, section_dict
+from megatron_lol.plan.pass_parts import FILM_MODES  # noqa: F401 - re-exported
 from megatron_lol.plan.routing import BALANCING, ROUTER_INPUTS, RoutingOptions  # noqa: F401 - re-exported
-
-FILM_MODES = ("off", "depth", "depth_block")
+from megatron_lol.plan.windows import FIXED_ATTENTION, WindowOptions  # noqa: F401 - re-exported
 
 
 def runs_layers_repeatedly(plan: ExecutionPlan) -> bool:
@@ -66,7 +68,7 @@ class ModelConfig:
     routed_depth: 8}`` or ``plan: {kind: foil, experts: 8, layers: 8, loops: 2}``:
 
     * ``lol``: ``num_blocks`` (L) blocks in the library, ``routed_depth`` (D)
-      routed depths, windows ``window_size`` (W) shifted by ``window_shift`` (S);
+      routed depths, windows of ``windows.size`` (W) tokens shifted by ``windows.shift`` (S);
     * ``dense``: ``layers`` distinct layers in order;
     * ``looped``: ``layers`` layers looped ``loops`` times (Huginn);
     * ``foil``: a looped block of ``layers`` MoE layers with ``experts`` experts,
@@ -82,10 +84,14 @@ class ModelConfig:
 
     * ``plan``: what the kind executes; a kind whose router picks blocks per window has the
       ``routing`` sub-section (``plan.routing.balancing``), one definition
-      (:class:`~megatron_lol.plan.routing.RoutingOptions`) that every routed kind includes;
-    * the fields below: what every kind shares. The windows W / S are here, not in ``routing``,
-      because the fixed plans' ``sliding`` / ``strided`` attention uses them too; FiLM and input
-      injection are here because lol, dense, looped and foil all use them (accordion refuses them);
+      (:class:`~megatron_lol.plan.routing.RoutingOptions`) that every routed kind includes; the
+      window geometry is the ``windows`` sub-section (``plan.windows.size`` W, ``.shift`` S), of lol
+      and of the fixed kinds whose ``plan.attention`` may be ``sliding`` / ``strided`` (dense,
+      looped, foil); ``plan.film`` and ``plan.input_injection`` are options of lol, dense, looped
+      and foil (one definition, :class:`~megatron_lol.plan.pass_parts.PassParts`); accordion has
+      none of them. Code that runs for every kind reads them with ``windows_of(model)`` /
+      ``pass_parts_of(model)`` (the defaults for a kind without them);
+    * the fields below: what every kind shares (sizes, embeddings, rotary, initialisation);
     * ``moe`` and ``precision``: settings of their own (:mod:`.sections`), typed, checked with
       their keys' full paths.
 
@@ -105,11 +111,6 @@ class ModelConfig:
     kv_channels: Optional[int] = None
     n_prelude: int = 1
     n_coda: int = 1
-    window_size: int = 32  # W
-    window_shift: int = 16  # S: depth l is shifted by ((l-1)*S) mod W
-    # dense-plan attention inside the core: full causal, sliding window W, or
-    # LoL's shifted windows with a fixed block per depth ("strided")
-    dense_attention: str = "full"
     vocab_size: Optional[int] = None  # default: the tokenizer's, padded
     make_vocab_size_divisible_by: int = 128
     untie_embeddings_and_output_weights: bool = True
@@ -117,9 +118,6 @@ class ModelConfig:
     rotary_scaling_factor: float = 1.0  # linear position interpolation for context extension
     norm_epsilon: float = 1e-5
     init_method_std: float = 0.02
-    # options (docs/model.md, "FiLM" and "Input injection")
-    film: str = "off"
-    input_injection: bool = False
     # FFN mixtures of experts (megatron-core MoE) in the fixed layers and/or blocks (config/sections.py)
     moe: MoEConfig = field(default_factory=MoEConfig)
     # the weights' dtype, the layer implementation (TE or local) and FP8 (config/sections.py)
@@ -234,8 +232,6 @@ class ModelConfig:
 
     def validate(self, prefix: str = "model") -> None:
         self.normalize()
-        choice(f"{prefix}.film", self.film, FILM_MODES)
-        choice(f"{prefix}.dense_attention", self.dense_attention, DENSE_ATTENTION)
         positive(f"{prefix}.hidden_size", self.hidden_size)
         positive(f"{prefix}.num_attention_heads", self.num_attention_heads)
         if self.hidden_size % self.num_attention_heads and self.kv_channels is None:
@@ -254,11 +250,6 @@ class ModelConfig:
             positive(f"{prefix}.ffn_hidden_size", self.ffn_hidden_size)
         nonnegative(f"{prefix}.n_prelude", self.n_prelude)
         nonnegative(f"{prefix}.n_coda", self.n_coda)
-        positive(f"{prefix}.window_size", self.window_size)
-        if not 0 <= self.window_shift < self.window_size:
-            raise ConfigError(
-                f"{prefix}.window_shift: must be in [0, window_size={self.window_size}) (got {self.window_shift})"
-            )
         self.execution_plan(prefix)  # the plan's own shape keys and options
         if self.vocab_size is not None:
             positive(f"{prefix}.vocab_size", self.vocab_size)
@@ -287,7 +278,9 @@ def _init(self, *args, **kwargs) -> None:
     for key in RUNTIME_KEYS.keys() & kwargs.keys():
         refuse_runtime_key(key, "ModelConfig")
     flat = {
-        key: kwargs.pop(key) for key in list(kwargs) if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS
+        key: kwargs.pop(key)
+        for key in list(kwargs)
+        if key in FLAT_KEYS or key in MOVED_KEYS or key in ROUTING_KEYS or key in OPTION_KEYS
     }
     if flat:
         plan = kwargs.get("plan", "lol")
@@ -304,6 +297,11 @@ def _setattr(self, name: str, value: Any) -> None:
         raise AttributeError(f"ModelConfig.{name}: a plan option; it lives in model.plan.{FLAT_KEYS[name][1]}")
     if name in ROUTING_KEYS:
         raise AttributeError(f"ModelConfig.{name}: a router option; it lives in model.plan.routing.{name}")
+    if name in OPTION_KEYS:
+        raise AttributeError(
+            f"ModelConfig.{name}: an option of the plan kinds that use it; "
+            f"it lives in model.plan.{OPTION_KEYS[name][0]}"
+        )
     if name in RUNTIME_KEYS:
         section, key = RUNTIME_KEYS[name]
         raise AttributeError(f"ModelConfig.{name}: how the model runs; it lives in {section}.{key}")

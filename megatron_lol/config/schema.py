@@ -35,6 +35,7 @@ from megatron_lol.config.model_config import (  # noqa: F401 - the model section
 )
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan.stages import check_pipeline_layout
+from megatron_lol.plan.windows import windows_of
 
 ROUTED_CORES = ("auto", "reference", "grouped")
 
@@ -482,11 +483,11 @@ class ExperimentConfig:
         )
         self.optimizer.validate()
         self.training.validate()
-        m = self.model
         windowed = any(step.attention != "full" for step in plan.steps())  # window, strided or sliding
-        if windowed and m.window_size > self.training.seq_length:
+        size = windows_of(self.model).size
+        if windowed and size > self.training.seq_length:
             raise ConfigError(
-                f"model.window_size: {m.window_size} is larger than training.seq_length="
+                f"model.plan.windows.size: {size} is larger than training.seq_length="
                 f"{self.training.seq_length} (a window must fit in a sequence)"
             )
         # a warm-up longer than the run is allowed (a smoke run of a long config): the run ends inside

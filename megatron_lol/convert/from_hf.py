@@ -200,9 +200,19 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
     hidden = int(conf["hidden_size"])
     head_dim = int(conf.get("head_dim") or hidden // heads)
     theta, factor = _rope(conf)
+    plan = {"kind": "dense", "layers": blocks}
+    section = recorded.get("plan")
+    if isinstance(section, dict) and section.get("kind") == "dense" and isinstance(section.get("windows"), dict):
+        plan["windows"] = section["windows"]  # recorded by the export (unused by full attention, kept)
+    # an export of an earlier version recorded the windows and router keys flat: the migration reads them
+    earlier = {
+        k: recorded[k]
+        for k in ("window_size", "window_shift", "balancing", "router_tied", "router_input")
+        if k in recorded
+    }
     m = ModelConfig(
-        plan={"kind": "dense", "layers": blocks},
-        dense_attention="full",
+        plan=plan,
+        **earlier,
         hidden_size=hidden,
         num_attention_heads=heads,
         num_query_groups=int(conf.get("num_key_value_heads") or heads),
@@ -218,16 +228,8 @@ def model_config_from_hf(conf: dict, n_prelude: Optional[int], n_coda: Optional[
         init_method_std=float(conf.get("initializer_range", 0.02)),
         precision={"params_dtype": dtype},
     )
-    for key in (
-        "window_size",
-        "window_shift",
-        "make_vocab_size_divisible_by",
-        "balancing",
-        "router_tied",
-        "router_input",
-    ):
-        if key in recorded:
-            setattr(m, key, recorded[key])
+    if "make_vocab_size_divisible_by" in recorded:
+        m.make_vocab_size_divisible_by = recorded["make_vocab_size_divisible_by"]
     m.validate()
     return m
 

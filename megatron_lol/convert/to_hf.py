@@ -32,7 +32,9 @@ from megatron_lol.convert.checkpoint import DistCheckpointReader, check_output_a
 from megatron_lol.convert.part_sources import plugin_parts, write_part_sources
 from megatron_lol.errors import CliError
 from megatron_lol.model.parts import model_parts
+from megatron_lol.plan.pass_parts import pass_parts_of
 from megatron_lol.plan.routing import routing_of
+from megatron_lol.plan.windows import fixed_attention_of, windows_of
 from megatron_lol.progress import progress
 
 TEMPLATES = os.path.join(os.path.dirname(__file__), "hf_modeling")
@@ -73,7 +75,7 @@ def is_plain_stack(m: ModelConfig) -> bool:
     every_block_once = all(step.block == i and step.pass_index == 0 for i, step in enumerate(steps))
     return (
         every_block_once
-        and m.dense_attention == "full"
+        and fixed_attention_of(m) == "full"
         and not model_parts(m, m.execution_plan())  # no per-pass parts (FiLM, injection, ...)
         and m.rotary_scaling_factor >= 1.0
         and m.moe.layers == "none"
@@ -217,16 +219,16 @@ def lol_config_json(
         "execution_plan": plan.to_dict(),  # the schedule the remote code runs (not re-derived there)
         # the per-pass parts the steps name that the export ships as source (plugin_parts_lol.py)
         "part_modules": {cls.name: f"part_{cls.name.replace('-', '_')}" for cls in plugin_parts(model_parts(m, plan))},
-        "window_size": m.window_size,
-        "window_shift": m.window_shift,
-        "dense_attention": m.dense_attention,
+        "window_size": windows_of(m).size,
+        "window_shift": windows_of(m).shift,
+        "dense_attention": fixed_attention_of(m),
         "router_tied": routing_of(m).router_tied,
         "router_input": routing_of(m).router_input,
         "router_only_tokens": list(routing_of(m).router_only_tokens),
         "router_only_filler": routing_of(m).router_only_filler,
         "per_depth_bias": routing_of(m).per_depth_bias,
-        "film": m.film,
-        "input_injection": m.input_injection,
+        "film": pass_parts_of(m).film,
+        "input_injection": pass_parts_of(m).input_injection,
         "moe_layers": m.moe.layers,
         "num_experts": mapping.fixed_experts(m),
         "core_num_experts": mapping.core_experts(m),
@@ -313,15 +315,16 @@ def convert_checkpoint(
     reader = DistCheckpointReader(path)
     keys, vocab = validate_checkpoint(reader, cfg, path)
     m = cfg.model
-    if m.execution_plan().untied_attention_sets() and m.film != "off":
+    if m.execution_plan().untied_attention_sets() and pass_parts_of(m).film != "off":
         raise CliError(
-            f"{path}: FiLM with untied per-pass attention (film={m.film}) is not exported "
+            f"{path}: FiLM with untied per-pass attention (plan.film={pass_parts_of(m).film}) is not exported "
             f"(no test covers the exported per-pass norms)"
         )
     if fmt == "llama" and not is_plain_stack(m):
         raise CliError(
-            f"--format llama: plan={m.plan.kind}, dense_attention={m.dense_attention}, film={m.film}, "
-            f"input_injection={m.input_injection}, moe_layers={m.moe.layers} is not an ordinary "
+            f"--format llama: plan={m.plan.kind}, plan.attention={fixed_attention_of(m)}, "
+            f"plan.film={pass_parts_of(m).film}, plan.input_injection={pass_parts_of(m).input_injection}, "
+            f"moe.layers={m.moe.layers} is not an ordinary "
             f"Llama stack"
         )
     llama = fmt == "llama" or (fmt == "auto" and is_plain_stack(m))

@@ -21,6 +21,7 @@ from typing import Iterator, Optional
 import torch
 
 from megatron_lol.errors import CliError
+from megatron_lol.plan.pass_parts import pass_parts_of
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -100,10 +101,10 @@ def load_model(
     run = load_run(load, iteration, config=config, loop_budget=loop_budget)
     path, it, cfg, info, budget = run.path, run.iteration, run.cfg, run.info, run.loop_budget
     m = cfg.model
-    if m.execution_plan().untied_attention_sets() and m.film != "off":
+    if m.execution_plan().untied_attention_sets() and pass_parts_of(m).film != "off":
         raise CliError(
-            f"{path}: model.plan.untie_attention with film={m.film} has no inference model (FiLM of the per-pass "
-            f"attention norms is not defined)"
+            f"{path}: model.plan.untie_attention with plan.film={pass_parts_of(m).film} has no inference model "
+            f"(FiLM of the per-pass attention norms is not defined)"
         )
     reader = DistCheckpointReader(path)
     keys, vocab = validate_checkpoint(reader, cfg, path)

@@ -31,6 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
+from megatron_lol.plan.windows import windows_of
+
 
 @dataclass
 class Row:
@@ -127,7 +129,7 @@ class PackedScorer:
             from megatron_lol.model.host_layout import layout_from_documents, routed_depths
 
             cfg = self.model.cfg
-            layout = layout_from_documents(docs, cfg.window_size, cfg.window_shift, routed_depths(plan))
+            layout = layout_from_documents(docs, windows_of(cfg).size, windows_of(cfg).shift, routed_depths(plan))
             output = model(tokens, labels=labels, layout=layout.to(device), budget=self.budget)
         else:
             docs = DocumentLayout(docs.positions.to(device), docs.doc_index.to(device), docs.num_docs)

@@ -51,6 +51,7 @@ from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan import Step
 from megatron_lol.plan.routing import routing_of
 from megatron_lol.plan.stages import local_blocks
+from megatron_lol.plan.windows import windows_of
 from megatron_lol.platform.trace_ranges import trace_range, trace_steps
 
 __all__ = ["Core", "CoreOutput", "DepthRecord", "ForcedPath", "MoERecord"]
@@ -369,8 +370,8 @@ class Core(nn.Module):
             seeds = None
         layout = layout_from_documents(
             cpu_docs,
-            self.cfg.window_size,
-            self.cfg.window_shift,
+            windows_of(self.cfg).size,
+            windows_of(self.cfg).shift,
             routed_depths(self.plan),
             num_blocks=self.plan.num_stored_blocks,
             row_seeds=None if seeds is None else seeds.cpu(),

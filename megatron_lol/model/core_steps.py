@@ -45,6 +45,7 @@ from megatron_lol.model.static_routing import (
 )
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
 from megatron_lol.plan import Step
+from megatron_lol.plan.windows import windows_of
 from megatron_lol.platform.trace_ranges import trace_range
 
 
@@ -142,7 +143,7 @@ class CoreStep:
         if not self.step.windowed:
             return None
         cfg = self.core.cfg
-        return WindowLayout.build(ctx.docs, self.step.depth, cfg.window_size, cfg.window_shift)
+        return WindowLayout.build(ctx.docs, self.step.depth, windows_of(cfg).size, windows_of(cfg).shift)
 
 
 class FixedStep(CoreStep):
@@ -160,14 +161,14 @@ class FixedStep(CoreStep):
                     first = windows.window_first_token.index_select(0, windows.token_window)
                     positions = torch.arange(first.shape[0], device=first.device) - first
                 mask = SegmentMask(
-                    segments=windows.token_window.view(1, -1), chunk=cfg.window_size, positions=positions
+                    segments=windows.token_window.view(1, -1), chunk=windows_of(cfg).size, positions=positions
                 )
                 rope = ctx.rope if core.packed else ctx.token_rope
                 new = core.call(step, step.block, flat.unsqueeze(1), mask, rope, ctx).squeeze(1)
             else:
                 s_len, b = ctx.stream_shape
                 x = flat.view(b, s_len, -1).transpose(0, 1)
-                sliding = cfg.window_size if step.attention == "sliding" else None
+                sliding = windows_of(cfg).size if step.attention == "sliding" else None
                 key = ("document mask", sliding)  # one per forward: the GPU's block mask is built once
                 if key not in ctx.cache:
                     ctx.cache[key] = SegmentMask(

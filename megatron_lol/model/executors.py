@@ -41,6 +41,7 @@ from megatron_lol.model.static_routing import (
     token_gates,
     truncation_keep,
 )
+from megatron_lol.plan.windows import windows_of
 
 
 def truncation_mode(truncated: bool, first_window_full_backprop: bool) -> Optional[str]:
@@ -92,7 +93,7 @@ class PerBlockCalls:
         the device (:func:`~.library.segment_offsets`, no read) with room for ``min(rows, the
         layout's window capacity)`` windows, or as many as rows where the rows are not the depth's
         ``own_windows`` (expert parallelism: their window ids come from several senders)."""
-        W = core.cfg.window_size
+        W = windows_of(core.cfg).size
         biases = {}
         if not core.packed and not uses_flex(segments_all):
             spans, lo = [], 0
@@ -187,7 +188,7 @@ class GroupedGEMMs:
             if per_block[0]:
                 hooks = part_rows(per_block, grouping, core.cfg)
         rope = RowRope.from_table(ctx.rope, positions, rows.dtype) if ctx.rope is not None else None
-        W = core.cfg.window_size
+        W = windows_of(core.cfg).size
         return grouped_blocks(library, rows, grouping, rope, window_mask(grouping.segments, W), W, hooks)
 
     def fused_update(self, *args, **kwargs):

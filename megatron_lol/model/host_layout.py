@@ -32,6 +32,7 @@ import torch
 from megatron_lol.model.router import window_noise
 from megatron_lol.model.window_math import window_offset
 from megatron_lol.model.windows import DocumentLayout, WindowLayout
+from megatron_lol.plan.windows import windows_of
 
 
 def window_capacity(rows: int, row_length: int, window_size: int) -> int:
@@ -262,8 +263,8 @@ def host_layout_for_batch(batch: dict, model_cfg, plan, eod_id: Optional[int], r
     layout = build_host_layout(
         batch["tokens"],
         eod_id,
-        model_cfg.window_size,
-        model_cfg.window_shift,
+        windows_of(model_cfg).size,
+        windows_of(model_cfg).shift,
         routed_depths(plan),
         num_blocks=plan.num_stored_blocks,
         row_seeds=seeds,

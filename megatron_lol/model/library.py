@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megatron_lol.config.schema import ConfigError, ModelConfig, ParallelConfig
+from megatron_lol.plan.windows import windows_of
 
 
 class LocalRMSNorm(nn.Module):
@@ -241,7 +242,7 @@ def core_config(config, model: ModelConfig, packed: bool = False):
         config = dataclasses.replace(config, disable_parameter_transpose_cache=True)
     if packed and any(step.attention == "sliding" for step in model.execution_plan().steps()):
         # a query sees itself and the window_size - 1 keys before it (SegmentMask.sliding)
-        config = dataclasses.replace(config, window_size=(model.window_size - 1, 0))
+        config = dataclasses.replace(config, window_size=(windows_of(model).size - 1, 0))
     return config
 
 

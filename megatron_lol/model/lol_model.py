@@ -51,6 +51,7 @@ from megatron_lol.model.precision import fp8_autocast
 from megatron_lol.model.windows import DocumentLayout
 from megatron_lol.plan.routing import routing_of
 from megatron_lol.plan.stages import check_pipeline_layout, stage_layout
+from megatron_lol.plan.windows import windows_of
 from megatron_lol.platform import cuda_available
 from megatron_lol.platform.trace_ranges import trace_range
 
@@ -368,8 +369,8 @@ class LoLGPTModel(_language_module()):
         return build_host_layout(
             tokens,
             self.eod_id,
-            self.cfg.window_size,
-            self.cfg.window_shift,
+            windows_of(self.cfg).size,
+            windows_of(self.cfg).shift,
             routed_depths(self.plan),
             self.plan.num_stored_blocks,
         )

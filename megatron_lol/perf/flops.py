@@ -75,6 +75,7 @@ from typing import Optional
 
 from megatron_lol.config.schema import ModelConfig
 from megatron_lol.model.window_math import causal_pairs, window_lengths, window_offset, windowed_pairs  # noqa: F401
+from megatron_lol.plan.windows import windows_of
 
 PAIR_MODES = ("allowed", "executed")
 
@@ -349,7 +350,7 @@ def _flops(
     if not lowest <= depth <= full_depth:
         raise ValueError(f"depth must be in [{lowest}, {full_depth}] (got {depth})")
     T = batch * seq
-    W = model.window_size
+    W = windows_of(model).size
     d = model.hidden_size
     L = plan.num_stored_blocks
 
@@ -373,7 +374,7 @@ def _flops(
     core_f, core_b = Flops(), Flops()
     for step in plan.steps(depth):
         l, routed, windowed = step.depth, step.routed, step.windowed
-        delta = window_offset(l, W, model.window_shift)
+        delta = window_offset(l, W, windows_of(model).shift)
         truncated = backward and backprop_depth is not None and l <= depth - backprop_depth
         if windowed:
             allowed = batch * windowed_pairs(seq, W, delta)
@@ -520,7 +521,7 @@ def memory_model(
     T = micro_batch * seq
     depth = model.execution_plan().depth_for(None) if depth is None else depth
     exec_fixed = micro_batch * seq * seq
-    W = model.window_size
+    W = windows_of(model).size
     plan = model.execution_plan()
     exec_core = chunked_pairs(T, W) if plan.gathers_sequence else micro_batch * seq * seq
     score_bytes = (4 + pbytes + 1) * nq / tensor_parallel

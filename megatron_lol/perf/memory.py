@@ -44,6 +44,7 @@ from typing import Optional
 
 from megatron_lol.config.schema import ExperimentConfig
 from megatron_lol.perf.flops import _dims, _is_moe, _num_experts, chunked_pairs
+from megatron_lol.plan.windows import windows_of
 
 
 @dataclass
@@ -255,7 +256,7 @@ def microbatch_activations(cfg: ExperimentConfig, layout: Layout, pp_rank: int =
             if backprop is not None and step.depth <= plan.depth - backprop:
                 continue  # truncated: the update runs without autograd (first windows aside)
             chunked = step.windowed
-            entries = chunked_pairs(T, m.window_size) if chunked else dense_entries
+            entries = chunked_pairs(T, windows_of(m).size) if chunked else dense_entries
             act = layer_activation_bytes(cfg, layout, "block", T, entries, "chunked" if chunked else "dense")
             if step.routed and layout.recompute != "full":
                 act += 2 * T * m.hidden_size * pbytes  # the gated combine: the gathered rows and block outputs

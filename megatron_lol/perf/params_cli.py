@@ -30,6 +30,7 @@ from megatron_lol.config.loader import PARAMS_GROUPS
 from megatron_lol.errors import CliError
 from megatron_lol.model.params import count_parameters
 from megatron_lol.perf.budget import RunFlops
+from megatron_lol.plan.windows import fixed_attention_of
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -167,7 +168,7 @@ def format_table(counts, cfg, config_path: str, vocab: int, training: dict | Non
     plan = m.execution_plan()
     shape = f"plan {plan.name}, width {m.hidden_size}, {m.n_prelude}+{m.n_coda} fixed layers, {plan.describe()}"
     if not plan.routed:
-        shape += f" ({m.dense_attention} attention)"
+        shape += f" ({fixed_attention_of(m)} attention)"
     if m.moe.layers != "none":
         experts = str(m.moe.num_experts)
         if m.core_experts is not None and m.core_experts != m.moe.num_experts:

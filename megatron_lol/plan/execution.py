@@ -42,8 +42,6 @@ from typing import Any, ClassVar, Optional
 
 from megatron_lol.errors import ConfigError
 
-DENSE_ATTENTION = ("full", "sliding", "strided")
-
 
 @dataclass(frozen=True)
 class Step:
@@ -54,7 +52,7 @@ class Step:
     that runs, or None when a router picks it per window. ``pass_index``: how
     many earlier steps ran the same block. ``attention``: ``window`` (the
     shifted windows of this depth, routed plans), ``full`` / ``sliding``
-    (causal inside the document, optionally the last ``window_size`` tokens),
+    (causal inside the document, optionally the last ``plan.windows.size`` tokens),
     ``strided`` (the windows of this depth, a fixed block).
     ``untied_attention``: run the pass's own input norm and attention (Foil).
     ``separate_router``: the pass's own MoE router. ``parts``: the names of the
@@ -131,6 +129,7 @@ class ExecutionPlan:
         self.model = model
         self.prefix = prefix
         self.options = model.plan
+        self._validate_shared_options()
         self.num_stored_blocks = self._stored_blocks()
         self._steps = tuple(self._build_steps())
 
@@ -281,13 +280,23 @@ class ExecutionPlan:
             raise ConfigError(f"{self.key(key)}: must be > {minimum - 1} (got {value!r})")
         return value
 
+    def _validate_shared_options(self) -> None:
+        """The checks of the option groups a kind includes (:mod:`.windows`, :mod:`.pass_parts`),
+        whatever the kind, with the keys as the user writes them (``model.plan.windows.shift``)."""
+        from megatron_lol.plan.pass_parts import PassParts
+        from megatron_lol.plan.windows import FixedAttention
+
+        o = self.options
+        if isinstance(o, PassParts):
+            o.validate_parts(f"{self.prefix}.plan")
+        if isinstance(o, FixedAttention):
+            o.validate_attention(f"{self.prefix}.plan")
+
     def _fixed_attention(self) -> str:
-        att = self.model.dense_attention
-        if att not in DENSE_ATTENTION:
-            raise ConfigError(
-                f"{self.prefix}.dense_attention: must be one of {', '.join(DENSE_ATTENTION)} (got {att!r})"
-            )
-        return att
+        """The attention of a fixed kind's steps: ``plan.attention`` where its ``Options`` inherit
+        :class:`~megatron_lol.plan.windows.FixedAttention` (with the ``windows`` that ``sliding`` /
+        ``strided`` use), else full causal attention."""
+        return getattr(self.options, "attention", "full")
 
 
 PLANS: dict = {}

@@ -4,9 +4,10 @@
 One definition, included as the ``routing`` option of every kind that routes (``lol`` today:
 ``model.plan: {kind: lol, num_blocks: 8, routed_depth: 8, routing: {balancing: aux_loss}}``),
 so a second routed kind takes the same keys with the same meaning and the same checks, and a
-kind without a router has none of them. The window geometry (``model.window_size`` W,
-``model.window_shift`` S) is not here: the fixed plans' ``sliding`` / ``strided`` attention
-(``model.dense_attention``) uses the same windows, so they are the model's, shared by every kind.
+kind without a router has none of them. The window geometry (W, S) is not here but in the
+``windows`` sub-section (:mod:`megatron_lol.plan.windows`): the fixed kinds' ``sliding`` /
+``strided`` attention (``model.plan.attention``) uses the same windows without a router, so
+``windows`` is a sub-section of its own, included by lol and by those kinds.
 
 This module is pure Python (no torch): the config validates against it.
 """

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from megatron_lol.errors import ConfigError
+from megatron_lol.plan.pass_parts import pass_parts_of
 
 
 @dataclass
@@ -60,11 +61,11 @@ def check_pipeline_layout(
         )
     if vpp is not None and pp == 1:
         raise ConfigError("parallel.virtual_pipeline_model_parallel_size: needs pipeline_model_parallel_size > 1")
-    if pp > 1 and model.input_injection:
+    if pp > 1 and pass_parts_of(model).input_injection:
         hosting = {v for v in range(stages) for kind, _ in stage_items(model, depth, stages, v) if kind == "depth"}
         if len(hosting) > 1:
             raise ConfigError(
-                "model.input_injection: not supported when the core's steps span several "
+                "model.plan.input_injection: not supported when the core's steps span several "
                 "pipeline stages (the injected prelude output is not sent along the pipeline)"
             )
 

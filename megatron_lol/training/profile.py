@@ -64,6 +64,7 @@ from typing import Optional
 
 from megatron_lol.errors import CliError
 from megatron_lol.perf.timing import StepTimer
+from megatron_lol.plan.windows import windows_of
 from megatron_lol.training.profile_report import (  # noqa: F401 - the report API, re-exported
     format_nodes,
     format_report,
@@ -287,7 +288,7 @@ def _routing_run(trainer, core, data, depth: int, steps: int) -> Optional[dict]:
     """Routing statistics from ``steps`` training steps of their own, with :class:`RoutingStats` attached
     (it reads every depth's choices back to the host, so it never rides along in the timed steps)."""
     m = trainer.cfg.model
-    stats = RoutingStats(core, m.window_size, m.window_shift, core.plan.num_stored_blocks)
+    stats = RoutingStats(core, windows_of(m).size, windows_of(m).shift, core.plan.num_stored_blocks)
     stats.enabled = True
     try:
         for _ in range(steps):
@@ -423,8 +424,8 @@ def _report(
             "num_blocks": plan.num_stored_blocks,
             "core_depth": full,
             "depth": depth,
-            "window_size": cfg.model.window_size,
-            "window_shift": cfg.model.window_shift,
+            "window_size": windows_of(cfg.model).size,
+            "window_shift": windows_of(cfg.model).shift,
             "seq_length": seq,
             "global_batch_size": gbs,
             "micro_batch_size": cfg.training.micro_batch_size,

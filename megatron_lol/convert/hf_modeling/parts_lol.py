@@ -56,7 +56,7 @@ class Part:
     def enabled(cls, config) -> bool:
         """Whether the model config turns the part on for every step (model-wide parts: FiLM, input
         injection); a plan kind names the others on its steps (``Step.parts``). ``config`` is megatron's
-        ``ModelConfig`` or the exported ``LoLConfig``: both name the model's fields alike."""
+        ``ModelConfig`` or the exported ``LoLConfig``: read a plan option with :func:`model_option`."""
         return False
 
     @classmethod
@@ -87,6 +87,17 @@ class Part:
         raise NotImplementedError
 
 
+def model_option(config, name: str, default):
+    """The model-wide option ``name`` (``film``, ``input_injection``) of ``config``: megatron's
+    ``ModelConfig`` keeps it in its plan's section (``config.plan.film``; ``default`` for a kind
+    without it), the exported ``LoLConfig`` as a key of config.json (``config.film``), a published
+    format that stays flat."""
+    plan = getattr(config, "plan", None)
+    if plan is not None and not isinstance(plan, (str, dict)):  # a ModelConfig's section object
+        return getattr(plan, name, default)
+    return getattr(config, name, default)
+
+
 class FiLM(Part):
     """``gamma * y + beta`` per channel on each norm's output (docs/model.md, "FiLM"): one ``(gamma,
     beta)`` pair of ``[2, h]`` per depth (``film: depth``) or per (depth, block) (``depth_block``)."""
@@ -96,17 +107,17 @@ class FiLM(Part):
 
     @classmethod
     def enabled(cls, config) -> bool:
-        return config.film != "off"
+        return model_option(config, "film", "off") != "off"
 
     @classmethod
     def parameters(cls, config, num_blocks, depth, passes) -> dict:
         h = config.hidden_size
-        shape = (depth, 2, h) if config.film == "depth" else (depth, num_blocks, 2, h)
+        shape = (depth, 2, h) if model_option(config, "film", "off") == "depth" else (depth, num_blocks, 2, h)
         return {"film_gamma": (shape, 1.0), "film_beta": (shape, 0.0)}
 
     @classmethod
     def per_block(cls, config) -> bool:
-        return config.film == "depth_block"
+        return model_option(config, "film", "off") == "depth_block"
 
     @classmethod
     def select(cls, params, depth, pass_index, block) -> tuple:
@@ -149,7 +160,7 @@ class InputInjection(Part):
 
     @classmethod
     def enabled(cls, config) -> bool:
-        return bool(config.input_injection)
+        return bool(model_option(config, "input_injection", False))
 
     @classmethod
     def parameters(cls, config, num_blocks, depth, passes) -> dict:

@@ -51,13 +51,6 @@ class AccordionPlan(ExecutionPlan):
             )
         if o.second_pass_router == "separate" and m.moe.layers != "all":
             raise ConfigError(f"{self.key('second_pass_router')}: separate needs MoE blocks (model.moe.layers: all)")
-        if m.dense_attention != "full":
-            raise ConfigError(
-                f"{self.prefix}.dense_attention: accordion uses full causal attention (got {m.dense_attention})"
-            )
-        if m.film != "off" or m.input_injection:
-            key = "film" if m.film != "off" else "input_injection"
-            raise ConfigError(f"{self.prefix}.{key}: not defined for plan accordion")
         return n
 
     def _build_steps(self) -> list:

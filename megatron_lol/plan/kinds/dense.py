@@ -6,10 +6,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_plan
+from megatron_lol.plan.pass_parts import PassParts
+from megatron_lol.plan.windows import FixedAttention
 
 
 @dataclass
-class DenseOptions:
+class DenseOptions(FixedAttention, PassParts):
     layers: Optional[int] = option(help="layers of the core, each run once")
 
 

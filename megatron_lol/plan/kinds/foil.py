@@ -10,10 +10,12 @@ from typing import Optional
 from megatron_lol.errors import ConfigError
 from megatron_lol.plan.execution import option, register_plan
 from megatron_lol.plan.kinds.looped import LoopedPlan
+from megatron_lol.plan.pass_parts import PassParts
+from megatron_lol.plan.windows import FixedAttention
 
 
 @dataclass
-class FoilOptions:
+class FoilOptions(FixedAttention, PassParts):
     experts: Optional[int] = option(help="E, experts per MoE layer of the looped block")
     layers: Optional[int] = option(help="D, MoE layers of the looped block")
     loops: Optional[int] = option(help="L, passes over the block")

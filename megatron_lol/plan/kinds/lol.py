@@ -1,24 +1,28 @@
 """``lol``: Library of Layers. At each of ``routed_depth`` depths every window runs the block of the
 ``num_blocks`` in the library that its causal router chose (docs/model.md, "The routed core"). The
-router and its balancing are the ``routing`` sub-section (:mod:`megatron_lol.plan.routing`)."""
+router and its balancing are the ``routing`` sub-section (:mod:`megatron_lol.plan.routing`), the
+window geometry the ``windows`` sub-section (:mod:`megatron_lol.plan.windows`); FiLM and input
+injection are the options every kind with per-pass parts shares (:mod:`megatron_lol.plan.pass_parts`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from megatron_lol.errors import ConfigError
 from megatron_lol.plan.execution import ExecutionPlan, Step, option, register_plan
+from megatron_lol.plan.pass_parts import PassParts
 from megatron_lol.plan.routing import RoutingOptions, routing_option
+from megatron_lol.plan.windows import WindowOptions, windows_option
 
 LOL_DEFAULT_BLOCKS = 4
 LOL_DEFAULT_DEPTH = 4
 
 
 @dataclass
-class LoLOptions:
+class LoLOptions(PassParts):
     num_blocks: int = option(LOL_DEFAULT_BLOCKS, help="L, blocks stored in the library")
     routed_depth: int = option(LOL_DEFAULT_DEPTH, help="D, routed depths")
     routing: RoutingOptions = routing_option()
+    windows: WindowOptions = windows_option()
 
 
 @register_plan
@@ -29,10 +33,7 @@ class LoLPlan(ExecutionPlan):
     Options = LoLOptions
 
     def _stored_blocks(self) -> int:
-        if self.model.dense_attention != "full":
-            raise ConfigError(
-                f"{self.prefix}.dense_attention: plan lol attends inside its windows (got {self.model.dense_attention})"
-            )
+        self.options.windows.validate(self.key("windows"))
         self._require("routed_depth", self.options.routed_depth)
         self.options.routing.validate(self.key("routing"))
         return self._require("num_blocks", self.options.num_blocks)
@@ -41,5 +42,5 @@ class LoLPlan(ExecutionPlan):
         return [Step(depth=l, block=None, attention="window") for l in range(1, self.options.routed_depth + 1)]
 
     def describe(self) -> str:
-        m, o = self.model, self.options
-        return f"L={o.num_blocks} blocks, D={o.routed_depth} routed depths, W={m.window_size}, S={m.window_shift}"
+        o = self.options
+        return f"L={o.num_blocks} blocks, D={o.routed_depth} routed depths, W={o.windows.size}, S={o.windows.shift}"
