@@ -161,15 +161,11 @@ def migrate_options(model: dict, source: str, override: bool = False) -> dict:
     refused as that version refused it (attention other than full for lol and accordion, FiLM and
     injection for accordion), except a window geometry, which that version took with any kind and
     never used: dropped with a warning."""
-    flat = {k: model[k] for k in OPTION_KEYS if k in model}
-    if not flat:
+    if not OPTION_KEYS.keys() & model.keys():
         return model
     from megatron_lol.plan import PLANS
 
-    out = {k: v for k, v in model.items() if k not in OPTION_KEYS}
-    section = _plan_mapping(model.get("plan", "lol"))
-    kind = section.get("kind")
-    cls = PLANS.get(kind)
+    flat, out, section, kind, cls = _flat_keys_and_plan(model, OPTION_KEYS)
     own = {f.name for f in fields(cls.Options)} if cls is not None else set()
     for key, value in flat.items():
         path, default = OPTION_KEYS[key]
@@ -209,6 +205,18 @@ def _was_written(plan: Any, path: str) -> bool:
     return True
 
 
+def _flat_keys_and_plan(model: dict, keys) -> tuple:
+    """``(flat, rest, plan, kind, kind class)``: the keys of ``keys`` that ``model`` gives flat, the rest of
+    ``model``, its plan as a ``{kind: ..., ...}`` mapping, the plan's kind and its registered class (or None)."""
+    from megatron_lol.plan import PLANS
+
+    flat = {k: model[k] for k in keys if k in model}
+    rest = {k: v for k, v in model.items() if k not in keys}
+    section = _plan_mapping(model.get("plan", "lol"))
+    kind = section.get("kind")
+    return flat, rest, section, kind, PLANS.get(kind)
+
+
 def _plan_mapping(plan: Any) -> dict:
     """The plan as ``{kind: ..., ...}``, from a name, a mapping or a section object."""
     if isinstance(plan, dict):
@@ -226,15 +234,9 @@ def migrate_routing(model: dict, source: str, override: bool = False) -> dict:
     dropped: silently at their defaults (a ``run_config.yaml`` of that version lists them), with a
     warning at other values (that version took them with any kind, unused), except the
     router-only tokens, which it refused for such kinds and which are refused here too."""
-    flat = {k: model[k] for k in ROUTING_KEYS if k in model}
-    if not flat:
+    if not set(ROUTING_KEYS) & model.keys():
         return model
-    from megatron_lol.plan import PLANS
-
-    out = {k: v for k, v in model.items() if k not in ROUTING_KEYS}
-    section = _plan_mapping(model.get("plan", "lol"))
-    kind = section.get("kind")
-    cls = PLANS.get(kind)
+    flat, out, section, kind, cls = _flat_keys_and_plan(model, ROUTING_KEYS)
     if cls is None or "routing" not in {f.name for f in fields(cls.Options)}:
         from megatron_lol.plan.routing import RoutingOptions
 
