@@ -251,12 +251,28 @@ def scheduling_slack(seconds: float) -> float:
 
 
 @contextlib.contextmanager
-def machine_lock(name: str):
+def machine_lock(name: str, slots: "CpuSlots | None" = None):
     """Hold an exclusive lock named ``name`` for this machine: tests on different workers that write
-    the same path outside their tmp_path (the repository's data/quickstart) take turns."""
+    the same path outside their tmp_path (the repository's data/quickstart), or two suite runs side by
+    side that use the one local Slurm cluster, take turns.
+
+    While another holder has it, the waiting test gives back its CPU slots (``slots``, default the
+    running test's), so the rest of its run goes on meanwhile, and takes them again once it has the
+    lock: a whole-machine test waiting here would otherwise stop its whole run."""
     path = Path(tempfile.gettempdir()) / f"megatron-lol-test-{name}.lock"
     with open(path, "a+") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            slots = slots if slots is not None else WATCH.slots
+            held = len(slots.held) if slots is not None else 0
+            if held:
+                slots.release()
+            fcntl.flock(f, fcntl.LOCK_EX)
+            if held and held == slots.total:
+                slots.take_all()
+            elif held:
+                slots.take_one()
         try:
             yield
         finally:
