@@ -120,7 +120,7 @@ def test_moe_expert_parallel_checkpoint(moe_ep2, name, tmp_path, corpus):  # noq
 def test_moe_is_not_a_llama_stack(moe_single, tmp_path):
     from megatron_lol.errors import CliError
 
-    with pytest.raises(CliError, match="moe_layers=all is not an ordinary Llama stack"):
+    with pytest.raises(CliError, match=r"moe\.layers=all is not an ordinary Llama stack"):
         export(moe_single["moe_dense_all"], tmp_path / "llama", fmt="llama")
     assert not (tmp_path / "llama").exists()
 

@@ -19,9 +19,8 @@ from corpus_fixtures import write_tiny_dataset, write_tiny_tokenizer
 REPO = Path(__file__).resolve().parents[1]
 
 CONFIG = """\
-model: {plan: {kind: lol, num_blocks: 4, routed_depth: 3}, hidden_size: 32, num_attention_heads: 4,
-        ffn_hidden_size: 64, n_prelude: 1, n_coda: 1, window_size: 16, window_shift: 8,
-        make_vocab_size_divisible_by: 64}
+model: {plan: {kind: lol, num_blocks: 4, routed_depth: 3, windows: {size: 16, shift: 8}}, hidden_size: 32,
+        num_attention_heads: 4, ffn_hidden_size: 64, n_prelude: 1, n_coda: 1, make_vocab_size_divisible_by: 64}
 data: {paths: [%(prefix)s], split: "90,10,0", tokenizer_type: HuggingFaceTokenizer, tokenizer_model: %(tok)s}
 optimizer: {lr: 3.0e-3, lr_warmup_iters: 1}
 training: {train_iters: 3, micro_batch_size: 2, global_batch_size: 2, seq_length: 16, log_interval: 1,
