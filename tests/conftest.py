@@ -123,7 +123,10 @@ _LAUNCHES: collections.Counter = collections.Counter()
 _UPGRADED: list = []
 _WHOLE: collections.Counter = collections.Counter()  # per file: seconds its tests held every core
 _WAITED: collections.Counter = collections.Counter()  # per file: seconds its tests waited for their slots
+_STALLED: collections.Counter = collections.Counter()  # per file: seconds held cores idled in take_all
+_IDLE: dict = {}  # per whole-machine test: (seconds held, share of the machine busy meanwhile)
 _STARTED = time.monotonic()
+_STARTED_JIFFIES = suite_support.cpu_jiffies()
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)
@@ -138,14 +141,20 @@ def pytest_runtest_protocol(item, nextitem):
     else:
         slots.take_one()
     began = time.monotonic()
+    jiffies = suite_support.cpu_jiffies()
     _WAITED[f] += began - asked
     suite_support.WATCH.begin(item.nodeid, slots)
     try:
         yield
     finally:
         suite_support.WATCH.end()
+        _STALLED[f] += slots.stalled  # the first take_all and any upgrade mid-test
         if slots.whole_machine and slots.folder is not None:
-            _WHOLE[f] += time.monotonic() - began
+            held = time.monotonic() - began
+            _WHOLE[f] += held
+            busy, total = (b - a for b, a in zip(suite_support.cpu_jiffies(), jiffies))
+            if total > 0:  # a test that upgraded mid-way counts from its start: an upper bound of its idle
+                _IDLE[item.nodeid] = (held, busy / total)
         slots.release()
 
 
@@ -163,6 +172,8 @@ def pytest_sessionfinish(session):
         config.workeroutput["upgraded"] = list(suite_support.WATCH.upgraded)
         config.workeroutput["whole"] = dict(_WHOLE)
         config.workeroutput["waited"] = dict(_WAITED)
+        config.workeroutput["idle"] = dict(_IDLE)
+        config.workeroutput["stalled"] = dict(_STALLED)
     else:
         _LAUNCHES.update(suite_support.WATCH.per_file)
         _UPGRADED.extend(suite_support.WATCH.upgraded)
@@ -175,6 +186,8 @@ def pytest_testnodedown(node, error):
     _UPGRADED.extend(output.get("upgraded", []))
     _WHOLE.update(output.get("whole", {}))
     _WAITED.update(output.get("waited", {}))
+    _IDLE.update({k: tuple(v) for k, v in output.get("idle", {}).items()})
+    _STALLED.update(output.get("stalled", {}))
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
@@ -185,6 +198,16 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     for line in suite_support.file_table(_FILE_TIME, _FILE_TESTS, _LAUNCHES, _WHOLE, _WAITED):
         tr.write_line(line)
     tr.write_line(f"wall time of the session: {time.monotonic() - _STARTED:.0f} s")
+    busy, total = (b - a for b, a in zip(suite_support.cpu_jiffies(), _STARTED_JIFFIES))
+    if total > 0:
+        tr.write_line(
+            f"machine busy over the session: {busy / total:.0%}; a test waiting for the whole machine held "
+            f"cores idle for {sum(_STALLED.values()):.0f} s"
+        )
+    if _IDLE:
+        tr.write_sep("=", "whole-machine tests that left cores idle")
+        for line in suite_support.idle_table(_IDLE):
+            tr.write_line(line)
     if _UPGRADED:
         tr.write_line(
             f"{len(_UPGRADED)} tests took the whole machine only when they started a second process "

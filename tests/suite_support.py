@@ -66,6 +66,7 @@ class CpuSlots:
         self.folder = _lock_dir()
         self.total = slot_count()
         self.held: list = []
+        self.stalled = 0.0  # seconds a whole-machine wait held some cores idle (see take_all)
 
     @property
     def whole_machine(self) -> bool:
@@ -106,7 +107,10 @@ class CpuSlots:
         try:
             for i in range(self.total):
                 f = open(self.folder / f"slot{i}", "a+")
+                asked = time.monotonic()
                 fcntl.flock(f, fcntl.LOCK_EX)
+                if i:  # holding slot 0 while the rest are busy: the cores this test holds do nothing
+                    self.stalled += time.monotonic() - asked
                 self.held.append(f)
         finally:
             turnstile.close()
@@ -197,6 +201,32 @@ def _watched_start(self):
 def install_launch_watch() -> None:
     subprocess.Popen.__init__ = _watched_popen_init
     multiprocessing.process.BaseProcess.start = _watched_start
+
+
+# ------------------------------------------------------------------ idle cores
+def cpu_jiffies() -> tuple:
+    """(busy, total) clock ticks of every core since boot (``/proc/stat``; (0, 0) where it is absent).
+    Read around a whole-machine test, whose run holds every slot, they say how much of the machine it
+    used: an idle core there is time the other worker could have run single-core tests."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return 0, 0
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # guest time is already counted in user
+    return total - idle, total
+
+
+def idle_table(idle: dict, limit: int = 12) -> list:
+    """The whole-machine tests that left the most core-seconds idle: ``idle`` maps a test to
+    (seconds held, share of the machine busy)."""
+    rows = sorted(idle.items(), key=lambda kv: -kv[1][0] * (1 - kv[1][1]))[:limit]
+    lines = [f"{'held s':>7} {'busy':>5} {'idle core-s':>11}  test"]
+    cores = slot_count()
+    for nodeid, (held, busy) in rows:
+        lines.append(f"{held:7.1f} {busy:5.0%} {held * (1 - busy) * cores:11.1f}  {nodeid}")
+    return lines
 
 
 # ------------------------------------------------------------------ file order and report

@@ -47,3 +47,39 @@ def test_a_test_waiting_for_a_machine_lock_gives_its_slots_back_meanwhile(tmp_pa
     assert inside.is_set() and not thread.is_alive()
     assert len(slots.held) == 2 and slots.whole_machine  # every slot again, as before the wait
     slots.release()
+
+
+@pytest.mark.timeout(60)
+def test_a_whole_machine_wait_counts_the_seconds_its_held_cores_idle(tmp_path):
+    """take_all holds slot 0 while slot 1 is busy: those seconds are counted (the run's 'held cores idle'
+    figure), and a wait for slot 0 itself counts none (nothing held idles meanwhile)."""
+    busy = suite_support.CpuSlots()  # the other worker, in a single-core test
+    busy.folder, busy.total = tmp_path, 2
+    busy.take_one()
+    assert [Path(f.name).name for f in busy.held] == ["slot0"]
+    waiting = suite_support.CpuSlots()
+    waiting.folder, waiting.total = tmp_path, 2
+    # slot 0 is busy first: nothing is held while waiting for it, so nothing idles
+    threading.Timer(0.3, busy.release).start()
+    waiting.take_all()
+    assert waiting.whole_machine and waiting.stalled < 0.1, waiting.stalled
+    waiting.release()
+    # slot 1 busy: take_all holds slot 0 idle until it is free
+    first = suite_support.CpuSlots()
+    first.folder, first.total = tmp_path, 2
+    first.take_one()
+    busy.take_one()
+    assert [Path(f.name).name for f in busy.held] == ["slot1"]
+    first.release()
+    threading.Timer(0.5, busy.release).start()
+    waiting.take_all()
+    assert waiting.whole_machine and 0.4 <= waiting.stalled < 30, waiting.stalled
+
+
+def test_idle_table_orders_whole_machine_tests_by_idle_core_seconds():
+    busy, total = suite_support.cpu_jiffies()
+    assert 0 < busy < total  # this machine's /proc/stat
+    lines = suite_support.idle_table({"a.py::long_busy": (100.0, 0.95), "b.py::short_idle": (20.0, 0.25)})
+    cores = suite_support.slot_count()
+    assert lines[1].split()[-1] == "b.py::short_idle" and float(lines[1].split()[2]) == pytest.approx(15.0 * cores)
+    assert lines[2].split()[-1] == "a.py::long_busy" and float(lines[2].split()[2]) == pytest.approx(5.0 * cores)
