@@ -326,6 +326,41 @@ def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path, whe
     assert os.listdir(out) == []  # temporary files removed
 
 
+_STOP_WORKERS_SCRIPT = """
+import os, signal, sys, time, multiprocessing as mp
+from concurrent.futures import ProcessPoolExecutor
+from megatron_lol.data import workers
+
+pool = ProcessPoolExecutor(2, mp_context=mp.get_context("fork"))
+procs = workers.process_table(pool)
+futures = [pool.submit(time.sleep, 5) for _ in range(6)]
+while len(procs) < 2:
+    time.sleep(0.01)
+manager = pool._executor_manager_thread
+os.kill(next(iter(procs)), signal.SIGKILL)  # what the OOM killer does
+workers.stop_workers(pool, procs)
+print(manager.is_alive(), sorted(p.exitcode is None for p in procs.values()))
+"""
+
+
+@pytest.mark.timeout(60)
+def test_stopping_a_broken_worker_pool_ends_its_management_thread_before_exit():
+    """stop_workers waits for the executor's management thread: one still running at interpreter exit
+    races concurrent.futures' exit hook (`_ThreadWakeup.wakeup` writes to a pipe the thread closes) and
+    adds "OSError: [Errno 9] Bad file descriptor" under preprocess's one-line error."""
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-c", _STOP_WORKERS_SCRIPT],
+            cwd=str(REPO),
+            env=subprocess_env(),
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+        assert out.returncode == 0 and out.stderr == "", out.stderr
+        assert out.stdout.split("\n")[0] == "False [False, False]", out.stdout  # thread ended, workers gone
+
+
 # ------------------------------------------------------------------ 5. convert-hf over the checkpoint
 @TIMEOUT
 def test_convert_hf_refuses_a_save_that_overlaps_the_checkpoint(trained, capsys):

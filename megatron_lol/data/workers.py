@@ -82,11 +82,24 @@ def result(procs: dict, fut, meta: tuple, paths: list) -> dict:
         raise worker_died(procs, paths[meta[1]]) from None
 
 
-def stop_workers(pool, procs: dict) -> None:
-    """Cancel what is queued and kill the workers now (a failed run does not wait for them)."""
+def stop_workers(pool, procs: dict, timeout: float = 10.0) -> None:
+    """Cancel what is queued and kill the workers now (a failed run does not wait for them), then
+    wait for the executor's management thread to finish.
+
+    Why the wait: ``shutdown(wait=False)`` leaves that thread running while it takes the broken
+    pool apart. At interpreter exit ``concurrent.futures.process._python_exit`` calls
+    ``_ThreadWakeup.wakeup()`` for every such thread; ``wakeup`` checks ``_closed`` and then writes
+    to the pipe that the finishing thread closes, so a thread still running at exit can make the
+    run print ``OSError: [Errno 9] Bad file descriptor`` under its one-line error (CPython 3.11
+    ``Lib/concurrent/futures/process.py``, ``_ThreadWakeup`` and ``_python_exit``). Once the thread
+    has ended, its wakeup is closed and ``_python_exit`` writes nothing.
+    """
+    manager = pool._executor_manager_thread  # shutdown() drops the reference
     pool.shutdown(wait=False, cancel_futures=True)
     for p in procs.values():
         if p.is_alive():
             p.kill()
     for p in procs.values():
-        p.join(timeout=10)
+        p.join(timeout=timeout)
+    if manager is not None:
+        manager.join(timeout=timeout)
