@@ -136,7 +136,10 @@ def pytest_runtest_protocol(item, nextitem):
     slots = suite_support.CpuSlots()
     f = item.nodeid.split("::")[0]
     asked = time.monotonic()
-    if item.get_closest_marker(suite_support.MARKER) is not None:
+    if item.get_closest_marker(suite_support.LIGHT_MARKER) is not None:  # before a module's multiprocess
+        slots.light = True
+        slots.take_one()
+    elif item.get_closest_marker(suite_support.MARKER) is not None:
         slots.take_all()
     else:
         slots.take_one()

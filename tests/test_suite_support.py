@@ -83,3 +83,28 @@ def test_idle_table_orders_whole_machine_tests_by_idle_core_seconds():
     cores = suite_support.slot_count()
     assert lines[1].split()[-1] == "b.py::short_idle" and float(lines[1].split()[2]) == pytest.approx(15.0 * cores)
     assert lines[2].split()[-1] == "a.py::long_busy" and float(lines[2].split()[2]) == pytest.approx(5.0 * cores)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("light", [False, True])
+def test_a_second_live_process_takes_the_whole_machine_unless_the_test_mostly_waits(tmp_path, light):
+    """LaunchWatch upgrades a one-slot test to the whole machine when it starts a second process while
+    the first still runs; a test marked mostly_waiting keeps its one slot (the other core stays free)."""
+
+    class Running:  # a started process that is still running (no real one: this test holds one slot)
+        def is_alive(self):
+            return True
+
+    slots = suite_support.CpuSlots()
+    slots.folder, slots.total = tmp_path, 2
+    slots.light = light
+    slots.take_one()
+    watch = suite_support.LaunchWatch()
+    watch.begin("tests/x.py::t", slots)
+    watch.process(Running())
+    assert len(slots.held) == 1  # one process: one slot either way
+    watch.process(Running())
+    watch.end()
+    assert slots.whole_machine is not light and len(slots.held) == (1 if light else 2)
+    assert watch.upgraded == ([] if light else ["tests/x.py::t"]) and watch.per_file["tests/x.py"] == 2
+    slots.release()
