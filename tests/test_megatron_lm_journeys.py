@@ -565,10 +565,12 @@ def _relative(got: list, ref: list) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
 
 
-@pytest.mark.timeout(900)
-@pytest.mark.multiprocess
-def test_training_journeys_layouts_traces_and_evaluate(corpus, tmp_path):
-    # one process of its own (not a daemon: checkpoint saves start a writer process)
+@pytest.fixture(scope="module")
+def one_process(corpus, tmp_path_factory):
+    """The one-process journeys, in a process of their own (not a daemon: checkpoint saves start a writer
+    process). Computed by the first test that asks, the one-core test below: the two-process test reuses
+    its results and holds the whole machine only for its own launch."""
+    root = tmp_path_factory.mktemp("journeys")
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
@@ -578,15 +580,20 @@ def test_training_journeys_layouts_traces_and_evaluate(corpus, tmp_path):
     for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         env.pop(k, None)
     proc = subprocess.run(
-        [sys.executable, __file__, json.dumps([corpus, str(tmp_path)])],
-        cwd=str(tmp_path),
+        [sys.executable, __file__, json.dumps([corpus, str(root)])],
+        cwd=str(root),
         env=env,
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    one = json.loads((tmp_path / "one_process.json").read_text())
+    return {"root": root, **json.loads((root / "one_process.json").read_text())}
+
+
+@pytest.mark.timeout(900)
+def test_training_journeys_of_one_process_traces_and_evaluate(one_process):
+    one = one_process
     # the bundled optimizer's default: one process, duplicated == blockwise (the same update)
     assert one["muon"]["duplicated"] == one["muon"]["blockwise"]
     # smoke run: the warm-up note, exit at the interval with status 0 and a checkpoint
@@ -614,7 +621,12 @@ def test_training_journeys_layouts_traces_and_evaluate(corpus, tmp_path):
     assert one["pieces"] > 3
     assert _relative(one["packed_nll"], one["reference_nll"]) < 1e-5, (one["packed_nll"], one["reference_nll"])
 
-    two = run_distributed(_two_processes, 2, str(tmp_path / "run"), _heldout(corpus), timeout=600)
+
+@pytest.mark.timeout(900)
+@pytest.mark.multiprocess
+def test_training_journeys_at_tp2_equal_one_process(one_process, corpus):
+    one = one_process
+    two = run_distributed(_two_processes, 2, str(one["root"] / "run"), _heldout(corpus), timeout=600)
     got = two[0]
     assert two[0]["muon"] == two[1]["muon"]
     ref = one["muon"]["duplicated"]

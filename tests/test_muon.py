@@ -447,15 +447,28 @@ def _relative(got: list, ref: list) -> float:
     return max(abs(a - b) / abs(b) for a, b in zip(got, ref))
 
 
+@pytest.fixture(scope="module")
+def references() -> dict:
+    """The one-process runs, made by the first test that asks (the one-core test below), so that the
+    layouts' test holds the whole machine for its own launch only."""
+    return run_distributed(_references, 1, timeout=300)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_one_process_references_train(references):
+    assert references["lol"][0] != references["lol"][-1]
+    assert all(references[name][0] != references[name][-1] for name in REFERENCES), references
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.multiprocess
-def test_layouts_equal_one_process():
-    ref = run_distributed(_references, 1, timeout=300)[0]
+def test_layouts_equal_one_process(references):
+    ref = references
     results = run_distributed(_layouts, 2, timeout=800)
     assert results[0] == results[1]  # every rank reports the same (global) losses
     got = results[0]
-    assert ref["lol"][0] != ref["lol"][-1]
     assert _relative(got["tp2_duplicated_medium"], ref["lol_medium"]) < 1e-4
     for name in (
         "tp2_duplicated",
@@ -485,15 +498,25 @@ def corpus(tmp_path_factory):
 MUON_ARGS = ("--optimizer", "muon", "--set", "optimizer.muon_fp32_matmul_prec=highest")
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-@pytest.mark.multiprocess
-def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
-    from test_checkpointing import TRAIN_ITERS, assert_same_losses, kill9, launch, metrics, run, tracker, wait_for
+@pytest.fixture(scope="module")
+def muon_reference(corpus):
+    """An uninterrupted one-process Muon run with its checkpoints, made by the first test that asks (the
+    one-core kill test below), so that the TP=2 reshard holds the whole machine for its own launch only."""
+    from test_checkpointing import run
 
     root, config = corpus
     ref_save, ref_log = root / "ref", root / "ref.log"
     assert run(config, ref_save, *MUON_ARGS, log=ref_log) == 0, ref_log.read_text()[-3000:]
+    return ref_save, ref_log
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_kill9_resume_with_muon_state_is_bit_exact(corpus, muon_reference):
+    from test_checkpointing import TRAIN_ITERS, assert_same_losses, kill9, launch, metrics, run, tracker, wait_for
+
+    root, config = corpus
+    ref_save, ref_log = muon_reference
     assert "megatron-core Muon" in ref_log.read_text()
     ref = metrics(ref_save)
     assert sorted(ref) == list(range(1, TRAIN_ITERS + 1))
@@ -510,7 +533,18 @@ def test_kill9_resume_with_muon_state_is_bit_exact_and_reshards(corpus):
     assert run(config, save, *MUON_ARGS, log=log) == 0, log.read_text()[-3000:]
     assert "optimizer loaded" in log.read_text()
     assert_same_losses(metrics(save), ref, range(1, TRAIN_ITERS + 1))
-    # the 1-process checkpoint of 4 resumed at TP=2 (duplicated Newton-Schulz = the 1-process update)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.multiprocess
+def test_muon_checkpoint_of_one_process_resumes_at_tp2(corpus, muon_reference):
+    """The 1-process checkpoint of 4 resumed at TP=2 (duplicated Newton-Schulz = the 1-process update)."""
+    from test_checkpointing import TRAIN_ITERS, metrics, run
+
+    root, config = corpus
+    ref_save, _ = muon_reference
+    ref = metrics(ref_save)
     save, log = root / "to_tp2", root / "to_tp2.log"
     save.mkdir()
     shutil.copytree(ref_save / "iter_0000004", save / "iter_0000004")

@@ -1,7 +1,8 @@
 """LoL training under parallel layouts equals one process.
 
-One single-process launch gives the reference; one 2-process launch runs every
-2-rank layout in turn (the Trainer re-initialises megatron's parallel state).
+One single-process launch gives the reference (a module fixture, made on one
+core); one 2-process launch runs every 2-rank layout in turn (the Trainer
+re-initialises megatron's parallel state).
 Each layout trains 3 steps from the same seed on the same data; losses and
 gradient norms must agree to 1e-5 relative, and the balancing bias must be
 identical on every rank.
@@ -12,8 +13,6 @@ from __future__ import annotations
 import pytest
 import torch
 from distributed import run_distributed
-
-pytestmark = pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
 
 VOCAB = 96
 SEQ = 64
@@ -134,12 +133,25 @@ def _reference() -> dict:
     return _train({})
 
 
+@pytest.fixture(scope="module")
+def reference() -> dict:
+    """The one-process run, made by the first test that asks (the one-core test below), so that the
+    layouts' test holds the whole machine for its own launches only."""
+    return run_distributed(_reference, 1, timeout=300)[0]
+
+
 @pytest.mark.slow
-def test_layouts_match_single_process():
-    ref = run_distributed(_reference, 1, timeout=300)[0]
-    results = run_distributed(_all_layouts_2, 2, timeout=900) + run_distributed(_all_layouts_4, 4, timeout=900)
+def test_one_process_reference_trains_every_block(reference):
+    ref = reference
     assert all(l > 0 for l in ref["loss"]) and ref["loss"][0] != ref["loss"][-1]
     assert ref["local_blocks"] == [0, 1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess  # gloo ranks: the whole machine (tests/suite_support.py)
+def test_layouts_match_single_process(reference):
+    ref = reference
+    results = run_distributed(_all_layouts_2, 2, timeout=900) + run_distributed(_all_layouts_4, 4, timeout=900)
     for rank, rank_result in enumerate(results[:2]):
         # EP=2: each rank holds exactly its half of the library
         assert rank_result["ep2"]["local_blocks"] == [2 * rank, 2 * rank + 1]
