@@ -290,6 +290,7 @@ def test_corrupt_shard_of_one_rank_stops_every_rank_naming_file_and_rank(corpus,
 
 # ------------------------------------------------------------------ 2. one rank stalls, in training
 @TIMEOUT
+@pytest.mark.mostly_waiting  # three ranks wait out the timeout: 56 % busy while it held both cores
 def test_sigstop_of_one_rank_of_a_tp2_dp2_run_ends_every_rank_within_the_heartbeat_timeout(corpus, tmp_path):
     """The same in training at TP=2 x DP=2 (four ranks): rank 2 stops inside a step; rank 3 (its watcher) and
     ranks 0 and 1 (told through the store) all exit with status 5 after the heartbeat timeout (plus a period
