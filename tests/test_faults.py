@@ -326,6 +326,46 @@ def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path, whe
     assert os.listdir(out) == []  # temporary files removed
 
 
+_FORKED_BEFORE_INIT_SCRIPT = """
+import os, signal, sys, time
+from megatron_lol.data import workers
+
+workers.raise_on_sigterm()
+ready_r, ready_w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a tokenizer worker between fork and its initializer: the parent's handler still set
+    os.write(ready_w, b"x")
+    time.sleep(30)
+    os._exit(0)
+os.read(ready_r, 1)
+os.kill(pid, signal.SIGTERM)  # what the executor does to the workers of a broken pool
+_, status = os.waitpid(pid, 0)
+print(os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM)
+try:
+    os.kill(os.getpid(), signal.SIGTERM)  # in the main process the handler still unwinds the run
+    time.sleep(5)
+except workers.Terminated:
+    print("terminated")
+"""
+
+
+@pytest.mark.timeout(60)
+def test_sigterm_in_a_forked_worker_before_its_initializer_ends_it_quietly():
+    """preprocess's SIGTERM handler raises Terminated only in the process that installed it; a forked
+    worker that gets the executor's SIGTERM before its initializer resets the handler dies of the
+    signal, with no traceback under the run's one-line error (seen with a worker killed as it starts)."""
+    out = subprocess.run(
+        [sys.executable, "-c", _FORKED_BEFORE_INIT_SCRIPT],
+        cwd=str(REPO),
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=45,
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    assert out.stdout.split() == ["True", "terminated"], out.stdout
+
+
 _STOP_WORKERS_SCRIPT = """
 import os, signal, sys, time, multiprocessing as mp
 from concurrent.futures import ProcessPoolExecutor

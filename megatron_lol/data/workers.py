@@ -25,10 +25,24 @@ class Terminated(BaseException):
 
 def raise_on_sigterm():
     """Make SIGTERM (Slurm's scancel, a timeout) raise :class:`Terminated` in the main thread;
-    returns the previous handler (None when called outside the main thread: nothing changed)."""
+    returns the previous handler (None when called outside the main thread: nothing changed).
+
+    A forked tokenizer worker inherits the handler until its initializer resets it. When the pool
+    breaks, the executor SIGTERMs the workers, some of them still in that window (a worker killed as
+    the pool starts): raising there would print a traceback from the worker under the run's one-line
+    error. So in any process but the one that installed it, the handler ends the process as
+    SIGTERM's default action does.
+    """
+    import os
     import threading
 
+    owner = os.getpid()
+
     def handler(signum, frame):
+        if os.getpid() != owner:  # a forked child before its own handlers: die of the signal, quietly
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
         raise Terminated("stopped by SIGTERM")
 
     if threading.current_thread() is not threading.main_thread():
