@@ -326,6 +326,15 @@ def test_killed_preprocess_worker_fails_the_run_instead_of_hanging(tmp_path, whe
     assert os.listdir(out) == []  # temporary files removed
 
 
+def _python_quietly(script: str) -> str:
+    """stdout of ``python -c script``, which must exit 0 and print nothing on stderr (no traceback)."""
+    out = subprocess.run(
+        [sys.executable, "-c", script], cwd=str(REPO), env=subprocess_env(), capture_output=True, text=True, timeout=45
+    )
+    assert out.returncode == 0 and out.stderr == "", out.stderr
+    return out.stdout
+
+
 _FORKED_BEFORE_INIT_SCRIPT = """
 import os, signal, sys, time
 from megatron_lol.data import workers
@@ -354,16 +363,8 @@ def test_sigterm_in_a_forked_worker_before_its_initializer_ends_it_quietly():
     """preprocess's SIGTERM handler raises Terminated only in the process that installed it; a forked
     worker that gets the executor's SIGTERM before its initializer resets the handler dies of the
     signal, with no traceback under the run's one-line error (seen with a worker killed as it starts)."""
-    out = subprocess.run(
-        [sys.executable, "-c", _FORKED_BEFORE_INIT_SCRIPT],
-        cwd=str(REPO),
-        env=subprocess_env(),
-        capture_output=True,
-        text=True,
-        timeout=45,
-    )
-    assert out.returncode == 0 and out.stderr == "", out.stderr
-    assert out.stdout.split() == ["True", "terminated"], out.stdout
+    out = _python_quietly(_FORKED_BEFORE_INIT_SCRIPT)
+    assert out.split() == ["True", "terminated"], out
 
 
 _STOP_WORKERS_SCRIPT = """
@@ -389,16 +390,8 @@ def test_stopping_a_broken_worker_pool_ends_its_management_thread_before_exit():
     races concurrent.futures' exit hook (`_ThreadWakeup.wakeup` writes to a pipe the thread closes) and
     adds "OSError: [Errno 9] Bad file descriptor" under preprocess's one-line error."""
     for _ in range(3):
-        out = subprocess.run(
-            [sys.executable, "-c", _STOP_WORKERS_SCRIPT],
-            cwd=str(REPO),
-            env=subprocess_env(),
-            capture_output=True,
-            text=True,
-            timeout=45,
-        )
-        assert out.returncode == 0 and out.stderr == "", out.stderr
-        assert out.stdout.split("\n")[0] == "False [False, False]", out.stdout  # thread ended, workers gone
+        out = _python_quietly(_STOP_WORKERS_SCRIPT)
+        assert out.split("\n")[0] == "False [False, False]", out  # thread ended, workers gone
 
 
 # ------------------------------------------------------------------ 5. convert-hf over the checkpoint
