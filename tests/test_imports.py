@@ -24,9 +24,10 @@ PKG = Path(__file__).resolve().parents[1] / "megatron_lol"
 
 # bottom to top; a unit may import units of its own layer or of the layers below
 LAYERS = (
+    # megatron_import: run by the package's __init__ before anything imports megatron-core
     # convert.hf_modeling: the HF remote code, shipped with every export, imports torch only; the
     # megatron-core side calls its per-pass parts (parts_lol) so both compute them one way
-    ("errors", "checks", "log", "process_guard", "progress", "convert.hf_modeling"),
+    ("errors", "checks", "log", "process_guard", "progress", "megatron_import", "convert.hf_modeling"),
     ("plan", "platform"),
     ("backends", "parallel", "data"),
     ("config",),
