@@ -477,6 +477,36 @@ def test_kill9_of_the_trainer_leaves_no_orphans(corpus, tmp_path):
     assert not [p for p in alive if _running(p)]
 
 
+_WRITER_MANAGER_SCRIPT = """
+import json, os, signal, time
+if __name__ == "__main__":
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from megatron_lol.training.checkpointing import writer_manager
+    writer_manager.prepare_writer_processes()
+    pid = writer_manager._WRITER_MANAGER._process.pid
+    with open(f"/proc/{pid}/maps") as maps:
+        torch_mapped = "libtorch" in maps.read()
+    os.kill(pid, signal.SIGUSR1)  # what Slurm sends every process of a step before its time limit
+    os.kill(pid, signal.SIGTERM)
+    time.sleep(0.5)
+    filesystem_async._results_queue.put("result")
+    print(json.dumps({"torch_mapped": torch_mapped, "queue": filesystem_async._results_queue.get(timeout=30)}))
+"""
+
+
+@TIMEOUT
+def test_the_checkpoint_writer_manager_starts_without_torch_and_outlives_preemption_signals(tmp_path):
+    """The Manager is a spawned interpreter that imports only its initializer's module: were that
+    the checkpointer (torch, megatron-core), every training process would wait ~2 s for it."""
+    script = tmp_path / "writer_manager.py"  # a file: spawn re-imports the main module by path
+    script.write_text(_WRITER_MANAGER_SCRIPT)
+    res = subprocess.run(
+        [sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True, timeout=120
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"torch_mapped": False, "queue": "result"}
+
+
 def _running(proc) -> bool:
     """Alive and not a zombie (a dead orphan waits for a PID 1 that may never reap it)."""
     import psutil

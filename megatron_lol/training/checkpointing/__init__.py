@@ -91,7 +91,8 @@ records of ``metrics.jsonl`` after its checkpoint's step (they are logged again)
 # each name of the interface, by the submodule that defines it; imported on first use, so that the
 # file-level checks (:mod:`.files`, :mod:`.resolve`: what ``train --dry-run`` reads) do not import torch
 _SOURCES = {
-    "checkpointer": ("CheckpointHook", "Checkpointer", "agree", "prepare_writer_processes"),
+    "checkpointer": ("CheckpointHook", "Checkpointer", "agree"),
+    "writer_manager": ("prepare_writer_processes",),
     "files": (
         "MANIFEST",
         "RUN_CONFIG",

@@ -72,10 +72,9 @@ from megatron_lol.training.checkpointing.state import (
     world_size,
     write_run_config,
 )
+from megatron_lol.training.checkpointing.writer_manager import prepare_writer_processes
 from megatron_lol.training.hooks import NO_FAULTS, FaultHooks, Hook, Stop
 from megatron_lol.training.optimizer import optimizer_state_kind
-
-_WRITER_MANAGER = None
 
 
 def agree(problem: Optional[str]) -> None:
@@ -84,43 +83,6 @@ def agree(problem: Optional[str]) -> None:
     first = next((p for p in problems if p), None)
     if first is not None:
         raise CheckpointError(first)
-
-
-def _writer_manager_init(parent_pid: int) -> None:
-    from megatron_lol.process_guard import die_with_parent
-    from megatron_lol.training import signals
-
-    signals.ignore_preemption_signals()
-    die_with_parent(parent_pid)
-
-
-def prepare_writer_processes() -> None:
-    """Start megatron's checkpoint-writer results queue ourselves: signal-proof, and dying with us.
-
-    ``filesystem_async`` keeps one ``multiprocessing`` Manager (spawn context)
-    per process for the results of its writer processes. Slurm signals every
-    process of a job step, so that Manager would die of the very SIGUSR1/SIGTERM
-    whose save needs it ("Connection refused" in the middle of the save). Ours
-    ignores those signals (the training process still receives and handles them)
-    and is killed by the kernel when the training process dies, like the writer
-    processes megatron forks (:mod:`megatron_lol.process_guard`): a ``kill -9``
-    of the trainer leaves no orphans.
-    """
-    global _WRITER_MANAGER
-    import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
-
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from megatron_lol.process_guard import guard_forked_children
-
-    guard_forked_children()
-    if getattr(filesystem_async, "_results_queue", None) is not None:
-        return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
-    manager.start(initializer=_writer_manager_init, initargs=(os.getpid(),))
-    filesystem_async._results_queue = manager.Queue()
-    _WRITER_MANAGER = manager
 
 
 @dataclass
