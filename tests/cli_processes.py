@@ -1,7 +1,7 @@
 """Start ``python SCRIPT ARGS`` / ``python -m megatron_lol ARGS`` processes without paying the imports.
 
 The fault, checkpoint and cluster tests start the CLI as an operator (or ``srun``) would, one real
-process per run or rank, and then kill, stop or signal it. A new interpreter spends ~6 s of CPU on
+process per run or rank, and then kill, stop or signal it. A new interpreter spends ~4 s of CPU on
 ``import megatron.core`` before it reads its first argument, so those tests were mostly start-up.
 :func:`start` forks each process from the forkserver of :mod:`distributed` (one clean interpreter
 per test process that has imported torch and megatron-core once, never touched a process group,

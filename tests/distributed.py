@@ -19,7 +19,7 @@ calling ``fn(*args, **kwargs)``. ``run_distributed`` returns the list of
 per-rank return values, or raises :class:`DistributedTestError` carrying the
 failing rank's traceback (the first rank to fail), or ``TimeoutError``.
 
-Cost: each launch pays ~6 s for ``import megatron.core`` in every process, so
+Cost: each launch pays ~4 s of CPU for ``import megatron.core`` in every process, so
 one launch should run many checks. Inside one launch, switch between parallel
 layouts with :func:`model_parallel`, which tears down and re-initialises
 megatron's ``parallel_state`` (and re-seeds the RNG tracker) for each layout::
@@ -34,7 +34,7 @@ megatron's ``parallel_state`` (and re-seeds the RNG tracker) for each layout::
 Ranks start from a ``forkserver`` that has imported torch and megatron-core
 once (:data:`PRELOAD`): a rank is a fresh process forked from that clean
 interpreter (no process group, no parallel state, never this test process), so it
-costs milliseconds instead of the ~6 s of CPU that ``import megatron.core`` takes
+costs milliseconds instead of the ~4 s of CPU that ``import megatron.core`` takes
 in a new interpreter. Each rank gets this process's environment as it is at the
 call (as ``spawn`` would give it). The function and its module must be importable by
 name in the rank (``sys.path`` is inherited): test modules under ``tests/`` work
