@@ -54,8 +54,10 @@ from typing import Any, Callable, Iterator
 
 __all__ = ["run_distributed", "model_parallel", "DistributedTestError", "free_port", "rank_context"]
 
-#: what the forkserver imports before it forks a rank: the start-up cost every rank would pay
+#: what the forkserver imports before it forks a rank: the start-up cost every rank would pay;
+#: the package first, so that megatron-core imports as in its processes (megatron_lol/megatron_import.py)
 PRELOAD = [
+    "megatron_lol",
     "torch",
     "megatron.core",
     "megatron.core.models.gpt",

@@ -78,3 +78,15 @@ def test_with_cuda_the_jit_fuser_stays_torch_compile_and_an_imported_wandb_is_le
     assert report["jit_fuser"] == "torch.compile"
     assert report["timers_wandb"] == "wandb"
     assert report["finder_left"] is False
+
+
+def _jit_fuser_name() -> str:
+    import megatron.core.jit
+
+    return megatron.core.jit.jit_fuser.__name__
+
+
+def test_ranks_the_tests_fork_import_megatron_core_as_the_package_does():
+    from distributed import run_distributed
+
+    assert run_distributed(_jit_fuser_name, 1) == ["noop_decorator"]
