@@ -357,27 +357,43 @@ def test_nonfinite_weights_are_never_saved(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def _killed_after_the_checkpoint_of_4(config, save, log, layout, nproc):
+    """Train on ``nproc`` processes until the checkpoint of iteration 4 exists, then kill -9 (the save of
+    iteration 8 pauses, so the run cannot race past it)."""
+    proc = launch(config, save, *layout, log=log, nproc=nproc, faults=["pause=8:120"])
+    wait_for(
+        lambda: tracker(save) == 4 and "pausing" in log.read_text(),
+        proc,
+        what=f"the checkpoint of iteration 4 at {' '.join(layout)}",
+    )
+    kill9(proc)
+    return save, log
+
+
+@pytest.fixture(scope="module")
+def multi_process_saves(setup):
+    """Checkpoints of iteration 4 saved at TP=2 and at TP=2 x PP=2, made by the whole-machine reshard test
+    below; the one-core test after it resumes them on one process."""
+    root, config = setup
+    tp2 = ["--tensor-model-parallel-size", "2"]
+    return {
+        "tp2": _killed_after_the_checkpoint_of_4(config, root / "tp2_to_1", root / "tp2_to_1.log", tp2, 2),
+        "tp2pp2": _killed_after_the_checkpoint_of_4(
+            config, root / "tp2pp2_to_1", root / "tp2pp2_to_1.log", [*tp2, "--pipeline-model-parallel-size", "2"], 4
+        ),
+    }
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
-    """Save at TP=2 and at TP=2 x PP=2 and resume on 1 process; save on 1 process and resume
-    at PP=2: losses continue within 1e-5 of the uninterrupted 1-process run."""
+def test_reshard_one_process_to_pp2_and_save_at_tp2_and_tp2_pp2(setup, reference, multi_process_saves):
+    """Save on 1 process and resume at PP=2: losses continue within 1e-5 of the uninterrupted 1-process
+    run. The fixture saves at TP=2 and at TP=2 x PP=2 for the one-process resumes of the next test."""
     import shutil
 
     root, config = setup
-    # TP=2 -> 1: train at TP=2 until the checkpoint of iteration 4 exists, stop, resume on 1 process
-    save, log = root / "tp2_to_1", root / "tp2_to_1.log"
-    # (the save of iteration 8 pauses, so the run cannot race past the checkpoint of 4)
-    proc = launch(config, save, "--tensor-model-parallel-size", "2", log=log, nproc=2, faults=["pause=8:120"])
-    wait_for(
-        lambda: tracker(save) == 4 and "pausing" in log.read_text(), proc, what="the TP=2 checkpoint of iteration 4"
-    )
-    kill9(proc)
-    assert run(config, save, log=log) == 0, log.read_text()[-3000:]
-    assert "parallel layout changed" in log.read_text()
-    got = metrics(save)
-    for s in range(1, TRAIN_ITERS + 1):
-        assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
+    for save, _ in multi_process_saves.values():
+        assert tracker(save) == 4
     # 1 -> PP=2: the reference's (1-process) checkpoint of iteration 4, resumed with 2 pipeline stages
     save, log = root / "one_to_pp2", root / "one_to_pp2.log"
     save.mkdir()
@@ -388,27 +404,18 @@ def test_reshard_tp2_to_one_process_and_one_to_pp2(setup, reference):
     assert sorted(got) == list(range(5, TRAIN_ITERS + 1))
     for s in got:
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
-    # TP=2 x PP=2 (4 processes) -> 1
-    save, log = root / "tp2pp2_to_1", root / "tp2pp2_to_1.log"
-    proc = launch(
-        config,
-        save,
-        "--tensor-model-parallel-size",
-        "2",
-        "--pipeline-model-parallel-size",
-        "2",
-        log=log,
-        nproc=4,
-        faults=["pause=8:120"],
-    )
-    wait_for(
-        lambda: tracker(save) == 4 and "pausing" in log.read_text(),
-        proc,
-        what="the TP=2 x PP=2 checkpoint of iteration 4",
-    )
-    kill9(proc)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["tp2", "tp2pp2"])
+def test_checkpoint_saved_at_tp2_or_tp2_pp2_resumes_on_one_process(setup, reference, multi_process_saves, layout):
+    """The TP=2 and TP=2 x PP=2 checkpoints of iteration 4 (the fixture's killed runs) resume on 1 process:
+    losses continue within 1e-5 of the uninterrupted 1-process run, optimizer state included."""
+    root, config = setup
+    save, log = multi_process_saves[layout]
     assert run(config, save, log=log) == 0, log.read_text()[-3000:]
-    assert "optimizer loaded" in log.read_text().split("pausing")[-1]
+    resumed = log.read_text().split("pausing")[-1]
+    assert "parallel layout changed" in resumed and "optimizer loaded" in resumed
     got = metrics(save)
     for s in range(1, TRAIN_ITERS + 1):
         assert abs(got[s]["loss"] - reference[s]["loss"]) < 1e-5, (s, got[s]["loss"], reference[s]["loss"])
