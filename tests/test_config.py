@@ -233,3 +233,41 @@ def test_cli_stops_before_any_work(tmp_path):
         timeout=120,
     )
     assert proc.returncode == 2 and "training.micro_batch_size (--micro-batch-size): must be > 0 (got 0)" in proc.stderr
+
+
+# ------------------------------------------------------------------ validation without torch
+def test_a_cpu_build_of_torch_is_recognised_by_its_libraries(tmp_path):
+    import torch
+
+    from megatron_lol.config.target import installed_torch_lacks_gpu_libraries
+
+    lib = tmp_path / "torch" / "lib"
+    lib.mkdir(parents=True)
+    assert not installed_torch_lacks_gpu_libraries(tmp_path / "torch")  # no libtorch_cpu: not a torch, ask torch
+    (lib / "libtorch_cpu.so").write_bytes(b"")
+    assert installed_torch_lacks_gpu_libraries(tmp_path / "torch")
+    for gpu_library in ("libc10_cuda.so", "libtorch_hip.so"):
+        (lib / gpu_library).write_bytes(b"")
+        assert not installed_torch_lacks_gpu_libraries(tmp_path / "torch"), gpu_library
+        (lib / gpu_library).unlink()
+    # the installed build: a CPU wheel exactly when torch itself says it has neither CUDA nor ROCm
+    assert installed_torch_lacks_gpu_libraries() == (torch.version.cuda is None and torch.version.hip is None)
+
+
+def test_validating_a_config_imports_torch_only_when_the_build_could_have_a_gpu():
+    """``params_dtype: auto`` and the layer spec ask whether CUDA is present; with a CPU build of torch
+    the answer needs no ``import torch`` (``train --dry-run`` and submit_pipeline.sh's checks)."""
+    code = (
+        "import sys; from megatron_lol.config import load_config; "
+        "from megatron_lol.config.target import installed_torch_lacks_gpu_libraries as cpu_build; "
+        "cfg = load_config('examples/configs/tiny-cpu.yaml', check_data=False); "
+        "print(cfg.model.precision.params_dtype, cfg.model.precision.uses_transformer_engine(), "
+        "'torch' in sys.modules, cpu_build())"
+    )
+    res = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr[-2000:]
+    dtype, te, torch_imported, cpu_build = res.stdout.split()
+    if cpu_build == "True":
+        assert (dtype, te, torch_imported) == ("fp32", "False", "False")
+    else:
+        assert torch_imported == "True"

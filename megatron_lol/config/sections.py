@@ -144,6 +144,10 @@ class PrecisionConfig:
         """The layer spec: ``transformer_engine``, or (unset) whether TE imports with CUDA."""
         if self.transformer_engine is not None:
             return bool(self.transformer_engine)
+        from megatron_lol.config.target import machine_has_cuda
+
+        if not machine_has_cuda():
+            return False  # as has_transformer_engine() answers without CUDA, and without importing torch
         from megatron_lol.platform import has_transformer_engine
 
         return has_transformer_engine()
