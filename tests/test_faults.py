@@ -478,33 +478,57 @@ def test_kill9_of_the_trainer_leaves_no_orphans(corpus, tmp_path):
 
 
 _WRITER_MANAGER_SCRIPT = """
-import json, os, signal, time
+import json, os, queue, signal, time
 if __name__ == "__main__":
+    import torch
     from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.storage import WriteResult
     from megatron_lol.training.checkpointing import writer_manager
     writer_manager.prepare_writer_processes()
+    results = filesystem_async._results_queue
     pid = writer_manager._WRITER_MANAGER._process.pid
-    with open(f"/proc/{pid}/maps") as maps:
-        torch_mapped = "libtorch" in maps.read()
     os.kill(pid, signal.SIGUSR1)  # what Slurm sends every process of a step before its time limit
     os.kill(pid, signal.SIGTERM)
     time.sleep(0.5)
-    filesystem_async._results_queue.put("result")
-    print(json.dumps({"torch_mapped": torch_mapped, "queue": filesystem_async._results_queue.get(timeout=30)}))
+    # what a save's writers put: torch.distributed.checkpoint results, or an exception
+    written = {0: [WriteResult(MetadataIndex("w", (0,)), 8, None)], 1: []}
+    results.put(written)
+    results.put(RuntimeError("disk full"))
+    got = [results.get_nowait(), results.get_nowait()]
+    try:
+        results.get_nowait()
+        empty = False
+    except queue.Empty:
+        empty = True
+    with open(f"/proc/{pid}/maps") as maps:
+        torch_mapped = "libtorch" in maps.read()
+    print(json.dumps({
+        "torch_mapped": torch_mapped,
+        "results": got[0] == written,
+        "error": repr(got[1]),
+        "empty_raises_queue_empty": empty,
+    }))
 """
 
 
 @TIMEOUT
-def test_the_checkpoint_writer_manager_starts_without_torch_and_outlives_preemption_signals(tmp_path):
-    """The Manager is a spawned interpreter that imports only its initializer's module: were that
-    the checkpointer (torch, megatron-core), every training process would wait ~2 s for it."""
+def test_the_checkpoint_writer_manager_never_imports_torch_and_outlives_preemption_signals(tmp_path):
+    """The Manager is a spawned interpreter: it imports only its initializer's module, and its queue holds
+    pickled bytes. Were either torch's (the checkpointer module; unpickling the write results), every
+    training process that saves would spend ~2 s of CPU on it."""
     script = tmp_path / "writer_manager.py"  # a file: spawn re-imports the main module by path
     script.write_text(_WRITER_MANAGER_SCRIPT)
     res = subprocess.run(
         [sys.executable, str(script)], env=subprocess_env(), capture_output=True, text=True, timeout=120
     )
     assert res.returncode == 0, res.stderr[-3000:]
-    assert json.loads(res.stdout.strip().splitlines()[-1]) == {"torch_mapped": False, "queue": "result"}
+    assert json.loads(res.stdout.strip().splitlines()[-1]) == {
+        "torch_mapped": False,
+        "results": True,
+        "error": "RuntimeError('disk full')",
+        "empty_raises_queue_empty": True,
+    }
 
 
 def _running(proc) -> bool:

@@ -1,17 +1,55 @@
 """The results queue of megatron's checkpoint-writer processes, started by this package.
 
-This module imports nothing heavy at module level on purpose: the Manager runs
-in a *spawned* interpreter, which imports the module of its initializer before
-it serves. Were that :mod:`.checkpointer` (torch, torch.distributed.checkpoint,
-megatron-core), each training process would wait about 2 s of CPU at start-up
-for a server that only passes results along.
+megatron-core's ``filesystem_async`` hands the write results of every save
+(``torch.distributed.checkpoint`` objects, or the writer's exception) through one
+``multiprocessing`` Manager queue per process. The Manager is a *spawned*
+interpreter, and two things would make it import torch (about 2 s of CPU, paid
+by every training process that saves):
+
+* a spawned process imports the module of its initializer before it serves:
+  this module imports nothing heavy at module level;
+* a Manager queue unpickles each item in the server: the queue here carries
+  items as pickled bytes (:class:`PickledQueueProxy`), pickled and unpickled
+  by the training process and its forked writers, which have torch anyway.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
+import queue
+from multiprocessing.managers import BaseManager, BaseProxy
 
 _WRITER_MANAGER = None
+
+
+class PickledQueueProxy(BaseProxy):
+    """A proxy of a ``queue.Queue`` in a Manager whose items cross to the server as pickled bytes.
+
+    It offers what ``filesystem_async`` calls (``put``, ``get_nowait``) and ``get``;
+    ``queue.Empty`` from the server is raised here as it is.
+    """
+
+    _exposed_ = ("put", "get", "get_nowait", "qsize")
+
+    def put(self, item, block: bool = True, timeout=None) -> None:
+        self._callmethod("put", (pickle.dumps(item), block, timeout))
+
+    def get(self, block: bool = True, timeout=None):
+        return pickle.loads(self._callmethod("get", (block, timeout)))
+
+    def get_nowait(self):
+        return pickle.loads(self._callmethod("get_nowait"))
+
+    def qsize(self) -> int:
+        return self._callmethod("qsize")
+
+
+class WriterResultsManager(BaseManager):
+    """A Manager that serves only the results queue."""
+
+
+WriterResultsManager.register("Queue", queue.Queue, proxytype=PickledQueueProxy)
 
 
 def _writer_manager_init(parent_pid: int) -> None:
@@ -36,7 +74,6 @@ def prepare_writer_processes() -> None:
     """
     global _WRITER_MANAGER
     import multiprocessing as mp
-    from multiprocessing.managers import SyncManager
 
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -45,7 +82,7 @@ def prepare_writer_processes() -> None:
     guard_forked_children()
     if getattr(filesystem_async, "_results_queue", None) is not None:
         return
-    manager = SyncManager(ctx=mp.get_context("spawn"))
+    manager = WriterResultsManager(ctx=mp.get_context("spawn"))
     manager.start(initializer=_writer_manager_init, initargs=(os.getpid(),))
     filesystem_async._results_queue = manager.Queue()
     _WRITER_MANAGER = manager
