@@ -60,8 +60,10 @@ def test_a_whole_machine_wait_counts_the_seconds_its_held_cores_idle(tmp_path):
     waiting = suite_support.CpuSlots()
     waiting.folder, waiting.total = tmp_path, 2
     # slot 0 is busy first: nothing is held while waiting for it, so nothing idles
-    threading.Timer(0.3, busy.release).start()
+    releaser = threading.Timer(0.3, busy.release)
+    releaser.start()
     waiting.take_all()
+    releaser.join()  # release() unlocks before it empties busy.held: take_all can return in between
     assert waiting.whole_machine and waiting.stalled < 0.1, waiting.stalled
     waiting.release()
     # slot 1 busy: take_all holds slot 0 idle until it is free
